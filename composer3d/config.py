@@ -1,0 +1,251 @@
+"""Typed configuration schema (the public interface) and its validation.
+
+Every key a user may type on the command line is a field here. The dataclasses are registered in Hydra's
+ConfigStore so overrides are type-checked by OmegaConf, and ``validate`` checks the combinations that types
+cannot express. Validation runs before any process group exists, on every rank alike, so a bad layout fails
+fast with one message instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from composer3d.models import MODEL_REGISTRY
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and what would."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # registry key: "llama" is the native Llama-3 style decoder
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
+    vocab_size: int = MISSING
+    ffn_hidden_dim: int | None = None  # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | synthetic | text_files
+    paths: list[str] = field(default_factory=list)  # text_files: .txt/.jsonl files, directories or globs
+    text_field: str = "text"  # text_files: the JSON field holding the document text
+    tokenizer: str | None = None  # local directory of a Hugging Face tokenizer; None = byte-level
+    max_tokens: int = 4_000_000  # cap on tokens read from the corpus (0 = no cap)
+    synthetic_sequences: int = 4096  # synthetic: number of distinct random sequences
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 3
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+
+
+@dataclass
+class TrainLoopConfig:
+    steps: int = 100
+    global_batch_size: int = 16  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel rank
+    seq_len: int = 128
+    seed: int = 0
+    deterministic: bool = False
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
+
+
+@dataclass
+class RunConfig:
+    dir: str = MISSING
+    name: str = "composer3d"
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    wandb: bool = False
+    wandb_project: str = "composer3d"
+    tensorboard: bool = False
+    progress_bar: bool = True
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = 1
+    device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+
+
+# ---------------------------------------------------------------------------------------------- validation
+
+DTYPES = ("float32", "bfloat16", "float16")
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw",)
+DATASETS = ("stdlib", "synthetic", "text_files")
+
+
+def _require(ok: bool, key: str, problem: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {problem}. {fix}")
+
+
+def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Degrees with ``dp_shard=-1`` inferred; raises ConfigError naming the key when they cannot multiply to world."""
+    fixed = {"pp": p.pp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp}
+    for key, value in {**fixed, "ep": p.ep}.items():
+        _require(value >= 1, f"parallel.{key}", f"must be >= 1, got {value}", "Use 1 to disable this dimension")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", f"must be >= 1 or -1, got {p.dp_shard}",
+             "Use -1 to take what the world size leaves after the other degrees")
+    others = math.prod(fixed.values())
+    if p.dp_shard == -1:
+        _require(world_size % others == 0, _culprit(fixed, world_size),
+                 f"pp×dp_replicate×cp×tp = {others} does not divide the world size {world_size}",
+                 f"Choose degrees whose product divides {world_size} ({_divisors(world_size)})")
+        dp_shard = world_size // others
+    else:
+        dp_shard = p.dp_shard
+        _require(others * dp_shard == world_size, _culprit({**fixed, "dp_shard": dp_shard}, world_size),
+                 f"pp×dp_replicate×dp_shard×cp×tp = {others * dp_shard} but the world size is {world_size}",
+                 "Make the product equal the world size, or set parallel.dp_shard=-1 to infer it")
+    return {**fixed, "dp_shard": dp_shard, "ep": p.ep}
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _culprit(degrees: dict[str, int], world_size: int) -> str:
+    """The key to blame in a product error: the first degree that alone does not divide the world size."""
+    for key, value in degrees.items():
+        if value > 1 and world_size % value != 0:
+            return f"parallel.{key}"
+    return "parallel"
+
+
+def validate(cfg: Any, world_size: int) -> dict[str, int]:
+    """Check every combination types cannot express; returns the resolved degrees. Raises ConfigError."""
+    _require(world_size >= 1, "launch.nproc_per_node", f"world size must be >= 1, got {world_size}", "Use 1 or more")
+    p, m, t, o = cfg.parallel, cfg.model, cfg.train, cfg.optim
+    degrees = resolve_degrees(p, world_size)
+    tp, pp, dp = degrees["tp"], degrees["pp"], degrees["dp_replicate"] * degrees["dp_shard"]
+
+    _check_model(m)
+    _require(pp == 1, "parallel.pp", f"pipeline parallel (pp={pp}) is not available yet", "Use parallel.pp=1")
+    _require(degrees["cp"] == 1, "parallel.cp", f"context parallel (cp={degrees['cp']}) is not available yet",
+             "Use parallel.cp=1")
+    _require(degrees["ep"] == 1, "parallel.ep", f"expert parallel (ep={degrees['ep']}) needs a mixture-of-experts "
+             "model, and the available models are dense", "Use parallel.ep=1")
+    _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", f"must be 1, 2 or 3, got {p.zero_stage}",
+             "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
+             "1 replicates params and shards only optimizer state")
+    if p.zero_stage == 1:
+        _require(degrees["dp_replicate"] == 1 or degrees["dp_shard"] == 1, "parallel.zero_stage",
+                 "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
+                 f"(dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']})",
+                 "Use zero_stage=2 or 3 for HSDP, or put all data-parallel ranks in one dimension")
+    for key, value in MODEL_REGISTRY[m.name].tp_split_sizes(m):
+        _require(value % tp == 0, "parallel.tp", f"tp={tp} does not divide {key}={value}, which tensor parallel splits",
+                 f"Choose parallel.tp among the common divisors of the split sizes, or change {key}")
+    _require(t.seq_len >= 1 and t.seq_len <= m.max_seq_len, "train.seq_len",
+             f"must be in [1, model.max_seq_len={m.max_seq_len}], got {t.seq_len}", "Lower train.seq_len")
+    if p.sequence_parallel:
+        _require(tp > 1, "parallel.sequence_parallel", "needs tensor parallel (tp > 1) to shard the sequence over",
+                 "Set parallel.tp>1 or parallel.sequence_parallel=false")
+        _require(t.seq_len % tp == 0, "train.seq_len", f"seq_len={t.seq_len} is not divisible by tp={tp}, "
+                 "which sequence parallel shards it over", f"Use a multiple of {tp}")
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}", "Use 1+")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size >= 1 and t.global_batch_size % per_step == 0, "train.global_batch_size",
+             f"{t.global_batch_size} is not divisible by micro_batch_size × dp = {t.micro_batch_size} × {dp} "
+             f"= {per_step}", f"Use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}")
+    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}", "Use 1 or more")
+    _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
+
+    _require(o.name in OPTIMIZERS, "optim.name", f"unknown optimizer {o.name!r}", f"Choose one of {OPTIMIZERS}")
+    _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}", "Use e.g. 3e-4")
+    _require(o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}", f"Choose one of {SCHEDULES}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"must be two numbers in [0, 1), got {list(o.betas)}", "Use e.g. [0.9,0.95]")
+    _require(0 <= o.warmup_steps, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}", "Use 0 for none")
+
+    for key in ("param_dtype", "reduce_dtype"):
+        value = getattr(cfg.precision, key)
+        _require(value in DTYPES, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {DTYPES}")
+    _require(cfg.data.name in DATASETS, "data.name", f"unknown dataset {cfg.data.name!r}", f"Choose one of {DATASETS}")
+    if cfg.data.name == "text_files":
+        _require(len(cfg.data.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
+                 "Set data.paths=[/path/to/corpus/*.jsonl]")
+    _require(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {cfg.launch.nproc_per_node}",
+             "Use 1 or more")
+    _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")
+    return degrees
+
+
+def _check_model(m: Any) -> None:
+    _require(m.name in MODEL_REGISTRY, "model.name", f"unknown model {m.name!r}",
+             f"Choose one of {sorted(MODEL_REGISTRY)} (or a config in the model= group)")
+    for key in ("dim", "n_layers", "n_heads", "vocab_size"):
+        value = getattr(m, key)
+        _require(value >= 1, f"model.{key}", f"must be >= 1, got {value}", "Use a positive size")
+    n_kv = m.n_kv_heads or m.n_heads
+    _require(m.dim % m.n_heads == 0, "model.n_heads", f"does not divide model.dim={m.dim}",
+             f"Choose n_heads among {_divisors(m.dim)}")
+    _require(m.n_heads % n_kv == 0, "model.n_kv_heads", f"{n_kv} does not divide model.n_heads={m.n_heads} "
+             "(grouped-query attention shares each kv head among a whole number of query heads)",
+             f"Choose n_kv_heads among {_divisors(m.n_heads)}")
+    _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
+             "Choose n_heads so that dim / n_heads is even")

@@ -1,0 +1,102 @@
+"""Joining or starting a distributed job, and the one place that decides device and backend.
+
+Three ways in: torchrun (RANK/WORLD_SIZE/MASTER_* in the environment), SLURM with one task per device
+(SLURM_PROCID/SLURM_NTASKS), or a plain command that starts ``launch.nproc_per_node`` local workers itself
+through torch's elastic agent — the same agent torchrun uses, so worker failures surface the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("composer3d")
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int
+    local_rank: int
+    world_size: int
+
+
+def job_env() -> Env | None:
+    """This process's place in a job started by torchrun or SLURM; None when started as a plain command."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return Env(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
+    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        # One SLURM task per device: translate to the variables torch.distributed reads.
+        os.environ["RANK"] = os.environ["SLURM_PROCID"]
+        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+        os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return job_env()
+    return None
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """``auto`` picks the machine's accelerator (CUDA, XPU, …) when there is one, otherwise the CPU."""
+    if requested == "auto":
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        requested = accelerator.type if accelerator is not None else "cpu"
+    if requested == "cpu":
+        return torch.device("cpu")
+    device = torch.device(requested, local_rank)
+    torch.accelerator.set_device_index(local_rank)
+    return device
+
+
+def init_process_group(device: torch.device, env: Env | None) -> Env:
+    backend = dist.get_default_backend_for_device(device)
+    if env is None:  # a single process: no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return Env(0, 0, 1)
+    dist.init_process_group(backend, timeout=timedelta(minutes=10),
+                            device_id=device if device.type != "cpu" else None)
+    return env
+
+
+def agree_on(value: object) -> object:
+    """Rank 0's value on every rank (e.g. a run directory computed from the clock on each rank)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def spawn_local_workers(nproc: int, module: str, args: list[str]) -> None:
+    """Run ``python -m module args`` in ``nproc`` local worker processes under torch's elastic agent."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, like torchrun --standalone
+        max_restarts=0, monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(config, entrypoint=sys.executable)("-m", module, *args)
+    except ChildFailedError as error:
+        failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(error.failures.items()))
+        log.error("composer3d: worker(s) failed: %s", failures)
+        sys.exit(1)
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 logs progress; the other ranks only warnings, so a run prints one story."""
+    from rich.logging import RichHandler
+
+    level = logging.INFO if rank == 0 else logging.WARNING
+    handler = RichHandler(show_path=False, markup=False) if rank == 0 else logging.StreamHandler()
+    if rank != 0:
+        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False

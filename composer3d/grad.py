@@ -1,0 +1,38 @@
+"""Global gradient-norm clipping over parameters that live on different meshes.
+
+After TP and FSDP a model mixes DTensors on several meshes (dp only; dp × tp; …), and DTensor's foreach ops
+(used by ``torch.nn.utils.clip_grad_norm_``) refuse to mix meshes. So gradients are grouped by
+(mesh, placements): each group's partial norm is completed with one collective, the squares summed into the
+global norm, and each group scaled on its own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p.grad)
+    return list(groups.values())
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure). Returns the norm."""
+    groups = _grads_by_mesh(params)
+    squares = []
+    for grads in groups:
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grads in groups:
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return total

@@ -1,0 +1,103 @@
+"""What a run reports: metrics.jsonl and run.json in the run directory, console/progress bar, wandb, tensorboard.
+
+Only rank 0 writes; every rank computes, so the values (already reduced across the mesh) are the job's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger("composer3d")
+
+
+def local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (its shards, not the whole model)."""
+    params = list(model.parameters())
+    total = sum(local_bytes(p) for p in params)
+    total += sum(local_bytes(p.grad) for p in params if p.grad is not None)
+    total += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
+                 if isinstance(v, torch.Tensor))
+    return total
+
+
+def max_over_ranks(value: int | float, device: torch.device) -> float:
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak accelerator memory allocated; on CPU the process's peak resident set size (all host memory)."""
+    if device.type == "cpu":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return torch.accelerator.max_memory_allocated(device)
+
+
+class MetricsSink:
+    def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.wandb = self.tensorboard = self.progress = None
+        if not enabled:
+            return
+        if cfg.logging.wandb:
+            import wandb
+            from omegaconf import OmegaConf
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.run.name, dir=str(run_dir),
+                                    config=OmegaConf.to_container(cfg, resolve=True))
+        if cfg.logging.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        if cfg.logging.progress_bar:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+            self.task = self.progress.add_task("train", total=total_steps, status="")
+            self.progress.start()
+
+    def write_run_info(self, info: dict) -> None:
+        if self.enabled:
+            (self.path.parent / "run.json").write_text(json.dumps(info, indent=2) + "\n")
+
+    def log(self, record: dict, to_console: bool) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        if self.wandb is not None:
+            self.wandb.log(record, step=step)
+        if self.tensorboard is not None:
+            for key, value in record.items():
+                if key != "step":
+                    self.tensorboard.add_scalar(key, value, step)
+        summary = (f"step {step} loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
+                   f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f}")
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step, status=summary)
+        if to_console:
+            log.info(summary)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()

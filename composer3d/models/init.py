@@ -1,0 +1,71 @@
+"""Layout-independent weight initialization of a model built on the meta device.
+
+Each parameter is generated whole from its own generator, seeded by (seed, parameter name), and each rank
+keeps only its shard. The values therefore depend on the seed and the name alone — not on the world size,
+the mesh, or the order in which ranks or parameters are visited — which is what makes losses match across
+layouts. Generating whole tensors costs one full parameter of temporary memory at a time.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+InitRule = Callable[[tuple[int, ...], torch.Generator, torch.device], torch.Tensor]
+
+
+def normal(std: float) -> InitRule:
+    def rule(shape, generator, device):
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+    return rule
+
+
+def ones() -> InitRule:
+    return lambda shape, generator, device: torch.ones(shape, device=device)
+
+
+def param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of ``full`` that ``param`` holds on this rank.
+
+    Tensor-parallel placements (plain ``Shard``) are cut first and FSDP's (``_StridedShard``, which FSDP uses when
+    it shards a dim TP already split) last, because FSDP shards the tensor TP left on the rank. Both follow
+    ``torch.chunk``, so an uneven dim leaves the last ranks short or empty, as DTensor and FSDP do.
+    """
+    if not isinstance(param, DTensor):
+        return full
+    mesh, placements = param.device_mesh, param.placements
+    coordinate = mesh.get_coordinate()
+    plain = [i for i, p in enumerate(placements) if type(p) is Shard]
+    strided = [i for i, p in enumerate(placements) if isinstance(p, _StridedShard)]
+    shard = full
+    for mesh_dim in plain + strided:
+        dim = placements[mesh_dim].dim
+        chunks = torch.chunk(shard, mesh.size(mesh_dim), dim=dim)
+        index = coordinate[mesh_dim]
+        shard = chunks[index] if index < len(chunks) else shard.narrow(dim, 0, 0)
+    return shard
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
+    """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))
+        full = model.init_rule(name)(tuple(param.shape), generator, device)
+        local = param.to_local() if isinstance(param, DTensor) else param
+        shard = local_shard(full, param)
+        if shard.shape != local.shape:
+            raise RuntimeError(f"init of {name}: computed shard {tuple(shard.shape)} but the rank holds "
+                               f"{tuple(local.shape)} under placements {param.placements}")
+        local.copy_(shard)
+    model.init_buffers(device)

@@ -1,0 +1,55 @@
+"""Data parallel through FSDP2: ZeRO-3/2 (``fully_shard``), HSDP, and replicated params (DDP, ZeRO-1).
+
+ZeRO stage → FSDP2: 3 reshards params after forward and gathers them again in backward; 2 keeps them
+gathered from forward through backward (one all-gather per step instead of two); 1 keeps params and
+gradients replicated (FSDP2's DDP mode, ``replicate``) and shards only the optimizer state
+(``parallel.zero``). ``dp_shard=1, dp_replicate>1`` is plain DDP; both >1 is HSDP.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from composer3d.layout import ParallelMesh
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
+    return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.dp_replicate > 1)
+
+
+def replica_mesh(mesh: ParallelMesh, zero_stage: int) -> DeviceMesh:
+    """The mesh params are replicated over when ``replicates_params``; ZeRO-1 shards optimizer state over it."""
+    return mesh.dp if zero_stage == 1 else mesh["dp_replicate"]
+
+
+def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    # None keeps the params' own dtype: no casts at all in a pure fp32 run.
+    as_dtype = lambda name: None if name == "float32" else DTYPES[name]  # noqa: E731
+    return MixedPrecisionPolicy(param_dtype=as_dtype(param_dtype), reduce_dtype=as_dtype(reduce_dtype))
+
+
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy) -> None:
+    if replicates_params(mesh, zero_stage):
+        wrap = partial(replicate, mesh=replica_mesh(mesh, zero_stage), mp_policy=mp_policy)
+        wrap_block = wrap
+    else:
+        dp_mesh = mesh.hsdp if mesh.layout.dp_replicate > 1 else mesh.dp_shard_cp
+        wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy)
+        wrap_block = partial(wrap, reshard_after_forward=zero_stage == 3)
+    for block in model.layers.values():
+        wrap_block(block)
+    wrap(model)  # the root (embedding, final norm, head); FSDP keeps its params gathered for backward
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # The loss is already divided by the global token count, so gradients are summed over ranks, not
+            # averaged; plain SUM collectives (no PREMUL_SUM, which gloo lacks) and no extra scaling kernels.
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

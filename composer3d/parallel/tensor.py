@@ -1,0 +1,18 @@
+"""Tensor parallel (Megatron column/row splits) and sequence parallel, from the model spec's plan."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from composer3d.models import ModelSpec
+
+
+def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, block_plan)
+    parallelize_module(model, tp_mesh, root_plan)
+    # The plan replaced the embedding and the head weights one by one; a tied model must share them again.
+    model.tie_weights()

@@ -1,0 +1,162 @@
+"""The trainer and the ``composer3d-train`` entry point (also ``python -m composer3d.train``).
+
+One step: the global batch is fixed by the seed; this data-parallel rank takes its slice and runs it as
+micro-batches (gradient accumulation). Each micro-batch's summed token loss is divided by the token count of
+the whole global batch, so the gradient — and the logged loss — are the same under every layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from composer3d import distributed
+from composer3d.config import ConfigError, register_configs, validate
+from composer3d.data import GlobalBatchLoader, build_sequences
+from composer3d.grad import clip_grad_norm_
+from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.metrics import MetricsSink, max_over_ranks, model_state_bytes, peak_memory_bytes
+from composer3d.models import MODEL_REGISTRY, build_model, count_params
+from composer3d.models.init import materialize
+from composer3d.optim import build_optimizer, build_scheduler
+from composer3d.parallel import parallelize
+from composer3d.parallel.fsdp import replica_mesh
+
+log = logging.getLogger("composer3d")
+
+
+class Trainer:
+    def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: torch.Tensor):
+        self.cfg, self.mesh, self.device = cfg, mesh, device
+        t, p = cfg.train, cfg.parallel
+        spec = MODEL_REGISTRY[cfg.model.name]
+        self.model = build_model(cfg.model)
+        self.num_params = count_params(self.model)
+        parallelize(self.model, spec, mesh, p, cfg.precision)
+        materialize(self.model, device, t.seed)
+        self.optimizer = build_optimizer(self.model, cfg.optim, replica_mesh(mesh, 1) if p.zero_stage == 1 else None)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+        self.loader = GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed)
+        self.accumulation_steps = t.global_batch_size // (t.micro_batch_size * mesh.layout.dp)
+        # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
+        self.loss_context = loss_parallel if mesh.layout.tp > 1 else contextlib.nullcontext
+        self.step = 0
+
+    def _global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
+        count = torch.tensor(float(targets.numel()), device=self.device)
+        dist.all_reduce(count, group=self.mesh.loss.get_group())
+        return count
+
+    def train_step(self) -> dict:
+        batch = self.loader.next_batch().to(self.device, non_blocking=True)
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        global_tokens = self._global_token_count(targets)
+        loss_sum = torch.zeros((), device=self.device)
+        for inp, tgt in zip(inputs.chunk(self.accumulation_steps), targets.chunk(self.accumulation_steps)):
+            with self.loss_context():
+                logits = self.model(inp)
+                loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1), reduction="sum")
+                if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
+                    loss = loss.full_tensor()
+                (loss / global_tokens).backward()
+            loss_sum += loss.detach()
+        dist.all_reduce(loss_sum, group=self.mesh.loss.get_group())
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.train.grad_clip)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        return {"loss": (loss_sum / global_tokens).item(), "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens": int(global_tokens.item())}
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # ZeRO-1's optimizer only sees its slices of the gradients
+
+    def fit(self, sink: MetricsSink) -> None:
+        cfg = self.cfg
+        run_info = {
+            "layout": self.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
+            "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
+            "num_params": self.num_params, "device": self.device.type,
+            "accumulation_steps": self.accumulation_steps,
+        }
+        while self.step < cfg.train.steps:
+            start = time.perf_counter()
+            metrics = self.train_step()
+            if self.step == 1:  # gradients and optimizer state exist now: measure the full model state
+                run_info["model_state_bytes_per_rank"] = int(
+                    max_over_ranks(model_state_bytes(self.model, self.optimizer), self.device))
+                sink.write_run_info(run_info)
+            self.zero_grad()
+            elapsed = time.perf_counter() - start
+            record = {"step": self.step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                      "lr": metrics["lr"], "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
+                      "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device))}
+            sink.log(record, to_console=self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps)
+
+
+def run(cfg: DictConfig, env: distributed.Env | None) -> None:
+    """Train in this process, as one rank of the job (or the only one)."""
+    world_size = env.world_size if env else 1
+    distributed.setup_logging(env.rank if env else 0)
+    degrees = validate(cfg, world_size)
+    device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
+    if cfg.train.deterministic:
+        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(cfg.train.seed)
+    # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
+    env = distributed.init_process_group(device, env)
+    try:
+        run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
+        if env.rank == 0:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+        log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
+        trainer = Trainer(cfg, mesh, device, sequences)
+        sink = MetricsSink(run_dir, cfg, enabled=env.rank == 0, total_steps=cfg.train.steps)
+        try:
+            trainer.fit(sink)
+        finally:
+            sink.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@hydra.main(config_path="conf", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    env = distributed.job_env()
+    try:
+        if env is None and cfg.launch.nproc_per_node > 1:
+            validate(cfg, cfg.launch.nproc_per_node)  # fail here, in seconds, before starting any worker
+            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
+            # One run directory for all workers: resolve it here once (it may hold ${now:...}).
+            overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")
+            distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides)
+            return
+        run(cfg, env)
+    except ConfigError as error:
+        print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+register_configs()
+
+if __name__ == "__main__":
+    main()
