@@ -152,13 +152,13 @@ def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
              "Use -1 to take what the world size leaves after the other degrees")
     others = math.prod(fixed.values())
     if p.dp_shard == -1:
-        _require(world_size % others == 0, _culprit(fixed, world_size),
+        _require(world_size % others == 0, _culprit(fixed, world_size, max(fixed, key=fixed.get)),
                  f"pp×dp_replicate×cp×tp = {others} does not divide the world size {world_size}",
                  f"Choose degrees whose product divides {world_size} ({_divisors(world_size)})")
         dp_shard = world_size // others
     else:
         dp_shard = p.dp_shard
-        _require(others * dp_shard == world_size, _culprit({**fixed, "dp_shard": dp_shard}, world_size),
+        _require(others * dp_shard == world_size, _culprit({**fixed, "dp_shard": dp_shard}, world_size, "dp_shard"),
                  f"pp×dp_replicate×dp_shard×cp×tp = {others * dp_shard} but the world size is {world_size}",
                  "Make the product equal the world size, or set parallel.dp_shard=-1 to infer it")
     return {**fixed, "dp_shard": dp_shard, "ep": p.ep}
@@ -168,12 +168,12 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def _culprit(degrees: dict[str, int], world_size: int) -> str:
+def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
     """The key to blame in a product error: the first degree that alone does not divide the world size."""
     for key, value in degrees.items():
         if value > 1 and world_size % value != 0:
             return f"parallel.{key}"
-    return "parallel"
+    return f"parallel.{default}"
 
 
 def validate(cfg: Any, world_size: int) -> dict[str, int]:

@@ -1,0 +1,51 @@
+"""Runs composer3d-train as a user would (a subprocess; N local gloo workers) and reads what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+# Small and fast: the tiny model on a slice of the stdlib corpus, fp32, deterministic.
+FAST = [
+    "model=tiny", "data.max_tokens=200000", "train.seq_len=64", "train.global_batch_size=8",
+    "train.micro_batch_size=2", "logging.progress_bar=false", "train.deterministic=true",
+]
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    output: str
+    seconds: float
+    run_dir: Path
+
+    @property
+    def metrics(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    @property
+    def losses(self) -> list[float]:
+        return [m["loss"] for m in self.metrics]
+
+    @property
+    def run_info(self) -> dict:
+        return json.loads((self.run_dir / "run.json").read_text())
+
+
+def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
+          env: dict | None = None) -> RunResult:
+    args = [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides]
+    child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+    start = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=child_env)
+    result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, Path(run_dir))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"composer3d-train {' '.join(overrides)} failed ({proc.returncode}):\n{result.output[-6000:]}")
+    return result
