@@ -229,6 +229,11 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     if cfg.data.name == "text_files":
         _require(len(cfg.data.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
                  "Set data.paths=[/path/to/corpus/*.jsonl]")
+    _require(cfg.data.max_tokens >= 0, "data.max_tokens", f"must be >= 0, got {cfg.data.max_tokens}",
+             "Use 0 for no cap")
+    if cfg.data.name == "synthetic":
+        _require(cfg.data.synthetic_sequences >= 1, "data.synthetic_sequences",
+                 f"must be >= 1, got {cfg.data.synthetic_sequences}", "Use e.g. 4096")
     _require(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {cfg.launch.nproc_per_node}",
              "Use 1 or more")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")
@@ -241,6 +246,8 @@ def _check_model(m: Any) -> None:
     for key in ("dim", "n_layers", "n_heads", "vocab_size"):
         value = getattr(m, key)
         _require(value >= 1, f"model.{key}", f"must be >= 1, got {value}", "Use a positive size")
+    _require(m.n_kv_heads is None or m.n_kv_heads >= 1, "model.n_kv_heads", f"must be >= 1, got {m.n_kv_heads}",
+             "Use null for as many kv heads as query heads")
     n_kv = m.n_kv_heads or m.n_heads
     _require(m.dim % m.n_heads == 0, "model.n_heads", f"does not divide model.dim={m.dim}",
              f"Choose n_heads among {_divisors(m.dim)}")

@@ -93,10 +93,19 @@ def setup_logging(rank: int) -> None:
     """Rank 0 logs progress; the other ranks only warnings, so a run prints one story."""
     from rich.logging import RichHandler
 
-    level = logging.INFO if rank == 0 else logging.WARNING
+    level = logging.INFO if rank == 0 else logging.WARNING  # on the console
     handler = RichHandler(show_path=False, markup=False) if rank == 0 else logging.StreamHandler()
     if rank != 0:
         handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(message)s"))
+    handler.setLevel(level)
     log.handlers[:] = [handler]
-    log.setLevel(level)
+    log.setLevel(logging.INFO)
     log.propagate = False
+
+
+def log_to_run_dir(rank: int, run_dir) -> None:
+    """Every rank keeps its full log in <run.dir>/logs/rank<N>.log: the place to look when one rank misbehaves."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)

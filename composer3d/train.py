@@ -124,8 +124,8 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     env = distributed.init_process_group(device, env)
     try:
         run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
+        distributed.log_to_run_dir(env.rank, run_dir)
         if env.rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
         log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)

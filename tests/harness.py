@@ -49,3 +49,21 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, 
     if check and proc.returncode != 0:
         raise AssertionError(f"composer3d-train {' '.join(overrides)} failed ({proc.returncode}):\n{result.output[-6000:]}")
     return result
+
+
+def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback fails the test."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(fn, world_size, str(tmp_path / "store"), args), nprocs=world_size, join=True)
+
+
+def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
+    import torch.distributed as dist
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()

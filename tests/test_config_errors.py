@@ -1,0 +1,118 @@
+"""Bad configurations fail fast, with a message naming the key to change.
+
+The CLI cases run ``composer3d-train`` as a user would. Most ask for 4 local workers: a layout error must be
+caught by the parent (exit code 2, the message printed once) before any worker starts, not in 4 workers or in
+a hanging collective. The in-process cases check ``validate`` itself through Hydra's compose API.
+"""
+
+import pytest
+from harness import train
+from hydra import compose, initialize_config_module
+
+from composer3d.config import ConfigError, register_configs, validate
+
+HANG_GUARD_S = 60  # a bad config fails in seconds (mostly torch's import); a minute means something waits
+PREFIX = "composer3d: invalid configuration: "
+
+# (id, nproc, overrides, text the output must contain: the offending key first, then any further fragments)
+VALIDATION_CASES = [
+    ("tp_not_dividing_world", 4, ["parallel.tp=3"], ["parallel.tp", "divides 4 (1, 2, 4)"]),
+    ("tp_not_dividing_kv_heads", 8, ["parallel.tp=8"], ["parallel.tp", "model.n_kv_heads=4"]),
+    ("product_not_world", 4, ["parallel.dp_shard=2"], ["parallel.dp_shard", "world size is 4"]),
+    ("batch_not_divisible", 4, ["train.global_batch_size=6", "train.micro_batch_size=2"],
+     ["train.global_batch_size", "Use a multiple of 8"]),
+    ("unknown_model_name", 4, ["model.name=gpt"], ["model.name", "'gpt'"]),
+    ("zero_stage_4", 4, ["parallel.zero_stage=4"], ["parallel.zero_stage"]),
+    ("sp_without_tp", 4, ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel"]),
+    ("sp_seq_len_not_divisible", 4, ["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_len=66"],
+     ["train.seq_len", "Use a multiple of 4"]),
+    ("unknown_optimizer", 4, ["optim.name=sgd"], ["optim.name", "'sgd'"]),
+    ("unknown_dtype", 4, ["precision.param_dtype=float64"], ["precision.param_dtype", "'float64'"]),
+    ("text_files_without_paths", 4, ["data=text_files"], ["data.paths"]),
+    ("pipeline_parallel", 4, ["parallel.pp=2"], ["parallel.pp", "not available"]),
+    ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
+]
+
+
+@pytest.mark.parametrize("nproc, overrides, expected", [c[1:] for c in VALIDATION_CASES],
+                         ids=[c[0] for c in VALIDATION_CASES])
+def test_bad_config_fails_in_parent_naming_key(tmp_path, nproc, overrides, expected):
+    run = train(tmp_path / "run", *overrides, nproc=nproc, check=False, timeout=HANG_GUARD_S)
+    assert run.returncode != 0, run.output
+    # Exit code 2 and a single message are the parent's ConfigError path; workers failing would give exit
+    # code 1 (the elastic agent's ChildFailedError) and one message per worker.
+    assert run.returncode == 2, f"expected the parent's config error (2), got {run.returncode}:\n{run.output}"
+    assert run.output.count(PREFIX) == 1, run.output
+    message = run.output[run.output.index(PREFIX) + len(PREFIX):]
+    assert message.startswith(expected[0] + ":"), f"message should start with {expected[0]!r}:\n{run.output}"
+    for fragment in expected[1:]:
+        assert fragment in message, f"{fragment!r} missing:\n{run.output}"
+    assert "Traceback" not in run.output, run.output
+    assert not (tmp_path / "run").exists(), "nothing should be written for a config that cannot run"
+    assert run.seconds < HANG_GUARD_S
+
+
+# Errors Hydra/OmegaConf raise while composing, before composer3d's code runs.
+HYDRA_CASES = [
+    ("missing_model_group", ["model=nonexistent"], ["model/nonexistent", "tiny"]),  # lists the available options
+    ("non_integer_steps", ["train.steps=abc"], ["train.steps", "abc"]),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", [c[1:] for c in HYDRA_CASES], ids=[c[0] for c in HYDRA_CASES])
+def test_hydra_errors_fail_naming_key(tmp_path, overrides, expected):
+    run = train(tmp_path / "run", *overrides, nproc=4, check=False, timeout=HANG_GUARD_S)
+    assert run.returncode != 0, run.output
+    for fragment in expected:
+        assert fragment in run.output, f"{fragment!r} missing:\n{run.output}"
+    assert not (tmp_path / "run").exists()
+    assert run.seconds < HANG_GUARD_S
+
+
+# ------------------------------------------------------------------------- validate() in-process, no subprocess
+
+@pytest.fixture(scope="module")
+def compose_cfg():
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        yield lambda *overrides: compose("train", overrides=["run.dir=unused", *overrides])
+
+
+@pytest.mark.parametrize("world, overrides, expected", [
+    (4, [], {"dp_shard": 4, "dp_replicate": 1, "tp": 1}),  # the default dp_shard=-1 takes the whole world
+    (8, ["parallel.tp=2"], {"dp_shard": 4, "tp": 2}),
+    (8, ["parallel.dp_replicate=2", "parallel.tp=2"], {"dp_replicate": 2, "dp_shard": 2, "tp": 2}),
+    (4, ["parallel.tp=4", "parallel.sequence_parallel=true"], {"dp_shard": 1, "tp": 4}),
+    (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], {"dp_replicate": 2, "dp_shard": 1}),
+    (1, [], {"dp_shard": 1, "tp": 1}),
+])
+def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
+    degrees = validate(compose_cfg(*overrides), world)
+    assert {k: degrees[k] for k in expected} == expected
+    assert degrees["pp"] == degrees["cp"] == degrees["ep"] == 1
+    product = degrees["pp"] * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
+    assert product == world
+
+
+@pytest.mark.parametrize("world, overrides, key, hint", [
+    # what would work: the divisors of the world size
+    (6, ["parallel.tp=4"], "parallel.tp", "Choose degrees whose product divides 6 (1, 2, 3, 6)"),
+    # what would work: the next multiple of micro_batch_size × dp
+    (4, ["train.global_batch_size=12", "train.micro_batch_size=2"], "train.global_batch_size",
+     "Use a multiple of 8, e.g. 8"),
+    # what would work: the divisors of n_heads
+    (1, ["model.n_kv_heads=3"], "model.n_kv_heads", "Choose n_kv_heads among 1, 2, 4, 8"),
+    (4, ["parallel.dp_shard=3"], "parallel.dp_shard", "set parallel.dp_shard=-1 to infer it"),
+    (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.zero_stage=1"], "parallel.zero_stage",
+     "Use zero_stage=2 or 3 for HSDP"),
+    # checks added with these tests: each used to pass validation and fail later, inside the workers
+    (1, ["model.n_kv_heads=-4"], "model.n_kv_heads", "must be >= 1"),
+    (1, ["data.max_tokens=-1"], "data.max_tokens", "Use 0 for no cap"),
+    (1, ["data=synthetic", "data.synthetic_sequences=0"], "data.synthetic_sequences", "must be >= 1"),
+])
+def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
+    with pytest.raises(ConfigError) as error:
+        validate(compose_cfg(*overrides), world)
+    message = str(error.value)
+    assert message.startswith(key + ": "), message
+    assert hint in message, message

@@ -1,0 +1,33 @@
+"""The README's main command, run as written (plus a run directory), trains and the loss goes down."""
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+from harness import RunResult
+
+README = Path(__file__).parents[1] / "README.md"
+
+
+def main_command() -> list[str]:
+    block = re.search(r"## Run the main job.*?```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    line = next(part for part in block.split("&&") if "composer3d-train" in part)
+    return shlex.split(line.strip())
+
+
+def test_readme_main_command_trains(tmp_path):
+    command = main_command()
+    assert command[0] == "composer3d-train" and "launch.nproc_per_node=4" in command
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([*command, f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, env=env)
+    result = RunResult(proc.returncode, proc.stdout + proc.stderr, 0.0, tmp_path)
+    assert proc.returncode == 0, result.output[-5000:]
+    losses = result.losses
+    assert len(losses) == 100
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 0.5, f"loss did not go down: first 10 avg {first:.3f}, last 10 avg {last:.3f}"
+    assert "tokens/s" in result.output and all(m["tokens_per_s"] > 0 for m in result.metrics)
+    assert result.run_info["layout"]["dp_shard"] == 4
+    assert (tmp_path / "config.yaml").exists()
