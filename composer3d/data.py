@@ -99,7 +99,9 @@ def text_file_documents(paths: list[str], text_field: str) -> Iterator[str]:
 
     files = _expand(paths)
     builder = "text" if files[0].endswith(".txt") else "json"
-    dataset = load_dataset(builder, data_files=files, split="train", keep_in_memory=True)
+    # A .txt file is one document (not one per line); a .jsonl line is one document.
+    options = {"sample_by": "document"} if builder == "text" else {}
+    dataset = load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **options)
     field = "text" if builder == "text" else text_field
     if field not in dataset.column_names:
         raise ConfigError(f"data.text_field: {field!r} is not a field of {files[0]} (fields: {dataset.column_names})")
@@ -107,10 +109,12 @@ def text_file_documents(paths: list[str], text_field: str) -> Iterator[str]:
 
 
 def token_stream(documents: Iterator[str], tokenizer, max_tokens: int) -> torch.Tensor:
-    """Documents tokenized and joined, each followed by the end-of-document token, up to ``max_tokens``."""
+    """Non-empty documents tokenized and joined, each followed by the end-of-document token, up to ``max_tokens``."""
     pieces, total = [], 0
     eos = torch.tensor([tokenizer.eos_id], dtype=torch.int64)
     for doc in documents:
+        if not doc:
+            continue
         pieces += [tokenizer.encode(doc), eos]
         total += pieces[-2].numel() + 1
         if max_tokens and total >= max_tokens:
@@ -128,15 +132,25 @@ def packed_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
     return tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
 
 
+def check_sources(data_cfg, model_vocab_size: int) -> ByteTokenizer | HFTokenizer | None:
+    """Fail fast (ConfigError) on missing files or a tokenizer the model cannot embed; returns the tokenizer."""
+    if data_cfg.name == "synthetic":
+        return None
+    if data_cfg.name == "text_files":
+        _expand(list(data_cfg.paths))
+    tokenizer = build_tokenizer(data_cfg)
+    if tokenizer.vocab_size > model_vocab_size:
+        raise ConfigError(f"model.vocab_size: {model_vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer.vocab_size}). Use model.vocab_size>={tokenizer.vocab_size}")
+    return tokenizer
+
+
 def build_sequences(data_cfg, model_vocab_size: int, seq_len: int, seed: int) -> torch.Tensor:
     """All packed training sequences, shape (num_sequences, seq_len + 1), identical on every rank."""
     if data_cfg.name == "synthetic":
         generator = torch.Generator().manual_seed(seed)
         return torch.randint(0, model_vocab_size, (data_cfg.synthetic_sequences, seq_len + 1), generator=generator)
-    tokenizer = build_tokenizer(data_cfg)
-    if tokenizer.vocab_size > model_vocab_size:
-        raise ConfigError(f"model.vocab_size: {model_vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer.vocab_size}). Use model.vocab_size>={tokenizer.vocab_size}")
+    tokenizer = check_sources(data_cfg, model_vocab_size)
     if data_cfg.name == "stdlib":
         documents = stdlib_documents()
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -65,7 +64,3 @@ class ParallelMesh:
 
 def layout_from_degrees(degrees: dict[str, int]) -> Layout:
     return Layout(**{k: degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")})
-
-
-def mesh_for(layout: Layout, device: torch.device) -> ParallelMesh:
-    return ParallelMesh(layout, device.type)

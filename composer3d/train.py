@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from composer3d import distributed
 from composer3d.config import ConfigError, register_configs, validate
-from composer3d.data import GlobalBatchLoader, build_sequences
+from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink, max_over_ranks, model_state_bytes, peak_memory_bytes
@@ -33,7 +33,6 @@ from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.optim import build_optimizer, build_scheduler
 from composer3d.parallel import parallelize
-from composer3d.parallel.fsdp import replica_mesh
 
 log = logging.getLogger("composer3d")
 
@@ -47,7 +46,7 @@ class Trainer:
         self.num_params = count_params(self.model)
         parallelize(self.model, spec, mesh, p, cfg.precision)
         materialize(self.model, device, t.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim, replica_mesh(mesh, 1) if p.zero_stage == 1 else None)
+        self.optimizer = build_optimizer(self.model, cfg.optim, zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.loader = GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed)
         self.accumulation_steps = t.global_batch_size // (t.micro_batch_size * mesh.layout.dp)
@@ -144,7 +143,9 @@ def main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     try:
         if env is None and cfg.launch.nproc_per_node > 1:
-            validate(cfg, cfg.launch.nproc_per_node)  # fail here, in seconds, before starting any worker
+            # Fail here, in seconds, before starting any worker.
+            validate(cfg, cfg.launch.nproc_per_node)
+            check_sources(cfg.data, cfg.model.vocab_size)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
             # One run directory for all workers: resolve it here once (it may hold ${now:...}).
             overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")

@@ -64,3 +64,12 @@ def test_model_state_bytes_per_rank(name, formula, layout_runs):
     expected = formula(info["num_params"], info)
     measured = info["model_state_bytes_per_rank"]
     assert abs(measured - expected) / expected < 0.05, f"{name}: measured {measured} vs formula {expected:.0f}"
+
+
+def test_tied_embeddings_parity(tmp_path):
+    """A head tied to the embedding stays one parameter under TP (vocab-sharded) and FSDP: same curve."""
+    tied = ["model.tie_embeddings=true", "train.steps=6"]
+    ref = train(tmp_path / "ref", *FAST, *tied)
+    run = train(tmp_path / "tp", *FAST, *tied, *LAYOUTS["fsdp2_tp2_sp"], nproc=4)
+    assert max(abs(a - b) for a, b in zip(ref.losses, run.losses)) < 1e-4, (ref.losses, run.losses)
+    assert run.run_info["num_params"] == ref.run_info["num_params"]

@@ -20,8 +20,8 @@ UNEVEN = dict(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_s
               max_seq_len=64, rope_theta=10000.0)
 
 
-def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero_stage):
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN)
+def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero_stage, tie=False):
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN, {"tie_embeddings": tie})
     parallel_cfg = OmegaConf.create({"sequence_parallel": sequence_parallel, "zero_stage": zero_stage})
     precision_cfg = OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"})
     tokens = torch.randint(0, 514, (2, 16), generator=torch.Generator().manual_seed(1))
@@ -37,16 +37,20 @@ def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero
     logits = model(tokens)
     logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    if tie:
+        assert model.output.weight is model.tok_embeddings.weight
 
 
-@pytest.mark.parametrize("layout, sp, zero", [
-    (Layout(dp_shard=4), False, 3),
-    (Layout(dp_shard=2, tp=2), True, 3),
-    (Layout(dp_replicate=2, dp_shard=2), False, 2),
-    (Layout(dp_shard=4), False, 1),
+@pytest.mark.parametrize("layout, sp, zero, tie", [
+    (Layout(dp_shard=4), False, 3, False),
+    (Layout(dp_shard=2, tp=2), True, 3, False),
+    (Layout(dp_shard=2, tp=2), True, 3, True),  # tied head: TP must leave one shared, vocab-sharded weight
+    (Layout(dp_shard=4), False, 3, True),
+    (Layout(dp_replicate=2, dp_shard=2), False, 2, False),
+    (Layout(dp_shard=4), False, 1, False),
 ])
-def test_parallel_forward_equals_single_process(tmp_path, layout, sp, zero):
-    spawn(_forward_matches_reference, layout.world_size, tmp_path, layout, sp, zero)
+def test_parallel_forward_equals_single_process(tmp_path, layout, sp, zero, tie):
+    spawn(_forward_matches_reference, layout.world_size, tmp_path, layout, sp, zero, tie)
 
 
 def _agree(rank, world_size):

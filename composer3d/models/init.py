@@ -59,6 +59,7 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``."""
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
     for name, param in model.named_parameters():
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))
         full = model.init_rule(name)(tuple(param.shape), generator, device)

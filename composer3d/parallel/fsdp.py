@@ -13,7 +13,6 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from composer3d.layout import ParallelMesh
@@ -25,11 +24,6 @@ def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
     return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.dp_replicate > 1)
 
 
-def replica_mesh(mesh: ParallelMesh, zero_stage: int) -> DeviceMesh:
-    """The mesh params are replicated over when ``replicates_params``; ZeRO-1 shards optimizer state over it."""
-    return mesh.dp if zero_stage == 1 else mesh["dp_replicate"]
-
-
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
     # None keeps the params' own dtype: no casts at all in a pure fp32 run.
     as_dtype = lambda name: None if name == "float32" else DTYPES[name]  # noqa: E731
@@ -38,7 +32,9 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy) -> None:
     if replicates_params(mesh, zero_stage):
-        wrap = partial(replicate, mesh=replica_mesh(mesh, zero_stage), mp_policy=mp_policy)
+        # ZeRO-1 replicates over every data-parallel rank (and shards optimizer state over them: optim.py).
+        replica_mesh = mesh.dp if zero_stage == 1 else mesh["dp_replicate"]
+        wrap = partial(replicate, mesh=replica_mesh, mp_policy=mp_policy)
         wrap_block = wrap
     else:
         dp_mesh = mesh.hsdp if mesh.layout.dp_replicate > 1 else mesh.dp_shard_cp
