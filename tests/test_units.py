@@ -91,3 +91,25 @@ def test_single_slurm_task_is_not_a_job(monkeypatch):
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.job_env() is None
+
+
+def _params_gathered_after_forward(rank, world_size, zero_stage, expect_gathered):
+    from torch.distributed.tensor import DTensor
+
+    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN)
+    mesh = ParallelMesh(Layout(dp_shard=world_size), "cpu")
+    model = build_model(model_cfg)
+    parallelize(model, MODEL_REGISTRY["llama"], mesh, OmegaConf.create({"sequence_parallel": False, "zero_stage": zero_stage}),
+                OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"}))
+    materialize(model, torch.device("cpu"), seed=0)
+    loss = model(torch.zeros(1, 8, dtype=torch.long)).sum()
+    # FSDP2 swaps a block's sharded DTensor params for plain gathered tensors while they are unsharded.
+    gathered = not isinstance(model.layers["0"].attention.wq.weight, DTensor)
+    assert gathered == expect_gathered, f"zero_stage={zero_stage}: block params gathered after forward = {gathered}"
+    loss.backward()
+    assert isinstance(model.layers["0"].attention.wq.weight, DTensor), "after backward params are sharded again"
+
+
+@pytest.mark.parametrize("zero_stage, gathered", [(3, False), (2, True)])
+def test_zero2_keeps_params_gathered_from_forward_to_backward(tmp_path, zero_stage, gathered):
+    spawn(_params_gathered_after_forward, 2, tmp_path, zero_stage, gathered)
