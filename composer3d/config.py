@@ -107,6 +107,18 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    dir: str | None = None  # None: <run.dir>/checkpoints
+    interval: int = 0  # save every N steps (0: only at the end of training)
+    keep_last: int = 3  # committed checkpoints kept (0: all)
+    async_mode: str = "none"  # none | async (write in a background thread) | async_pinned (stage to pinned memory)
+    resume: str = "auto"  # auto (newest complete checkpoint in dir, if any) | none | <path to a step-N directory>
+    model_only_final: bool = False  # the last checkpoint holds only the weights, in export_dtype
+    export_dtype: str = "bfloat16"
+
+
+@dataclass
 class LaunchConfig:
     nproc_per_node: int = 1
     device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
@@ -122,6 +134,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
 
@@ -136,6 +149,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw",)
 DATASETS = ("stdlib", "synthetic", "text_files")
+ASYNC_MODES = ("none", "async", "async_pinned")
 
 
 def _require(ok: bool, key: str, problem: str, fix: str) -> None:
@@ -234,6 +248,13 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     if cfg.data.name == "synthetic":
         _require(cfg.data.synthetic_sequences >= 1, "data.synthetic_sequences",
                  f"must be >= 1, got {cfg.data.synthetic_sequences}", "Use e.g. 4096")
+    c = cfg.checkpoint
+    _require(c.interval >= 0, "checkpoint.interval", f"must be >= 0, got {c.interval}", "Use 0 to save only at the end")
+    _require(c.keep_last >= 0, "checkpoint.keep_last", f"must be >= 0, got {c.keep_last}", "Use 0 to keep all")
+    _require(c.async_mode in ASYNC_MODES, "checkpoint.async_mode", f"unknown mode {c.async_mode!r}",
+             f"Choose one of {ASYNC_MODES}")
+    _require(c.export_dtype in DTYPES, "checkpoint.export_dtype", f"unknown dtype {c.export_dtype!r}",
+             f"Choose one of {DTYPES}")
     _require(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {cfg.launch.nproc_per_node}",
              "Use 1 or more")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")

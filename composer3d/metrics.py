@@ -47,12 +47,13 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int):
+    def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int, resume_step: int = 0):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.wandb = self.tensorboard = self.progress = None
         if not enabled:
             return
+        self._truncate_after(resume_step)
         if cfg.logging.wandb:
             import wandb
             from omegaconf import OmegaConf
@@ -68,8 +69,15 @@ class MetricsSink:
 
             self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
-            self.task = self.progress.add_task("train", total=total_steps, status="")
+            self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
             self.progress.start()
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
 
     def write_run_info(self, info: dict) -> None:
         if self.enabled:

@@ -11,8 +11,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from composer3d.parallel.zero import OptimizerStateSharder
 
 
-def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None) -> torch.optim.Optimizer:
-    """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)."""
+def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None
+                    ) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
+    """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
+    and the sharder, which also saves and loads that state, is returned with it."""
     params = list(model.parameters())
     decays = [p.ndim >= 2 for p in params]
     sharder = OptimizerStateSharder(params, zero1_mesh) if zero1_mesh is not None else None
@@ -24,7 +26,7 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None)
     optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     if sharder:
         sharder.attach(optimizer)
-    return optimizer
+    return optimizer, sharder
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

@@ -20,10 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from composer3d import distributed
+from composer3d.checkpoint import CheckpointError, Checkpointer
 from composer3d.config import ConfigError, register_configs, validate
 from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
@@ -46,8 +48,11 @@ class Trainer:
         self.num_params = count_params(self.model)
         parallelize(self.model, spec, mesh, p, cfg.precision)
         materialize(self.model, device, t.seed)
-        self.optimizer = build_optimizer(self.model, cfg.optim, zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
+        self.param_names = [name for name, _ in self.model.named_parameters()]
+        self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
+                                                       zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
+        self.total_steps = t.steps
         self.loader = GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed)
         self.accumulation_steps = t.global_batch_size // (t.micro_batch_size * mesh.layout.dp)
         # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
@@ -81,11 +86,23 @@ class Trainer:
         return {"loss": (loss_sum / global_tokens).item(), "grad_norm": grad_norm.item(), "lr": lr,
                 "tokens": int(global_tokens.item())}
 
+    def optimizer_state_dict(self) -> dict:
+        """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
+        if self.sharder:
+            return self.sharder.state_dict(self.optimizer, self.param_names)
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        if self.sharder:
+            self.sharder.load_state_dict(self.optimizer, self.param_names, state)
+        else:
+            set_optimizer_state_dict(self.model, self.optimizer, state)
+
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)  # ZeRO-1's optimizer only sees its slices of the gradients
 
-    def fit(self, sink: MetricsSink) -> None:
+    def fit(self, sink: MetricsSink, checkpointer: Checkpointer | None) -> None:
         cfg = self.cfg
         run_info = {
             "layout": self.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
@@ -96,7 +113,7 @@ class Trainer:
         while self.step < cfg.train.steps:
             start = time.perf_counter()
             metrics = self.train_step()
-            if self.step == 1:  # gradients and optimizer state exist now: measure the full model state
+            if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
                 run_info["model_state_bytes_per_rank"] = int(
                     max_over_ranks(model_state_bytes(self.model, self.optimizer), self.device))
                 sink.write_run_info(run_info)
@@ -106,6 +123,12 @@ class Trainer:
                       "lr": metrics["lr"], "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
                       "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device))}
             sink.log(record, to_console=self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps)
+            if checkpointer is not None:
+                checkpointer.poll()
+                if checkpointer.due(self.step):
+                    checkpointer.save(self.step)
+        if checkpointer is not None:
+            checkpointer.wait()
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> None:
@@ -114,6 +137,9 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     distributed.setup_logging(env.rank if env else 0)
     degrees = validate(cfg, world_size)
     device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
+    if cfg.checkpoint.async_mode == "async_pinned" and device.type == "cpu":
+        raise ConfigError("checkpoint.async_mode: async_pinned stages into pinned host memory, which needs an "
+                          "accelerator; this run is on the CPU. Use checkpoint.async_mode=async")
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -129,9 +155,13 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
         mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
         log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
         trainer = Trainer(cfg, mesh, device, sequences)
-        sink = MetricsSink(run_dir, cfg, enabled=env.rank == 0, total_steps=cfg.train.steps)
+        checkpointer = None
+        if cfg.checkpoint.enabled:
+            checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))
+            trainer.step = checkpointer.resume()
+        sink = MetricsSink(run_dir, cfg, enabled=env.rank == 0, total_steps=cfg.train.steps, resume_step=trainer.step)
         try:
-            trainer.fit(sink)
+            trainer.fit(sink, checkpointer)
         finally:
             sink.close()
     finally:
@@ -155,6 +185,9 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as error:
         print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
+    except CheckpointError as error:
+        print(f"composer3d: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 register_configs()

@@ -55,3 +55,50 @@ class OptimizerStateSharder:
             flat = _local(param).view(-1)
             flat.copy_(by_rank[:, offset:offset + n].reshape(-1)[:flat.numel()])
             offset += n
+
+    # -- checkpointing: the same FQN-keyed, parameter-shaped form DCP's get_optimizer_state_dict gives for an
+    # unsharded optimizer, so a ZeRO-1 checkpoint loads under FSDP or TP layouts and the other way round.
+
+    def _full_local(self, piece: torch.Tensor, param: torch.Tensor, n: int) -> torch.Tensor:
+        """All-gather one state slice back into the shape of the parameter's local tensor."""
+        padded = torch.zeros(n, dtype=piece.dtype, device=piece.device)
+        padded[:piece.numel()] = piece
+        gathered = torch.empty(self.world * n, dtype=piece.dtype, device=piece.device)
+        dist.all_gather_into_tensor(gathered, padded, group=self.group)
+        local = _local(param)
+        return gathered[:local.numel()].view(local.shape)
+
+    def _ensure_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """AdamW creates its state at the first step; a checkpoint before that (or a load target) needs it now."""
+        for shard in self.shards:
+            if shard not in optimizer.state or not optimizer.state[shard]:
+                optimizer.state[shard] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(shard),
+                                          "exp_avg_sq": torch.zeros_like(shard)}
+
+    def state_dict(self, optimizer: torch.optim.Optimizer, names: list[str]) -> dict:
+        self._ensure_state(optimizer)
+        state = {}
+        for name, param, shard, n in zip(names, self.params, self.shards, self.slice_len):
+            entry = {}
+            for key, value in optimizer.state[shard].items():
+                if value.ndim == 0:  # Adam's step count: the same on every rank
+                    entry[key] = value.clone()
+                    continue
+                full = self._full_local(value, param, n)
+                entry[key] = DTensor.from_local(full, param.device_mesh, param.placements, run_check=False) \
+                    if isinstance(param, DTensor) else full
+            state[name] = entry
+        name_of = {id(shard): name for name, shard in zip(names, self.shards)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [name_of[id(s)] for s in g["params"]]}
+                  for g in optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, optimizer: torch.optim.Optimizer, names: list[str], loaded: dict) -> None:
+        self._ensure_state(optimizer)
+        for name, shard, (lo, hi) in zip(names, self.shards, self.bounds):
+            for key, value in loaded["state"][name].items():
+                value = _local(value)
+                target = optimizer.state[shard][key]
+                target.copy_(value if value.ndim == 0 else value.reshape(-1)[lo:hi])
+        for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})

@@ -1,0 +1,131 @@
+"""Checkpoints: exact resume, resume under other layouts, crash safety, corruption fallback, pruning, async, safety."""
+
+import io
+import json
+import pickle
+import shutil
+
+import pytest
+from harness import FAST, train
+
+from composer3d.checkpoint import META_FILE, SafeFileSystemReader, committed_checkpoints
+
+KILL = "COMPOSER3D_TEST_KILL_DURING_SAVE"
+
+
+def _steps(run):
+    return [m["step"] for m in run.metrics]
+
+
+def test_crash_during_save_keeps_previous_and_resume_is_bit_identical(tmp_path):
+    args = [*FAST, "train.steps=20", "checkpoint.interval=10", "parallel.dp_shard=2"]
+    straight = train(tmp_path / "straight", *args, nproc=2)
+
+    crashed = train(tmp_path / "crash", *args, nproc=2, check=False, env={KILL: "20:1"})
+    assert crashed.returncode != 0, "rank 1 was killed during the step-20 save"
+    ckpts = tmp_path / "crash" / "checkpoints"
+    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000010"]
+    assert (ckpts / "step-00000020.partial").exists(), "the interrupted save stays partial, never committed"
+
+    resumed = train(tmp_path / "crash", *args, nproc=2)  # the same command again: resume=auto
+    assert "resumed from" in resumed.output and "step-00000010" in resumed.output
+    assert _steps(resumed) == list(range(1, 21)), "metrics.jsonl continues from the checkpoint, no duplicates"
+    assert resumed.losses == straight.losses, "10 steps + resume must be bit-identical to 20 straight steps"
+    assert [m["grad_norm"] for m in resumed.metrics] == [m["grad_norm"] for m in straight.metrics]
+    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000020", "step-00000010"]
+    assert not (ckpts / "step-00000020.partial").exists()
+
+
+@pytest.fixture(scope="module")
+def fsdp4_run(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("fsdp4"), *FAST, "train.steps=12", "checkpoint.interval=6",
+                 "parallel.dp_shard=4", nproc=4)
+
+
+@pytest.mark.parametrize("layout, nproc", [
+    (["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4),
+    (["parallel.dp_shard=1"], 1),
+    (["parallel.dp_shard=4", "parallel.zero_stage=1"], 4),
+    (["parallel.dp_replicate=2", "parallel.dp_shard=1"], 2),
+])
+def test_resume_under_another_layout_follows_the_same_curve(tmp_path, fsdp4_run, layout, nproc):
+    checkpoint = fsdp4_run.run_dir / "checkpoints" / "step-00000006"
+    run = train(tmp_path, *FAST, "train.steps=12", f"checkpoint.resume={checkpoint}", *layout, nproc=nproc)
+    assert _steps(run) == list(range(7, 13))
+    diffs = [abs(a - b) for a, b in zip(fsdp4_run.losses[6:], run.losses)]
+    assert max(diffs) < 1e-4, diffs
+
+
+def test_zero1_checkpoint_resumes_under_tensor_parallel(tmp_path):
+    """ZeRO-1 saves its sharded Adam state in the parameter-shaped form every other layout reads."""
+    base = train(tmp_path / "zero1", *FAST, "train.steps=8", "checkpoint.interval=4", "parallel.dp_shard=2",
+                 "parallel.zero_stage=1", nproc=2)
+    run = train(tmp_path / "tp", *FAST, "train.steps=8", "parallel.tp=2", "parallel.dp_shard=1",
+                f"checkpoint.resume={base.run_dir / 'checkpoints' / 'step-00000004'}", nproc=2)
+    assert max(abs(a - b) for a, b in zip(base.losses[4:], run.losses)) < 1e-4
+
+
+def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
+    args = [*FAST, "train.steps=6", "checkpoint.interval=3"]
+    first_losses = train(tmp_path, *args).losses
+    newest = tmp_path / "checkpoints" / "step-00000006"
+    data_file = next(newest.glob("*.distcp"))
+    data_file.write_bytes(data_file.read_bytes()[:100])  # truncated, as by a full disk
+
+    explicit = train(tmp_path / "other", *args, f"checkpoint.resume={newest}", check=False)
+    assert explicit.returncode != 0 and f"checkpoint {newest} is unreadable" in explicit.output
+
+    again = train(tmp_path, *args)  # resume=auto: the newest is corrupt, the one before is used
+    assert "step-00000006 is unreadable" in again.output and "falling back" in again.output
+    assert "resumed from" in again.output and "step-00000003" in again.output
+    assert _steps(again) == [1, 2, 3, 4, 5, 6], "metrics.jsonl rewound to the checkpoint, then continued"
+    assert again.losses == first_losses
+
+
+def test_keep_last_prunes_and_model_only_final(tmp_path):
+    run = train(tmp_path, *FAST, "train.steps=8", "checkpoint.interval=2", "checkpoint.keep_last=2",
+                "checkpoint.model_only_final=true")
+    kept = committed_checkpoints(tmp_path / "checkpoints")
+    assert [p.name for p in kept] == ["step-00000008", "step-00000006"]
+    final = json.loads((kept[0] / META_FILE).read_text())
+    assert final["model_only"] is True and "data" not in final
+    assert not (kept[0] / "rng").exists() or not any((kept[0] / "rng").iterdir())
+    # Only weights, in the export dtype (bf16: half the bytes of the fp32 weights in a full checkpoint's model part).
+    metadata = SafeFileSystemReader(str(kept[0])).read_metadata()
+    assert all(k.startswith("model.") for k in metadata.state_dict_metadata)
+    assert {str(m.properties.dtype) for m in metadata.state_dict_metadata.values()} == {"torch.bfloat16"}
+    full = SafeFileSystemReader(str(kept[1])).read_metadata()
+    assert any(k.startswith("optim.") for k in full.state_dict_metadata)
+    assert len(run.metrics) == 8
+
+
+def test_async_save_gives_sync_losses_and_resumable_checkpoints(tmp_path):
+    args = [*FAST, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=0", "parallel.dp_shard=2"]
+    sync = train(tmp_path / "sync", *args, nproc=2)
+    asynchronous = train(tmp_path / "async", *args, "checkpoint.async_mode=async", nproc=2)
+    assert asynchronous.losses == sync.losses
+    assert [p.name for p in committed_checkpoints(tmp_path / "async" / "checkpoints")] == \
+        ["step-00000006", "step-00000004", "step-00000002"]
+    resumed = train(tmp_path / "resumed", *args,
+                    f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step-00000004'}", nproc=2)
+    assert resumed.losses == sync.losses[4:], "the async checkpoint holds the state of step 4, not a later one"
+
+
+def test_metadata_with_foreign_pickle_is_refused(tmp_path):
+    source = tmp_path / "real"
+    train(source, *FAST, "train.steps=1")
+    checkpoint = next(iter(committed_checkpoints(source / "checkpoints")))
+    evil = tmp_path / "evil"
+    shutil.copytree(checkpoint, evil)
+
+    class Exploit:
+        def __reduce__(self):
+            import os
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    (evil / ".metadata").write_bytes(pickle.dumps(Exploit()))
+    with pytest.raises(pickle.UnpicklingError, match="not DCP metadata"):
+        SafeFileSystemReader(str(evil)).read_metadata()
+    assert not (tmp_path / "pwned").exists()
+    buffer = io.BytesIO()
+    pickle.dump(SafeFileSystemReader(str(checkpoint)).read_metadata(), buffer)  # the real one loads fine
