@@ -122,11 +122,13 @@ class Trainer:
             record = {"step": self.step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                       "lr": metrics["lr"], "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
                       "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device))}
-            sink.log(record, to_console=self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps)
             if checkpointer is not None:
                 checkpointer.poll()
                 if checkpointer.due(self.step):
+                    saving = time.perf_counter()
                     checkpointer.save(self.step)
+                    record["checkpoint_blocked_s"] = time.perf_counter() - saving  # training waited this long
+            sink.log(record, to_console=self.step % cfg.logging.log_every == 0 or self.step == cfg.train.steps)
         if checkpointer is not None:
             checkpointer.wait()
 

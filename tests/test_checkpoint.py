@@ -6,6 +6,7 @@ import pickle
 import shutil
 
 import pytest
+import torch
 from harness import FAST, train
 
 from composer3d.checkpoint import META_FILE, SafeFileSystemReader, committed_checkpoints
@@ -129,3 +130,22 @@ def test_metadata_with_foreign_pickle_is_refused(tmp_path):
     assert not (tmp_path / "pwned").exists()
     buffer = io.BytesIO()
     pickle.dump(SafeFileSystemReader(str(checkpoint)).read_metadata(), buffer)  # the real one loads fine
+
+
+@pytest.mark.parametrize("override, key", [
+    ("checkpoint.resume=/nonexistent/step-00000001", "checkpoint.resume"),
+    pytest.param("checkpoint.async_mode=async_pinned", "checkpoint.async_mode",
+                 marks=pytest.mark.skipif(torch.accelerator.is_available(), reason="pinned memory needs no accelerator")),
+    ("checkpoint.async_mode=later", "checkpoint.async_mode"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
+])
+def test_bad_checkpoint_settings_fail_fast_naming_the_key(tmp_path, override, key):
+    run = train(tmp_path, *FAST, "train.steps=2", override, check=False, timeout=120)
+    assert run.returncode == 2 and f"invalid configuration: {key}:" in run.output, run.output[-2000:]
+
+
+def test_resuming_with_another_model_shape_is_refused(tmp_path):
+    train(tmp_path, *FAST, "train.steps=2")
+    run = train(tmp_path, *FAST, "train.steps=4", "model.n_layers=3", check=False)
+    assert run.returncode == 2 and "invalid configuration: model: the checkpoint" in run.output
+    assert "n_layers" in run.output
