@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
@@ -38,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from composer3d.config import ConfigError
+from composer3d.config import ConfigError, ModelConfig
+from composer3d.models import build_model
 
 log = logging.getLogger("composer3d")
 
@@ -276,11 +278,7 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
-        saved_model, model = meta["config"].get("model"), self.config_dict["model"]
-        if saved_model is not None and saved_model != model:
-            changed = sorted(k for k in model if saved_model.get(k) != model.get(k))
-            raise ConfigError(f"model: the checkpoint {path} was trained with another model shape "
-                              f"(differs in {changed}). Resume with the same model config")
+        _check_same_shapes(meta["config"]["model"], self.config_dict["model"], path)
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)
@@ -297,6 +295,19 @@ class Checkpointer:
             set_rng_state(json.loads(rng_file.read_text()), t.device)
         log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
         return meta["step"]
+
+
+def _check_same_shapes(saved: dict, current: dict, path: Path) -> None:
+    """Refuse a checkpoint whose parameters have other names or shapes (fields like max_seq_len may change)."""
+    def shapes(model_cfg: dict) -> dict[str, tuple]:
+        model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), model_cfg))
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    before, now = shapes(saved), shapes(current)
+    if before != now:
+        differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "
+                          f"differ, e.g. {differing[:3]}). Resume with its model config (see {path / META_FILE})")
 
 
 class _KilledMidWrite(FileSystemWriter):

@@ -16,6 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from composer3d.parallel.pipeline import default_stages_per_rank, schedule_problem
 
 
 class ConfigError(ValueError):
@@ -60,6 +62,12 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 3
+    # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
+    # each microbatch would gather them again in forward and once more in backward. always | never override.
+    reshard_after_forward: str = "default"
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
+    pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
+    pp_stages_per_rank: int | None = None  # None: 1, or 2 for interleaved / looped / V-shaped schedules
 
 
 @dataclass
@@ -198,7 +206,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     tp, pp, dp = degrees["tp"], degrees["pp"], degrees["dp_replicate"] * degrees["dp_shard"]
 
     _check_model(m)
-    _require(pp == 1, "parallel.pp", f"pipeline parallel (pp={pp}) is not available yet", "Use parallel.pp=1")
+    _check_pipeline(cfg, pp, dp)
     _require(degrees["cp"] == 1, "parallel.cp", f"context parallel (cp={degrees['cp']}) is not available yet",
              "Use parallel.cp=1")
     _require(degrees["ep"] == 1, "parallel.ep", f"expert parallel (ep={degrees['ep']}) needs a mixture-of-experts "
@@ -259,6 +267,36 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              "Use 1 or more")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")
     return degrees
+
+
+def pipeline_microbatches(cfg: Any, dp: int) -> int:
+    t = cfg.train
+    return cfg.parallel.pp_microbatches or t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    _require(p.reshard_after_forward in ("default", "always", "never"), "parallel.reshard_after_forward",
+             f"unknown policy {p.reshard_after_forward!r}", "Choose default, always or never")
+    _require(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", f"unknown schedule {p.pp_schedule!r}",
+             f"Choose one of {list(PP_SCHEDULES)}")
+    if pp == 1:
+        return
+    stages_per_rank = p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
+    stages = pp * stages_per_rank
+    _require(stages <= m.n_layers, "parallel.pp", f"pp={pp} × pp_stages_per_rank={stages_per_rank} = {stages} stages "
+             f"but the model has {m.n_layers} layers (each stage needs at least one)",
+             "Lower parallel.pp or parallel.pp_stages_per_rank")
+    _require(not m.tie_embeddings, "model.tie_embeddings", "a tied head cannot be split from its embedding across "
+             "pipeline stages", "Use model.tie_embeddings=false with parallel.pp>1")
+    local_batch = t.global_batch_size // dp
+    microbatches = pipeline_microbatches(cfg, dp)
+    _require(microbatches >= 1 and local_batch % microbatches == 0, "parallel.pp_microbatches",
+             f"{microbatches} microbatches do not divide the {local_batch} sequences each data-parallel rank gets "
+             f"(global_batch_size {t.global_batch_size} / dp {dp})", f"Use a divisor of {local_batch}")
+    problem = schedule_problem(p.pp_schedule, pp, stages_per_rank, microbatches)
+    _require(problem is None, "parallel.pp_microbatches" if "microbatches" in (problem or "") else "parallel.pp_schedule",
+             str(problem), "Raise train.global_batch_size or parallel.pp_microbatches, or pick another schedule")
 
 
 def _check_model(m: Any) -> None:

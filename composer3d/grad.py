@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
@@ -23,14 +24,20 @@ def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure). Returns the norm."""
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+    """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure). Returns the norm.
+
+    Under pipeline parallel each rank holds only its stages' parameters: ``pp_group`` adds up the stages.
+    """
     groups = _grads_by_mesh(params)
     squares = []
     for grads in groups:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
+    if pp_group is not None:
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grads in groups:

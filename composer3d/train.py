@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from composer3d import distributed
 from composer3d.checkpoint import CheckpointError, Checkpointer
-from composer3d.config import ConfigError, register_configs, validate
+from composer3d.config import ConfigError, pipeline_microbatches, register_configs, validate
 from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
@@ -35,6 +35,7 @@ from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.optim import build_optimizer, build_scheduler
 from composer3d.parallel import parallelize
+from composer3d.parallel.pipeline import build_schedule
 
 log = logging.getLogger("composer3d")
 
@@ -46,45 +47,70 @@ class Trainer:
         spec = MODEL_REGISTRY[cfg.model.name]
         self.model = build_model(cfg.model)
         self.num_params = count_params(self.model)
-        parallelize(self.model, spec, mesh, p, cfg.precision)
-        materialize(self.model, device, t.seed)
+        stages = parallelize(self.model, spec, mesh, p, cfg.precision)
+        materialize(self.model, device, t.seed, fsdp_roots=stages)
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
                                                        zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps
         self.loader = GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed)
-        self.accumulation_steps = t.global_batch_size // (t.micro_batch_size * mesh.layout.dp)
+        self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
         # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
         self.loss_context = loss_parallel if mesh.layout.tp > 1 else contextlib.nullcontext
+        self.global_tokens = torch.ones((), device=device)
+        self.pipeline = None
+        if stages:
+            self.pipeline = build_schedule(stages, p.pp_schedule, self.accumulation_steps, mesh["pp"].get_group(),
+                                           device, self._loss)
+            self.runs_first_stage = any(stage.plan.is_first for stage in stages)
+            self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.step = 0
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """One microbatch's summed token loss over the global batch's token count (so microbatches add up)."""
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
+        if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
+            loss = loss.full_tensor()
+        return loss / self.global_tokens
 
     def _global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
         count = torch.tensor(float(targets.numel()), device=self.device)
         dist.all_reduce(count, group=self.mesh.loss.get_group())
         return count
 
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the step's loss (a sum of already-normalized microbatch losses)."""
+        total = torch.zeros((), device=self.device)
+        with self.loss_context():
+            if self.pipeline is not None:
+                losses: list[torch.Tensor] = []
+                args = (inputs,) if self.runs_first_stage else ()
+                self.pipeline.step(*args, target=targets, losses=losses)
+                for loss in losses if self.runs_last_stage else []:
+                    total += loss.detach()
+                return total
+            for inp, tgt in zip(inputs.chunk(self.accumulation_steps), targets.chunk(self.accumulation_steps)):
+                loss = self._loss(self.model(inp), tgt)
+                loss.backward()
+                total += loss.detach()
+        return total
+
     def train_step(self) -> dict:
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        global_tokens = self._global_token_count(targets)
-        loss_sum = torch.zeros((), device=self.device)
-        for inp, tgt in zip(inputs.chunk(self.accumulation_steps), targets.chunk(self.accumulation_steps)):
-            with self.loss_context():
-                logits = self.model(inp)
-                loss = F.cross_entropy(logits.flatten(0, 1), tgt.flatten(0, 1), reduction="sum")
-                if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
-                    loss = loss.full_tensor()
-                (loss / global_tokens).backward()
-            loss_sum += loss.detach()
-        dist.all_reduce(loss_sum, group=self.mesh.loss.get_group())
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.train.grad_clip)
+        self.global_tokens = self._global_token_count(targets)
+        loss = self._forward_backward(inputs, targets)
+        dist.all_reduce(loss, group=self.mesh.loss.get_group())
+        if self.pipeline is not None:  # only the last stage's ranks hold it; the others add zero
+            dist.all_reduce(loss, group=self.mesh["pp"].get_group())
+        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.train.grad_clip,
+                                    pp_group=self.mesh["pp"].get_group() if self.pipeline is not None else None)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"loss": (loss_sum / global_tokens).item(), "grad_norm": grad_norm.item(), "lr": lr,
-                "tokens": int(global_tokens.item())}
+        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": int(self.global_tokens.item())}
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""

@@ -29,7 +29,8 @@ VALIDATION_CASES = [
     ("unknown_optimizer", 4, ["optim.name=sgd"], ["optim.name", "'sgd'"]),
     ("unknown_dtype", 4, ["precision.param_dtype=float64"], ["precision.param_dtype", "'float64'"]),
     ("text_files_without_paths", 4, ["data=text_files"], ["data.paths"]),
-    ("pipeline_parallel", 4, ["parallel.pp=2"], ["parallel.pp", "not available"]),
+    ("context_parallel", 4, ["parallel.cp=2"], ["parallel.cp", "not available"]),
+    ("more_stages_than_layers", 4, ["parallel.pp=4"], ["parallel.pp", "4 stages"]),
     ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
 ]
 

@@ -8,7 +8,7 @@ from harness import spawn
 from omegaconf import OmegaConf
 
 from composer3d import distributed
-from composer3d.config import ModelConfig
+from composer3d.config import ModelConfig, ParallelConfig
 from composer3d.layout import Layout, ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.init import materialize
@@ -22,7 +22,8 @@ UNEVEN = dict(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_s
 
 def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero_stage, tie=False):
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN, {"tie_embeddings": tie})
-    parallel_cfg = OmegaConf.create({"sequence_parallel": sequence_parallel, "zero_stage": zero_stage})
+    parallel_cfg = OmegaConf.merge(OmegaConf.structured(ParallelConfig),
+                                   {"sequence_parallel": sequence_parallel, "zero_stage": zero_stage})
     precision_cfg = OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"})
     tokens = torch.randint(0, 514, (2, 16), generator=torch.Generator().manual_seed(1))
 
@@ -99,7 +100,8 @@ def _params_gathered_after_forward(rank, world_size, zero_stage, expect_gathered
     model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN)
     mesh = ParallelMesh(Layout(dp_shard=world_size), "cpu")
     model = build_model(model_cfg)
-    parallelize(model, MODEL_REGISTRY["llama"], mesh, OmegaConf.create({"sequence_parallel": False, "zero_stage": zero_stage}),
+    parallelize(model, MODEL_REGISTRY["llama"], mesh, OmegaConf.merge(OmegaConf.structured(ParallelConfig),
+                                                                      {"zero_stage": zero_stage}),
                 OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"}))
     materialize(model, torch.device("cpu"), seed=0)
     loss = model(torch.zeros(1, 8, dtype=torch.long)).sum()

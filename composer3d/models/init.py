@@ -56,9 +56,15 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``."""
+def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = ()) -> None:
+    """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
+
+    ``fsdp_roots``: FSDP roots outside the model's own tree (pipeline stage modules); FSDP re-registers the
+    sharded parameters it manages only when its own module is moved.
+    """
     model.to_empty(device=device)
+    for root in fsdp_roots:
+        root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
     for name, param in model.named_parameters():
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))

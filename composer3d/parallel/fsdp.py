@@ -30,7 +30,21 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy
     return MixedPrecisionPolicy(param_dtype=as_dtype(param_dtype), reduce_dtype=as_dtype(reduce_dtype))
 
 
-def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy) -> None:
+def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int) -> bool:
+    """ZeRO-3 frees gathered params after forward; under PP it keeps them, since every microbatch would gather
+    them twice (forward and backward) — memory of one stage's full params against 2×microbatches all-gathers."""
+    if policy != "default":
+        return policy == "always"
+    return zero_stage == 3 and pp == 1
+
+
+def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy,
+                        reshard_policy: str = "default", roots: list[nn.Module] | None = None) -> None:
+    """FSDP/DDP per block, then per root: the model, or under PP each stage module (embedding, norm, head).
+
+    Pipeline schedules drive FSDP through the stage module they run (unshard, reshard, gradient sync per
+    microbatch), so under PP each stage module is an FSDP root of its own.
+    """
     if replicates_params(mesh, zero_stage):
         # ZeRO-1 replicates over every data-parallel rank (and shards optimizer state over them: optim.py).
         replica_mesh = mesh.dp if zero_stage == 1 else mesh["dp_replicate"]
@@ -39,11 +53,14 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
     else:
         dp_mesh = mesh.hsdp if mesh.layout.dp_replicate > 1 else mesh.dp_shard_cp
         wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy)
-        wrap_block = partial(wrap, reshard_after_forward=zero_stage == 3)
+        wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
+            reshard_policy, zero_stage, mesh.layout.pp))
     for block in model.layers.values():
         wrap_block(block)
-    wrap(model)  # the root (embedding, final norm, head); FSDP keeps its params gathered for backward
-    for module in model.modules():
+    roots = roots or [model]
+    for root in roots:
+        wrap(root)  # embedding, final norm and head (those this rank kept); gathered through backward
+    for module in {m for root in roots for m in root.modules()}:
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global token count, so gradients are summed over ranks, not
             # averaged; plain SUM collectives (no PREMUL_SUM, which gloo lacks) and no extra scaling kernels.

@@ -13,6 +13,8 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
-    parallelize_module(model, tp_mesh, root_plan)
+    # A pipeline stage may have dropped the embedding or the head.
+    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items()
+                                        if getattr(model, name, None) is not None})
     # The plan replaced the embedding and the head weights one by one; a tied model must share them again.
     model.tie_weights()

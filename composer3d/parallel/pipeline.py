@@ -1,0 +1,161 @@
+"""Pipeline parallel with ``torch.distributed.pipelining``: a cost-balanced split by layer, stages per rank, schedules.
+
+The model keeps its own parameter names: each pp rank prunes the full (meta) model down to the layers of its
+stages (plus the embedding if it runs the first stage, the final norm and head if it runs the last), so
+checkpoints, init and optimizer state stay keyed by the same names as without PP. A stage is a thin view that
+calls the rank's model on a slice of layers (``model(x, layer_ids, embed, head)``). The split only needs the
+model protocol (``tok_embeddings``, ``layers`` ModuleDict, ``norm``, ``output``), nothing Llama-specific.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+# composer3d name → torch's schedule name
+SCHEDULES = {
+    "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV",
+}
+V_SHAPED = ("zbv", "dualpipev")  # rank r runs stages r and 2·pp−1−r, so the first and last stage share rank 0
+
+
+def is_multi_stage(schedule: str) -> bool:
+    return not issubclass(get_schedule_class(SCHEDULES[schedule]), PipelineScheduleSingle)
+
+
+def default_stages_per_rank(schedule: str) -> int:
+    return 2 if is_multi_stage(schedule) else 1
+
+
+def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why torch's schedule would refuse this combination (checked before any process group exists)."""
+    stages = pp * stages_per_rank
+    if not is_multi_stage(schedule) and stages_per_rank != 1:
+        return f"{schedule} runs one stage per rank, got pp_stages_per_rank={stages_per_rank}"
+    if schedule in V_SHAPED and stages_per_rank != 2:
+        return f"{schedule} places exactly 2 stages per rank (V shape), got pp_stages_per_rank={stages_per_rank}"
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        return f"{schedule} needs at least as many microbatches as stages ({stages}), got {microbatches}"
+    if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, microbatches // pp)
+        if microbatches % rounds:
+            return f"{schedule} needs microbatches ({microbatches}) to be a multiple of their rounds ({rounds})"
+    return None
+
+
+def stage_ids_of_rank(rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(stages_per_rank)]  # looped: stage s on rank s mod pp
+
+
+def layer_costs(model: nn.Module) -> list[float]:
+    """Relative cost of each block, with the embedding charged to the first and the head (+loss) to the last.
+
+    Parameter count is the proxy: it is what a matmul costs in FLOPs and what a stage holds in memory
+    (parameters, gradients, optimizer state), so a large-vocabulary head counts as several layers.
+    """
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    costs = [float(count(block)) for block in model.layers.values()]
+    costs[0] += count(model.tok_embeddings)
+    costs[-1] += count(model.norm) + count(model.output)
+    return costs
+
+
+def split_layers(costs: list[float], num_stages: int) -> list[range]:
+    """Contiguous, non-empty layer ranges, one per stage: the most expensive stage as cheap as possible (exact),
+    ties broken toward even stages (smaller sum of squared stage costs)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: (max stage cost, sum of squares) splitting the first i layers into s stages; cut: last start
+    worst = (math.inf, math.inf)
+    best = [[worst] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                segment = prefix[i] - prefix[j]
+                value = (max(best[s - 1][j][0], segment), best[s - 1][j][1] + segment**2)
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    ranges, end = [], n
+    for s in range(num_stages, 0, -1):
+        ranges.append(range(cut[s][end], end))
+        end = cut[s][end]
+    return ranges[::-1]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    num_stages: int
+    layer_ids: list[str]
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def plan_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[StagePlan]:
+    names = list(model.layers.keys())
+    ranges = split_layers(layer_costs(model), pp * stages_per_rank)
+    return [StagePlan(s, len(ranges), [names[i] for i in ranges[s]])
+            for s in stage_ids_of_rank(pp_rank, pp, stages_per_rank, schedule)]
+
+
+def prune_to_stages(model: nn.Module, stages: list[StagePlan]) -> None:
+    """Drop every module this rank's stages do not run (names of the rest stay as they were)."""
+    keep = {layer_id for stage in stages for layer_id in stage.layer_ids}
+    for layer_id in list(model.layers.keys()):
+        if layer_id not in keep:
+            del model.layers[layer_id]
+    if not any(stage.is_first for stage in stages):
+        model.tok_embeddings = None
+    if not any(stage.is_last for stage in stages):
+        model.norm = model.output = None
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: the rank's model run on this stage's slice.
+
+    Its children are exactly the stage's modules (shared with the model), so ``parameters()`` is the stage's —
+    zero-bubble schedules compute weight gradients from it — while the model itself is held without being
+    registered, and does the forward.
+    """
+
+    def __init__(self, model: nn.Module, plan: StagePlan):
+        super().__init__()
+        object.__setattr__(self, "_model", model)
+        self.plan = plan
+        self.layers = nn.ModuleList(model.layers[i] for i in plan.layer_ids)
+        if plan.is_first:
+            self.tok_embeddings = model.tok_embeddings
+        if plan.is_last:
+            self.norm, self.output = model.norm, model.output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._model(x, self.plan.layer_ids, embed=self.plan.is_first, head=self.plan.is_last)
+
+
+def build_schedule(stages: list[StageModule], schedule: str, microbatches: int, pp_group, device: torch.device,
+                   loss_fn):
+    pipeline_stages = [PipelineStage(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
+                       for stage in stages]
+    schedule_class = get_schedule_class(SCHEDULES[schedule])
+    # The loss is already divided by the global token count: gradients are summed over microbatches, not averaged.
+    if issubclass(schedule_class, PipelineScheduleSingle):
+        return schedule_class(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
