@@ -103,7 +103,8 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
     trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device,
                       build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0))
     busy: list[float] = []
-    for stage in trainer.pipeline._stages:
+    stages = getattr(trainer.pipeline, "_stages", None) or [trainer.pipeline._stage]  # multi- or single-stage
+    for stage in stages:
         _instrument(stage, busy)
     meter = SavedTensorMeter()
     idle = []
@@ -117,8 +118,7 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
         trainer.zero_grad()
         if step > 0:  # warm-up: shape inference, lazy init
             idle.append(1 - sum(busy) / elapsed)
-    stages_per_rank = len(trainer.pipeline._stages)
-    results[(schedule, rank)] = (sum(idle) / len(idle), meter.peak, stages_per_rank)
+    results[(schedule, rank)] = (sum(idle) / len(idle), meter.peak, len(stages))
     dist.destroy_process_group()
 
 

@@ -181,7 +181,7 @@ class Checkpointer:
         meta = {"format": FORMAT_VERSION, "step": step, "model_only": model_only, "config": self.config_dict,
                 "layout": t.mesh.layout.as_dict(), "world_size": dist.get_world_size()}
         if not model_only:
-            meta.update({"data": t.loader.state_dict(), "scheduler": t.scheduler.state_dict()})
+            meta.update({"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())})
         return meta
 
     # -- saving
@@ -289,12 +289,26 @@ class Checkpointer:
         set_model_state_dict(t.model, state["model"])
         t.load_optimizer_state_dict(state["optim"])
         t.loader.load_state_dict(meta["data"])
-        t.scheduler.load_state_dict(meta["scheduler"])
+        scheduler_state = meta["scheduler"]
+        if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
+            scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
+        t.scheduler.load_state_dict(scheduler_state)
         rng_file = path / "rng" / f"rank{self.rank}.json"
         if meta["world_size"] == dist.get_world_size() and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), t.device)
         log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
         return meta["step"]
+
+
+def _jsonable(value: Any) -> Any:
+    """Scheduler state as plain JSON: tensors (torchao keeps learning rates as tensors) become numbers."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
 
 
 def _check_same_shapes(saved: dict, current: dict, path: Path) -> None:

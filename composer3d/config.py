@@ -65,15 +65,36 @@ class ParallelConfig:
     # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
     # each microbatch would gather them again in forward and once more in backward. always | never override.
     reshard_after_forward: str = "default"
+    offload: str = "none"  # none | cpu: FSDP keeps params, grads and the optimizer step on the CPU (ZeRO-Offload)
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
     pp_stages_per_rank: int | None = None  # None: 1, or 2 for interleaved / looped / V-shaped schedules
 
 
 @dataclass
+class Float8Config:
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise (torchao)
+
+
+@dataclass
 class PrecisionConfig:
-    param_dtype: str = "float32"
-    reduce_dtype: str = "float32"
+    param_dtype: str = "auto"  # compute dtype of params: auto = bfloat16 on an accelerator, float32 on the CPU
+    reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
+    loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
+    loss_scale_growth_interval: int = 2000
+    float8: Float8Config = field(default_factory=Float8Config)
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
 
 
 @dataclass
@@ -138,6 +159,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -154,8 +177,9 @@ def register_configs() -> None:
 # ---------------------------------------------------------------------------------------------- validation
 
 DTYPES = ("float32", "bfloat16", "float16")
+PARAM_DTYPES = ("auto", *DTYPES)
 SCHEDULES = ("cosine", "linear", "constant")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
 DATASETS = ("stdlib", "synthetic", "text_files")
 ASYNC_MODES = ("none", "async", "async_pinned")
 
@@ -244,9 +268,36 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              f"must be two numbers in [0, 1), got {list(o.betas)}", "Use e.g. [0.9,0.95]")
     _require(0 <= o.warmup_steps, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}", "Use 0 for none")
 
-    for key in ("param_dtype", "reduce_dtype"):
+    for key, allowed in (("param_dtype", PARAM_DTYPES), ("reduce_dtype", DTYPES)):
         value = getattr(cfg.precision, key)
-        _require(value in DTYPES, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {DTYPES}")
+        _require(value in allowed, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {allowed}")
+    _require(cfg.precision.float8.recipe in ("tensorwise", "rowwise"), "precision.float8.recipe",
+             f"unknown recipe {cfg.precision.float8.recipe!r}", "Choose tensorwise or rowwise")
+    _require(cfg.precision.loss_scale_init > 0 and cfg.precision.loss_scale_growth_interval >= 1,
+             "precision.loss_scale_init", "the loss scale must be > 0 and its growth interval >= 1",
+             "Use e.g. loss_scale_init=65536 loss_scale_growth_interval=2000")
+    _require(not (cfg.precision.float8.enabled and cfg.precision.float8.recipe == "rowwise" and tp > 1),
+             "precision.float8.recipe", "rowwise float8 has no tensor-parallel styles in torchao",
+             "Use precision.float8.recipe=tensorwise with parallel.tp>1")
+    _require(o.name == "adamw" or p.zero_stage != 1, "optim.name", f"{o.name} keeps quantized state that ZeRO-1's "
+             "slicing cannot cut", "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)")
+    _require(not (o.name == "adamw_4bit" and t.deterministic), "optim.name", "torchao's 4-bit AdamW step fails "
+             "under torch.use_deterministic_algorithms (train.deterministic=true)",
+             "Use optim.name=adamw_8bit, or train.deterministic=false")
+    mem = cfg.memory
+    _require(mem.activation_checkpointing in ("none", "full", "selective"), "memory.activation_checkpointing",
+             f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
+    _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
+             "0 = op-level selective; k = checkpoint every k-th block")
+    zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")
+    _require(not (mem.activation_checkpointing != "none" and pp > 1 and p.pp_schedule in zero_bubble),
+             "memory.activation_checkpointing", f"cannot be combined with {p.pp_schedule}, whose split backward "
+             "(input and weight gradients at different times) re-enters the checkpointed region twice",
+             "Use parallel.pp_schedule=1f1b or interleaved_1f1b with activation checkpointing")
+    _require(p.offload in ("none", "cpu"), "parallel.offload", f"unknown offload {p.offload!r}", "Choose none or cpu")
+    _require(p.offload == "none" or p.zero_stage != 1, "parallel.offload",
+             "CPU offload is FSDP's (it offloads the shards it owns); ZeRO-1 keeps replicated params",
+             "Use parallel.zero_stage=2 or 3 with parallel.offload=cpu")
     _require(cfg.data.name in DATASETS, "data.name", f"unknown dataset {cfg.data.name!r}", f"Choose one of {DATASETS}")
     if cfg.data.name == "text_files":
         _require(len(cfg.data.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
@@ -267,6 +318,19 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              "Use 1 or more")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")
     return degrees
+
+
+def validate_for_device(cfg: Any, degrees: dict[str, int], device_type: str) -> None:
+    """What only fails on some devices (checked on every rank once the device is known, before any collective)."""
+    if device_type != "cpu":
+        return
+    _require(cfg.checkpoint.async_mode != "async_pinned", "checkpoint.async_mode", "async_pinned stages into pinned "
+             "host memory, which needs an accelerator; this run is on the CPU", "Use checkpoint.async_mode=async")
+    _require(not (cfg.compile.enabled and degrees["tp"] > 1), "compile.enabled", "torch.compile of tensor-parallel "
+             "blocks gives wrong gradients on the CPU backend in torch 2.13 (the loss leaves the uncompiled curve "
+             "from the second step)", "Use compile.enabled=false with parallel.tp>1 on CPU")
+    _require(cfg.optim.name != "adamw_fp8", "optim.name", "torchao 0.18's AdamWFp8 fails on the CPU (its compiled "
+             "step looks for an attribute its float8 state lacks)", "Use optim.name=adamw_8bit on CPU")
 
 
 def pipeline_microbatches(cfg: Any, dp: int) -> int:

@@ -19,7 +19,12 @@ log = logging.getLogger("composer3d")
 
 
 def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank stores for ``t``: its shard, and for tensor subclasses (torchao's quantized optimizer
+    state, float8 weights) the bytes of the tensors inside, not the logical dtype."""
     local = t.to_local() if isinstance(t, DTensor) else t
+    if hasattr(local, "__tensor_flatten__"):
+        inner_names, _ = local.__tensor_flatten__()
+        return sum(local_bytes(getattr(local, name)) for name in inner_names)
     return local.numel() * local.element_size()
 
 

@@ -23,10 +23,20 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None
         {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": cfg.weight_decay},
         {"params": [t for t, d in zip(targets, decays) if not d], "weight_decay": 0.0},
     ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    optimizer = optimizer_class(cfg.name)([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas),
+                                          eps=cfg.eps)
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder
+
+
+def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
+    """AdamW, or torchao's low-bit AdamW whose moments are stored in 8 bit, 4 bit or float8 (block-quantized)."""
+    if name == "adamw":
+        return torch.optim.AdamW
+    from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8
+
+    return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit, "adamw_fp8": AdamWFp8}[name]
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from composer3d import distributed
 from composer3d.checkpoint import CheckpointError, Checkpointer
-from composer3d.config import ConfigError, pipeline_microbatches, register_configs, validate
+from composer3d.config import ConfigError, pipeline_microbatches, register_configs, validate, validate_for_device
 from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
@@ -36,6 +36,7 @@ from composer3d.models.init import materialize
 from composer3d.optim import build_optimizer, build_scheduler
 from composer3d.parallel import parallelize
 from composer3d.parallel.pipeline import build_schedule
+from composer3d.precision import DynamicLossScaler
 
 log = logging.getLogger("composer3d")
 
@@ -47,7 +48,7 @@ class Trainer:
         spec = MODEL_REGISTRY[cfg.model.name]
         self.model = build_model(cfg.model)
         self.num_params = count_params(self.model)
-        stages = parallelize(self.model, spec, mesh, p, cfg.precision)
+        stages = parallelize(self.model, spec, mesh, cfg, device)
         materialize(self.model, device, t.seed, fsdp_roots=stages)
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
@@ -59,6 +60,10 @@ class Trainer:
         # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
         self.loss_context = loss_parallel if mesh.layout.tp > 1 else contextlib.nullcontext
         self.global_tokens = torch.ones((), device=device)
+        self.scaler = None
+        if cfg.precision.param_dtype == "float16":  # fp16's narrow range needs loss scaling; bf16 does not
+            self.scaler = DynamicLossScaler(cfg.precision.loss_scale_init, cfg.precision.loss_scale_growth_interval,
+                                            device)
         self.pipeline = None
         if stages:
             self.pipeline = build_schedule(stages, p.pp_schedule, self.accumulation_steps, mesh["pp"].get_group(),
@@ -72,7 +77,8 @@ class Trainer:
         loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
         if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
             loss = loss.full_tensor()
-        return loss / self.global_tokens
+        loss = loss.float() / self.global_tokens
+        return self.scaler.scale_loss(loss) if self.scaler else loss
 
     def _global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
         count = torch.tensor(float(targets.numel()), device=self.device)
@@ -100,17 +106,27 @@ class Trainer:
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
         inputs, targets = batch[:, :-1], batch[:, 1:]
         self.global_tokens = self._global_token_count(targets)
-        loss = self._forward_backward(inputs, targets)
+        scale = self.scaler.scale if self.scaler else 1.0
+        loss = self._forward_backward(inputs, targets) / scale
         dist.all_reduce(loss, group=self.mesh.loss.get_group())
         if self.pipeline is not None:  # only the last stage's ranks hold it; the others add zero
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
-        grad_norm = clip_grad_norm_(list(self.model.parameters()), self.cfg.train.grad_clip,
+        params = list(self.model.parameters())
+        stepped = self.scaler.unscale_or_skip(params) if self.scaler else True
+        if not stepped:
+            log.info("step %d: fp16 gradients overflowed; update skipped, loss scale now %g",
+                     self.step + 1, self.scaler.scale)
+        grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip,
                                     pp_group=self.mesh["pp"].get_group() if self.pipeline is not None else None)
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        lr = float(self.scheduler.get_last_lr()[0])  # torchao's optimizers keep lr as a tensor
+        if stepped:  # an fp16 overflow skips the update on every rank alike (the LR schedule still advances)
+            self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": int(self.global_tokens.item())}
+        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": int(self.global_tokens.item())}
+        if self.scaler:
+            metrics.update(loss_scale=scale, skipped_steps=self.scaler.skipped_steps)
+        return metrics
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
@@ -147,7 +163,8 @@ class Trainer:
             elapsed = time.perf_counter() - start
             record = {"step": self.step, "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                       "lr": metrics["lr"], "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
-                      "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device))}
+                      "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device)),
+                      **{k: metrics[k] for k in ("loss_scale", "skipped_steps") if k in metrics}}
             if checkpointer is not None:
                 checkpointer.poll()
                 if checkpointer.due(self.step):
@@ -165,9 +182,9 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     distributed.setup_logging(env.rank if env else 0)
     degrees = validate(cfg, world_size)
     device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
-    if cfg.checkpoint.async_mode == "async_pinned" and device.type == "cpu":
-        raise ConfigError("checkpoint.async_mode: async_pinned stages into pinned host memory, which needs an "
-                          "accelerator; this run is on the CPU. Use checkpoint.async_mode=async")
+    validate_for_device(cfg, degrees, device.type)
+    if cfg.precision.param_dtype == "auto":  # bf16 compute where it is fast; fp32 on the CPU
+        cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

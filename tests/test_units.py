@@ -8,7 +8,7 @@ from harness import spawn
 from omegaconf import OmegaConf
 
 from composer3d import distributed
-from composer3d.config import ModelConfig, ParallelConfig
+from composer3d.config import TrainConfig
 from composer3d.layout import Layout, ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.init import materialize
@@ -20,11 +20,16 @@ UNEVEN = dict(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_s
               max_seq_len=64, rope_theta=10000.0)
 
 
+def _train_config(overrides: dict):
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), overrides)
+    cfg.precision.param_dtype = "float32"
+    return cfg
+
+
 def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero_stage, tie=False):
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN, {"tie_embeddings": tie})
-    parallel_cfg = OmegaConf.merge(OmegaConf.structured(ParallelConfig),
-                                   {"sequence_parallel": sequence_parallel, "zero_stage": zero_stage})
-    precision_cfg = OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"})
+    cfg = _train_config({"model": {**UNEVEN, "tie_embeddings": tie},
+                         "parallel": {"sequence_parallel": sequence_parallel, "zero_stage": zero_stage}})
+    model_cfg = cfg.model
     tokens = torch.randint(0, 514, (2, 16), generator=torch.Generator().manual_seed(1))
 
     reference = build_model(model_cfg)
@@ -33,7 +38,7 @@ def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero
 
     mesh = ParallelMesh(layout, "cpu")
     model = build_model(model_cfg)
-    parallelize(model, MODEL_REGISTRY["llama"], mesh, parallel_cfg, precision_cfg)
+    parallelize(model, MODEL_REGISTRY["llama"], mesh, cfg, torch.device("cpu"))
     materialize(model, torch.device("cpu"), seed=7)
     logits = model(tokens)
     logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
@@ -97,12 +102,10 @@ def test_single_slurm_task_is_not_a_job(monkeypatch):
 def _params_gathered_after_forward(rank, world_size, zero_stage, expect_gathered):
     from torch.distributed.tensor import DTensor
 
-    model_cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), UNEVEN)
+    cfg = _train_config({"model": UNEVEN, "parallel": {"zero_stage": zero_stage}})
     mesh = ParallelMesh(Layout(dp_shard=world_size), "cpu")
-    model = build_model(model_cfg)
-    parallelize(model, MODEL_REGISTRY["llama"], mesh, OmegaConf.merge(OmegaConf.structured(ParallelConfig),
-                                                                      {"zero_stage": zero_stage}),
-                OmegaConf.create({"param_dtype": "float32", "reduce_dtype": "float32"}))
+    model = build_model(cfg.model)
+    parallelize(model, MODEL_REGISTRY["llama"], mesh, cfg, torch.device("cpu"))
     materialize(model, torch.device("cpu"), seed=0)
     loss = model(torch.zeros(1, 8, dtype=torch.long)).sum()
     # FSDP2 swaps a block's sharded DTensor params for plain gathered tensors while they are unsharded.

@@ -20,8 +20,8 @@ from composer3d.models import llama
 class ModelSpec:
     name: str
     build: Callable[[Any], nn.Module]
-    # (model, sequence_parallel) -> (plan for root modules, plan for each block)
-    tensor_parallel_plan: Callable[[nn.Module, bool], tuple[dict, dict]]
+    # (model, sequence_parallel, float8) -> (plan for root modules, plan for each block)
+    tensor_parallel_plan: Callable[[nn.Module, bool, bool], tuple[dict, dict]]
     # Sizes that tensor parallel splits, for validation: (config key, value) pairs
     tp_split_sizes: Callable[[Any], list[tuple[str, int]]]
 

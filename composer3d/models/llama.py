@@ -141,36 +141,45 @@ class Llama(nn.Module):
         return self.output(self.norm(h)) if head else h
 
 
-def tensor_parallel_plan(model: Llama, sequence_parallel: bool) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+def tensor_parallel_plan(model: Llama, sequence_parallel: bool, float8: bool = False
+                         ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """Megatron splits: (plan for the root modules, plan applied to every block).
 
     Column-parallel q/k/v and w1/w3, row-parallel wo and w2; a vocab-parallel embedding; a column-parallel head
     whose output stays sharded on the vocab dim (a DTensor) so the loss runs under ``loss_parallel`` without
     gathering full-vocabulary logits. With sequence parallel the residual stream and the norms hold a slice of
-    the sequence; attention and MLP inputs are all-gathered on entry and reduce-scattered on exit.
+    the sequence; attention and MLP inputs are all-gathered on entry and reduce-scattered on exit. With float8
+    the block's layers use torchao's float8 styles (the all-gathers then move float8 activations).
     """
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel as Colwise,
+            Float8RowwiseParallel as Rowwise,
+            PrepareFloat8ModuleInput as PrepareInput,
+        )
+    else:
+        Colwise, Rowwise, PrepareInput = ColwiseParallel, RowwiseParallel, PrepareModuleInput
     residual = Shard(1) if sequence_parallel else Replicate()
     root: dict[str, ParallelStyle] = {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
         "output": ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False),
     }
     block: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=residual),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "attention.wq": Colwise(),
+        "attention.wk": Colwise(),
+        "attention.wv": Colwise(),
+        "attention.wo": Rowwise(output_layouts=residual),
+        "feed_forward.w1": Colwise(),
+        "feed_forward.w3": Colwise(),
+        "feed_forward.w2": Rowwise(output_layouts=residual),
     }
     if sequence_parallel:
         root["norm"] = SequenceParallel()
         block.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention": PrepareInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return root, block
 

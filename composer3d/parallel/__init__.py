@@ -1,24 +1,30 @@
 """``parallelize``: the one function that knows the composition order.
 
-1. pipeline split (this rank keeps its stages' layers), 2. tensor/sequence parallel, 3. float8 (not yet), 4. activation checkpointing
-(not yet), 5. compile (not yet), 6. FSDP2 per block, then the root. TP comes before FSDP so FSDP shards the
-DTensor params TP produced over the data-parallel dims (2-D DTensors).
+1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel,
+4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root. TP comes before FSDP so
+FSDP shards the DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP
+because torchao's float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
+from composer3d.parallel.activation import apply_activation_checkpointing
+from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, parallel_cfg, precision_cfg
+def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, device: torch.device
                 ) -> list[StageModule]:
-    """Parallelize ``model`` in place; returns the pipeline stage modules this rank runs ([] without PP)."""
+    """Parallelize ``model`` in place per ``cfg`` (a TrainConfig); returns this rank's pipeline stage modules
+    ([] without PP). ``cfg.precision.param_dtype`` must be resolved (not "auto")."""
+    parallel_cfg, precision_cfg = cfg.parallel, cfg.precision
     stages: list[StageModule] = []
     if mesh.layout.pp > 1:
         schedule = parallel_cfg.pp_schedule
@@ -26,9 +32,18 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, parallel_
                             parallel_cfg.pp_stages_per_rank or default_stages_per_rank(schedule), schedule)
         prune_to_stages(model, plans)
         stages = [StageModule(model, plan) for plan in plans]
+    float8 = precision_cfg.float8.enabled
+    if float8:
+        convert_to_float8(model, precision_cfg.float8.recipe, device, fsdp_float8_all_gather=mesh.layout.dp_shard > 1)
     if mesh.layout.tp > 1:
-        apply_tensor_parallel(model, spec, mesh["tp"], parallel_cfg.sequence_parallel)
+        # float8 TP styles all-gather float8 tensors, which gloo cannot carry: plain styles on the CPU.
+        apply_tensor_parallel(model, spec, mesh["tp"], parallel_cfg.sequence_parallel,
+                              float8=float8 and precision_cfg.float8.recipe == "tensorwise" and device.type != "cpu")
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every)
+    if cfg.compile.enabled:
+        for block in model.layers.values():
+            block.compile()  # in place: parameter names unchanged
     apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
                         mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
-                        parallel_cfg.reshard_after_forward, roots=list(stages))
+                        parallel_cfg.reshard_after_forward, roots=list(stages), offload=parallel_cfg.offload == "cpu")
     return stages

@@ -13,7 +13,7 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from composer3d.layout import ParallelMesh
 
@@ -39,7 +39,8 @@ def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int) -> bool:
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy,
-                        reshard_policy: str = "default", roots: list[nn.Module] | None = None) -> None:
+                        reshard_policy: str = "default", roots: list[nn.Module] | None = None,
+                        offload: bool = False) -> None:
     """FSDP/DDP per block, then per root: the model, or under PP each stage module (embedding, norm, head).
 
     Pipeline schedules drive FSDP through the stage module they run (unshard, reshard, gradient sync per
@@ -52,7 +53,9 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
         wrap_block = wrap
     else:
         dp_mesh = mesh.hsdp if mesh.layout.dp_replicate > 1 else mesh.dp_shard_cp
-        wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy)
+        # ZeRO-Offload: sharded params, grads and the optimizer step live in host memory.
+        offload_policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if offload else OffloadPolicy()
+        wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
         wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
             reshard_policy, zero_stage, mesh.layout.pp))
     for block in model.layers.values():

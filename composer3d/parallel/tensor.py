@@ -9,8 +9,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 from composer3d.models import ModelSpec
 
 
-def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel)
+def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          float8: bool = False) -> None:
+    root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel, float8)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
     # A pipeline stage may have dropped the embedding or the head.

@@ -1,0 +1,56 @@
+"""Activation checkpointing per block, with the composable API (hooks; parameter names unchanged).
+
+``full``: every block recomputes its forward in backward. ``selective`` with ``ac_every=k`` (k ≥ 1): layer-level,
+every k-th block fully recomputed, the others keep their activations. ``selective`` with ``ac_every=0``:
+op-level, every block keeps the outputs of the expensive ops (matmuls, attention, and the collectives TP
+runs) and recomputes the cheap elementwise ones (norms, activations, RoPE).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+aten = torch.ops.aten
+
+
+def _save_list() -> set:
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
+    for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+                 "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
+        if hasattr(aten, name):
+            ops.add(getattr(aten, name).default)
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):  # TP's: don't redo comms
+        ops.add(getattr(torch.ops._c10d_functional, name).default)
+    return ops
+
+
+SAVE_OPS = _save_list()
+
+
+def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _op_level_context():
+    return create_selective_checkpoint_contexts(_op_policy)
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
+    """Checkpoint the blocks per ``mode``; returns how many blocks were wrapped."""
+    if mode == "none":
+        return 0
+    wrapped = 0
+    for layer_id, block in model.layers.items():
+        if mode == "full" or (every >= 1 and int(layer_id) % every == 0):
+            checkpoint(block, preserve_rng_state=False)
+        elif every == 0:
+            checkpoint(block, preserve_rng_state=False, context_fn=partial(_op_level_context))
+        else:
+            continue
+        wrapped += 1
+    return wrapped
