@@ -281,9 +281,6 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              "Use precision.float8.recipe=tensorwise with parallel.tp>1")
     _require(o.name == "adamw" or p.zero_stage != 1, "optim.name", f"{o.name} keeps quantized state that ZeRO-1's "
              "slicing cannot cut", "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)")
-    _require(not (o.name == "adamw_4bit" and t.deterministic), "optim.name", "torchao's 4-bit AdamW step fails "
-             "under torch.use_deterministic_algorithms (train.deterministic=true)",
-             "Use optim.name=adamw_8bit, or train.deterministic=false")
     mem = cfg.memory
     _require(mem.activation_checkpointing in ("none", "full", "selective"), "memory.activation_checkpointing",
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
@@ -329,8 +326,6 @@ def validate_for_device(cfg: Any, degrees: dict[str, int], device_type: str) -> 
     _require(not (cfg.compile.enabled and degrees["tp"] > 1), "compile.enabled", "torch.compile of tensor-parallel "
              "blocks gives wrong gradients on the CPU backend in torch 2.13 (the loss leaves the uncompiled curve "
              "from the second step)", "Use compile.enabled=false with parallel.tp>1 on CPU")
-    _require(cfg.optim.name != "adamw_fp8", "optim.name", "torchao 0.18's AdamWFp8 fails on the CPU (its compiled "
-             "step looks for an attribute its float8 state lacks)", "Use optim.name=adamw_8bit on CPU")
 
 
 def pipeline_microbatches(cfg: Any, dp: int) -> int:

@@ -34,8 +34,15 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     """AdamW, or torchao's low-bit AdamW whose moments are stored in 8 bit, 4 bit or float8 (block-quantized)."""
     if name == "adamw":
         return torch.optim.AdamW
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
     from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8
 
+    # torchao compiles its optimizer step over quantized-state subclasses; with torch 2.13 the on-disk inductor
+    # caches hand back a graph compiled for other parameter shapes ("wrong number of dimensions" asserts, or a
+    # missing attribute for fp8 state). Compiling afresh in each process avoids that.
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
     return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit, "adamw_fp8": AdamWFp8}[name]
 
 

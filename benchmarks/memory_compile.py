@@ -1,0 +1,114 @@
+"""Effect of the memory switches, measured side by side in one run (one process, CPU or accelerator).
+
+    python benchmarks/memory_compile.py [--steps 4]
+
+For the tiny model and a larger CPU-feasible one (dim 512, 8 layers, seq 256) it prints
+  - peak activation memory with activation checkpointing none / selective (op-level) / selective (every 2nd
+    block) / full — torch's FSDP memory tracker (``FSDPMemTracker``: tensors by category, works on CPU);
+  - model-state bytes (params + grads + optimizer state) with adamw vs adamw_8bit;
+  - mean step time without and with ``compile.enabled`` (first steps excluded: compilation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_module
+
+from composer3d.config import register_configs, validate
+from composer3d.data import build_sequences
+from composer3d.distributed import resolve_device
+from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.metrics import model_state_bytes
+from composer3d.train import Trainer
+
+MODELS = {
+    "tiny": ["model=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=8"],
+    "dim512x8": ["model=tiny", "model.dim=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+                 "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=4"],
+}
+
+
+def trainer_for(overrides: list[str]) -> Trainer:
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=["data=synthetic", "run.dir=unused", "checkpoint.enabled=false", *overrides])
+    degrees = validate(cfg, 1)
+    device = resolve_device("auto")
+    cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0)
+    return Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+
+
+def peak_activation_bytes(overrides: list[str]) -> int:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    trainer = trainer_for(overrides)
+    trainer.train_step()  # optimizer state exists, like in a steady-state step
+    trainer.zero_grad()
+    tracker = FSDPMemTracker(mod=trainer.model, optm=trainer.optimizer)
+    tracker.track_inputs(())
+    with tracker:
+        trainer.train_step()
+        trainer.zero_grad()
+    peaks = tracker.get_tracker_snapshot("peak")
+    return max(int(sum(v for k, v in stats.items() if "ACT" in str(k))) for stats in peaks.values())
+
+
+def state_bytes(overrides: list[str]) -> int:
+    trainer = trainer_for(overrides)
+    trainer.train_step()
+    return model_state_bytes(trainer.model, trainer.optimizer)
+
+
+def step_seconds(overrides: list[str], steps: int) -> float:
+    trainer = trainer_for(overrides)
+    times = []
+    for _ in range(steps + 2):
+        start = time.perf_counter()
+        trainer.train_step()
+        trainer.zero_grad()
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times[2:])
+
+
+def in_fresh_process(fn, *args):
+    """Each measurement in its own process: compiled graphs (ours, torchao's optimizer step) and allocator
+    state of one model must not leak into the next."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_run, (fn.__name__, *args))
+
+
+def _run(name: str, *args):
+    register_configs()
+    dist.init_process_group(dist.get_default_backend_for_device(resolve_device("auto")), store=dist.HashStore(),
+                            rank=0, world_size=1)
+    try:
+        return globals()[name](*args)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args()
+    mib = 2**20
+    for name, model in MODELS.items():
+        print(f"== {name}")
+        for label, ac in (("none", []), ("selective (op)", ["memory.activation_checkpointing=selective"]),
+                          ("selective (every 2nd)", ["memory.activation_checkpointing=selective", "memory.ac_every=2"]),
+                          ("full", ["memory.activation_checkpointing=full"])):
+            print(f"  activation checkpointing {label:<22} peak activations {in_fresh_process(peak_activation_bytes, model + ac) / mib:8.1f} MiB")
+        for opt in ("adamw", "adamw_8bit"):
+            print(f"  optimizer {opt:<11} model state {in_fresh_process(state_bytes, model + [f'optim.name={opt}']) / mib:8.2f} MiB")
+        plain = in_fresh_process(step_seconds, model, args.steps)
+        compiled = in_fresh_process(step_seconds, model + ["compile.enabled=true"], args.steps)
+        print(f"  step time eager {plain:.3f} s, compiled {compiled:.3f} s (ratio {compiled / plain:.2f})")
+
+
+if __name__ == "__main__":
+    main()
