@@ -133,6 +133,7 @@ class LoggingConfig:
     wandb_project: str = "composer3d"
     tensorboard: bool = False
     progress_bar: bool = True
+    memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
 
 
 @dataclass
@@ -286,6 +287,8 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
     _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
              "0 = op-level selective; k = checkpoint every k-th block")
+    _require(not (cfg.logging.memory_breakdown and pp > 1), "logging.memory_breakdown", "the memory tracker follows "
+             "one FSDP root, and a pipeline rank has one per stage", "Use it with parallel.pp=1")
     zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")
     _require(not (mem.activation_checkpointing != "none" and pp > 1 and p.pp_schedule in zero_bubble),
              "memory.activation_checkpointing", f"cannot be combined with {p.pp_schedule}, whose split backward "

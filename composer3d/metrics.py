@@ -5,6 +5,7 @@ Only rank 0 writes; every rank computes, so the values (already reduced across t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import resource
@@ -36,6 +37,26 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
     total += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor))
     return total
+
+
+@contextlib.contextmanager
+def memory_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer):
+    """Peak bytes per category (PARAM, GRAD, ACT, OPT, TEMP, …) on this rank while the block runs.
+
+    torch's FSDP memory tracker counts every tensor as it is allocated (a dispatch mode plus module hooks), so
+    it works on the CPU, where there are no allocator statistics; it slows the step down, so it measures one.
+    """
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    tracker = FSDPMemTracker(mod=model, optm=optimizer)
+    tracker.track_inputs(())
+    result: dict[str, int] = {}
+    with tracker:
+        yield result, tracker  # call tracker.reset_mod_stats() between micro-batches (it follows one pass)
+    for stats in tracker.get_tracker_snapshot("peak").values():
+        for category, value in stats.items():
+            name = str(category).split(".")[-1]
+            result[name] = max(result.get(name, 0), int(value))
 
 
 def max_over_ranks(value: int | float, device: torch.device) -> float:

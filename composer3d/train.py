@@ -30,7 +30,7 @@ from composer3d.config import ConfigError, pipeline_microbatches, register_confi
 from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.metrics import MetricsSink, max_over_ranks, model_state_bytes, peak_memory_bytes
+from composer3d.metrics import MetricsSink, max_over_ranks, memory_breakdown, model_state_bytes, peak_memory_bytes
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.optim import build_optimizer, build_scheduler
@@ -60,6 +60,7 @@ class Trainer:
         # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
         self.loss_context = loss_parallel if mesh.layout.tp > 1 else contextlib.nullcontext
         self.global_tokens = torch.ones((), device=device)
+        self.memory_tracker = None  # set while logging.memory_breakdown measures a step
         self.scaler = None
         if cfg.precision.param_dtype == "float16":  # fp16's narrow range needs loss scaling; bf16 does not
             self.scaler = DynamicLossScaler(cfg.precision.loss_scale_init, cfg.precision.loss_scale_growth_interval,
@@ -96,7 +97,10 @@ class Trainer:
                 for loss in losses if self.runs_last_stage else []:
                     total += loss.detach()
                 return total
-            for inp, tgt in zip(inputs.chunk(self.accumulation_steps), targets.chunk(self.accumulation_steps)):
+            for i, (inp, tgt) in enumerate(zip(inputs.chunk(self.accumulation_steps),
+                                               targets.chunk(self.accumulation_steps))):
+                if i and self.memory_tracker is not None:
+                    self.memory_tracker.reset_mod_stats()
                 loss = self._loss(self.model(inp), tgt)
                 loss.backward()
                 total += loss.detach()
@@ -154,7 +158,17 @@ class Trainer:
         }
         while self.step < cfg.train.steps:
             start = time.perf_counter()
-            metrics = self.train_step()
+            # The second step is the steady state (optimizer state exists): measure it when asked.
+            measure = cfg.logging.memory_breakdown and "model_state_bytes_per_rank" in run_info \
+                and "memory_breakdown_bytes_per_rank" not in run_info
+            with memory_breakdown(self.model, self.optimizer) if measure else contextlib.nullcontext(({}, None)) \
+                    as (breakdown, self.memory_tracker):
+                metrics = self.train_step()
+            self.memory_tracker = None
+            if measure:
+                run_info["memory_breakdown_bytes_per_rank"] = {
+                    k: int(max_over_ranks(v, self.device)) for k, v in sorted(breakdown.items())}
+                sink.write_run_info(run_info)
             if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
                 run_info["model_state_bytes_per_rank"] = int(
                     max_over_ranks(model_state_bytes(self.model, self.optimizer), self.device))

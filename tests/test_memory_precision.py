@@ -97,3 +97,14 @@ def test_auto_precision_is_fp32_on_cpu(tmp_path):
     assert "param_dtype: float32" in (tmp_path / "config.yaml").read_text()
     assert json.loads((tmp_path / "run.json").read_text())["device"] == "cpu"
     assert len(run.metrics) == 1
+
+
+def test_memory_breakdown_shows_activation_checkpointing_effect(tmp_path):
+    args = [*FAST, "train.steps=2", "parallel.dp_shard=2", "logging.memory_breakdown=true"]
+    plain = train(tmp_path / "none", *args, nproc=2).run_info
+    full = train(tmp_path / "full", *args, "memory.activation_checkpointing=full", nproc=2).run_info
+    acts = plain["memory_breakdown_bytes_per_rank"]["ACT"], full["memory_breakdown_bytes_per_rank"]["ACT"]
+    assert acts[1] < 0.6 * acts[0], acts
+    # Adam's two fp32 moments of half the parameters (dp_shard=2), counted by the tracker as optimizer state.
+    opt = plain["memory_breakdown_bytes_per_rank"]["OPT"]
+    assert abs(opt - 8 * plain["num_params"] / 2) / opt < 0.05
