@@ -50,6 +50,20 @@ def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc,
     assert _max_diff(reference[2], run) < tolerance
 
 
+@pytest.mark.parametrize("switch, layout, tolerance", [
+    (["precision.param_dtype=float16"], ["parallel.tp=2", "parallel.sequence_parallel=true"], 0.05),
+    (["precision.param_dtype=float16"], ["parallel.pp=2"], 0.05),
+    (["precision.float8.enabled=true"], ["parallel.pp=2"], 0.02),
+    (["optim.name=adamw_8bit"], ["parallel.tp=2"], 0.02),
+    (["optim.name=adamw_8bit"], ["parallel.pp=2"], 0.02),
+    (["parallel.offload=cpu"], ["parallel.pp=2"], 1e-4),
+    (["parallel.offload=cpu"], ["parallel.tp=2"], 1e-4),
+])
+def test_switch_composes_with_tp_and_pp(tmp_path, reference, switch, layout, tolerance):
+    run = train(tmp_path, *FAST, *STEPS, "model.n_layers=4", *switch, *layout, nproc=2)
+    assert _max_diff(reference[4], run) < tolerance
+
+
 def test_low_bit_optimizer_state_is_smaller_and_checkpoints(tmp_path):
     args = [*FAST, "train.steps=4", "checkpoint.interval=2", "parallel.dp_shard=2"]
     full = train(tmp_path / "adamw", *args, nproc=2)
