@@ -229,25 +229,29 @@ def rope_half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor
     return weight.reshape(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _rope_heads(native_name: str, cfg) -> int | None:
+    """Heads whose rows RoPE rotates in this weight (q or k projections), else None."""
+    if native_name.endswith("attention.wq.weight"):
+        return cfg.n_heads
+    if native_name.endswith("attention.wk.weight"):
+        return cfg.n_kv_heads or cfg.n_heads
+    return None
+
+
 def hf_state_dict_from_native(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """A native model state dict (whole tensors) as LlamaForCausalLM's: renamed, q/k rows permuted for rotate_half.
 
     ``lm_head.weight`` is left out under tied embeddings (Hugging Face ties it to the embedding on load).
     Raises KeyError naming any parameter ``state`` lacks; extra entries (such as a tied ``output.weight``) are ignored.
     """
-    n_kv_heads = cfg.n_kv_heads or cfg.n_heads
     names = hf_names(cfg)
     missing = [k for k in names if k not in state]
     if missing:
         raise KeyError(f"the model state lacks {len(missing)} parameters of the config, e.g. {missing[:3]}")
     out = {}
     for native, hf in names.items():
-        tensor = state[native]
-        if native.endswith("attention.wq.weight"):
-            tensor = rope_interleaved_to_half(tensor, cfg.n_heads)
-        elif native.endswith("attention.wk.weight"):
-            tensor = rope_interleaved_to_half(tensor, n_kv_heads)
-        out[hf] = tensor
+        heads = _rope_heads(native, cfg)
+        out[hf] = state[native] if heads is None else rope_interleaved_to_half(state[native], heads)
     return out
 
 
@@ -258,7 +262,6 @@ def native_state_dict_from_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, 
     names), and a ``lm_head.weight`` in ``state`` is ignored. RoPE ``inv_freq`` buffers some old checkpoints hold
     are ignored; raises KeyError naming missing or unexpected parameters.
     """
-    n_kv_heads = cfg.n_kv_heads or cfg.n_heads
     names = hf_names(cfg)
     expected = set(names.values())
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
@@ -269,12 +272,8 @@ def native_state_dict_from_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, 
                        f"({len(missing)} in all), unexpected {unexpected[:3]} ({len(unexpected)} in all)")
     out = {}
     for native, hf in names.items():
-        tensor = state[hf]
-        if native.endswith("attention.wq.weight"):
-            tensor = rope_half_to_interleaved(tensor, cfg.n_heads)
-        elif native.endswith("attention.wk.weight"):
-            tensor = rope_half_to_interleaved(tensor, n_kv_heads)
-        out[native] = tensor
+        heads = _rope_heads(native, cfg)
+        out[native] = state[hf] if heads is None else rope_half_to_interleaved(state[hf], heads)
     if cfg.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
