@@ -26,7 +26,13 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # registry key: "llama" is the native Llama-3 style decoder
+    # registry key: "llama" is the native Llama-3 style decoder, "hf" any transformers causal LM (model=hf)
+    name: str = MISSING
+    # hf: local directory (or hub id already in the local cache) holding config.json and safetensors weights.
+    # The size fields below are then read from its config.json at launch (whatever the YAML says).
+    path: str | None = None
+    pretrained: bool = True  # hf: load the weights from path; false: train from scratch (HF's own init, seeded)
+    attn_implementation: str | None = None  # hf: sdpa | eager | ...; None: what transformers picks for the model
     dim: int = MISSING
     n_layers: int = MISSING
     n_heads: int = MISSING
