@@ -51,9 +51,17 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     name: str = "stdlib"  # stdlib | synthetic | text_files
-    paths: list[str] = field(default_factory=list)  # text_files: .txt/.jsonl files, directories or globs
-    text_field: str = "text"  # text_files: the JSON field holding the document text
-    tokenizer: str | None = None  # local directory of a Hugging Face tokenizer; None = byte-level
+    # text_files: .txt (one document per file), .jsonl or .parquet (one document per row) files, directories
+    # or globs; one kind per run
+    paths: list[str] = field(default_factory=list)
+    format: str = "text"  # text: documents | chat: conversations, trained on the assistant replies only (SFT)
+    text_field: str = "text"  # format=text, .jsonl/.parquet: the field holding the document text
+    messages_field: str = "messages"  # format=chat: the field holding the list of {role, content} messages
+    # local directory of a Hugging Face tokenizer; None = model=hf's own (model.path), else byte-level
+    tokenizer: str | None = None
+    # packed documents: position_ids restart at each document and the previous document's last token (eos)
+    # takes no loss; HF models also attend within documents only (the native llama: loss masking only)
+    document_masking: bool = True
     max_tokens: int = 4_000_000  # cap on tokens read from the corpus (0 = no cap)
     synthetic_sequences: int = 4096  # synthetic: number of distinct random sequences
 
@@ -188,6 +196,7 @@ PARAM_DTYPES = ("auto", *DTYPES)
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
 DATASETS = ("stdlib", "synthetic", "text_files")
+DATA_FORMATS = ("text", "chat")
 ASYNC_MODES = ("none", "async", "async_pinned")
 
 
@@ -250,6 +259,9 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
                  "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
                  f"(dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']})",
                  "Use zero_stage=2 or 3 for HSDP, or put all data-parallel ranks in one dimension")
+    if tp > 1:
+        problem = MODEL_REGISTRY[m.name].tensor_parallel_problem(m)
+        _require(problem is None, "parallel.tp", str(problem), "Use parallel.tp=1 (FSDP and pipeline parallel work)")
     for key, value in MODEL_REGISTRY[m.name].tp_split_sizes(m):
         _require(value % tp == 0, "parallel.tp", f"tp={tp} does not divide {key}={value}, which tensor parallel splits",
                  f"Choose parallel.tp among the common divisors of the split sizes, or change {key}")
@@ -308,6 +320,17 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     if cfg.data.name == "text_files":
         _require(len(cfg.data.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
                  "Set data.paths=[/path/to/corpus/*.jsonl]")
+    _require(cfg.data.format in DATA_FORMATS, "data.format", f"unknown format {cfg.data.format!r}",
+             f"Choose one of {DATA_FORMATS}")
+    if cfg.data.format == "chat":
+        _require(cfg.data.name == "text_files", "data.format", f"chat reads conversations from .jsonl/.parquet "
+                 f"files, and data.name={cfg.data.name} has none", "Use data=text_files data.paths=[chats.jsonl]")
+        _require(bool(cfg.data.tokenizer) or m.name == "hf", "data.tokenizer", "data.format=chat needs a Hugging "
+                 "Face tokenizer with a chat template, and the byte-level one (data.tokenizer=null) has none",
+                 "Set data.tokenizer=<tokenizer directory>, or use model=hf (its own tokenizer)")
+        _require(bool(cfg.data.messages_field), "data.messages_field", "is empty", "Use e.g. messages")
+    else:
+        _require(bool(cfg.data.text_field), "data.text_field", "is empty", "Use e.g. text")
     _require(cfg.data.max_tokens >= 0, "data.max_tokens", f"must be >= 0, got {cfg.data.max_tokens}",
              "Use 0 for no cap")
     if cfg.data.name == "synthetic":
@@ -367,9 +390,20 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
              str(problem), "Raise train.global_batch_size or parallel.pp_microbatches, or pick another schedule")
 
 
+def resolve_model_config(m: Any) -> None:
+    """Fill what a model config leaves to its source: model=hf reads its sizes from <model.path>/config.json."""
+    if m.name == "hf":
+        from composer3d.models.hf import fill_model_config
+
+        fill_model_config(m)
+
+
 def _check_model(m: Any) -> None:
     _require(m.name in MODEL_REGISTRY, "model.name", f"unknown model {m.name!r}",
              f"Choose one of {sorted(MODEL_REGISTRY)} (or a config in the model= group)")
+    if m.name == "hf":  # sizes come from its config.json (resolve_model_config); transformers checks them
+        _require(bool(m.path), "model.path", "model=hf needs the model directory", "Set model.path=<dir>")
+        return
     for key in ("dim", "n_layers", "n_heads", "vocab_size"):
         value = getattr(m, key)
         _require(value >= 1, f"model.{key}", f"must be >= 1, got {value}", "Use a positive size")

@@ -25,16 +25,21 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from composer3d import distributed
+from composer3d.assemble import build_parallel_model
 from composer3d.checkpoint import CheckpointError, Checkpointer
-from composer3d.config import ConfigError, pipeline_microbatches, register_configs, validate, validate_for_device
-from composer3d.data import GlobalBatchLoader, build_sequences, check_sources
+from composer3d.config import (
+    ConfigError,
+    pipeline_microbatches,
+    register_configs,
+    resolve_model_config,
+    validate,
+    validate_for_device,
+)
+from composer3d.data import IGNORE_INDEX, Batch, GlobalBatchLoader, build_sequences, check_sources
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink, max_over_ranks, memory_breakdown, model_state_bytes, peak_memory_bytes
-from composer3d.models import MODEL_REGISTRY, build_model, count_params
-from composer3d.models.init import materialize
 from composer3d.optim import build_optimizer, build_scheduler
-from composer3d.parallel import parallelize
 from composer3d.parallel.pipeline import build_schedule
 from composer3d.precision import DynamicLossScaler
 
@@ -45,11 +50,8 @@ class Trainer:
     def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: torch.Tensor):
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t, p = cfg.train, cfg.parallel
-        spec = MODEL_REGISTRY[cfg.model.name]
-        self.model = build_model(cfg.model)
-        self.num_params = count_params(self.model)
-        stages = parallelize(self.model, spec, mesh, cfg, device)
-        materialize(self.model, device, t.seed, fsdp_roots=stages)
+        built = build_parallel_model(cfg, mesh, device)
+        self.model, self.num_params, stages = built.model, built.num_params, built.stages
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
                                                        zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
@@ -74,44 +76,63 @@ class Trainer:
         self.step = 0
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """One microbatch's summed token loss over the global batch's token count (so microbatches add up)."""
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
+        """One microbatch's summed token loss over the global count of trained targets (so microbatches add up).
+
+        Targets of IGNORE_INDEX (-100: document boundaries, chat prompts) take no loss and are not counted.
+        """
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
         if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
             loss = loss.full_tensor()
         loss = loss.float() / self.global_tokens
         return self.scaler.scale_loss(loss) if self.scaler else loss
 
     def _global_token_count(self, targets: torch.Tensor) -> torch.Tensor:
-        count = torch.tensor(float(targets.numel()), device=self.device)
+        """Targets that take a loss (not IGNORE_INDEX) in the whole global batch: every rank gets the same count."""
+        count = (targets != IGNORE_INDEX).sum().float()
         dist.all_reduce(count, group=self.mesh.loss.get_group())
         return count
 
-    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's share of the step's loss (a sum of already-normalized microbatch losses)."""
+    def _forward_backward(self, batch: Batch) -> torch.Tensor:
+        """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
+
+        position_ids go to the model (under PP: to every stage, split into microbatches like the inputs).
+        """
+        inputs, targets, positions = batch.inputs, batch.targets, batch.position_ids
         total = torch.zeros((), device=self.device)
         with self.loss_context():
             if self.pipeline is not None:
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.runs_first_stage else ()
-                self.pipeline.step(*args, target=targets, losses=losses)
+                self.pipeline.step(*args, target=targets, losses=losses, position_ids=positions)
                 for loss in losses if self.runs_last_stage else []:
                     total += loss.detach()
                 return total
-            for i, (inp, tgt) in enumerate(zip(inputs.chunk(self.accumulation_steps),
-                                               targets.chunk(self.accumulation_steps))):
+            for i, (inp, tgt, pos) in enumerate(zip(inputs.chunk(self.accumulation_steps),
+                                                    targets.chunk(self.accumulation_steps),
+                                                    positions.chunk(self.accumulation_steps))):
                 if i and self.memory_tracker is not None:
                     self.memory_tracker.reset_mod_stats()
-                loss = self._loss(self.model(inp), tgt)
+                loss = self._loss(self.model(inp, position_ids=pos), tgt)
                 loss.backward()
                 total += loss.detach()
         return total
 
     def train_step(self) -> dict:
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        self.global_tokens = self._global_token_count(targets)
+        processed = self.cfg.train.global_batch_size * batch.inputs.shape[1]  # tokens through the model, all ranks
+        self.global_tokens = self._global_token_count(batch.targets)
+        if self.global_tokens.item() == 0:  # the same count on every rank: all skip alike
+            log.warning("step %d: no target in the global batch takes a loss (all masked: chat rows without "
+                        "assistant tokens in these windows?); step skipped, no update", self.step + 1)
+            self.scheduler.step()
+            self.step += 1
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": float(self.scheduler.get_last_lr()[0]),
+                    "tokens": processed, "target_tokens": 0,
+                    **({"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped_steps}
+                       if self.scaler else {})}
         scale = self.scaler.scale if self.scaler else 1.0
-        loss = self._forward_backward(inputs, targets) / scale
+        loss = self._forward_backward(batch) / scale
         dist.all_reduce(loss, group=self.mesh.loss.get_group())
         if self.pipeline is not None:  # only the last stage's ranks hold it; the others add zero
             dist.all_reduce(loss, group=self.mesh["pp"].get_group())
@@ -127,7 +148,8 @@ class Trainer:
             self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": int(self.global_tokens.item())}
+        metrics = {"loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr, "tokens": processed,
+                   "target_tokens": int(self.global_tokens.item())}
         if self.scaler:
             metrics.update(loss_scale=scale, skipped_steps=self.scaler.skipped_steps)
         return metrics
@@ -204,7 +226,7 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(cfg.train.seed)
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
-    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed)
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
     env = distributed.init_process_group(device, env)
     try:
         run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
@@ -231,10 +253,11 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
 def main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     try:
+        resolve_model_config(cfg.model)
         if env is None and cfg.launch.nproc_per_node > 1:
             # Fail here, in seconds, before starting any worker.
             validate(cfg, cfg.launch.nproc_per_node)
-            check_sources(cfg.data, cfg.model.vocab_size)
+            check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
             # One run directory for all workers: resolve it here once (it may hold ${now:...}).
             overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")

@@ -24,6 +24,10 @@ class ModelSpec:
     tensor_parallel_plan: Callable[[nn.Module, bool, bool], tuple[dict, dict]]
     # Sizes that tensor parallel splits, for validation: (config key, value) pairs
     tp_split_sizes: Callable[[Any], list[tuple[str, int]]]
+    # Why the model cannot run tensor parallel at all (None: it can); checked before launch
+    tensor_parallel_problem: Callable[[Any], str | None] = lambda cfg: None
+    # Directory of pretrained weights to load into the shards after parallelizing (None: initialize)
+    pretrained_weights: Callable[[Any], str | None] = lambda cfg: None
 
 
 def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
@@ -32,8 +36,35 @@ def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
             ("model.vocab_size", cfg.vocab_size), ("model.ffn_hidden_dim", hidden)]
 
 
+def _hf_build(cfg) -> nn.Module:
+    from composer3d.models.hf import HFCausalLM
+
+    return HFCausalLM(cfg)
+
+
+def _hf_plan(model, sequence_parallel: bool, float8: bool):
+    from composer3d.models.hf import tensor_parallel_plan
+
+    return tensor_parallel_plan(model, sequence_parallel, float8)
+
+
+def _hf_tp_problem(cfg) -> str | None:
+    from composer3d.models.hf import tensor_parallel_problem
+
+    return tensor_parallel_problem(cfg)
+
+
+def _hf_split_sizes(cfg):
+    from composer3d.models.hf import tp_split_sizes
+
+    return tp_split_sizes(cfg)
+
+
+# transformers is imported only when an "hf" model is used.
 MODEL_REGISTRY: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", llama.Llama, llama.tensor_parallel_plan, _llama_split_sizes),
+    "hf": ModelSpec("hf", _hf_build, _hf_plan, _hf_split_sizes, tensor_parallel_problem=_hf_tp_problem,
+                    pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None),
 }
 
 

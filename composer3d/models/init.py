@@ -56,8 +56,11 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = ()) -> None:
+def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = (),
+                init_params: bool = True) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
+
+    ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers.
 
     ``fsdp_roots``: FSDP roots outside the model's own tree (pipeline stage modules); FSDP re-registers the
     sharded parameters it manages only when its own module is moved.
@@ -66,7 +69,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
     for root in fsdp_roots:
         root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
-    for name, param in model.named_parameters():
+    for name, param in model.named_parameters() if init_params else ():
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))
         full = model.init_rule(name)(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param

@@ -18,7 +18,7 @@ log = logging.getLogger("composer3d")
 
 
 def float8_eligible(module: nn.Module, fqn: str) -> bool:
-    if not isinstance(module, nn.Linear) or fqn.split(".")[-1] == "output":
+    if not isinstance(module, nn.Linear) or fqn.split(".")[-1] in ("output", "lm_head"):
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 

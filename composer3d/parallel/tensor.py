@@ -15,7 +15,15 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan)
     # A pipeline stage may have dropped the embedding or the head.
-    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items()
-                                        if getattr(model, name, None) is not None})
+    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items() if _present(model, name)})
+    if sequence_parallel and hasattr(model, "sequence_shards"):
+        model.sequence_shards = tp_mesh.size()  # stages after the first see 1/tp of the sequence
     # The plan replaced the embedding and the head weights one by one; a tied model must share them again.
     model.tie_weights()
+
+
+def _present(model: nn.Module, name: str) -> bool:
+    try:
+        return model.get_submodule(name) is not None
+    except AttributeError:
+        return False
