@@ -1,8 +1,9 @@
 """The trainer and the ``composer3d-train`` entry point (also ``python -m composer3d.train``).
 
 One step: the global batch is fixed by the seed; this data-parallel rank takes its slice and runs it as
-micro-batches (gradient accumulation). Each micro-batch's summed token loss is divided by the token count of
-the whole global batch, so the gradient — and the logged loss — are the same under every layout.
+micro-batches (gradient accumulation). Each micro-batch's summed token loss is divided by the count of targets
+that take a loss (not -100: document boundaries, chat prompts) in the whole global batch, so the gradient — and
+the logged loss — are the same under every layout. The batch's position_ids go to the model with the inputs.
 """
 
 from __future__ import annotations

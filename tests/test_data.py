@@ -28,7 +28,13 @@ def global_batches(sequences, dp_size, steps, seed=0, state=None):
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
-    return [torch.cat([loader.next_batch() for loader in loaders]) for _ in range(steps)]
+    return [torch.cat([windows(loader.next_batch()) for loader in loaders]) for _ in range(steps)]
+
+
+def windows(batch):
+    """A Batch of bare token windows (no documents: nothing masked) back as its (b, seq_len + 1) windows."""
+    assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1]) and (batch.targets >= 0).all()
+    return torch.cat([batch.inputs, batch.targets[:, -1:]], dim=1)
 
 
 def unpack(sequences):
@@ -37,7 +43,8 @@ def unpack(sequences):
 
 
 def data_cfg(**kw):
-    return OmegaConf.create({"name": "stdlib", "paths": [], "text_field": "text", "tokenizer": None,
+    return OmegaConf.create({"name": "stdlib", "paths": [], "format": "text", "text_field": "text",
+                             "messages_field": "messages", "tokenizer": None, "document_masking": True,
                              "max_tokens": 0, "synthetic_sequences": 16, **kw})
 
 
@@ -70,7 +77,8 @@ def test_dp_rank_takes_its_contiguous_slice():
     sequences = make_sequences()
     whole = global_batches(sequences, 1, 1)[0]
     rank1 = GlobalBatchLoader(sequences, GLOBAL_BATCH, 1, 2, 0).next_batch()
-    assert torch.equal(rank1, whole[2:])
+    assert torch.equal(windows(rank1), whole[2:])
+    assert torch.equal(rank1.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN))
 
 
 # ----------------------------------------------------------------------------------------------------- resume
@@ -136,7 +144,7 @@ def test_documents_are_separated_by_eos_and_max_tokens_caps():
 
 def test_stdlib_corpus_is_deterministic_and_capped():
     cfg = data_cfg(max_tokens=20_000)
-    first, second = (build_sequences(cfg, 512, 64, seed=0) for _ in range(2))
+    first, second = (build_sequences(cfg, 512, 64, seed=0).tokens for _ in range(2))
     assert torch.equal(first, second)
     assert first.shape == ((20_000 - 1) // 64, 65), "exactly max_tokens tokens read, packed into full windows"
     assert first.max() < 512 and first.min() >= 0
@@ -157,7 +165,7 @@ def test_corpus_larger_than_model_vocabulary_is_refused():
 
 def test_synthetic_sequences_follow_the_seed():
     cfg = data_cfg(name="synthetic")
-    a, b, c = build_sequences(cfg, 50, 8, 0), build_sequences(cfg, 50, 8, 0), build_sequences(cfg, 50, 8, 1)
+    a, b, c = (build_sequences(cfg, 50, 8, seed).tokens for seed in (0, 0, 1))
     assert a.shape == (16, 9) and a.max() < 50
     assert torch.equal(a, b) and not torch.equal(a, c)
 
@@ -235,7 +243,7 @@ def test_text_files_are_tokenized_and_round_trip(hf_cache, bpe_dir, corpus, name
     tokenizer = HFTokenizer(str(bpe_dir))
     assert tokenizer.vocab_size == 300 and tokenizer.eos_id is not None
     cfg = data_cfg(name="text_files", paths=[str(corpus / name)], text_field=field, tokenizer=str(bpe_dir))
-    sequences = build_sequences(cfg, 512, 8, seed=0)
+    sequences = build_sequences(cfg, 512, 8, seed=0).tokens
     stream = unpack(sequences)
     full = token_stream(iter(texts), tokenizer, 0)
     assert sequences.shape == ((full.numel() - 1) // 8, 9)

@@ -133,8 +133,9 @@ class Llama(nn.Module):
         return normal(std)
 
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
-                head: bool = True) -> torch.Tensor:
+                head: bool = True, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head."""
+        # position_ids (packed-document restarts) are ignored: RoPE runs 0..seq-1 and attention stays causal.
         h = self.tok_embeddings(x) if embed else x
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
             h = self.layers[layer_id](h, self.rope_cos, self.rope_sin)

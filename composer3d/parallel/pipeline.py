@@ -146,8 +146,10 @@ class StageModule(nn.Module):
         if plan.is_last:
             self.norm, self.output = model.norm, model.output
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._model(x, self.plan.layer_ids, embed=self.plan.is_first, head=self.plan.is_last)
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # position_ids: a kwarg of the schedule's step, split into microbatches and given to every stage
+        return self._model(x, self.plan.layer_ids, embed=self.plan.is_first, head=self.plan.is_last,
+                           position_ids=position_ids)
 
 
 def build_schedule(stages: list[StageModule], schedule: str, microbatches: int, pp_group, device: torch.device,
