@@ -1,11 +1,13 @@
-"""composer3d-convert: composer3d checkpoints <-> Hugging Face ``LlamaForCausalLM`` safetensors directories.
+"""composer3d-convert: composer3d checkpoints <-> Hugging Face safetensors directories.
 
     composer3d-convert export CHECKPOINT_DIR OUT_DIR [--dtype bfloat16|float16|float32]
     composer3d-convert import HF_DIR OUT_CHECKPOINT_DIR
 
 ``export`` reads the model part of a checkpoint (saved under any layout and world size) in one process, with no
 process group, and writes safetensors shards plus a ``config.json`` that ``LlamaForCausalLM.from_pretrained``
-loads. ``import`` writes a model-only composer3d checkpoint (fp32) that training loads as pretrained weights with
+loads. A run of ``model=hf`` (any transformers causal LM) already uses the checkpoint's own names: its export
+writes them unchanged, next to the source directory's config.json, tokenizer and generation config. ``import``
+(native Llama only) writes a model-only composer3d checkpoint (fp32) that training loads as pretrained weights with
 ``checkpoint.resume=<dir>``, and prints the overrides that reproduce the model config. The name mapping and the
 RoPE permutation live in ``composer3d.models.llama``. Nothing is unpickled: safetensors, JSON, and DCP through
 ``SafeFileSystemReader``.
@@ -85,9 +87,8 @@ def _read_checkpoint_meta(path: Path) -> dict:
     model = (meta.get("config") or {}).get("model")
     if not isinstance(model, dict):
         raise ConvertError(f"{path / META_FILE} has no config.model")
-    if model.get("name") != "llama":
-        raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; only 'llama' exports to Hugging Face "
-                           "(LlamaForCausalLM)")
+    if model.get("name") not in ("llama", "hf"):
+        raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; 'llama' and 'hf' export to Hugging Face")
     if not (path / ".metadata").exists():
         raise ConvertError(f"{path} has {META_FILE} but no DCP .metadata: the checkpoint is incomplete")
     return meta
@@ -121,29 +122,62 @@ def load_native_state(path: Path, cfg, names: list[str]) -> dict[str, torch.Tens
     return wrapped["model"]
 
 
+def load_hf_model_state(path: Path, model_fields: dict) -> dict[str, torch.Tensor]:
+    """Whole tensors of a ``model=hf`` checkpoint, under their (transformers) names; a tied head is left out,
+    as transformers saves it."""
+    import torch.distributed.checkpoint as dcp
+
+    from composer3d.checkpoint import SafeFileSystemReader
+
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    state = {key[len("model."):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+             for key, entry in stored.items() if key.startswith("model.") and hasattr(entry, "size")}
+    if model_fields.get("tie_embeddings"):
+        state.pop("lm_head.weight", None)
+    wrapped = {"model": state}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(wrapped, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    return wrapped["model"]
+
+
+def _copy_hf_model_files(source: str | None, out: Path, dtype: str) -> list[Path]:
+    """config.json (dtype updated), tokenizer and generation config of the directory the run trained from."""
+    import shutil
+
+    from composer3d.models.hf import export_files
+
+    if not source or not Path(source, "config.json").is_file():
+        raise ConvertError(f"the checkpoint was trained from {source!r}, which no longer holds config.json; its "
+                           "config and tokenizer are exported from there. Restore that directory")
+    written = []
+    for name in export_files(source):
+        shutil.copyfile(Path(source, name), out / name)
+        written.append(out / name)
+    config = json.loads((out / "config.json").read_text())
+    config["dtype"] = config["torch_dtype"] = dtype
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return written
+
+
 def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
            overwrite: bool = False) -> list[Path]:
-    """Write ``checkpoint``'s model as a Hugging Face LlamaForCausalLM directory; returns the files written."""
+    """Write ``checkpoint``'s model as a Hugging Face directory; returns the files written."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    from composer3d.models import llama
-
     meta = _read_checkpoint_meta(checkpoint)
-    cfg = _model_config(meta["config"]["model"])
-    try:
-        from transformers import LlamaConfig
-    except ImportError as error:
-        raise ConvertError("export needs transformers (pip install 'composer3d[hf]')") from error
+    model_fields = meta["config"]["model"]
     _prepare_out_dir(out, overwrite)
-
-    native = load_native_state(checkpoint, cfg, list(llama.hf_names(cfg)))
-    hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in llama.hf_state_dict_from_native(native, cfg).items()}
-    del native
+    if model_fields["name"] == "hf":
+        hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in load_hf_model_state(checkpoint, model_fields).items()}
+        written = _copy_hf_model_files(model_fields.get("path"), out, dtype)
+    else:
+        hf_state = _llama_hf_state(checkpoint, model_fields, dtype)
+        written = []
 
     split = split_torch_state_dict_into_shards(hf_state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
-    written = []
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: hf_state[k] for k in keys}, str(out / filename), metadata={"format": "pt"})
         written.append(out / filename)
@@ -152,7 +186,27 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
                  "weight_map": split.tensor_to_filename}
         (out / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(out / HF_INDEX)
+    if model_fields["name"] == "llama":
+        written.append(_write_llama_config(meta, out, dtype))
+    return written
 
+
+def _llama_hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
+    from composer3d.models import llama
+
+    cfg = _model_config(model_fields)
+    native = load_native_state(checkpoint, cfg, list(llama.hf_names(cfg)))
+    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in llama.hf_state_dict_from_native(native, cfg).items()}
+
+
+def _write_llama_config(meta: dict, out: Path, dtype: str) -> Path:
+    from composer3d.models import llama
+
+    try:
+        from transformers import LlamaConfig
+    except ImportError as error:
+        raise ConvertError("export needs transformers (pip install 'composer3d[hf]')") from error
+    cfg = _model_config(meta["config"]["model"])
     LlamaConfig(**llama.hf_config_from_native(cfg), dtype=dtype, bos_token_id=None, eos_token_id=None).save_pretrained(out)
     # Spell the RoPE base and dtype the transformers 4 way too: a 4.x reader ignores rope_parameters and would
     # silently fall back to theta 10000.
@@ -161,8 +215,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
     config.setdefault("rope_theta", float(cfg.rope_theta))
     config.setdefault("torch_dtype", dtype)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    written.append(config_file)
-    return written
+    return config_file
 
 
 def _prepare_out_dir(out: Path, overwrite: bool) -> None:

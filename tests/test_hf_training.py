@@ -1,0 +1,138 @@
+"""model=hf through the CLI: training parity across layouts, export round trips, clear errors.
+
+Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP, FSDP×TP+SP, PP×FSDP and
+PP×FSDP×TP (8 processes) and must follow the single-process curve within 1e-4 (fp32, deterministic).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from harness import FAST, train
+from hf_models import ARCHITECTURES, make_model
+from safetensors import safe_open
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+HF_FAST = [o for o in FAST if not o.startswith("model=")] + [
+    "model=hf", "train.steps=10", "train.seq_len=32", "optim.lr=3e-3", "optim.warmup_steps=2",
+    "data.max_tokens=30000", "checkpoint.enabled=false"]
+LAYOUTS = {
+    "fsdp2": (2, ["parallel.dp_shard=2"]),
+    "fsdp2_tp2_sp": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2_fsdp2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=1f1b"]),
+}
+# The 8-process layout on the architectures with the most unusual pieces (per-head norms, fused projections,
+# logit soft-capping with sliding windows and eager attention).
+PP_FSDP_TP = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                  "parallel.pp_schedule=1f1b"])
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_train")
+    return {arch: make_model(root / arch, arch, seed=i) for i, arch in enumerate(ARCHITECTURES)}
+
+
+@pytest.fixture(scope="module")
+def single_process(model_dirs, tmp_path_factory) -> dict[str, list[float]]:
+    root = tmp_path_factory.mktemp("hf_single")
+    curves = {}
+    for arch, path in model_dirs.items():
+        run = train(root / arch, *HF_FAST, f"model.path={path}")
+        curves[arch] = run.losses
+        assert len(run.losses) == 10 and run.losses[-1] < run.losses[0], (arch, run.losses)
+    return curves
+
+
+def _assert_parity(arch: str, layout: str, losses: list[float], reference: list[float]) -> None:
+    assert len(losses) == len(reference) == 10
+    worst = max(abs(a - b) for a, b in zip(losses, reference))
+    assert worst < 1e-4, f"{arch} under {layout}: max |Δloss| {worst:.3g}\n{losses}\n{reference}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_training_parity(layout, model_dirs, single_process, tmp_path):
+    nproc, overrides = LAYOUTS[layout]
+    for arch, path in model_dirs.items():
+        run = train(tmp_path / arch, *HF_FAST, f"model.path={path}", *overrides, nproc=nproc)
+        _assert_parity(arch, layout, run.losses, single_process[arch])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
+def test_training_parity_pp_fsdp_tp_8_procs(arch, model_dirs, single_process, tmp_path):
+    nproc, overrides = PP_FSDP_TP
+    run = train(tmp_path, *HF_FAST, f"model.path={model_dirs[arch]}", *overrides, nproc=nproc)
+    _assert_parity(arch, "pp2×fsdp2×tp2+sp", run.losses, single_process[arch])
+
+
+# Adam's update lr·m/(√v+eps) with these underflows to exactly 0 in fp32 (even for weights that are 0).
+NO_UPDATE = ["optim.lr=1e-30", "optim.eps=1e30", "optim.weight_decay=0"]
+
+
+def _convert(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer3d.convert", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
+    """Load HF → save after a step that changes nothing → export: the same tensors, bit for bit.
+    Then train under FSDP×TP → export → transformers loads exactly the exported tensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = make_model(tmp_path / "src", "qwen3", tie_word_embeddings=True)
+    frozen = train(tmp_path / "frozen", *HF_FAST, f"model.path={source}", "train.steps=1", *NO_UPDATE,
+                   "checkpoint.enabled=true", "parallel.dp_shard=2", nproc=2)
+    ckpt = frozen.run_dir / "checkpoints" / "step-00000001"
+    proc = _convert("export", ckpt, tmp_path / "same", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    before, after = _tensors(source), _tensors(tmp_path / "same")
+    assert set(before) == set(after)  # a tied head stays out, as transformers saves it
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+    trained = train(tmp_path / "trained", *HF_FAST, f"model.path={source}", "train.steps=3", "checkpoint.enabled=true",
+                    "parallel.dp_shard=2", "parallel.tp=2", nproc=4)
+    proc = _convert("export", trained.run_dir / "checkpoints" / "step-00000003", tmp_path / "out", "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    exported = _tensors(tmp_path / "out")
+    assert any(not torch.equal(before[k], exported[k]) for k in before), "training changed nothing"
+    for name, param in model.state_dict().items():
+        if name in exported:
+            assert torch.equal(param, exported[name]), name
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").eos_token == "</s>"
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
+
+
+def test_bad_hf_inputs_fail_before_launch(tmp_path):
+    good = make_model(tmp_path / "good", "llama")
+    cases = []
+    # No such directory
+    cases.append((["model.path=/nonexistent/model"], "model.path"))
+    # tp that does not divide the kv heads (2)
+    cases.append(([f"model.path={good}", "parallel.tp=4", "parallel.dp_shard=1"], "parallel.tp"))
+    # weights that do not match config.json
+    broken = make_model(tmp_path / "broken", "llama")
+    config = json.loads((broken / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (broken / "config.json").write_text(json.dumps(config))
+    cases.append(([f"model.path={broken}"], "shape mismatches"))
+    for overrides, needle in cases:
+        run = train(tmp_path / "run", *HF_FAST, *overrides, nproc=4, check=False, timeout=300)
+        assert run.returncode != 0 and needle in run.output, (overrides, run.output[-3000:])
