@@ -120,6 +120,13 @@ class TrainLoopConfig:
     seed: int = 0
     deterministic: bool = False
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_every: int = 0  # evaluate on eval.path every N steps (and after the last); 0: never
+
+
+@dataclass
+class EvalConfig:
+    path: str | None = None  # UTF-8 text file: loss/perplexity over its train.seq_len-token windows (composer3d-eval)
+    max_windows: int = 0  # evaluate at most this many windows (0: all)
 
 
 @dataclass
@@ -178,6 +185,7 @@ class TrainConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -277,6 +285,11 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _require(t.global_batch_size >= 1 and t.global_batch_size % per_step == 0, "train.global_batch_size",
              f"{t.global_batch_size} is not divisible by micro_batch_size × dp = {t.micro_batch_size} × {dp} "
              f"= {per_step}", f"Use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}")
+    _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}", "Use 0 to never evaluate")
+    _require(t.eval_every == 0 or bool(cfg.eval.path), "eval.path", "train.eval_every is set but there is no "
+             "evaluation file", "Set eval.path=<text file>, or train.eval_every=0")
+    _require(cfg.eval.max_windows >= 0, "eval.max_windows", f"must be >= 0, got {cfg.eval.max_windows}",
+             "Use 0 for all windows")
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}", "Use 1 or more")
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
 

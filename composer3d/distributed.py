@@ -89,12 +89,15 @@ def spawn_local_workers(nproc: int, module: str, args: list[str]) -> None:
         sys.exit(1)
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 logs progress; the other ranks only warnings, so a run prints one story."""
+def setup_logging(rank: int, stream=None) -> None:
+    """Rank 0 logs progress; the other ranks only warnings, so a run prints one story. ``stream``: where rank 0's
+    console goes (stdout by default; stderr when stdout carries a result, as composer3d-eval's JSON line)."""
+    from rich.console import Console
     from rich.logging import RichHandler
 
     level = logging.INFO if rank == 0 else logging.WARNING  # on the console
-    handler = RichHandler(show_path=False, markup=False) if rank == 0 else logging.StreamHandler()
+    console = Console(file=stream) if stream is not None else None
+    handler = RichHandler(show_path=False, markup=False, console=console) if rank == 0 else logging.StreamHandler()
     if rank != 0:
         handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(message)s"))
     handler.setLevel(level)

@@ -36,7 +36,9 @@ from composer3d.config import (
     validate,
     validate_for_device,
 )
-from composer3d.data import IGNORE_INDEX, Batch, GlobalBatchLoader, build_sequences, check_sources
+from composer3d.data import IGNORE_INDEX, Batch, GlobalBatchLoader, PackedSequences, build_sequences, check_sources
+from composer3d.evaluate import eval_windows, window_batches
+from composer3d.evaluate import result as eval_result
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink, max_over_ranks, memory_breakdown, model_state_bytes, peak_memory_bytes
@@ -48,7 +50,9 @@ log = logging.getLogger("composer3d")
 
 
 class Trainer:
-    def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: torch.Tensor):
+    def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: PackedSequences | None,
+                 eval_windows: torch.Tensor | None = None):
+        """``sequences``: the training data (None: evaluation only); ``eval_windows``: for train.eval_every."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t, p = cfg.train, cfg.parallel
         built = build_parallel_model(cfg, mesh, device)
@@ -58,7 +62,10 @@ class Trainer:
                                                        zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps
-        self.loader = GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed)
+        self.loader = None if sequences is None else GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank,
+                                                                       mesh.layout.dp, t.seed)
+        self.eval_windows = eval_windows
+        self.evaluating = False  # the loss function then returns plain summed losses (see evaluate)
         self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
         # The head's output is vocab-sharded under tensor parallel: compute the loss on the shards.
         self.loss_context = loss_parallel if mesh.layout.tp > 1 else contextlib.nullcontext
@@ -85,6 +92,8 @@ class Trainer:
                                reduction="sum")
         if isinstance(loss, DTensor):  # replicated over tp after the vocab-parallel reduction
             loss = loss.full_tensor()
+        if self.evaluating:
+            return loss.float()
         loss = loss.float() / self.global_tokens
         return self.scaler.scale_loss(loss) if self.scaler else loss
 
@@ -171,6 +180,38 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)  # ZeRO-1's optimizer only sees its slices of the gradients
 
+    @torch.no_grad()
+    def evaluate(self, windows: torch.Tensor) -> dict:
+        """Mean next-token loss, perplexity and predicted-token count over ``windows`` (see ``evaluate.py``),
+        in the training layout: data-parallel ranks split the windows; under PP the schedule runs forward only."""
+        per_forward = self.cfg.train.micro_batch_size * (self.accumulation_steps if self.pipeline is not None else 1)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        count = torch.zeros((), device=self.device, dtype=torch.float64)
+        self.model.eval()
+        self.evaluating = True
+        try:
+            with self.loss_context():
+                for inputs, targets, positions in window_batches(windows, self.mesh.dp_rank, self.mesh.layout.dp,
+                                                                 per_forward):
+                    inputs, targets, positions = (t.to(self.device) for t in (inputs, targets, positions))
+                    count += (targets != IGNORE_INDEX).sum()
+                    if self.pipeline is None:
+                        loss_sum += self._loss(self.model(inputs, position_ids=positions), targets).double()
+                        continue
+                    losses: list[torch.Tensor] = []
+                    args = (inputs,) if self.runs_first_stage else ()
+                    self.pipeline.eval(*args, target=targets, losses=losses, position_ids=positions)
+                    for loss in losses if self.runs_last_stage else []:
+                        loss_sum += loss.double()
+        finally:
+            self.evaluating = False
+            self.model.train()
+        for total in (loss_sum, count):
+            dist.all_reduce(total, group=self.mesh.loss.get_group())
+        if self.pipeline is not None:  # the loss lives on the last stage's ranks; the others add zero
+            dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
+        return eval_result(loss_sum.item(), int(count.item()))
+
     def fit(self, sink: MetricsSink, checkpointer: Checkpointer | None) -> None:
         cfg = self.cfg
         run_info = {
@@ -202,6 +243,10 @@ class Trainer:
                       "lr": metrics["lr"], "tokens_per_s": metrics["tokens"] / elapsed, "step_time_s": elapsed,
                       "peak_mem_bytes": int(max_over_ranks(peak_memory_bytes(self.device), self.device)),
                       **{k: metrics[k] for k in ("loss_scale", "skipped_steps") if k in metrics}}
+            every = cfg.train.eval_every
+            if every and self.eval_windows is not None and (self.step % every == 0 or self.step == cfg.train.steps):
+                evaluated = self.evaluate(self.eval_windows)
+                record.update(eval_loss=evaluated["loss"], eval_perplexity=evaluated["perplexity"])
             if checkpointer is not None:
                 checkpointer.poll()
                 if checkpointer.due(self.step):
@@ -228,6 +273,7 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     torch.manual_seed(cfg.train.seed)
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+    windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len) if cfg.train.eval_every else None
     env = distributed.init_process_group(device, env)
     try:
         run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
@@ -236,7 +282,7 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
             OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
         mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
         log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
-        trainer = Trainer(cfg, mesh, device, sequences)
+        trainer = Trainer(cfg, mesh, device, sequences, windows)
         checkpointer = None
         if cfg.checkpoint.enabled:
             checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))
@@ -259,6 +305,8 @@ def main(cfg: DictConfig) -> None:
             # Fail here, in seconds, before starting any worker.
             validate(cfg, cfg.launch.nproc_per_node)
             check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
+            if cfg.train.eval_every:
+                eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
             # One run directory for all workers: resolve it here once (it may hold ${now:...}).
             overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")
