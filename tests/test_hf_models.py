@@ -111,3 +111,35 @@ def test_forward_matches_transformers(layout, models, references, tmp_path):
 def test_forward_pp_fsdp_tp_8_procs(models, references, tmp_path):
     spawn(_check_forward, 8, tmp_path, models, references,
           {"pp": 2, "dp_shard": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "gpipe"})
+
+
+def _with_plan(tmp_path: Path, plan) -> Path:
+    import json
+
+    path = make_model(tmp_path / "model", "llama")
+    config = json.loads((path / "config.json").read_text())
+    config["base_model_tp_plan"] = plan
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_tensor_parallel_without_a_plan_or_with_an_unknown_style_is_refused(tmp_path):
+    from composer3d.config import ConfigError
+
+    no_plan = _with_plan(tmp_path / "none", {})
+    validate(train_config(no_plan, dp_shard=2), 2)  # FSDP/PP need no plan
+    with pytest.raises(ConfigError, match="parallel.tp: llama defines no tensor-parallel plan"):
+        validate(train_config(no_plan, tp=2), 2)
+    odd = _with_plan(tmp_path / "odd", {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "fancy_split"})
+    with pytest.raises(ConfigError, match=r"module layers\.\*\.mlp\.up_proj .* style 'fancy_split'"):
+        validate(train_config(odd, tp=2), 2)
+
+
+def test_model_without_a_plan_still_trains_with_fsdp_and_pp(tmp_path):
+    from harness import FAST, train
+
+    path = _with_plan(tmp_path, {})
+    run = train(tmp_path / "run", *[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}",
+                "train.steps=2", "train.seq_len=32", "parallel.pp=2", "parallel.dp_shard=2", "data.max_tokens=20000",
+                "checkpoint.enabled=false", nproc=4)
+    assert len(run.losses) == 2
