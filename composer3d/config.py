@@ -391,6 +391,10 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
     _require(stages <= m.n_layers, "parallel.pp", f"pp={pp} × pp_stages_per_rank={stages_per_rank} = {stages} stages "
              f"but the model has {m.n_layers} layers (each stage needs at least one)",
              "Lower parallel.pp or parallel.pp_stages_per_rank")
+    if m.name == "hf":
+        _require(not m.tie_embeddings, "parallel.pp", f"{m.path}/config.json ties the head to the embedding "
+                 "(tie_word_embeddings), and a tied head cannot be split from its embedding across pipeline stages",
+                 "Use parallel.pp=1 (FSDP and TP/SP) for this model")
     _require(not m.tie_embeddings, "model.tie_embeddings", "a tied head cannot be split from its embedding across "
              "pipeline stages", "Use model.tie_embeddings=false with parallel.pp>1")
     local_batch = t.global_batch_size // dp
