@@ -25,6 +25,9 @@ ARCHITECTURES = {
     "gemma2": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0,
                "attn_logit_softcapping": 50.0, "hidden_activation": "gelu_pytorch_tanh"},
     "phi3": {"pad_token_id": 0, "original_max_position_embeddings": 256},
+    # Gemma 3 (text): per-layer-type rotary embeddings (local/global bases) and per-head q/k norms.
+    "gemma3_text": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2},
 }
 
 CHAT_TEMPLATE = (
