@@ -7,6 +7,7 @@ layout costs one spawn.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,30 @@ def test_model_without_a_plan_still_trains_with_fsdp_and_pp(tmp_path):
                 "train.steps=2", "train.seq_len=32", "parallel.pp=2", "parallel.dp_shard=2", "data.max_tokens=20000",
                 "checkpoint.enabled=false", nproc=4)
     assert len(run.losses) == 2
+
+
+def _count_reads(rank, world_size, path, parallel, results):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    from composer3d.assemble import build_parallel_model
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+
+    read = {"elements": 0}
+    original = HuggingFaceStorageReader._process_read_request
+
+    def counting(self, f, req, planner):
+        read["elements"] += math.prod(req.lengths)
+        return original(self, f, req, planner)
+
+    HuggingFaceStorageReader._process_read_request = counting
+    cfg = train_config(path, **parallel)
+    mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
+    built = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    total = sum(math.prod(shape) for shape in built.model.full_shapes.values())
+    share = read["elements"] / total
+    assert share <= 1.05 / world_size + 0.01, f"rank {rank} read {share:.1%} of the model under {parallel}"
+
+
+@pytest.mark.parametrize("parallel", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_shard": 2}])
+def test_each_rank_reads_only_its_shards(parallel, models, tmp_path):
+    spawn(_count_reads, 4, tmp_path, models["llama"], parallel, None)
