@@ -379,3 +379,24 @@ def test_document_masking_loss_parity_fsdp2(tmp_path, hf_cache, short_docs):
     diffs = [abs(a - b) for a, b in zip(ref.losses, run.losses)]
     assert max(diffs) < 1e-4, (ref.losses, run.losses)
     assert all(math.isfinite(x) for x in ref.losses) and ref.losses[-1] < ref.losses[0]
+
+
+def test_chat_sft_on_hf_model_uses_its_tokenizer_with_parity(tmp_path, hf_cache):
+    """model=hf, data=chat, no data.tokenizer: the model directory's tokenizer and chat template; packed
+    conversations (position_ids into the HF model); FSDP over 2 ranks follows the single-process curve."""
+    model_dir = make_model(tmp_path / "model", "llama")
+    words = "the quick brown fox jumps over a lazy dog while pipelines split layers across ranks".split()
+    rows = []
+    for i in range(120):
+        ask, reply = (" ".join(words[(i * k + j) % len(words)] for j in range(2 + i % 4)) for k in (3, 5))
+        rows.append({"messages": [{"role": "user", "content": ask}, {"role": "assistant", "content": reply}]})
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = [o for o in FAST if not o.startswith("model=")] + [
+        "model=hf", f"model.path={model_dir}", "data=chat", f"data.paths=['{chats}']", "train.seq_len=32",
+        "train.steps=4", "optim.lr=3e-3", "optim.warmup_steps=1", "checkpoint.enabled=false"]
+    ref = train(tmp_path / "ref", *common, env=hf_cache, timeout=300)
+    run = train(tmp_path / "fsdp2", *common, "parallel.dp_shard=2", nproc=2, env=hf_cache, timeout=300)
+    assert len(ref.losses) == len(run.losses) == 4, ref.output[-3000:]
+    assert max(abs(a - b) for a, b in zip(ref.losses, run.losses)) < 1e-4, (ref.losses, run.losses)
+    assert all(math.isfinite(x) and x > 0 for x in ref.losses)
