@@ -109,7 +109,7 @@ def main(cfg: DictConfig) -> None:
         if env is None and cfg.launch.nproc_per_node > 1:
             validate(cfg, cfg.launch.nproc_per_node)
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
-            overrides = list(HydraConfig.get().overrides.task)
+            overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
             distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
             return
         run(cfg, env)

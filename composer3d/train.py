@@ -307,7 +307,9 @@ def main(cfg: DictConfig) -> None:
             check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
             if cfg.train.eval_every:
                 eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+            # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
+            overrides += list(HydraConfig.get().overrides.hydra)
             # One run directory for all workers: resolve it here once (it may hold ${now:...}).
             overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")
             distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides)

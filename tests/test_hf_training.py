@@ -29,8 +29,6 @@ LAYOUTS = {
     "fsdp2_tp2_sp": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2_fsdp2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=1f1b"]),
 }
-# The 8-process layout on the architectures with the most unusual pieces (per-head norms, fused projections,
-# logit soft-capping with sliding windows and eager attention).
 PP_FSDP_TP = (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                   "parallel.pp_schedule=1f1b"])
 
@@ -66,7 +64,7 @@ def test_training_parity(layout, model_dirs, single_process, tmp_path):
         _assert_parity(arch, layout, run.losses, single_process[arch])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_training_parity_pp_fsdp_tp_8_procs(arch, model_dirs, single_process, tmp_path):
     nproc, overrides = PP_FSDP_TP
     run = train(tmp_path, *HF_FAST, f"model.path={model_dirs[arch]}", *overrides, nproc=nproc)
