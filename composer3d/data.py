@@ -72,6 +72,12 @@ class HFTokenizer:
         except (OSError, ValueError) as error:
             raise ConfigError(f"{key}: no tokenizer could be loaded from {path!r} ({error}). Give a directory "
                               "holding tokenizer.json, or set data.tokenizer to one") from error
+        # A model directory without tokenizer files still "loads" (an empty vocabulary that encodes text to
+        # nothing): refuse it rather than train on end-of-document tokens alone.
+        if not self.tokenizer.encode("The quick brown fox.", add_special_tokens=False):
+            raise ConfigError(f"{key}: {path!r} holds no usable tokenizer (it encodes text to no tokens; "
+                              "tokenizer.json or the vocabulary files are missing). Give a directory holding "
+                              "tokenizer.json, or set data.tokenizer to one")
         self.vocab_size = len(self.tokenizer)
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
