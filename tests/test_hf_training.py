@@ -134,3 +134,38 @@ def test_bad_hf_inputs_fail_before_launch(tmp_path):
     for overrides, needle in cases:
         run = train(tmp_path / "run", *HF_FAST, *overrides, nproc=4, check=False, timeout=300)
         assert run.returncode != 0 and needle in run.output, (overrides, run.output[-3000:])
+
+
+@pytest.mark.parametrize("extra", [
+    ["parallel.dp_shard=2", "memory.activation_checkpointing=full"],
+    ["parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
+    ["compile.enabled=true"],
+])
+def test_activation_checkpointing_and_compile_keep_the_curve(extra, model_dirs, single_process, tmp_path):
+    run = train(tmp_path, *HF_FAST, f"model.path={model_dirs['qwen3']}", *extra, nproc=2 if "dp_shard=2" in extra[0] else 1)
+    _assert_parity("qwen3", " ".join(extra), run.losses, single_process["qwen3"])
+
+
+def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_dirs, tmp_path):
+    """model.pretrained=false: transformers' own _init_weights per parameter (Gemma's norms start at 0, linears
+    at std initializer_range), seeded by name, so FSDP×TP+SP starts from the same weights as one process."""
+    import torch.distributed.checkpoint as dcp
+
+    from composer3d.checkpoint import SafeFileSystemReader
+
+    path = model_dirs["gemma2"]
+    scratch = [*HF_FAST, f"model.path={path}", "model.pretrained=false", "train.steps=3", "checkpoint.enabled=true",
+               *NO_UPDATE]
+    single = train(tmp_path / "one", *scratch)
+    sharded = train(tmp_path / "four", *scratch, "parallel.dp_shard=2", "parallel.tp=2",
+                    "parallel.sequence_parallel=true", nproc=4)
+    worst = max(abs(a - b) for a, b in zip(sharded.losses, single.losses))
+    assert len(single.losses) == 3 and worst < 1e-4, (sharded.losses, single.losses)
+    names = ["model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"]
+    state = {n: torch.empty(s) for n, s in [(names[0], (64,)), (names[1], (128, 64)), (names[2], (512, 64))]}
+    wrapped = {"model": state}
+    dcp.load(wrapped, storage_reader=SafeFileSystemReader(single.run_dir / "checkpoints" / "step-00000003"),
+             no_dist=True)
+    assert torch.equal(state[names[0]], torch.zeros(64))  # Gemma's (1 + w) norms start at w = 0
+    assert abs(state[names[1]].std().item() - 0.1) < 0.01  # initializer_range of the fixture
+    assert not torch.equal(state[names[1]], _tensors(path)[names[1]])  # not the saved weights
