@@ -78,3 +78,25 @@ def test_eval_every_during_training(tmp_path):
     evaluated = {m["step"]: m["eval_loss"] for m in run.metrics if "eval_loss" in m}
     assert sorted(evaluated) == [2, 4]
     assert evaluated[4] < evaluated[2]  # training on Python source helps on Python source
+
+
+def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_path):
+    from harness import FAST, train
+
+    model_dir = make_model(tmp_path / "model", "mistral")
+    text = "def add(a, b):\n    return a + b\n" * 80
+    (tmp_path / "valid.txt").write_text(text)
+    run = train(tmp_path / "run", *[o for o in FAST if not o.startswith("model=")], "model=hf",
+                f"model.path={model_dir}", "train.steps=3", "train.seq_len=32", "optim.lr=1e-2",
+                "data.max_tokens=20000", "parallel.dp_shard=2", nproc=2)
+    step = run.run_dir / "checkpoints" / "step-00000003"
+    export = subprocess.run([sys.executable, "-m", "composer3d.convert", "export", str(step), str(tmp_path / "out"),
+                             "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stderr
+    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'valid.txt'}",
+                    f"checkpoint.resume={step}", "parallel.tp=2", nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
+    trained, untouched = reference(tmp_path / "out", text), reference(model_dir, text)
+    assert abs(got["loss"] - trained["loss"]) < 1e-5, (got, trained)
+    assert abs(got["loss"] - untouched["loss"]) > 1e-3  # the checkpoint's weights were evaluated, not model.path's
