@@ -169,3 +169,16 @@ def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_d
     assert torch.equal(state[names[0]], torch.zeros(64))  # Gemma's (1 + w) norms start at w = 0
     assert abs(state[names[1]].std().item() - 0.1) < 0.01  # initializer_range of the fixture
     assert not torch.equal(state[names[1]], _tensors(path)[names[1]])  # not the saved weights
+
+
+def test_resume_under_another_layout(model_dirs, tmp_path):
+    """3 steps under FSDP, then the same command resumed under TP+SP to step 5 = 5 steps in one process."""
+    # A constant schedule: the LR of a step does not depend on train.steps, which the two commands change.
+    common = [*HF_FAST, f"model.path={model_dirs['qwen3']}", "checkpoint.enabled=true", "optim.schedule=constant"]
+    straight = train(tmp_path / "straight", *common, "train.steps=5")
+    train(tmp_path / "resumed", *common, "train.steps=3", "parallel.dp_shard=2", nproc=2)
+    resumed = train(tmp_path / "resumed", *common, "train.steps=5", "parallel.tp=2", "parallel.sequence_parallel=true",
+                    nproc=2)
+    assert "resumed from" in resumed.output
+    assert max(abs(a - b) for a, b in zip(resumed.losses, straight.losses)) < 1e-4
+    assert len(resumed.losses) == 5
