@@ -171,3 +171,30 @@ def _count_reads(rank, world_size, path, parallel, results):
 @pytest.mark.parametrize("parallel", [{"dp_shard": 4}, {"dp_shard": 2, "tp": 2}, {"pp": 2, "dp_shard": 2}])
 def test_each_rank_reads_only_its_shards(parallel, models, tmp_path):
     spawn(_count_reads, 4, tmp_path, models["llama"], parallel, None)
+
+
+def test_tied_head_with_pipeline_parallel_is_refused(tmp_path):
+    from composer3d.config import ConfigError
+
+    tied = make_model(tmp_path / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match="parallel.pp: .*ties the head to the embedding"):
+        validate(train_config(tied, pp=2), 2)
+
+
+def test_hub_id_resolves_from_the_local_cache_only(tmp_path):
+    """model.path=<org/name>: the snapshot already in the Hugging Face cache; a missing one is a clear error."""
+    import subprocess
+    import sys
+
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "abc123"
+    make_model(snapshot, "llama", tokenizer=False)
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny-org--tiny-llama" / "refs" / "main").write_text("abc123")
+    script = ("from composer3d.models.hf import resolve_model_dir\n"
+              "print(resolve_model_dir('tiny-org/tiny-llama'))\n"
+              "try:\n    resolve_model_dir('tiny-org/absent')\nexcept Exception as e:\n    print(e)\n")
+    env = {**__import__("os").environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == str(snapshot), out.stderr
+    assert "model.path: 'tiny-org/absent' is neither a local directory nor a model in the local" in lines[1]
