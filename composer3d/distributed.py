@@ -7,6 +7,7 @@ through torch's elastic agent — the same agent torchrun uses, so worker failur
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -87,6 +88,17 @@ def spawn_local_workers(nproc: int, module: str, args: list[str]) -> None:
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(error.failures.items()))
         log.error("composer3d: worker(s) failed: %s", failures)
         sys.exit(1)
+
+
+def shut_down(finished: bool) -> None:
+    """Destroy the process group. After a clean finish, first collect garbage and wait for every rank: work still
+    referenced (a pipeline schedule's point-to-point sends) then completes and is released while the interpreter
+    is alive — gloo can otherwise abort at exit ("terminate called without an active exception"). After an error,
+    no barrier: the other ranks may never reach it."""
+    if finished:
+        gc.collect()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def setup_logging(rank: int, stream=None) -> None:

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
 from composer3d import distributed
@@ -69,10 +68,6 @@ def result(loss_sum: float, count: int) -> dict:
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
-    from composer3d.checkpoint import load_model_weights
-    from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer
-
     world_size = env.world_size if env else 1
     distributed.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees = validate(cfg, world_size)
@@ -86,17 +81,28 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
         raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory. Give a step-N directory "
                           "(its model weights are evaluated), or leave it out to evaluate model.path's weights")
     env = distributed.init_process_group(device, env)
+    finished = False
     try:
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        trainer = Trainer(cfg, mesh, device, sequences=None)
-        if resume not in ("auto", "none"):
-            load_model_weights(trainer.model, Path(resume))
-        metrics = trainer.evaluate(windows)
+        metrics = _evaluate_in_group(cfg, degrees, device, windows, resume)
         if env.rank == 0:
             print(json.dumps(metrics), flush=True)
+        finished = True
         return metrics
     finally:
-        dist.destroy_process_group()
+        distributed.shut_down(finished)
+
+
+def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor,
+                       resume: str) -> dict:
+    from composer3d.checkpoint import load_model_weights
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.train import Trainer
+
+    mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+    trainer = Trainer(cfg, mesh, device, sequences=None)
+    if resume not in ("auto", "none"):
+        load_model_weights(trainer.model, Path(resume))
+    return trainer.evaluate(windows)
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)

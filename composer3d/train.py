@@ -275,25 +275,34 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len) if cfg.train.eval_every else None
     env = distributed.init_process_group(device, env)
+    finished = False
     try:
-        run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
-        distributed.log_to_run_dir(env.rank, run_dir)
-        if env.rank == 0:
-            OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
-        trainer = Trainer(cfg, mesh, device, sequences, windows)
-        checkpointer = None
-        if cfg.checkpoint.enabled:
-            checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))
-            trainer.step = checkpointer.resume()
-        sink = MetricsSink(run_dir, cfg, enabled=env.rank == 0, total_steps=cfg.train.steps, resume_step=trainer.step)
-        try:
-            trainer.fit(sink, checkpointer)
-        finally:
-            sink.close()
+        _train_in_group(cfg, env, degrees, device, sequences, windows)
+        finished = True
     finally:
-        dist.destroy_process_group()
+        distributed.shut_down(finished)
+
+
+def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device: torch.device,
+                    sequences: PackedSequences, windows: torch.Tensor | None) -> None:
+    """The run once the process group exists; returning drops the trainer (and its pipeline's pending work)."""
+    world_size = env.world_size
+    run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
+    distributed.log_to_run_dir(env.rank, run_dir)
+    if env.rank == 0:
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+    log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
+    trainer = Trainer(cfg, mesh, device, sequences, windows)
+    checkpointer = None
+    if cfg.checkpoint.enabled:
+        checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))
+        trainer.step = checkpointer.resume()
+    sink = MetricsSink(run_dir, cfg, enabled=env.rank == 0, total_steps=cfg.train.steps, resume_step=trainer.step)
+    try:
+        trainer.fit(sink, checkpointer)
+    finally:
+        sink.close()
 
 
 @hydra.main(config_path="conf", config_name="train", version_base=None)
