@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig
 
 from composer3d import distributed
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate, validate_for_device
+from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import IGNORE_INDEX, build_tokenizer
 
 
@@ -68,13 +68,10 @@ def result(loss_sum: float, count: int) -> dict:
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
-    world_size = env.world_size if env else 1
+    from composer3d.train import prepare_rank
+
     distributed.setup_logging(env.rank if env else 0, stream=sys.stderr)
-    degrees = validate(cfg, world_size)
-    device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
-    validate_for_device(cfg, degrees, device.type)
-    if cfg.precision.param_dtype == "auto":
-        cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
+    degrees, device = prepare_rank(cfg, env)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not Path(resume).is_dir():

@@ -258,15 +258,21 @@ class Trainer:
             checkpointer.wait()
 
 
-def run(cfg: DictConfig, env: distributed.Env | None) -> None:
-    """Train in this process, as one rank of the job (or the only one)."""
-    world_size = env.world_size if env else 1
-    distributed.setup_logging(env.rank if env else 0)
-    degrees = validate(cfg, world_size)
+def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[dict, torch.device]:
+    """Checks and settings every rank makes before its process group exists (training and evaluation alike):
+    the layout's degrees, this rank's device, and the resolved compute dtype."""
+    degrees = validate(cfg, env.world_size if env else 1)
     device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
     validate_for_device(cfg, degrees, device.type)
     if cfg.precision.param_dtype == "auto":  # bf16 compute where it is fast; fp32 on the CPU
         cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
+    return degrees, device
+
+
+def run(cfg: DictConfig, env: distributed.Env | None) -> None:
+    """Train in this process, as one rank of the job (or the only one)."""
+    distributed.setup_logging(env.rank if env else 0)
+    degrees, device = prepare_rank(cfg, env)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
