@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks training, synchronous vs async, measured side by side.
 
-    python benchmarks/checkpoint_blocking.py [--nproc 2] [--dim 512] [--layers 8] [--steps 12]
+    python benchmarks/checkpoint_blocking.py [--nproc 2] [--dim 512] [--layers 8] [--steps 12] [--device auto]
 
 Runs composer3d-train twice with the same model and layout (checkpoint.interval=2), once with
 checkpoint.async_mode=none and once with async, and prints the time each save held the training loop
@@ -21,7 +21,7 @@ from pathlib import Path
 def run(mode: str, args, root: Path) -> dict:
     run_dir = root / mode
     overrides = [
-        f"launch.nproc_per_node={args.nproc}", f"run.dir={run_dir}", "data=synthetic", "logging.progress_bar=false",
+        f"launch.nproc_per_node={args.nproc}", f"launch.device={args.device}", f"run.dir={run_dir}", "data=synthetic", "logging.progress_bar=false",
         f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=8", "model.n_kv_heads=8",
         f"train.steps={args.steps}", "train.seq_len=128", f"train.global_batch_size={2 * args.nproc}",
         "train.micro_batch_size=2", "checkpoint.interval=2", "checkpoint.keep_last=1", f"checkpoint.async_mode={mode}",
@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--device", default="auto", help="auto: one accelerator per rank where there are, else CPU")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(mode, args, Path(tmp)) for mode in ("none", "async")]

@@ -1,6 +1,6 @@
 """Pipeline bubble and activation memory per schedule, measured side by side in one run.
 
-    python benchmarks/pipeline_bubble.py [--pp 2] [--microbatches 8] [--steps 3] [--dim 256] [--layers 8]
+    python benchmarks/pipeline_bubble.py [--pp 2] [--microbatches 8] [--steps 3] [--dim 256] [--layers 8] [--device auto]
 
 For each schedule it trains a few steps of a Llama-shaped model with ``parallel.pp`` ranks (gloo on CPU, or
 the accelerator if there is one) and reports, per rank:
@@ -83,11 +83,11 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
     from hydra import compose, initialize_config_module
 
-    from composer3d.config import register_configs, validate
+    from composer3d.config import register_configs
     from composer3d.data import build_sequences
-    from composer3d.distributed import resolve_device
+    from composer3d.distributed import Env
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer
+    from composer3d.train import Trainer, prepare_rank
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
@@ -95,9 +95,8 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
             "data=synthetic", f"model.dim={args.dim}", f"model.n_layers={args.layers}", "model.n_heads=8",
             "model.n_kv_heads=8", "train.seq_len=256", f"train.global_batch_size={args.microbatches}",
             "train.micro_batch_size=1", f"parallel.pp={world}", f"parallel.pp_schedule={schedule}",
-            "run.dir=unused", "checkpoint.enabled=false"])
-    degrees = validate(cfg, world)
-    device = resolve_device("auto", rank)
+            "run.dir=unused", "checkpoint.enabled=false", f"launch.device={args.device}"])
+    degrees, device = prepare_rank(cfg, Env(rank, rank, world))  # validates; resolves the device and dtype
     dist.init_process_group(dist.get_default_backend_for_device(device), init_method=f"file://{store}",
                             rank=rank, world_size=world)
     trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device,
@@ -130,6 +129,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--schedules", nargs="*", default=SCHEDULES)
+    parser.add_argument("--device", default="auto", help="auto: one accelerator per rank where there are, else CPU")
     args = parser.parse_args()
     results = mp.Manager().dict()
     for schedule in args.schedules:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
@@ -19,12 +20,16 @@ class ParallelModel:
     model: nn.Module
     stages: list[StageModule]  # this rank's pipeline stages ([] without PP)
     num_params: int  # of the whole model, before any split
+    flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 
 def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
+    m = cfg.model
+    flops = flops_per_token(num_params, embedding_params(model), m.n_layers,
+                            m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
     stages = parallelize(model, spec, mesh, cfg, device)
     weights = spec.pretrained_weights(cfg.model)
     materialize(model, device, cfg.train.seed, fsdp_roots=stages, init_params=weights is None)
@@ -32,4 +37,4 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device) -> Paral
         from composer3d.models.hf import load_pretrained
 
         load_pretrained(model, weights)
-    return ParallelModel(model, stages, num_params)
+    return ParallelModel(model, stages, num_params, flops)

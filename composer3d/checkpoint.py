@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from composer3d.config import ConfigError, ModelConfig
 from composer3d.models import build_model
+from composer3d.optim import restore_configured_settings
 
 log = logging.getLogger("composer3d")
 
@@ -180,6 +181,8 @@ class Checkpointer:
                 "layout": t.mesh.layout.as_dict(), "world_size": dist.get_world_size()}
         if not model_only:
             meta.update({"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())})
+            if t.scaler is not None:  # fp16: resume with the scale reached, not loss_scale_init
+                meta["loss_scaler"] = t.scaler.state_dict()
         return meta
 
     # -- saving
@@ -282,6 +285,10 @@ class Checkpointer:
             load_model_weights(t.model, path)
             log.info("loaded model weights from %s (step 0, fresh optimizer)", path)
             return 0
+        if meta["step"] > t.total_steps:
+            raise ConfigError(f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
+                              f"{t.total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
+                              "or start afresh with checkpoint.resume=none")
         state = self._state_dict(model_only=False)
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
         set_model_state_dict(t.model, state["model"])
@@ -291,6 +298,12 @@ class Checkpointer:
         if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
             scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
         t.scheduler.load_state_dict(scheduler_state)
+        changed = restore_configured_settings(t.optimizer, t.scheduler, t.optimizer_settings)
+        if changed:
+            log.warning("resuming with other optimizer settings than the checkpoint's: %s; this run's values apply "
+                        "from step %d on (as config.yaml says)", ", ".join(changed), meta["step"] + 1)
+        if t.scaler is not None and "loss_scaler" in meta:
+            t.scaler.load_state_dict(meta["loss_scaler"])
         rng_file = path / "rng" / f"rank{self.rank}.json"
         if meta["world_size"] == dist.get_world_size() and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), t.device)

@@ -15,13 +15,10 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from composer3d.parallel.pipeline import default_stages_per_rank, schedule_problem
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and what would."""
 
 
 @dataclass
@@ -37,6 +34,7 @@ class ModelConfig:
     n_layers: int = MISSING
     n_heads: int = MISSING
     n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
+    head_dim: int | None = None  # None: dim / n_heads (the native llama's only choice); model=hf reads its own
     vocab_size: int = MISSING
     ffn_hidden_dim: int | None = None  # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
     multiple_of: int = 256
@@ -121,6 +119,11 @@ class TrainLoopConfig:
     deterministic: bool = False
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_every: int = 0  # evaluate on eval.path every N steps (and after the last); 0: never
+    # a loss or gradient norm that is NaN/inf: stop (exit 3 naming the step, detected at the next metrics read-back,
+    # which every checkpoint waits for, so no checkpoint holds that state) | skip (check every step — one host
+    # sync — and drop that update)
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10  # updates dropped in a row (non-finite, or fp16 overflow) before the run stops
 
 
 @dataclass
@@ -139,6 +142,8 @@ class OptimConfig:
     warmup_steps: int = 10
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
+    # adamw's kernels: auto (fused where the device has them, else foreach, else a loop) | fused | foreach | for_loop
+    implementation: str = "auto"
 
 
 @dataclass
@@ -155,6 +160,9 @@ class LoggingConfig:
     tensorboard: bool = False
     progress_bar: bool = True
     memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
+    # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.flops' table by device name (the CPU
+    # and unlisted devices get TFLOP/s only)
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -203,6 +211,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 PARAM_DTYPES = ("auto", *DTYPES)
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 DATASETS = ("stdlib", "synthetic", "text_files")
 DATA_FORMATS = ("text", "chat")
 ASYNC_MODES = ("none", "async", "async_pinned")
@@ -291,6 +300,10 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _require(cfg.eval.max_windows >= 0, "eval.max_windows", f"must be >= 0, got {cfg.eval.max_windows}",
              "Use 0 for all windows")
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}", "Use 1 or more")
+    _require(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"unknown policy {t.on_nonfinite!r}",
+             "Choose stop (exit at the first non-finite step) or skip (drop that update)")
+    _require(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}",
+             "Use e.g. 10")
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
 
     _require(o.name in OPTIMIZERS, "optim.name", f"unknown optimizer {o.name!r}", f"Choose one of {OPTIMIZERS}")
@@ -298,6 +311,10 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _require(o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}", f"Choose one of {SCHEDULES}")
     _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
              f"must be two numbers in [0, 1), got {list(o.betas)}", "Use e.g. [0.9,0.95]")
+    _require(o.implementation in OPTIMIZER_IMPLEMENTATIONS, "optim.implementation",
+             f"unknown implementation {o.implementation!r}", f"Choose one of {OPTIMIZER_IMPLEMENTATIONS}")
+    _require(o.name == "adamw" or o.implementation == "auto", "optim.implementation", f"{o.name} is torchao's "
+             "compiled low-bit AdamW, which has no fused/foreach/for_loop variants", "Use optim.implementation=auto")
     _require(0 <= o.warmup_steps, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}", "Use 0 for none")
 
     for key, allowed in (("param_dtype", PARAM_DTYPES), ("reduce_dtype", DTYPES)):
@@ -358,6 +375,8 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
              f"Choose one of {DTYPES}")
     _require(cfg.launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {cfg.launch.nproc_per_node}",
              "Use 1 or more")
+    _require(cfg.logging.peak_tflops is None or cfg.logging.peak_tflops > 0, "logging.peak_tflops",
+             f"must be > 0, got {cfg.logging.peak_tflops}", "Use null for the table's value")
     _require(cfg.logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {cfg.logging.log_every}", "Use 1+")
     return degrees
 
@@ -424,6 +443,8 @@ def _check_model(m: Any) -> None:
     for key in ("dim", "n_layers", "n_heads", "vocab_size"):
         value = getattr(m, key)
         _require(value >= 1, f"model.{key}", f"must be >= 1, got {value}", "Use a positive size")
+    _require(m.head_dim in (None, m.dim // m.n_heads), "model.head_dim", f"the native llama's heads are "
+             f"dim / n_heads = {m.dim // m.n_heads} wide, got {m.head_dim}", "Use model.head_dim=null")
     _require(m.n_kv_heads is None or m.n_kv_heads >= 1, "model.n_kv_heads", f"must be >= 1, got {m.n_kv_heads}",
              "Use null for as many kv heads as query heads")
     n_kv = m.n_kv_heads or m.n_heads

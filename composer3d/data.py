@@ -3,7 +3,9 @@
 The global batch order is a function of the seed alone: step s uses sequences [s·B, (s+1)·B) of an endless
 stream of seeded permutations of the packed corpus, and data-parallel rank r takes its contiguous slice of
 that global batch. The loader's only state is how many sequences the whole job has consumed, so it does not
-depend on the layout and a run can resume under a different number of data-parallel ranks.
+depend on the layout and a run can resume under a different number of data-parallel ranks. Each batch also carries
+the whole global batch's count of trained targets (every rank knows all its rows), and :class:`BatchPrefetcher`
+builds the batches ahead on a background thread.
 
 Corpora: ``stdlib`` (the running interpreter's own standard library sources: nothing to download),
 ``text_files`` (local .txt/.jsonl/.parquet through Hugging Face datasets), ``synthetic`` (seeded random tokens).
@@ -26,14 +28,17 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import queue
 import sysconfig
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from composer3d.config import ConfigError
+from composer3d.errors import ConfigError
 
 log = logging.getLogger("composer3d")
 
@@ -330,15 +335,22 @@ class Batch:
 
     ``targets`` holds the next token, or IGNORE_INDEX (-100) where no loss is taken. ``position_ids`` restart at 0
     at each document start when document masking is on (HF models then attend within documents only; the native
-    Llama ignores them), else they count 0..seq_len-1 along each row.
+    Llama ignores them), else they count 0..seq_len-1 along each row. ``global_targets``: targets that take a loss
+    in the whole global batch (every data-parallel rank's rows), when the loader filled it in.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
+    global_targets: int | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.position_ids)))
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.position_ids)),
+                     self.global_targets)
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.inputs.pin_memory(), self.targets.pin_memory(), self.position_ids.pin_memory(),
+                     self.global_targets)
 
 
 def document_positions(starts: torch.Tensor) -> torch.Tensor:
@@ -375,16 +387,31 @@ class PackedSequences:
     def shape(self) -> torch.Size:
         return self.tokens.shape
 
+    def _trained(self, rows: list[int]) -> torch.Tensor | None:
+        """Which targets (tokens[1:]) of the rows take a loss, (len(rows), seq_len) bool; None: all of them."""
+        trained = None
+        if self.trainable is not None:  # chat: only the assistant replies' tokens are targets
+            trained = self.trainable[rows][:, 1:]
+        if self.document_masking and self.starts is not None:
+            # the previous document's last token (its eos) predicts nothing
+            not_first = ~self.starts[rows][:, 1:]
+            trained = not_first if trained is None else trained & not_first
+        return trained
+
+    def target_count(self, rows: list[int]) -> int:
+        """How many targets of :meth:`batch` (rows) take a loss, from the masks alone (no Batch built)."""
+        trained = self._trained(rows)
+        return len(rows) * (self.tokens.shape[1] - 1) if trained is None else int(trained.sum())
+
     def batch(self, rows: list[int]) -> Batch:
         """The rows as a Batch: inputs are tokens[:-1], targets tokens[1:] with IGNORE_INDEX where masked."""
         tokens = self.tokens[rows]
         inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
-        if self.trainable is not None:  # chat: only the assistant replies' tokens are targets
-            targets[~self.trainable[rows][:, 1:]] = IGNORE_INDEX
+        trained = self._trained(rows)
+        if trained is not None:
+            targets[~trained] = IGNORE_INDEX
         if self.document_masking and self.starts is not None:
-            starts = self.starts[rows]
-            targets[starts[:, 1:]] = IGNORE_INDEX  # the previous document's last token (its eos) predicts nothing
-            positions = document_positions(starts[:, :-1])
+            positions = document_positions(self.starts[rows][:, :-1])
         else:
             positions = torch.arange(inputs.shape[1]).expand(inputs.shape).clone()
         return Batch(inputs, targets, positions)
@@ -458,10 +485,16 @@ class GlobalBatchLoader:
         return int(self._order[offset])
 
     def next_batch(self) -> Batch:
-        start = self.consumed + self.dp_rank * self.local_batch_size
-        rows = [self._index(p) for p in range(start, start + self.local_batch_size)]
+        """This rank's slice of the next global batch, with the global batch's count of trained targets.
+
+        Every rank knows the whole global batch's rows, so the count needs no collective (nor a host sync).
+        """
+        rows = [self._index(p) for p in range(self.consumed, self.consumed + self.global_batch_size)]
         self.consumed += self.global_batch_size
-        return self.sequences.batch(rows)
+        start = self.dp_rank * self.local_batch_size
+        batch = self.sequences.batch(rows[start:start + self.local_batch_size])
+        batch.global_targets = self.sequences.target_count(rows)
+        return batch
 
     def state_dict(self) -> dict:
         return {"consumed_sequences": self.consumed, "num_sequences": len(self.sequences), "seed": self.seed}
@@ -472,3 +505,79 @@ class GlobalBatchLoader:
                              f"but this run has {len(self.sequences)} with seed {self.seed}: the corpus, "
                              "train.seq_len or train.seed changed")
         self.consumed = state["consumed_sequences"]
+
+
+class BatchPrefetcher:
+    """A GlobalBatchLoader whose next batches are built ahead on a background thread, off the step's critical path.
+
+    Same interface as the loader. On an accelerator the thread also pins each batch, so that next_batch()'s copy to
+    the device is asynchronous (from pageable memory the host would wait for it). The thread starts at the first
+    next_batch() and is from then on the only caller of the inner loader (whose epoch order cache is not
+    thread-safe); state_dict() is the position after the batches handed out, not after those built ahead.
+    """
+
+    def __init__(self, loader: GlobalBatchLoader, device: torch.device | str, depth: int = 2):
+        self.loader, self.device, self.depth = loader, torch.device(device), depth
+        self._state = loader.state_dict()
+        self._batches: queue.Queue | None = None
+        self._stop: weakref.finalize | None = None
+
+    def _start(self) -> None:
+        # pin_memory() allocates through the thread's current device: give it the one the main thread uses
+        device_index = None
+        if self.device.type != "cpu":
+            device_index = self.device.index if self.device.index is not None else torch.accelerator.current_device_index()
+        self._batches, stop = queue.Queue(self.depth), threading.Event()
+        thread = threading.Thread(target=_prefetch, args=(self.loader, self._batches, stop, device_index),
+                                  name="composer3d-prefetch", daemon=True)
+        thread.start()
+        # also runs when the prefetcher is garbage-collected or the interpreter exits; a second call does nothing
+        self._stop = weakref.finalize(self, _stop_prefetch, thread, self._batches, stop)
+
+    def next_batch(self) -> Batch:
+        if self._batches is None:
+            self._start()
+        batch, state = self._batches.get()
+        if isinstance(batch, BaseException):
+            self.close()  # the thread has ended; a later call starts again after the batches handed out
+            raise batch
+        self._state = state
+        return batch if self.device.type == "cpu" else batch.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        """Stops the thread (if running); the inner loader is left at the position of the batches handed out."""
+        if self._stop is not None:
+            self._stop()
+        self._batches = None
+        self.loader.load_state_dict(self._state)
+
+    def state_dict(self) -> dict:
+        return dict(self._state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.close()  # a running thread has built batches from the old position
+        self.loader.load_state_dict(state)
+        self._state = self.loader.state_dict()
+
+
+def _prefetch(loader: GlobalBatchLoader, batches: queue.Queue, stop: threading.Event, device_index: int | None):
+    """The prefetch thread: queues (batch, loader state after it) until stopped; an error is queued and ends it."""
+    try:
+        if device_index is not None:
+            torch.accelerator.set_device_index(device_index)
+        while not stop.is_set():
+            batch = loader.next_batch()
+            batches.put((batch if device_index is None else batch.pin_memory(), loader.state_dict()))
+    except BaseException as error:  # re-raised in the main thread by next_batch()
+        batches.put((error, None))
+
+
+def _stop_prefetch(thread: threading.Thread, batches: queue.Queue, stop: threading.Event) -> None:
+    stop.set()
+    while True:  # emptying the queue frees a put() blocked on it; the thread then sees stop and ends
+        try:
+            batches.get_nowait()
+        except queue.Empty:
+            break
+    if thread is not threading.current_thread():  # (a garbage collection may run on the thread itself)
+        thread.join()

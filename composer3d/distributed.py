@@ -87,7 +87,9 @@ def spawn_local_workers(nproc: int, module: str, args: list[str]) -> None:
     except ChildFailedError as error:
         failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(error.failures.items()))
         log.error("composer3d: worker(s) failed: %s", failures)
-        sys.exit(1)
+        _, first = error.get_first_failure()
+        # The first failure's own code (a bad config: 2, divergence: 3) is the job's; a signal or crash is 1.
+        sys.exit(first.exitcode if 0 < first.exitcode < 128 else 1)
 
 
 def shut_down(finished: bool) -> None:

@@ -102,7 +102,9 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
     return trainer.evaluate(windows)
 
 
-@hydra.main(config_path="conf", config_name="train", version_base=None)
+# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
+# `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
+@hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 

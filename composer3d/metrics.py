@@ -43,13 +43,20 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int
 def memory_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer):
     """Peak bytes per category (PARAM, GRAD, ACT, OPT, TEMP, …) on this rank while the block runs.
 
-    torch's FSDP memory tracker counts every tensor as it is allocated (a dispatch mode plus module hooks), so
-    it works on the CPU, where there are no allocator statistics; it slows the step down, so it measures one.
+    torch's memory trackers count every tensor as it is allocated (a dispatch mode plus module hooks), so they
+    work on the CPU, where there are no allocator statistics; they slow the step down, so they measure one. The
+    FSDP tracker for a sharded model, the plain one where FSDP does not run (no data-parallel dim).
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
 
-    tracker = FSDPMemTracker(mod=model, optm=optimizer)
-    tracker.track_inputs(())
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(mod=model, optm=optimizer)
+        tracker.track_inputs(())
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer)
     result: dict[str, int] = {}
     with tracker:
         yield result, tracker  # call tracker.reset_mod_stats() between micro-batches (it follows one pass)
@@ -70,6 +77,26 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cpu":
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
     return torch.accelerator.max_memory_allocated(device)
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "non-finite" if value is None else format(value, spec)  # None: NaN/inf, which JSON cannot hold
+
+
+class Throughput:
+    """Per-device rates of a run from its job-wide tokens/s: tokens/s per device, model TFLOP/s per device and
+    MFU (None where the device's peak is unknown, e.g. the CPU; ``logging.peak_tflops`` sets it)."""
+
+    def __init__(self, flops_per_token: int, peak_flops_per_device: float | None, world_size: int):
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_per_device
+        self.world_size = world_size
+
+    def of(self, tokens_per_s: float) -> dict:
+        per_device = tokens_per_s / self.world_size
+        flops = per_device * self.flops_per_token
+        return {"tokens_per_s_per_device": per_device, "tflops_per_s": flops / 1e12,
+                "mfu": flops / self.peak if self.peak else None}
 
 
 class MetricsSink:
@@ -109,22 +136,29 @@ class MetricsSink:
         if self.enabled:
             (self.path.parent / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
-    def log(self, record: dict, to_console: bool) -> None:
+    def log(self, records: list[dict], to_console: bool) -> None:
+        """Append a logging window's records (one per step); the console gets the last one when ``to_console``."""
         if not self.enabled:
             return
         with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-        step = record["step"]
-        if self.wandb is not None:
-            self.wandb.log(record, step=step)
-        if self.tensorboard is not None:
-            for key, value in record.items():
-                if key != "step":
-                    self.tensorboard.add_scalar(key, value, step)
-        summary = (f"step {step} loss {record['loss']:.4f} grad_norm {record['grad_norm']:.3f} "
-                   f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f}")
+            f.writelines(json.dumps(record) + "\n" for record in records)
+        for record in records:
+            if self.wandb is not None:
+                self.wandb.log(record, step=record["step"])
+            if self.tensorboard is not None:
+                for key, value in record.items():
+                    if key != "step" and value is not None:
+                        self.tensorboard.add_scalar(key, value, record["step"])
+        record = records[-1]
+        summary = (f"step {record['step']} loss {_number(record['loss'], '.4f')} "
+                   f"grad_norm {_number(record['grad_norm'], '.3f')} "
+                   f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f} "
+                   f"TFLOP/s/device {record['tflops_per_s']:.3g}"
+                   + (f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
+                   + f" mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+                   + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
         if self.progress is not None:
-            self.progress.update(self.task, completed=step, status=summary)
+            self.progress.update(self.task, completed=record["step"], status=summary)
         if to_console:
             log.info(summary)
 

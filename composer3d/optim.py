@@ -7,6 +7,7 @@ import math
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from composer3d.parallel.zero import OptimizerStateSharder
 
@@ -23,11 +24,25 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None
         {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": cfg.weight_decay},
         {"params": [t for t, d in zip(targets, decays) if not d], "weight_decay": 0.0},
     ]
+    kernels = adamw_kernels(cfg.implementation, targets) if cfg.name == "adamw" else {}
     optimizer = optimizer_class(cfg.name)([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas),
-                                          eps=cfg.eps)
+                                          eps=cfg.eps, **kernels)
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder
+
+
+def adamw_kernels(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """AdamW's ``fused``/``foreach`` arguments for ``implementation``.
+
+    ``auto`` takes the fused kernel (one kernel per parameter group: on an H100 it steps a 1.5B model in about a
+    third of the foreach kernels' time) wherever every parameter's device has one; torch's own default would pick
+    foreach on accelerators and a Python loop on the CPU.
+    """
+    if implementation == "auto":
+        devices = {p.device.type for p in params}
+        implementation = "fused" if devices <= set(_get_fused_kernels_supported_devices()) else "foreach"
+    return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
@@ -44,6 +59,48 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
     return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit, "adamw_fp8": AdamWFp8}[name]
+
+
+HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")  # initial_lr: the schedule's base, set by it
+
+
+def configured_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each parameter group's hyperparameters as this run's config set them (before any checkpoint is loaded)."""
+    return [{k: _plain(group[k]) for k in HYPERPARAMETERS} for group in optimizer.param_groups]
+
+
+def restore_configured_settings(optimizer: torch.optim.Optimizer, scheduler, settings: list[dict]) -> list[str]:
+    """Put the config's hyperparameters back after a checkpoint load restored the saved ones; returns what the
+    checkpoint had otherwise ("lr 0.0003 -> 0.0001"). A changed base learning rate also changes the current one
+    (the config's schedule at the current step), so the run continues as its config.yaml says."""
+    changed = []
+    for i, (group, wanted) in enumerate(zip(optimizer.param_groups, settings)):
+        for key, value in wanted.items():
+            if _plain(group[key]) == value:
+                continue
+            changed.append(f"{'lr' if key == 'initial_lr' else key} {_plain(group[key])} -> {value}")
+            if key != "initial_lr":
+                group[key] = value
+                continue
+            base = scheduler.base_lrs[i]  # torchao's optimizers keep learning rates as tensors: keep the type
+            scheduler.base_lrs[i] = torch.tensor(value) if isinstance(base, torch.Tensor) else value
+            group["initial_lr"] = scheduler.base_lrs[i]
+            lr = value * scheduler.lr_lambdas[i](scheduler.last_epoch)
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+            scheduler._last_lr[i] = group["lr"]
+    return sorted(set(changed))
+
+
+def _plain(value):
+    """A hyperparameter as plain numbers (tuples for betas, floats for tensors), for comparison."""
+    if isinstance(value, torch.Tensor):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(float(v) for v in value)
+    return float(value)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:

@@ -13,7 +13,7 @@ from pathlib import Path
 # Small and fast: the tiny model on a slice of the stdlib corpus, fp32, deterministic.
 FAST = [
     "model=tiny", "data.max_tokens=200000", "train.seq_len=64", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "logging.progress_bar=false", "train.deterministic=true",
+    "train.micro_batch_size=2", "logging.progress_bar=false", "train.deterministic=true", "launch.device=cpu",
 ]
 
 

@@ -337,12 +337,14 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
     result = {"by_hand": (nll[keep].sum() / keep.sum()).item(), "unmasked": nll.mean().item(),
               "count": int(keep.sum())}
     metrics = trainer.train_step()
-    result.update(loss=metrics["loss"], target_tokens=metrics["target_tokens"], tokens=metrics["tokens"])
+    loss = trainer.read_back([(1, metrics)], window_start=0.0)[0]["loss"]  # summed over the ranks' shares
+    result.update(loss=loss, target_tokens=metrics["target_tokens"], tokens=metrics["tokens"])
     # A global batch whose every target is masked is skipped on every rank alike, without an update.
     trainer.zero_grad()
     local = lambda p: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()  # noqa: E731
     before = [local(p) for p in trainer.model.parameters()]
-    trainer.loader.sequences.trainable = torch.zeros_like(sequences.tokens, dtype=torch.bool)
+    trainer.loader.loader.sequences.trainable = torch.zeros_like(sequences.tokens, dtype=torch.bool)
+    trainer.loader.load_state_dict(trainer.loader.state_dict())  # drop the batches prefetched with the old masks
     skipped = trainer.train_step()
     assert skipped["target_tokens"] == 0 and skipped["loss"] == 0.0 and trainer.step == 2, skipped
     assert all(torch.equal(a, local(b)) for a, b in zip(before, trainer.model.parameters()))

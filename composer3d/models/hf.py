@@ -35,7 +35,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from composer3d.config import ConfigError
+from composer3d.errors import ConfigError
 from composer3d.models.init import InitRule
 
 # --------------------------------------------------------------------------------------------- config
@@ -78,6 +78,7 @@ def fill_model_config(m) -> None:
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads
     m.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    m.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     m.vocab_size = c.vocab_size
     m.ffn_hidden_dim = getattr(c, "intermediate_size", None)
     m.max_seq_len = getattr(c, "max_position_embeddings", None) or m.max_seq_len
@@ -316,7 +317,7 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
     """(root plan, per-layer plan) from the model's ``base_model_tp_plan``.
 
     Ours on top of transformers' plan: a vocab-parallel embedding, a head whose logits stay vocab-sharded (the loss
-    runs under ``loss_parallel``), and with sequence parallel every norm on the residual stream (the decoder
+    runs on the shards: ``composer3d.loss``), and with sequence parallel every norm on the residual stream (the decoder
     layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP inputs
     all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
     """

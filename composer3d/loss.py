@@ -1,0 +1,86 @@
+"""Summed next-token cross-entropy in fp32 over (possibly vocab-sharded) logits, without full-vocabulary fp32
+temporaries.
+
+``F.cross_entropy(logits.float(), …)`` keeps an fp32 copy of the logits and its fp32 log-softmax for backward:
+8 bytes per vocabulary entry per token (8 GiB for seq 8192 × a 128k vocabulary). Here the log-sum-exp is computed
+over row chunks, so only one chunk is fp32 at a time, and backward rebuilds the softmax chunk by chunk from the
+logits (kept in their own dtype, bf16 in mixed precision) and the per-row log-sum-exp: the gradient is
+``softmax - one_hot`` and needs nothing else. Under tensor parallel the logits are sharded on the vocabulary
+(the head's output, a DTensor ``Shard(-1)``); each chunk's max, sum of exponentials and target logit are then
+completed with one all-reduce each over the tensor-parallel group, as ``loss_parallel`` does, and no rank ever
+holds the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from composer3d.data import IGNORE_INDEX
+
+CHUNK_ELEMENTS = 2**25  # fp32 elements of one chunk's temporaries (128 MiB)
+
+
+class _ShardedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+        rows, vocab = logits.shape
+        local = targets - vocab_start
+        here = (local >= 0) & (local < vocab) & (targets != IGNORE_INDEX)
+        index = torch.where(here, local, 0).unsqueeze(1)
+        lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        step = max(1, CHUNK_ELEMENTS // max(1, vocab))
+        for start in range(0, rows, step):
+            chunk = logits[start:start + step].float()
+            peak = chunk.amax(dim=1)
+            if group is not None:
+                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            sum_exp = (chunk - peak.unsqueeze(1)).exp_().sum(dim=1)
+            if group is not None:
+                dist.all_reduce(sum_exp, group=group)
+            lse[start:start + step] = peak + sum_exp.log()
+        target_logit = logits.gather(1, index).squeeze(1).float() * here
+        if group is not None:
+            dist.all_reduce(target_logit, group=group)
+        trained = targets != IGNORE_INDEX
+        ctx.save_for_backward(logits, lse, index, here, trained)
+        ctx.step = step
+        return ((lse - target_logit) * trained).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        logits, lse, index, here, trained = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        weight = (trained * grad_loss).float().unsqueeze(1)
+        for start in range(0, logits.shape[0], ctx.step):
+            end = start + ctx.step
+            probs = (logits[start:end].float() - lse[start:end].unsqueeze(1)).exp_()
+            probs.scatter_add_(1, index[start:end], -here[start:end].float().unsqueeze(1))
+            grad[start:end] = probs.mul_(weight[start:end])
+        return grad, None, None, None
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ −log softmax(logits)[target] over targets that are not IGNORE_INDEX, in fp32.
+
+    ``logits`` (batch, seq, vocab): a plain tensor, a replicated DTensor, or a DTensor sharded on the vocabulary
+    (its last dim) over a 1-D mesh, e.g. a tensor-parallel head's output; ``targets`` (batch, seq) hold global vocabulary ids. The
+    result is a plain scalar, the same on every rank of the vocabulary's group.
+    """
+    group, vocab_start = None, 0
+    if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
+        logits = logits.to_local()  # every rank holds the whole vocabulary
+    if isinstance(logits, DTensor):
+        mesh, placements = logits.device_mesh, logits.placements
+        if mesh.ndim != 1 or not (isinstance(placements[0], Shard) and placements[0].dim in (-1, logits.ndim - 1)):
+            raise ValueError(f"logits must be sharded on the vocabulary over one mesh dim, got {placements} "
+                             f"on a {mesh.ndim}-D mesh")
+        # DTensor shards like torch.chunk: every rank but the last holds ceil(vocab / size) entries
+        per_rank = math.ceil(logits.shape[-1] / mesh.size())
+        vocab_start = min(mesh.get_local_rank() * per_rank, logits.shape[-1])
+        group = mesh.get_group()
+        logits = logits.to_local()
+    return _ShardedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group)

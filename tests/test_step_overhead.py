@@ -1,0 +1,207 @@
+"""What the training step does on the hot path: the loss, the optimizer kernels, FSDP only where it shards,
+low-precision compute without FSDP, metrics read back once per logging window, TFLOP/s and MFU."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from harness import FAST, spawn, train
+from hydra import compose, initialize_config_module
+
+from composer3d import loss as loss_module
+from composer3d.config import ConfigError, register_configs, validate
+from composer3d.data import IGNORE_INDEX
+from composer3d.flops import flops_per_token, peak_flops
+from composer3d.loss import cross_entropy_sum
+from composer3d.optim import build_optimizer
+
+CPU = torch.device("cpu")
+
+
+def _logits_and_targets(rows=24, vocab=515, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(2, rows // 2, vocab, generator=generator) * 3).to(dtype)
+    targets = torch.randint(0, vocab, (2, rows // 2), generator=generator)
+    targets[0, :3] = IGNORE_INDEX  # prompt-like positions that take no loss
+    return logits, targets
+
+
+def _reference(logits, targets):
+    full = logits.detach().float().requires_grad_(True)
+    loss = F.cross_entropy(full.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss.backward()
+    return loss.detach(), full.grad
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 515 * 5)  # 5 rows a chunk: several chunks, a ragged last one
+    logits, targets = _logits_and_targets(dtype=dtype)
+    expected_loss, expected_grad = _reference(logits, targets)
+    logits.requires_grad_(True)
+    loss = cross_entropy_sum(logits, targets)
+    (loss * 0.5).backward()  # a scaled loss, as the trainer divides by the token count
+    assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
+    assert torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4), (loss, expected_loss)
+    assert torch.allclose(logits.grad.float(), 0.5 * expected_grad, atol=tolerance), \
+        (logits.grad.float() - 0.5 * expected_grad).abs().max()
+    assert logits.grad[0, :3].abs().max() == 0, "ignored targets take no gradient"
+
+
+def test_chunked_cross_entropy_keeps_no_full_vocabulary_fp32_tensor():
+    logits, targets = _logits_and_targets(rows=64, vocab=1024, dtype=torch.bfloat16)
+    logits.requires_grad_(True)
+    full = logits.numel()
+
+    def saved_fp32_elements(fn):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            fn()
+        return max((t.numel() for t in saved if t.dtype == torch.float32), default=0)
+
+    upcast = saved_fp32_elements(lambda: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1),
+                                                         ignore_index=IGNORE_INDEX, reduction="sum"))
+    chunked = saved_fp32_elements(lambda: cross_entropy_sum(logits, targets))
+    assert upcast >= full, "the check itself: the plain upcast keeps full fp32 logits for backward"
+    assert chunked <= logits.shape[0] * logits.shape[1], f"fp32 saved per token only, got {chunked} elements"
+
+
+def _vocab_parallel_worker(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    loss_module.CHUNK_ELEMENTS = 258 * 5
+    logits, targets = _logits_and_targets(vocab=515)  # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
+    expected_loss, expected_grad = _reference(logits, targets)
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_(True)
+    loss = cross_entropy_sum(sharded, targets)
+    loss.backward()
+    assert not isinstance(loss, type(sharded)) and torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4)
+    assert torch.allclose(sharded.grad.full_tensor(), expected_grad, atol=1e-5)
+
+
+def test_vocab_sharded_cross_entropy_matches_torch(tmp_path):
+    spawn(_vocab_parallel_worker, 2, tmp_path)
+
+
+def _tiny_model():
+    return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+
+
+@pytest.mark.parametrize("implementation, fused, foreach", [
+    ("auto", True, False), ("fused", True, False), ("foreach", False, True), ("for_loop", False, False)])
+def test_adamw_implementation_picks_its_kernels(implementation, fused, foreach):
+    cfg = compose_cfg([f"optim.implementation={implementation}"]).optim
+    model = _tiny_model()
+    optimizer, _ = build_optimizer(model, cfg)
+    assert all(g["fused"] == fused and g["foreach"] == foreach for g in optimizer.param_groups)
+    model(torch.randn(4, 8)).sum().backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        optimizer.step()
+    ops = {event.key for event in prof.key_averages()}
+    assert ("aten::_fused_adamw_" in ops) == fused, sorted(ops)
+    assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(ops)  # the unfused multi-tensor update
+
+
+def test_low_bit_optimizer_refuses_a_kernel_choice():
+    with pytest.raises(ConfigError, match="optim.implementation"):
+        validate(compose_cfg(["optim.name=adamw_8bit", "optim.implementation=fused"]), 1)
+
+
+def compose_cfg(overrides):
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        return compose("train", overrides=["data=synthetic", "data.synthetic_sequences=64", "run.dir=unused",
+                                           "checkpoint.enabled=false", "launch.device=cpu", *overrides])
+
+
+def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.train import Trainer, prepare_rank
+
+    cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
+                       *overrides])
+    degrees, device = prepare_rank(cfg, None if world_size == 1 else _env(rank, world_size))
+    from composer3d.data import build_sequences
+
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0)
+    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+    assert any(isinstance(m, FSDPModule) for m in trainer.model.modules()) == expect_fsdp
+    meshes = {p.device_mesh.mesh_dim_names for p in trainer.model.parameters() if isinstance(p, DTensor)}
+    assert meshes == expected["meshes"], meshes
+    outputs = []
+    trainer.model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: outputs.append(o.dtype))
+    trainer.train_step()
+    assert outputs and set(outputs) == {expected["compute"]}, outputs  # one per micro-batch
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}, "fp32 master weights"
+    assert {p.grad.dtype for p in trainer.model.parameters()} == {torch.float32}
+    states = [v for s in trainer.optimizer.state.values() for v in s.values() if v.ndim > 0]
+    assert states and {v.dtype for v in states} == {torch.float32}
+
+
+def _env(rank, world_size):
+    from composer3d.distributed import Env
+
+    return Env(rank=rank, local_rank=rank, world_size=world_size)
+
+
+@pytest.mark.parametrize("overrides, world_size, expect_fsdp, expected", [
+    (["precision.param_dtype=bfloat16"], 1, False, {"meshes": set(), "compute": torch.bfloat16}),
+    (["precision.param_dtype=float32"], 1, False, {"meshes": set(), "compute": torch.float32}),
+    (["parallel.tp=2", "parallel.dp_shard=1", "precision.param_dtype=bfloat16"], 2, False,
+     {"meshes": {("tp",)}, "compute": torch.bfloat16}),
+    (["parallel.dp_shard=2", "precision.param_dtype=bfloat16"], 2, True,
+     {"meshes": {("dp_shard_cp",)}, "compute": torch.bfloat16}),
+])
+def test_fsdp_only_where_a_data_parallel_dim_shards(tmp_path, overrides, world_size, expect_fsdp, expected):
+    """One device and TP-only layouts carry no FSDP (no all-gather/reduce-scatter copies), yet compute in bf16
+    over fp32 weights, gradients and optimizer state, like FSDP's mixed precision does."""
+    spawn(_fsdp_and_dtypes_worker, world_size, tmp_path, overrides, expect_fsdp, expected)
+
+
+def test_single_device_checkpoint_resumes_under_fsdp_and_tp(tmp_path):
+    args = [*FAST, "train.steps=8", "checkpoint.interval=4"]
+    single = train(tmp_path / "single", *args)
+    resumed = train(tmp_path / "fsdp_tp", *args, "parallel.dp_shard=2", "parallel.tp=2",
+                    "parallel.sequence_parallel=true", nproc=4,
+                    *[f"checkpoint.resume={single.run_dir / 'checkpoints' / 'step-00000004'}"])
+    assert [m["step"] for m in resumed.metrics] == [5, 6, 7, 8]
+    assert max(abs(a - b) for a, b in zip(single.losses[4:], resumed.losses)) < 1e-4, (single.losses, resumed.losses)
+
+
+def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
+    """log_every=3 defers reading the loss to every third step (and the last), yet writes every step's line with
+    the values a per-step read gives; TFLOP/s and, with a declared peak, MFU come with them."""
+    every_step = train(tmp_path / "each", *FAST, "train.steps=7")
+    windowed = train(tmp_path / "window", *FAST, "train.steps=7", "logging.log_every=3", "logging.peak_tflops=0.001")
+    assert [m["step"] for m in windowed.metrics] == list(range(1, 8))
+    for key in ("loss", "grad_norm", "lr"):
+        assert [m[key] for m in windowed.metrics] == [m[key] for m in every_step.metrics], key
+    times = [m["step_time_s"] for m in windowed.metrics]
+    assert times[0] == times[1] == times[2] and times[3] == times[4] == times[5], "the window's average"
+    for record in windowed.metrics:
+        assert record["tflops_per_s"] > 0
+        assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.001)
+    assert all(m["mfu"] is None for m in every_step.metrics), "no peak known for the CPU"
+    info = windowed.run_info
+    assert info["flops_per_token"] == flops_per_token(info["num_params"], 512 * 64, 2, 64, 64)  # tiny: vocab 512, dim 64
+    assert "MFU" in windowed.output and "TFLOP/s" in windowed.output
+
+
+def test_flops_per_token_and_peak_table(monkeypatch):
+    # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 12·L·H·Q·T
+    n, embedding = 1_498_482_688, 128256 * 2048
+    assert flops_per_token(n, embedding, 16, 32 * 64, 8192) == 6 * (n - embedding) + 12 * 16 * 2048 * 8192
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda, "bfloat16") == 989.4e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    assert peak_flops(cuda, "bfloat16") == 756e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Some Future GPU")
+    assert peak_flops(cuda, "bfloat16") is None
+    assert peak_flops(cuda, "bfloat16", override_tflops=500) == 500e12
+    assert peak_flops(CPU, "float32") is None
