@@ -24,7 +24,7 @@ from composer3d.data import build_sequences
 from composer3d.distributed import resolve_device
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import model_state_bytes
-from composer3d.train import Trainer
+from composer3d.trainer import Trainer
 
 MODELS = {
     "tiny": ["model=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=8"],

@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
     from composer3d.data import build_sequences
     from composer3d.distributed import Env
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer, prepare_rank
+    from composer3d.trainer import Trainer, prepare_rank
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):

@@ -45,7 +45,7 @@ from composer3d.data import build_sequences
 from composer3d.flops import embedding_params, flops_per_token, peak_flops
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models.llama import Llama
-from composer3d.train import Trainer, prepare_rank
+from composer3d.trainer import Trainer, prepare_rank
 
 SHAPES = {
     "cpu": ["model=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",

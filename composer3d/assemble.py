@@ -34,7 +34,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device) -> Paral
     weights = spec.pretrained_weights(cfg.model)
     materialize(model, device, cfg.train.seed, fsdp_roots=stages, init_params=weights is None)
     if weights is not None:
-        from composer3d.models.hf import load_pretrained
+        from composer3d.models.hf_weights import load_pretrained
 
         load_pretrained(model, weights)
     return ParallelModel(model, stages, num_params, flops)

@@ -21,7 +21,6 @@ import os
 import pickle
 import re
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from composer3d.config import ConfigError, ModelConfig
+from composer3d.dtypes import DTYPES
 from composer3d.models import build_model
 from composer3d.optim import restore_configured_settings
 
@@ -67,9 +67,6 @@ def _one_line(error: BaseException) -> str:
 FORMAT_VERSION = 1
 META_FILE = "composer3d.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
-# Fault injection for tests: "STEP:RANK" kills that rank in the middle of that step's save (its data files
-# written, the checkpoint's index not yet), as a node failure would.
-KILL_DURING_SAVE = "COMPOSER3D_TEST_KILL_DURING_SAVE"
 
 
 # ------------------------------------------------------------------------------------------ safe reading
@@ -203,11 +200,11 @@ class Checkpointer:
             (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
         state = self._state_dict(model_only)
         if model_only and self.cfg.export_dtype != "float32":
-            dtype = getattr(torch, self.cfg.export_dtype)
+            dtype = DTYPES[self.cfg.export_dtype]
             state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
         if self.rank == 0:
             (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
-        writer = _writer(partial, step, self.rank)
+        writer = self._storage_writer(partial, step)
         if self.async_group is None:
             dcp.save(state, storage_writer=writer)
             self._commit(partial, final)
@@ -216,6 +213,10 @@ class Checkpointer:
                                       async_stager=self.stager)
             future = getattr(response, "upload_completion", response)
             self.pending = (future, partial, final)
+
+    def _storage_writer(self, path: Path, step: int) -> FileSystemWriter:
+        """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save: tests/fault_injection)."""
+        return FileSystemWriter(path)
 
     def poll(self) -> None:
         """Commit an async save whose writes have finished; never blocks."""
@@ -333,16 +334,3 @@ def _check_same_shapes(saved: dict, current: dict, path: Path) -> None:
         differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "
                           f"differ, e.g. {differing[:3]}). Resume with its model config (see {path / META_FILE})")
-
-
-class _KilledMidWrite(FileSystemWriter):
-    def write_data(self, plan, planner):
-        super().write_data(plan, planner).wait()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _writer(path: Path, step: int, rank: int) -> FileSystemWriter:
-    spec = os.environ.get(KILL_DURING_SAVE)
-    if spec and tuple(int(x) for x in spec.split(":")) == (step, rank):
-        return _KilledMidWrite(path)
-    return FileSystemWriter(path)

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+from composer3d.dtypes import DTYPES
+
 HF_WEIGHTS = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"
 
@@ -94,27 +95,33 @@ def _read_checkpoint_meta(path: Path) -> dict:
     return meta
 
 
-def load_native_state(path: Path, cfg, names: list[str]) -> dict[str, torch.Tensor]:
-    """Whole tensors ``names`` of the model in checkpoint ``path``, in the dtype they were saved in.
+def stored_model_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Name → whole shape of every model tensor checkpoint ``path`` holds (names without the ``model.`` prefix)."""
+    from composer3d.checkpoint import SafeFileSystemReader
 
-    One process, no process group: DCP re-assembles whatever shards the saving layout wrote.
-    """
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    return {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
+            if key.startswith("model.") and hasattr(entry, "size")}
+
+
+def load_model_tensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Whole model tensors ``shapes`` names of checkpoint ``path``, in the dtype they were saved in; each must be
+    stored with that shape. One process, no process group: DCP re-assembles whatever shards the saving layout
+    wrote."""
     import torch.distributed.checkpoint as dcp
 
     from composer3d.checkpoint import SafeFileSystemReader
-    from composer3d.models import build_model
 
-    shapes = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     state = {}
-    for name in names:
+    for name, shape in shapes.items():
         entry = stored.get(f"model.{name}")
         if entry is None or not hasattr(entry, "size"):
             raise ConvertError(f"the checkpoint {path} holds no tensor model.{name}, which its config's model has")
-        if tuple(entry.size) != shapes[name]:
+        if tuple(entry.size) != shape:
             raise ConvertError(f"the checkpoint's model.{name} has shape {tuple(entry.size)}, but its config's model "
-                               f"expects {shapes[name]}")
-        state[name] = torch.empty(shapes[name], dtype=entry.properties.dtype)
+                               f"expects {shape}")
+        state[name] = torch.empty(shape, dtype=entry.properties.dtype)
     wrapped = {"model": state}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
@@ -122,30 +129,28 @@ def load_native_state(path: Path, cfg, names: list[str]) -> dict[str, torch.Tens
     return wrapped["model"]
 
 
+def load_native_state(path: Path, cfg, names: list[str]) -> dict[str, torch.Tensor]:
+    """Tensors ``names`` of the native model in checkpoint ``path``, checked against the shapes its config builds."""
+    from composer3d.models import build_model
+
+    shapes = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    return load_model_tensors(path, {name: shapes[name] for name in names})
+
+
 def load_hf_model_state(path: Path, model_fields: dict) -> dict[str, torch.Tensor]:
-    """Whole tensors of a ``model=hf`` checkpoint, under their (transformers) names; a tied head is left out,
-    as transformers saves it."""
-    import torch.distributed.checkpoint as dcp
-
-    from composer3d.checkpoint import SafeFileSystemReader
-
-    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    state = {key[len("model."):]: torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
-             for key, entry in stored.items() if key.startswith("model.") and hasattr(entry, "size")}
+    """Every tensor of a ``model=hf`` checkpoint, under its (transformers) name; a tied head is left out, as
+    transformers saves it."""
+    shapes = stored_model_shapes(path)
     if model_fields.get("tie_embeddings"):
-        state.pop("lm_head.weight", None)
-    wrapped = {"model": state}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(wrapped, storage_reader=SafeFileSystemReader(path), no_dist=True)
-    return wrapped["model"]
+        shapes.pop("lm_head.weight", None)
+    return load_model_tensors(path, shapes)
 
 
 def _copy_hf_model_files(source: str | None, out: Path, dtype: str) -> list[Path]:
     """config.json (dtype updated), tokenizer and generation config of the directory the run trained from."""
     import shutil
 
-    from composer3d.models.hf import export_files
+    from composer3d.models.hf_weights import export_files
 
     if not source or not Path(source, "config.json").is_file():
         raise ConvertError(f"the checkpoint was trained from {source!r}, which no longer holds config.json; its "

@@ -14,62 +14,24 @@ schedule's forward-only pass.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from composer3d import distributed
+from composer3d.checkpoint import load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
-from composer3d.data import IGNORE_INDEX, build_tokenizer
-
-
-def eval_windows(eval_cfg, data_cfg, model_cfg, seq_len: int) -> torch.Tensor:
-    """(windows, seq_len) token ids of ``eval.path``; fails with a ConfigError before any process group exists."""
-    path = Path(eval_cfg.path) if eval_cfg.path else None
-    if path is None or not path.is_file():
-        raise ConfigError(f"eval.path: {eval_cfg.path!r} is not a file. Point it at a UTF-8 text file to evaluate on")
-    tokens = build_tokenizer(data_cfg, model_cfg).encode(path.read_text(encoding="utf-8"))
-    count = tokens.numel() // seq_len
-    if eval_cfg.max_windows:
-        count = min(count, eval_cfg.max_windows)
-    if count < 1:
-        raise ConfigError(f"eval.path: {path} has {tokens.numel()} tokens, fewer than one window of "
-                          f"train.seq_len={seq_len}. Lower train.seq_len or give a longer file")
-    return tokens[: count * seq_len].view(count, seq_len)
-
-
-def window_batches(windows: torch.Tensor, dp_rank: int, dp: int, per_forward: int):
-    """This data-parallel rank's (inputs, targets, position_ids) batches of ``per_forward`` windows.
-
-    A window is fed whole (seq_len tokens, so sequence-parallel divisibility holds) and its last position takes no
-    loss: it has no next token in the window. Every rank runs the same number of batches — the window count is
-    padded with windows that take no loss — so collectives stay matched.
-    """
-    per_round = dp * per_forward
-    padded = -(-windows.shape[0] // per_round) * per_round
-    targets = torch.full_like(windows, IGNORE_INDEX)
-    targets[:, :-1] = windows[:, 1:]
-    pad = padded - windows.shape[0]
-    inputs = torch.cat([windows, windows.new_zeros((pad, windows.shape[1]))])
-    targets = torch.cat([targets, targets.new_full((pad, windows.shape[1]), IGNORE_INDEX)])
-    positions = torch.arange(windows.shape[1]).expand(per_forward, -1)
-    for start in range(dp_rank * per_forward, padded, per_round):
-        yield inputs[start:start + per_forward], targets[start:start + per_forward], positions
-
-
-def result(loss_sum: float, count: int) -> dict:
-    loss = loss_sum / count
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": count}
+from composer3d.data import eval_windows
+from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.trainer import Trainer, prepare_rank
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
-    from composer3d.train import prepare_rank
-
     distributed.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees, device = prepare_rank(cfg, env)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
@@ -91,10 +53,6 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
 
 def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor,
                        resume: str) -> dict:
-    from composer3d.checkpoint import load_model_weights
-    from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer
-
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
     trainer = Trainer(cfg, mesh, device, sequences=None)
     if resume not in ("auto", "none"):
@@ -106,8 +64,6 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
 # `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
 @hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-
     env = distributed.job_env()
     try:
         resolve_model_config(cfg.model)

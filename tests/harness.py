@@ -38,11 +38,18 @@ class RunResult:
         return json.loads((self.run_dir / "run.json").read_text())
 
 
+FAULT_INJECTION = Path(__file__).parent / "fault_injection"
+
+
 def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
-          env: dict | None = None) -> RunResult:
+          env: dict | None = None, faults: dict | None = None) -> RunResult:
+    """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads."""
     args = [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+    if faults:
+        child_env.update(faults)
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), child_env.get("PYTHONPATH")]))
     start = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=child_env)
     result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, Path(run_dir))

@@ -22,7 +22,7 @@ def test_crash_during_save_keeps_previous_and_resume_is_bit_identical(tmp_path):
     args = [*FAST, "train.steps=20", "checkpoint.interval=10", "parallel.dp_shard=2"]
     straight = train(tmp_path / "straight", *args, nproc=2)
 
-    crashed = train(tmp_path / "crash", *args, nproc=2, check=False, env={KILL: "20:1"})
+    crashed = train(tmp_path / "crash", *args, nproc=2, check=False, faults={KILL: "20:1"})
     assert crashed.returncode != 0, "rank 1 was killed during the step-20 save"
     ckpts = tmp_path / "crash" / "checkpoints"
     assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000010"]

@@ -315,7 +315,7 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
 
     from composer3d.config import register_configs, validate
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer
+    from composer3d.trainer import Trainer
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):

@@ -121,7 +121,7 @@ def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
     from torch.distributed.tensor import DTensor
 
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.train import Trainer, prepare_rank
+    from composer3d.trainer import Trainer, prepare_rank
 
     cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
                        *overrides])

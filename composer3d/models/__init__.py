@@ -43,19 +43,19 @@ def _hf_build(cfg) -> nn.Module:
 
 
 def _hf_plan(model, sequence_parallel: bool, float8: bool):
-    from composer3d.models.hf import tensor_parallel_plan
+    from composer3d.models.hf_tensor_parallel import tensor_parallel_plan
 
     return tensor_parallel_plan(model, sequence_parallel, float8)
 
 
 def _hf_tp_problem(cfg) -> str | None:
-    from composer3d.models.hf import tensor_parallel_problem
+    from composer3d.models.hf_tensor_parallel import tensor_parallel_problem
 
     return tensor_parallel_problem(cfg)
 
 
 def _hf_split_sizes(cfg):
-    from composer3d.models.hf import tp_split_sizes
+    from composer3d.models.hf_tensor_parallel import tp_split_sizes
 
     return tp_split_sizes(cfg)
 

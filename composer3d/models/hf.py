@@ -12,8 +12,7 @@ layers → norm → head), written once over the modules transformers built, so 
 layer. Attention masks come from transformers' own mask functions, per layer type (full or sliding window), and
 from ``position_ids``: positions that restart mark packed documents, which the mask functions keep apart.
 
-Tensor parallel comes from the model's own ``base_model_tp_plan``, translated in ``TP_STYLES`` (the one table);
-the embedding, final norm, head (vocab-parallel, loss parallel) and sequence-parallel norms are ours.
+Tensor parallel: ``hf_tensor_parallel``; reading and exporting weights: ``hf_weights``.
 """
 
 from __future__ import annotations
@@ -21,19 +20,11 @@ from __future__ import annotations
 import copy
 import inspect
 import os
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    SequenceParallel,
-)
+from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
 from composer3d.models.init import InitRule
@@ -83,28 +74,6 @@ def fill_model_config(m) -> None:
     m.ffn_hidden_dim = getattr(c, "intermediate_size", None)
     m.max_seq_len = getattr(c, "max_position_embeddings", None) or m.max_seq_len
     m.tie_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-
-
-def tp_split_sizes(m) -> list[tuple[str, int]]:
-    sizes = [("num_attention_heads", m.n_heads), ("num_key_value_heads", m.n_kv_heads or m.n_heads),
-             ("vocab_size", m.vocab_size)]
-    if m.ffn_hidden_dim:
-        sizes.append(("intermediate_size", m.ffn_hidden_dim))
-    return sizes
-
-
-def tensor_parallel_problem(m) -> str | None:
-    """Why this model cannot run tensor parallel (no plan, or a style the table does not know), else None."""
-    config = load_hf_config(m.path)
-    plan = getattr(config, "base_model_tp_plan", None)
-    if not plan:
-        return (f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in transformers; "
-                "it trains with FSDP and pipeline parallel only")
-    for pattern, style in plan.items():
-        if style not in TP_STYLES:
-            return (f"module {pattern} of {config.model_type} asks for tensor-parallel style {style!r}, which "
-                    f"composer3d does not translate (known: {sorted(TP_STYLES)})")
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -254,160 +223,3 @@ def _has_submodule(module: nn.Module, name: str) -> bool:
         return True
     except AttributeError:
         return False
-
-
-# ---------------------------------------------------------------------------------------- tensor parallel
-
-
-class _GatherSequence(ParallelStyle):
-    """Sequence parallel: all-gather a sequence-sharded residual stream on entry to attention or the MLP.
-
-    transformers passes the hidden states positionally to some modules and as ``hidden_states=`` to others, so
-    this takes either (``PrepareModuleInput`` needs to know which)."""
-
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        def gather(t: torch.Tensor) -> torch.Tensor:
-            if not isinstance(t, DTensor):
-                t = DTensor.from_local(t, device_mesh, [Shard(1)], run_check=False)
-            return t.redistribute(placements=[Replicate()]).to_local()
-
-        def hook(_module, args, kwargs):
-            if "hidden_states" in kwargs:
-                kwargs = {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
-            else:
-                args = (gather(args[0]), *args[1:])
-            return args, kwargs
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-
-def _styles(float8: bool):
-    if float8:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
-
-        return Float8ColwiseParallel, Float8RowwiseParallel
-    return ColwiseParallel, RowwiseParallel
-
-
-# transformers' style name → our DTensor style, given (residual layout, float8). Style names differ across
-# transformers versions (colwise_rep / colwise_gather_output, …); all spellings land here.
-TP_STYLES: dict[str, Callable[[Any, bool], ParallelStyle | None]] = {
-    "colwise": lambda residual, f8: _styles(f8)[0](),
-    "rowwise": lambda residual, f8: _styles(f8)[1](output_layouts=residual),
-    # Fused projections (Phi-3's qkv_proj, gate_up_proj) are sliced by global sizes: full output on every rank.
-    "colwise_gather_output": lambda residual, f8: _styles(f8)[0](output_layouts=Replicate()),
-    "colwise_rep": lambda residual, f8: _styles(f8)[0](output_layouts=Replicate()),
-    "rowwise_split_input": lambda residual, f8: _styles(f8)[1](input_layouts=Replicate(), output_layouts=residual),
-    "rowwise_rep": lambda residual, f8: _styles(f8)[1](input_layouts=Replicate(), output_layouts=residual),
-    # Per-head norms (Qwen3's q_norm/k_norm) see only this rank's heads: replicated weights whose gradients are
-    # summed over the tp group — what a replicated DTensor parameter fed a head-sharded input does.
-    "replicated_with_grad_allreduce": lambda residual, f8: SequenceParallel(sequence_dim=2, use_local_output=True),
-    "sequence_parallel": lambda residual, f8: SequenceParallel(use_local_output=True),
-    "embedding_rowwise": lambda residual, f8: RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
-    "replicate": lambda residual, f8: None,
-    "local": lambda residual, f8: None,
-}
-
-_LAYER_PREFIX = "layers.*."
-
-
-def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: bool = False
-                         ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
-    """(root plan, per-layer plan) from the model's ``base_model_tp_plan``.
-
-    Ours on top of transformers' plan: a vocab-parallel embedding, a head whose logits stay vocab-sharded (the loss
-    runs on the shards: ``composer3d.loss``), and with sequence parallel every norm on the residual stream (the decoder
-    layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP inputs
-    all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
-    """
-    plan = getattr(model.config, "base_model_tp_plan", None) or {}
-    residual = Shard(1) if sequence_parallel else Replicate()
-    block: dict[str, ParallelStyle] = {}
-    root: dict[str, ParallelStyle] = {}
-    for pattern, name in plan.items():
-        if name not in TP_STYLES:
-            raise ConfigError(f"parallel.tp: module {pattern} asks for tensor-parallel style {name!r}, which "
-                              f"composer3d does not translate (known: {sorted(TP_STYLES)}). Use parallel.tp=1")
-        style = TP_STYLES[name](residual, float8)
-        if style is None:
-            continue
-        if pattern.startswith(_LAYER_PREFIX):
-            block[pattern[len(_LAYER_PREFIX):]] = style
-        elif pattern not in ("embed_tokens", "norm"):
-            root[f"model.{pattern}"] = style
-    root["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
-    root["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
-    if sequence_parallel:
-        root["model.norm"] = SequenceParallel(use_local_output=True)
-        layer = next(iter(model.layers.values()))
-        for child_name, child in layer.named_children():
-            if "norm" in type(child).__name__.lower():
-                block[child_name] = SequenceParallel(use_local_output=True)
-            elif any(key.startswith(child_name + ".") for key in block):
-                block[child_name] = _GatherSequence()  # attention, MLP: they hold the planned projections
-    return root, block
-
-
-# ---------------------------------------------------------------------------------------- weight loading
-
-
-def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name → (shape, file) of every tensor in the directory's safetensors files (headers only)."""
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"model.path: {path} holds no *.safetensors weights (composer3d reads only safetensors). "
-                          "Convert the checkpoint with save_pretrained(safe_serialization=True), or use "
-                          "model.pretrained=false to train from a random init")
-    index: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                index[key] = (tuple(f.get_slice(key).get_shape()), file.name)
-    return index
-
-
-def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, ...], str]], path: str) -> None:
-    """Missing, unexpected and mis-shaped tensors, against the whole model (every rank checks the same)."""
-    expected = model.full_shapes
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = sorted(set(expected) - set(index))
-    unexpected = sorted(set(index) - set(expected) - ({"lm_head.weight"} if tied else set()))
-    wrong = sorted(f"{k}: file {index[k][0]} vs model {expected[k]}" for k in set(expected) & set(index)
-                   if index[k][0] != expected[k])
-    problems = []
-    if missing:
-        hint = (" (config.json says tie_word_embeddings=false, but the file has no separate head)"
-                if missing == ["lm_head.weight"] else "")
-        problems.append(f"missing {len(missing)} tensors, e.g. {missing[:4]}{hint}")
-    if unexpected:
-        problems.append(f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:4]}")
-    if wrong:
-        problems.append(f"{len(wrong)} shape mismatches, e.g. {wrong[:3]} (config.json does not match the weights: "
-                        "check num_key_value_heads, head_dim, intermediate_size, vocab_size)")
-    if problems:
-        raise ConfigError(f"model.path: the weights in {path} do not fit the model its config.json describes: "
-                          + "; ".join(problems) + ". Use the directory save_pretrained wrote, unmodified")
-
-
-def load_pretrained(model: HFCausalLM, path: str) -> None:
-    """Read each rank's shards of its parameters straight from the safetensors files (DCP's Hugging Face reader
-    reads only the slices a rank holds; no rank ever holds the whole model). Tied heads load with the embedding."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
-
-    check_checkpoint_keys(model, safetensors_index(path), path)
-    state = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
-    load(state, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
-
-
-def export_files(path: str) -> list[str]:
-    """Files of the model directory that travel with exported weights (config, tokenizer, generation config)."""
-    keep = []
-    for name in sorted(os.listdir(path)):
-        if name.endswith((".safetensors", ".bin", ".pt", ".pth")) or name == "model.safetensors.index.json":
-            continue
-        if os.path.isfile(os.path.join(path, name)) and (name.endswith((".json", ".model", ".txt", ".jinja"))):
-            keep.append(name)
-    return keep

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from composer3d.parallel.fsdp import DTYPES
+from composer3d.dtypes import DTYPES
 
 
 def autocast_forward(roots: list[nn.Module], param_dtype: str, device: torch.device) -> None:

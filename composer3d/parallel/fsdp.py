@@ -15,9 +15,8 @@ import torch.nn as nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from composer3d.dtypes import DTYPES
 from composer3d.layout import ParallelMesh
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:

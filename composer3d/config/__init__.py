@@ -1,0 +1,36 @@
+"""The run's configuration: the typed schema Hydra fills (``schema``) and the checks types cannot express
+(``checks``). Everything a caller needs is importable from ``composer3d.config``."""
+
+from composer3d.config.checks import (
+    pipeline_microbatches,
+    resolve_degrees,
+    resolve_model_config,
+    validate,
+    validate_for_device,
+)
+from composer3d.config.schema import (
+    CheckpointConfig,
+    CompileConfig,
+    DataConfig,
+    EvalConfig,
+    Float8Config,
+    LaunchConfig,
+    LoggingConfig,
+    MemoryConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PrecisionConfig,
+    RunConfig,
+    TrainConfig,
+    TrainLoopConfig,
+    register_configs,
+)
+from composer3d.errors import ConfigError
+
+__all__ = [
+    "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "EvalConfig",
+    "Float8Config", "LaunchConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
+    "PrecisionConfig", "RunConfig", "TrainConfig", "TrainLoopConfig", "pipeline_microbatches", "register_configs",
+    "resolve_degrees", "resolve_model_config", "validate", "validate_for_device",
+]

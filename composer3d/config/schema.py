@@ -1,0 +1,196 @@
+"""Typed configuration schema: the public interface.
+
+Every key a user may type on the command line is a field here. The dataclasses are registered in Hydra's
+ConfigStore so overrides are type-checked by OmegaConf; ``checks.validate`` checks what types cannot express.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    # registry key: "llama" is the native Llama-3 style decoder, "hf" any transformers causal LM (model=hf)
+    name: str = MISSING
+    # hf: local directory (or hub id already in the local cache) holding config.json and safetensors weights.
+    # The size fields below are then read from its config.json at launch (whatever the YAML says).
+    path: str | None = None
+    pretrained: bool = True  # hf: load the weights from path; false: train from scratch (HF's own init, seeded)
+    attn_implementation: str | None = None  # hf: sdpa | eager | ...; None: what transformers picks for the model
+    dim: int = MISSING
+    n_layers: int = MISSING
+    n_heads: int = MISSING
+    n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
+    head_dim: int | None = None  # None: dim / n_heads (the native llama's only choice); model=hf reads its own
+    vocab_size: int = MISSING
+    ffn_hidden_dim: int | None = None  # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    max_seq_len: int = 8192
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | synthetic | text_files
+    # text_files: .txt (one document per file), .jsonl or .parquet (one document per row) files, directories
+    # or globs; one kind per run
+    paths: list[str] = field(default_factory=list)
+    format: str = "text"  # text: documents | chat: conversations, trained on the assistant replies only (SFT)
+    text_field: str = "text"  # format=text, .jsonl/.parquet: the field holding the document text
+    messages_field: str = "messages"  # format=chat: the field holding the list of {role, content} messages
+    # local directory of a Hugging Face tokenizer; None = model=hf's own (model.path), else byte-level
+    tokenizer: str | None = None
+    # packed documents: position_ids restart at each document and the previous document's last token (eos)
+    # takes no loss; HF models also attend within documents only (the native llama: loss masking only)
+    document_masking: bool = True
+    max_tokens: int = 4_000_000  # cap on tokens read from the corpus (0 = no cap)
+    synthetic_sequences: int = 4096  # synthetic: number of distinct random sequences
+
+
+@dataclass
+class ParallelConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    zero_stage: int = 3
+    # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
+    # each microbatch would gather them again in forward and once more in backward. always | never override.
+    reshard_after_forward: str = "default"
+    offload: str = "none"  # none | cpu: FSDP keeps params, grads and the optimizer step on the CPU (ZeRO-Offload)
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
+    pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
+    pp_stages_per_rank: int | None = None  # None: 1, or 2 for interleaved / looped / V-shaped schedules
+
+
+@dataclass
+class Float8Config:
+    enabled: bool = False
+    recipe: str = "tensorwise"  # tensorwise | rowwise (torchao)
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = "auto"  # compute dtype of params: auto = bfloat16 on an accelerator, float32 on the CPU
+    reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
+    loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
+    loss_scale_growth_interval: int = 2000
+    float8: Float8Config = field(default_factory=Float8Config)
+
+
+@dataclass
+class MemoryConfig:
+    activation_checkpointing: str = "none"  # none | full | selective
+    ac_every: int = 0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+
+
+@dataclass
+class CompileConfig:
+    enabled: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
+
+
+@dataclass
+class TrainLoopConfig:
+    steps: int = 100
+    global_batch_size: int = 16  # sequences per optimizer step, across all data-parallel ranks
+    micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel rank
+    seq_len: int = 128
+    seed: int = 0
+    deterministic: bool = False
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    eval_every: int = 0  # evaluate on eval.path every N steps (and after the last); 0: never
+    # a loss or gradient norm that is NaN/inf: stop (exit 3 naming the step, detected at the next metrics read-back,
+    # which every checkpoint waits for, so no checkpoint holds that state) | skip (check every step — one host
+    # sync — and drop that update)
+    on_nonfinite: str = "stop"
+    max_skipped_steps: int = 10  # updates dropped in a row (non-finite, or fp16 overflow) before the run stops
+
+
+@dataclass
+class EvalConfig:
+    path: str | None = None  # UTF-8 text file: loss/perplexity over its train.seq_len-token windows (composer3d-eval)
+    max_windows: int = 0  # evaluate at most this many windows (0: all)
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    schedule: str = "cosine"  # cosine | linear | constant
+    min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
+    # adamw's kernels: auto (fused where the device has them, else foreach, else a loop) | fused | foreach | for_loop
+    implementation: str = "auto"
+
+
+@dataclass
+class RunConfig:
+    dir: str = MISSING
+    name: str = "composer3d"
+
+
+@dataclass
+class LoggingConfig:
+    log_every: int = 1
+    wandb: bool = False
+    wandb_project: str = "composer3d"
+    tensorboard: bool = False
+    progress_bar: bool = True
+    memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
+    # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.flops' table by device name (the CPU
+    # and unlisted devices get TFLOP/s only)
+    peak_tflops: float | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = True
+    dir: str | None = None  # None: <run.dir>/checkpoints
+    interval: int = 0  # save every N steps (0: only at the end of training)
+    keep_last: int = 3  # committed checkpoints kept (0: all)
+    async_mode: str = "none"  # none | async (write in a background thread) | async_pinned (stage to pinned memory)
+    resume: str = "auto"  # auto (newest complete checkpoint in dir, if any) | none | <path to a step-N directory>
+    model_only_final: bool = False  # the last checkpoint holds only the weights, in export_dtype
+    export_dtype: str = "bfloat16"
+
+
+@dataclass
+class LaunchConfig:
+    nproc_per_node: int = 1
+    device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)

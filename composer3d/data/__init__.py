@@ -1,0 +1,68 @@
+"""Corpora, tokenizers, packing with document boundaries, and the global batch order.
+
+One concern per module, each importing only those listed after it (no cycles):
+
+- :mod:`~composer3d.data.loader`: the global batch order (:class:`GlobalBatchLoader`) and its background
+  prefetch (:class:`BatchPrefetcher`).
+- :mod:`~composer3d.data.corpus`: the data config → packed sequences (:func:`build_sequences`), with the
+  fail-fast checks of the sources and tokenizer (:func:`check_sources`).
+- :mod:`~composer3d.data.windows`: an evaluation file cut into fixed token windows, dealt to data-parallel ranks.
+- :mod:`~composer3d.data.packing`: a token stream cut into windows, and windows into :class:`Batch` rows
+  (targets, loss masks, document positions).
+- :mod:`~composer3d.data.streams`: documents or conversations tokenized into one :class:`TokenStream` with
+  per-token document-start and trainable flags.
+- :mod:`~composer3d.data.sources`: the corpora: file discovery and reading (.txt/.jsonl/.parquet, chat rows).
+- :mod:`~composer3d.data.tokenizers`: the byte-level and Hugging Face tokenizers (chat template spans).
+
+Every public name is re-exported here: ``from composer3d.data import X``.
+"""
+
+from composer3d.data.corpus import build_sequences, check_sources
+from composer3d.data.loader import BatchPrefetcher, GlobalBatchLoader
+from composer3d.data.packing import (
+    IGNORE_INDEX,
+    Batch,
+    PackedSequences,
+    document_positions,
+    packed_sequences,
+)
+from composer3d.data.sources import (
+    FILE_KINDS,
+    KIND_NAMES,
+    chat_conversations,
+    file_kind,
+    stdlib_documents,
+    text_file_documents,
+)
+from composer3d.data.streams import TokenStream, conversation_stream, document_stream, token_stream
+from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_source
+from composer3d.data.windows import eval_result, eval_windows, window_batches
+
+__all__ = [
+    "FILE_KINDS",
+    "IGNORE_INDEX",
+    "KIND_NAMES",
+    "Batch",
+    "BatchPrefetcher",
+    "ByteTokenizer",
+    "GlobalBatchLoader",
+    "HFTokenizer",
+    "PackedSequences",
+    "TokenStream",
+    "build_sequences",
+    "build_tokenizer",
+    "chat_conversations",
+    "check_sources",
+    "conversation_stream",
+    "document_positions",
+    "document_stream",
+    "eval_result",
+    "eval_windows",
+    "file_kind",
+    "packed_sequences",
+    "stdlib_documents",
+    "text_file_documents",
+    "token_stream",
+    "tokenizer_source",
+    "window_batches",
+]

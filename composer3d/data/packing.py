@@ -1,0 +1,122 @@
+"""Packing with document boundaries: a token stream cut into windows, and windows into :class:`Batch` rows.
+
+The stream is cut into windows of seq_len + 1 tokens, its per-token flags alongside. A window becomes a
+:class:`Batch` row: inputs, targets (-100 where no loss is taken) and position_ids. With
+``data.document_masking`` the positions restart at 0 at each document's first token and no loss is taken on
+predicting a document's first token from the previous document. Hugging Face models see the restarts in
+``position_ids`` and, through transformers' mask utilities (a position jump other than +1 starts a new packed
+sequence), attend only within each document; the native Llama ignores ``position_ids`` (its attention stays
+causal over the whole window), so it gets the loss masking only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from composer3d.data.streams import TokenStream
+from composer3d.errors import ConfigError
+
+IGNORE_INDEX = -100  # target value that takes no loss (F.cross_entropy's default ignore_index)
+
+
+def _windows(values: torch.Tensor, n: int, seq_len: int) -> torch.Tensor:
+    return values[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+
+
+def packed_sequences(tokens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Non-overlapping windows of seq_len + 1 tokens (inputs and shifted targets), as rows."""
+    n = (tokens.numel() - 1) // seq_len
+    if n < 1:
+        raise ConfigError(f"train.seq_len: the corpus has {tokens.numel()} tokens, too few for one sequence of "
+                          f"{seq_len}. Lower train.seq_len or give more data")
+    return _windows(tokens, n, seq_len)
+
+
+@dataclass
+class Batch:
+    """Model inputs and loss targets for a batch of packed windows, all (batch, seq_len) int64.
+
+    ``targets`` holds the next token, or IGNORE_INDEX (-100) where no loss is taken. ``position_ids`` restart at 0
+    at each document start when document masking is on (HF models then attend within documents only; the native
+    Llama ignores them), else they count 0..seq_len-1 along each row. ``global_targets``: targets that take a loss
+    in the whole global batch (every data-parallel rank's rows), when the loader filled it in.
+    """
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor
+    global_targets: int | None = None
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.position_ids)),
+                     self.global_targets)
+
+    def pin_memory(self) -> Batch:
+        return Batch(self.inputs.pin_memory(), self.targets.pin_memory(), self.position_ids.pin_memory(),
+                     self.global_targets)
+
+
+def document_positions(starts: torch.Tensor) -> torch.Tensor:
+    """Positions that count from 0 at the row start and at every True of ``starts`` (batch, seq_len)."""
+    index = torch.arange(starts.shape[1]).expand(starts.shape)
+    last_start = torch.where(starts, index, 0).cummax(dim=1).values
+    return index - last_start
+
+
+@dataclass
+class PackedSequences:
+    """All packed training windows, identical on every rank: ``tokens`` is (num_sequences, seq_len + 1).
+
+    ``starts`` / ``trainable`` are the stream's flags cut into the same windows (None: no document boundaries
+    known, e.g. synthetic data / every token is a target).
+    """
+
+    tokens: torch.Tensor
+    starts: torch.Tensor | None = None
+    trainable: torch.Tensor | None = None
+    document_masking: bool = True
+
+    @classmethod
+    def from_stream(cls, stream: TokenStream, seq_len: int, document_masking: bool) -> PackedSequences:
+        tokens = packed_sequences(stream.tokens, seq_len)
+        n = tokens.shape[0]
+        trainable = None if stream.trainable is None else _windows(stream.trainable, n, seq_len)
+        return cls(tokens, _windows(stream.starts, n, seq_len), trainable, document_masking)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.tokens.shape
+
+    def _trained(self, rows: list[int]) -> torch.Tensor | None:
+        """Which targets (tokens[1:]) of the rows take a loss, (len(rows), seq_len) bool; None: all of them."""
+        trained = None
+        if self.trainable is not None:  # chat: only the assistant replies' tokens are targets
+            trained = self.trainable[rows][:, 1:]
+        if self.document_masking and self.starts is not None:
+            # the previous document's last token (its eos) predicts nothing
+            not_first = ~self.starts[rows][:, 1:]
+            trained = not_first if trained is None else trained & not_first
+        return trained
+
+    def target_count(self, rows: list[int]) -> int:
+        """How many targets of :meth:`batch` (rows) take a loss, from the masks alone (no Batch built)."""
+        trained = self._trained(rows)
+        return len(rows) * (self.tokens.shape[1] - 1) if trained is None else int(trained.sum())
+
+    def batch(self, rows: list[int]) -> Batch:
+        """The rows as a Batch: inputs are tokens[:-1], targets tokens[1:] with IGNORE_INDEX where masked."""
+        tokens = self.tokens[rows]
+        inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+        trained = self._trained(rows)
+        if trained is not None:
+            targets[~trained] = IGNORE_INDEX
+        if self.document_masking and self.starts is not None:
+            positions = document_positions(self.starts[rows][:, :-1])
+        else:
+            positions = torch.arange(inputs.shape[1]).expand(inputs.shape).clone()
+        return Batch(inputs, targets, positions)

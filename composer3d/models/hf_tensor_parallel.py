@@ -1,0 +1,136 @@
+"""Tensor parallel for Hugging Face models: the model's own ``base_model_tp_plan``, translated in ``TP_STYLES``
+(the one table); the embedding, final norm, head (vocab-parallel, loss on the shards) and sequence-parallel norms
+are ours.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from composer3d.errors import ConfigError
+from composer3d.models.hf import load_hf_config
+
+if TYPE_CHECKING:
+    from composer3d.models.hf import HFCausalLM
+
+
+def tp_split_sizes(m) -> list[tuple[str, int]]:
+    sizes = [("num_attention_heads", m.n_heads), ("num_key_value_heads", m.n_kv_heads or m.n_heads),
+             ("vocab_size", m.vocab_size)]
+    if m.ffn_hidden_dim:
+        sizes.append(("intermediate_size", m.ffn_hidden_dim))
+    return sizes
+
+
+def tensor_parallel_problem(m) -> str | None:
+    """Why this model cannot run tensor parallel (no plan, or a style the table does not know), else None."""
+    config = load_hf_config(m.path)
+    plan = getattr(config, "base_model_tp_plan", None)
+    if not plan:
+        return (f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in transformers; "
+                "it trains with FSDP and pipeline parallel only")
+    for pattern, style in plan.items():
+        if style not in TP_STYLES:
+            return (f"module {pattern} of {config.model_type} asks for tensor-parallel style {style!r}, which "
+                    f"composer3d does not translate (known: {sorted(TP_STYLES)})")
+    return None
+
+
+class _GatherSequence(ParallelStyle):
+    """Sequence parallel: all-gather a sequence-sharded residual stream on entry to attention or the MLP.
+
+    transformers passes the hidden states positionally to some modules and as ``hidden_states=`` to others, so
+    this takes either (``PrepareModuleInput`` needs to know which)."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            if not isinstance(t, DTensor):
+                t = DTensor.from_local(t, device_mesh, [Shard(1)], run_check=False)
+            return t.redistribute(placements=[Replicate()]).to_local()
+
+        def hook(_module, args, kwargs):
+            if "hidden_states" in kwargs:
+                kwargs = {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            else:
+                args = (gather(args[0]), *args[1:])
+            return args, kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def _styles(float8: bool):
+    if float8:
+        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel, Float8RowwiseParallel
+
+        return Float8ColwiseParallel, Float8RowwiseParallel
+    return ColwiseParallel, RowwiseParallel
+
+
+# transformers' style name → our DTensor style, given (residual layout, float8). Style names differ across
+# transformers versions (colwise_rep / colwise_gather_output, …); all spellings land here.
+TP_STYLES: dict[str, Callable[[Any, bool], ParallelStyle | None]] = {
+    "colwise": lambda residual, f8: _styles(f8)[0](),
+    "rowwise": lambda residual, f8: _styles(f8)[1](output_layouts=residual),
+    # Fused projections (Phi-3's qkv_proj, gate_up_proj) are sliced by global sizes: full output on every rank.
+    "colwise_gather_output": lambda residual, f8: _styles(f8)[0](output_layouts=Replicate()),
+    "colwise_rep": lambda residual, f8: _styles(f8)[0](output_layouts=Replicate()),
+    "rowwise_split_input": lambda residual, f8: _styles(f8)[1](input_layouts=Replicate(), output_layouts=residual),
+    "rowwise_rep": lambda residual, f8: _styles(f8)[1](input_layouts=Replicate(), output_layouts=residual),
+    # Per-head norms (Qwen3's q_norm/k_norm) see only this rank's heads: replicated weights whose gradients are
+    # summed over the tp group — what a replicated DTensor parameter fed a head-sharded input does.
+    "replicated_with_grad_allreduce": lambda residual, f8: SequenceParallel(sequence_dim=2, use_local_output=True),
+    "sequence_parallel": lambda residual, f8: SequenceParallel(use_local_output=True),
+    "embedding_rowwise": lambda residual, f8: RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+    "replicate": lambda residual, f8: None,
+    "local": lambda residual, f8: None,
+}
+
+_LAYER_PREFIX = "layers.*."
+
+
+def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: bool = False
+                         ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """(root plan, per-layer plan) from the model's ``base_model_tp_plan``.
+
+    Ours on top of transformers' plan: a vocab-parallel embedding, a head whose logits stay vocab-sharded (the loss
+    runs on the shards: ``composer3d.loss``), and with sequence parallel every norm on the residual stream (the decoder
+    layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP inputs
+    all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
+    """
+    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    residual = Shard(1) if sequence_parallel else Replicate()
+    block: dict[str, ParallelStyle] = {}
+    root: dict[str, ParallelStyle] = {}
+    for pattern, name in plan.items():
+        if name not in TP_STYLES:
+            raise ConfigError(f"parallel.tp: module {pattern} asks for tensor-parallel style {name!r}, which "
+                              f"composer3d does not translate (known: {sorted(TP_STYLES)}). Use parallel.tp=1")
+        style = TP_STYLES[name](residual, float8)
+        if style is None:
+            continue
+        if pattern.startswith(_LAYER_PREFIX):
+            block[pattern[len(_LAYER_PREFIX):]] = style
+        elif pattern not in ("embed_tokens", "norm"):
+            root[f"model.{pattern}"] = style
+    root["model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    root["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if sequence_parallel:
+        root["model.norm"] = SequenceParallel(use_local_output=True)
+        layer = next(iter(model.layers.values()))
+        for child_name, child in layer.named_children():
+            if "norm" in type(child).__name__.lower():
+                block[child_name] = SequenceParallel(use_local_output=True)
+            elif any(key.startswith(child_name + ".") for key in block):
+                block[child_name] = _GatherSequence()  # attention, MLP: they hold the planned projections
+    return root, block
