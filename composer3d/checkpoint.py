@@ -105,6 +105,29 @@ def read_meta(path: Path) -> dict:
     return meta
 
 
+def check_complete(path: Path) -> None:
+    """Refuse (ConfigError) a checkpoint whose DCP index or data files are missing or shorter than the index says:
+    a copy cut short, or a disk that filled up. Reads only the index and file sizes."""
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
+        raise ConfigError(f"checkpoint.resume: {path} has no readable DCP index (.metadata: {_reason(error)}). Give "
+                          "another step-N directory, or start afresh with checkpoint.resume=none") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"has {have} bytes"
+            raise ConfigError(f"checkpoint.resume: {path} is incomplete: {name} {state}, its index needs {size}. "
+                              "Give another step-N directory, or start afresh with checkpoint.resume=none")
+
+
+def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
+    return Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
+
+
 def committed_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, newest first."""
     if not directory.is_dir():
@@ -150,7 +173,7 @@ class Checkpointer:
 
     def __init__(self, ckpt_cfg, run_dir: Path, trainer, config_dict: dict):
         self.cfg = ckpt_cfg
-        self.dir = Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
+        self.dir = checkpoint_dir(ckpt_cfg, run_dir)
         self.trainer = trainer
         self.config_dict = config_dict
         self.rank = dist.get_rank()
@@ -280,21 +303,19 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
-        _check_same_shapes(meta["config"]["model"], self.config_dict["model"], path)
+        check_same_model(meta["config"]["model"], self.config_dict["model"], path)
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)
             log.info("loaded model weights from %s (step 0, fresh optimizer)", path)
             return 0
-        if meta["step"] > t.total_steps:
-            raise ConfigError(f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
-                              f"{t.total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
-                              "or start afresh with checkpoint.resume=none")
+        check_steps_left(meta, t.total_steps, path)
+        # First, before the expensive read: a changed corpus, seq_len or seed is a config problem, not a bad file.
+        t.loader.load_state_dict(meta["data"])
         state = self._state_dict(model_only=False)
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
         set_model_state_dict(t.model, state["model"])
         t.load_optimizer_state_dict(state["optim"])
-        t.loader.load_state_dict(meta["data"])
         scheduler_state = meta["scheduler"]
         if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
             scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
@@ -323,7 +344,14 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _check_same_shapes(saved: dict, current: dict, path: Path) -> None:
+def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
+    if meta["step"] > total_steps:
+        raise ConfigError(f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
+                          f"{total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
+                          "or start afresh with checkpoint.resume=none")
+
+
+def check_same_model(saved: dict, current: dict, path: Path) -> None:
     """Refuse a checkpoint whose parameters have other names or shapes (fields like max_seq_len may change)."""
     def shapes(model_cfg: dict) -> dict[str, tuple]:
         model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), model_cfg))

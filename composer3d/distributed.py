@@ -18,6 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from composer3d.errors import ConfigError
+
 log = logging.getLogger("composer3d")
 
 
@@ -43,16 +45,34 @@ def job_env() -> Env | None:
     return None
 
 
-def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
-    """``auto`` picks the machine's accelerator (CUDA, XPU, …) when there is one, otherwise the CPU."""
+def device_type(requested: str, local_processes: int = 1) -> str:
+    """The device type ``launch.device`` names on this machine, checked: ``auto`` picks the machine's accelerator
+    (CUDA, XPU, …) when there is one, otherwise the CPU; an accelerator must exist and have a device for each of
+    the ``local_processes`` on this node. Touches no device (the launcher calls it before starting workers)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if requested == "auto":
-        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        requested = accelerator.type if accelerator is not None else "cpu"
+        return accelerator.type if accelerator is not None else "cpu"
     if requested == "cpu":
+        return "cpu"
+    here = f"this machine's accelerator is {accelerator.type}" if accelerator is not None else "this machine has none"
+    if accelerator is None or requested != accelerator.type:
+        raise ConfigError(f"launch.device: {requested!r} is not an accelerator here ({here}). Use launch.device=auto "
+                          f"(the accelerator if there is one, else the CPU), cpu, or "
+                          f"{accelerator.type if accelerator is not None else 'an accelerator type on a machine with one'}")
+    count = torch.accelerator.device_count()
+    if local_processes > count:
+        raise ConfigError(f"launch.nproc_per_node: {local_processes} processes on this node but it has {count} "
+                          f"{requested} device(s). Use launch.nproc_per_node<={count}", rank_specific=True)
+    return requested
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    """This rank's device (see ``device_type``); an accelerator is made current for this process."""
+    kind = device_type(requested, local_processes=local_rank + 1)
+    if kind == "cpu":
         return torch.device("cpu")
-    device = torch.device(requested, local_rank)
     torch.accelerator.set_device_index(local_rank)
-    return device
+    return torch.device(kind, local_rank)
 
 
 def init_process_group(device: torch.device, env: Env | None) -> Env:

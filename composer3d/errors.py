@@ -2,7 +2,15 @@
 
 
 class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the key and what would. Exit code 2."""
+    """A configuration value that cannot work; the message names the key and what would. Exit code 2.
+
+    Most are the same on every rank (one config, one corpus): rank 0 alone reports them. ``rank_specific``
+    marks one only some ranks hit (this node's devices), which each of them reports.
+    """
+
+    def __init__(self, message: str, rank_specific: bool = False):
+        super().__init__(message)
+        self.rank_specific = rank_specific
 
 
 class TrainingDiverged(RuntimeError):

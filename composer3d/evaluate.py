@@ -18,27 +18,42 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from composer3d import distributed
-from composer3d.checkpoint import load_model_weights
+from composer3d.checkpoint import META_FILE, load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
+from composer3d.hydra_entry import hydra_entry_point
 from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.models import MODEL_REGISTRY
 from composer3d.trainer import Trainer, prepare_rank
+
+
+def check_weights_source(cfg: DictConfig) -> None:
+    """The weights to evaluate: a checkpoint (checkpoint.resume) or the model's own (model=hf's model.path).
+    A random initialization measures nothing, so it is refused rather than reported as a loss."""
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none"):
+        if not (Path(resume) / META_FILE).is_file():
+            raise ConfigError(f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
+                              "step-N directory (its model weights are evaluated), or leave it out to evaluate "
+                              "model.path's weights")
+        return
+    if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
+        raise ConfigError(f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
+                          "composer3d-eval would evaluate a random initialization. Give checkpoint.resume=<run>/"
+                          "checkpoints/step-N, or model=hf model.path=<dir> with model.pretrained=true")
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
     distributed.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees, device = prepare_rank(cfg, env)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    check_weights_source(cfg)
     resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not Path(resume).is_dir():
-        raise ConfigError(f"checkpoint.resume: {resume} is not a checkpoint directory. Give a step-N directory "
-                          "(its model weights are evaluated), or leave it out to evaluate model.path's weights")
     env = distributed.init_process_group(device, env)
     finished = False
     try:
@@ -60,23 +75,28 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
     return trainer.evaluate(windows)
 
 
-# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
-# `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
-@hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     try:
         resolve_model_config(cfg.model)
-        if env is None and cfg.launch.nproc_per_node > 1:
+        if env is None:  # before any worker starts
             validate(cfg, cfg.launch.nproc_per_node)
+            check_weights_source(cfg)
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+        if env is None and cfg.launch.nproc_per_node > 1:
             overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
             distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
             return
         run(cfg, env)
-    except ConfigError as error:
-        print(f"composer3d-eval: invalid configuration: {error}", file=sys.stderr)
+    except ConfigError as error:  # the same on every rank: rank 0 tells
+        if env is None or env.rank == 0 or error.rank_specific:
+            print(f"composer3d-eval: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
+
+
+# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
+# `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
+main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

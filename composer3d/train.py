@@ -12,18 +12,19 @@ import os
 import sys
 from pathlib import Path
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d import distributed
 from composer3d.checkpoint import Checkpointer, CheckpointError
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
-from composer3d.data import PackedSequences, build_sequences, check_sources, eval_windows
+from composer3d.config import ConfigError, register_configs, resolve_model_config
+from composer3d.data import PackedSequences, build_sequences, eval_windows
 from composer3d.errors import TrainingDiverged
+from composer3d.hydra_entry import hydra_entry_point
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink
+from composer3d.preflight import preflight
 from composer3d.trainer import Trainer, prepare_rank
 
 log = logging.getLogger("composer3d")
@@ -72,19 +73,14 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
         sink.close()
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under `python -m` (workers,
-# torchrun) Hydra would look for a relative config_path next to this file, where an editable install has none.
-@hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
-def main(cfg: DictConfig) -> None:
+def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     try:
         resolve_model_config(cfg.model)
+        if env is None:
+            # Fail here, in seconds, before starting any worker (or, in one process, before training).
+            preflight(cfg, cfg.launch.nproc_per_node)
         if env is None and cfg.launch.nproc_per_node > 1:
-            # Fail here, in seconds, before starting any worker.
-            validate(cfg, cfg.launch.nproc_per_node)
-            check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
-            if cfg.train.eval_every:
-                eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
             # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
             overrides += list(HydraConfig.get().overrides.hydra)
@@ -93,8 +89,9 @@ def main(cfg: DictConfig) -> None:
             distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides)
             return
         run(cfg, env)
-    except ConfigError as error:
-        print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
+    except ConfigError as error:  # one config, one corpus: the same on every rank, so rank 0 tells
+        if env is None or env.rank == 0 or error.rank_specific:
+            print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
     except CheckpointError as error:
         print(f"composer3d: {error}", file=sys.stderr)
@@ -103,6 +100,11 @@ def main(cfg: DictConfig) -> None:
         if env is None or env.rank == 0:
             print(f"composer3d: training stopped: {error}", file=sys.stderr)
         sys.exit(3)
+
+
+# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under `python -m` (workers,
+# torchrun) Hydra would look for a relative config_path next to this file, where an editable install has none.
+main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

@@ -75,7 +75,9 @@ def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated, as by a full disk
 
     explicit = train(tmp_path / "other", *args, f"checkpoint.resume={newest}", check=False)
-    assert explicit.returncode != 0 and f"checkpoint {newest} is unreadable" in explicit.output
+    assert explicit.returncode == 2 and f"checkpoint.resume: {newest} is incomplete" in explicit.output
+    assert f"{data_file.name} has 100 bytes" in explicit.output, "refused before training, naming the short file"
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
 
     again = train(tmp_path, *args)  # resume=auto: the newest is corrupt, the one before is used
     assert "step-00000006 is unreadable" in again.output and "falling back" in again.output

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from composer3d.config.schema import ParallelConfig
+from omegaconf import DictConfig, OmegaConf
+
+from composer3d.config.schema import ParallelConfig, TrainConfig
 from composer3d.dtypes import DTYPES
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
@@ -35,6 +37,7 @@ def _require(ok: bool, key: str, problem: str, fix: str) -> None:
 def validate(cfg: Any, world_size: int) -> dict[str, int]:
     """Check every combination types cannot express; returns the resolved degrees. Raises ConfigError."""
     _require(world_size >= 1, "launch.nproc_per_node", f"world size must be >= 1, got {world_size}", "Use 1 or more")
+    _check_known_keys(cfg)
     degrees = resolve_degrees(cfg.parallel, world_size)
     _check_model(cfg.model)
     _check_layout(cfg, degrees)
@@ -48,6 +51,27 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_checkpoint(cfg.checkpoint)
     _check_launch_and_logging(cfg.launch, cfg.logging)
     return degrees
+
+
+def _check_known_keys(cfg: Any) -> None:
+    """Hydra's ``+key=value`` adds a key the schema lacks (plain ``key=value`` is refused by Hydra); nothing would
+    read it, so a typo would silently change nothing."""
+    if not isinstance(cfg, DictConfig):
+        return
+    schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False)
+    unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema, "")
+    _require(not unknown, unknown[0] if unknown else "", "is not a composer3d setting (added with Hydra's +), so "
+             "nothing would read it", "Remove it, or check the spelling against the keys `--cfg job` prints")
+
+
+def _unknown_keys(given: dict, schema: dict, prefix: str) -> list[str]:
+    found = []
+    for key, value in given.items():
+        if key not in schema:
+            found.append(f"{prefix}{key}")
+        elif isinstance(value, dict) and isinstance(schema[key], dict):
+            found += _unknown_keys(value, schema[key], f"{prefix}{key}.")
+    return found
 
 
 def validate_for_device(cfg: Any, degrees: dict[str, int], device_type: str) -> None:
@@ -278,6 +302,9 @@ def _check_data(d: Any, m: Any) -> None:
     if d.name == "text_files":
         _require(len(d.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
                  "Set data.paths=[/path/to/corpus/*.jsonl]")
+    else:
+        _require(not d.paths, "data.paths", f"is set, but data.name={d.name} reads no files: the run would train on "
+                 f"the {d.name} corpus instead", "Add data=text_files to train on these files")
     _require(d.format in DATA_FORMATS, "data.format", f"unknown format {d.format!r}", f"Choose one of {DATA_FORMATS}")
     if d.format == "chat":
         _require(d.name == "text_files", "data.format", f"chat reads conversations from .jsonl/.parquet "

@@ -10,7 +10,7 @@ import logging
 import torch
 
 from composer3d.data.packing import PackedSequences
-from composer3d.data.sources import chat_conversations, expand, stdlib_documents, text_file_documents
+from composer3d.data.sources import chat_conversations, check_files, stdlib_documents, text_file_documents
 from composer3d.data.streams import conversation_stream, document_stream
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_source
 from composer3d.errors import ConfigError
@@ -19,11 +19,15 @@ log = logging.getLogger("composer3d")
 
 
 def check_sources(data_cfg, model_vocab_size: int, model_cfg=None) -> ByteTokenizer | HFTokenizer | None:
-    """Fail fast (ConfigError) on missing files or a tokenizer the model cannot embed; returns the tokenizer."""
+    """Fail fast (ConfigError) on missing or unreadable files, or a tokenizer the model cannot embed; returns the
+    tokenizer."""
     if data_cfg.name == "synthetic":
         return None
     if data_cfg.name == "text_files":
-        expand(list(data_cfg.paths))
+        if getattr(data_cfg, "format", "text") == "chat":
+            check_files(list(data_cfg.paths), getattr(data_cfg, "messages_field", "messages"), "data.messages_field")
+        else:
+            check_files(list(data_cfg.paths), data_cfg.text_field, "data.text_field")
     tokenizer = build_tokenizer(data_cfg, model_cfg)
     if getattr(data_cfg, "format", "text") == "chat" and not tokenizer.has_chat_template:
         source = tokenizer_source(data_cfg, model_cfg)

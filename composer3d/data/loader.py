@@ -17,6 +17,7 @@ import weakref
 import torch
 
 from composer3d.data.packing import Batch, PackedSequences
+from composer3d.errors import ConfigError
 
 
 class GlobalBatchLoader:
@@ -58,9 +59,11 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_sequences"] != len(self.sequences) or state["seed"] != self.seed:
-            raise ValueError(f"data loader state is for {state['num_sequences']} sequences with seed {state['seed']}, "
-                             f"but this run has {len(self.sequences)} with seed {self.seed}: the corpus, "
-                             "train.seq_len or train.seed changed")
+            raise ConfigError(f"checkpoint.resume: the checkpoint's data position is for {state['num_sequences']} "
+                              f"sequences with seed {state['seed']}, but this run has {len(self.sequences)} with seed "
+                              f"{self.seed}: the corpus (data.*), train.seq_len or train.seed changed since it was "
+                              "saved. Resume with the settings it was saved with (its composer3d.json has them), or "
+                              "start afresh with checkpoint.resume=none")
         self.consumed = state["consumed_sequences"]
 
 

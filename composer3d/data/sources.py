@@ -9,7 +9,9 @@ fine-tuning).
 
 from __future__ import annotations
 
+import codecs
 import glob
+import json
 import os
 import sysconfig
 from pathlib import Path
@@ -60,6 +62,89 @@ def file_kind(files: list[str]) -> str:
     return FILE_KINDS[Path(files[0]).suffix]
 
 
+# How much of each file the up-front check reads: enough to catch a wrong format or field in seconds; what lies
+# beyond is checked as the run reads it (the same errors, raised on every rank alike before any collective).
+SNIFF_BYTES = 1 << 16
+SNIFF_ROWS = 100
+
+
+def check_files(paths: list[str], field: str, key: str) -> None:
+    """Refuse, before any worker starts, corpus files that cannot be read as their kind or lack ``field``:
+    empty corpora, non-UTF-8 text, malformed JSON lines, unreadable parquet, a missing or non-text field."""
+    files = expand(paths)
+    if all(os.path.getsize(f) == 0 for f in files):
+        raise ConfigError(f"data.paths: every file is empty ({', '.join(files[:3])}). Give files that hold text")
+    kind = file_kind(files)
+    wanted = "text" if key == "data.text_field" else "list of messages"
+    for file in files:
+        if kind == "text":
+            _check_utf8(file)
+        elif kind == "json":
+            _check_json_rows(file, field, key, wanted)
+        else:
+            _check_parquet_schema(file, field, key, wanted)
+
+
+def _check_utf8(file: str) -> None:
+    with open(file, "rb") as f:
+        head = f.read(SNIFF_BYTES)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"data.paths: {file} is not UTF-8 text (byte {error.start}: {error.reason}). Give UTF-8 "
+                          "text files (re-encode with iconv), or leave binary files out") from None
+
+
+def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
+    with open(file, "rb") as f:
+        for number, line in enumerate(f, start=1):
+            if number > SNIFF_ROWS:
+                break
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except (ValueError, UnicodeDecodeError) as error:
+                raise ConfigError(f"data.paths: {file} line {number} is not valid JSON ({error}). Give JSON Lines: "
+                                  "one JSON object per line") from None
+            if not isinstance(row, dict) or field not in row:
+                fields = sorted(row) if isinstance(row, dict) else type(row).__name__
+                raise ConfigError(f"{key}: {field!r} is not a field of {file} line {number} (fields: {fields}). "
+                                  f"Set {key} to the field that holds the {wanted}")
+            _check_value_type(row[field], file, f"line {number}", key, wanted)
+
+
+def _check_parquet_schema(file: str, field: str, key: str, wanted: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(file)
+    except (OSError, pa.ArrowException) as error:
+        raise ConfigError(f"data.paths: {file} is not a readable parquet file ({_first_line(error)}). Give intact "
+                          ".parquet files") from None
+    if field not in schema.names:
+        raise ConfigError(f"{key}: {field!r} is not a field of {file} (fields: {schema.names}). Set {key} to the "
+                          f"field that holds the {wanted}")
+    column = schema.field(field).type
+    is_text = pa.types.is_string(column) or pa.types.is_large_string(column)
+    is_list = pa.types.is_list(column) or pa.types.is_large_list(column)
+    if (wanted == "text" and not is_text) or (wanted != "text" and not is_list):
+        raise ConfigError(f"{key}: the column {field!r} of {file} holds {column}, not {wanted}. Set {key} to the "
+                          f"column that holds the {wanted}")
+
+
+def _check_value_type(value, file: str, where: str, key: str, wanted: str) -> None:
+    if (wanted == "text" and not isinstance(value, str)) or (wanted != "text" and not isinstance(value, list)):
+        raise ConfigError(f"{key}: {file} {where} holds {type(value).__name__} {str(value)[:80]!r}, not {wanted}. "
+                          f"Set {key} to the field that holds the {wanted}")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
+
+
 def _load_rows(files: list[str], field: str, key: str):
     """The column ``field`` of every row of ``files`` (one kind), in file order; ConfigError naming ``key``."""
     from datasets import load_dataset
@@ -67,7 +152,13 @@ def _load_rows(files: list[str], field: str, key: str):
     builder = file_kind(files)
     # A .txt file is one document (not one per line); a .jsonl line or a parquet row is one document.
     options = {"sample_by": "document"} if builder == "text" else {}
-    dataset = load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **options)
+    try:
+        dataset = load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **options)
+    except Exception as error:  # datasets wraps the reader's error (arrow, JSON, UTF-8) in its own types
+        cause = error.__cause__ or error.__context__ or error
+        raise ConfigError(f"data.paths: reading {', '.join(files[:3])}{' …' if len(files) > 3 else ''} failed "
+                          f"({type(cause).__name__}: {_first_line(cause)}). Give intact UTF-8 text, JSON Lines or "
+                          "parquet files") from None
     if field not in dataset.column_names:
         raise ConfigError(f"{key}: {field!r} is not a field of {files[0]} (fields: {dataset.column_names}). "
                           f"Set {key} to the field that holds it")
@@ -77,10 +168,12 @@ def _load_rows(files: list[str], field: str, key: str):
 def text_file_documents(paths: list[str], text_field: str) -> Iterator[str]:
     """One document per .txt file, or per .jsonl/.parquet row (its ``text_field``)."""
     files = expand(paths)
-    if file_kind(files) == "text":
-        yield from _load_rows(files, "text", "data.text_field")
-    else:
-        yield from _load_rows(files, text_field, "data.text_field")
+    field = "text" if file_kind(files) == "text" else text_field
+    for row, text in enumerate(_load_rows(files, field, "data.text_field")):
+        if not isinstance(text, str):
+            raise ConfigError(f"data.text_field: row {row} of {paths} holds {type(text).__name__} "
+                              f"{str(text)[:80]!r}, not text. Set data.text_field to the field that holds the text")
+        yield text
 
 
 def chat_conversations(paths: list[str], messages_field: str) -> Iterator[list[dict]]:

@@ -54,7 +54,15 @@ def load_hf_config(path: str, attn_implementation: str | None = None):
 
     if not os.path.exists(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path: {path} has no config.json. Point it at a Hugging Face model directory")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:  # an unknown model_type, or a config.json it cannot parse
+        import transformers
+
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ConfigError(f"model.path: transformers {transformers.__version__} cannot read {path}/config.json "
+                          f"({reason}). Use a model type this transformers knows (upgrade transformers for a newer "
+                          "architecture), or fix config.json") from None
     if attn_implementation:
         config._attn_implementation = attn_implementation
     return config

@@ -1,0 +1,83 @@
+"""What is checked before any worker starts (by the launcher; by a single process before it trains): everything
+that would otherwise fail on every rank alike once workers run, or only at the first checkpoint save.
+
+Each problem is one ConfigError naming the key and what would work (exit code 2). The workers check again what
+depends on their rank (the device) and read what is too large to read twice (the corpus beyond its first rows).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from composer3d import distributed
+from composer3d.checkpoint import (
+    META_FILE,
+    check_complete,
+    check_same_model,
+    check_steps_left,
+    checkpoint_dir,
+    committed_checkpoints,
+    read_meta,
+)
+from composer3d.config import validate, validate_for_device
+from composer3d.data import check_sources, eval_windows
+from composer3d.errors import ConfigError
+
+
+def preflight(cfg, world_size: int) -> dict[str, int]:
+    """Check the run ``cfg`` describes on ``world_size`` ranks; returns the layout's degrees."""
+    degrees = validate(cfg, world_size)
+    kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
+    validate_for_device(cfg, degrees, kind)
+    check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
+    if cfg.train.eval_every:
+        eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
+    if cfg.checkpoint.enabled:
+        check_resumable(cfg, directory)
+    # Last: these create the directories, which a refused run should not leave behind.
+    check_writable("run.dir", Path(cfg.run.dir))
+    if cfg.checkpoint.enabled:
+        check_writable("checkpoint.dir" if cfg.checkpoint.dir else "run.dir", directory)
+    return degrees
+
+
+def check_writable(key: str, directory: Path) -> None:
+    """Create ``directory`` and a file in it now, rather than fail at the first log line or checkpoint save."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{key}: cannot write into {directory} ({error.strerror or error}). Choose a directory "
+                          "this user can create and write") from None
+
+
+def check_resumable(cfg, directory: Path) -> None:
+    """The checkpoint a resume would load fits this run: complete (an explicit one), the same model shapes, and
+    steps left to train. (Its data position is checked against the corpus when a worker loads it.)"""
+    mode = cfg.checkpoint.resume
+    if mode == "none":
+        return
+    if mode == "auto":  # the newest training checkpoint; an unreadable one is skipped at load time, as before
+        found = [p for p in committed_checkpoints(directory) if not read_meta(p)["model_only"]]
+        if not found:
+            return
+        path = found[0]
+    else:
+        path = Path(mode)
+        if not (path / META_FILE).is_file():
+            raise ConfigError(f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no {META_FILE}). "
+                              "Give a step-N directory, or use auto/none")
+        check_complete(path)
+    try:
+        meta = read_meta(path)
+    except ValueError as error:  # a foreign format version, or JSON that does not parse
+        raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
+                          "directory, or start afresh with checkpoint.resume=none") from None
+    check_same_model(meta["config"]["model"], OmegaConf.to_container(cfg.model, resolve=True), path)
+    if not meta["model_only"]:
+        check_steps_left(meta, cfg.train.steps, path)

@@ -1,0 +1,171 @@
+"""Bad input is refused up front: one ConfigError naming the key and what would work, exit code 2, before any
+worker starts (``preflight``), printed once — for the corpus, the checkpoint to resume, the device, the output
+directories, keys Hydra's ``+`` adds, and what composer3d-eval would evaluate.
+
+Most cases call ``preflight`` in-process on a config composed by Hydra (fast: no torch import per case); the CLI
+cases show the paths those errors take: the launcher refuses before starting workers, a late corpus error in the
+workers is reported once, and Hydra's own errors exit 2 too.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from harness import FAST, train
+from hf_models import make_model
+from hydra import compose, initialize_config_module
+
+from composer3d.config import ConfigError, register_configs, resolve_model_config
+from composer3d.evaluate import check_weights_source
+from composer3d.preflight import preflight
+
+PREFIX = "composer3d: invalid configuration: "
+
+
+@pytest.fixture(scope="module")
+def compose_cfg(tmp_path_factory):
+    register_configs()
+    run_dir = tmp_path_factory.mktemp("run")
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        yield lambda *overrides: compose("train", overrides=[f"run.dir={run_dir}", "launch.device=cpu", *overrides])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """One bad file of each kind (and a good one)."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "empty").mkdir()
+    (root / "empty" / "a.txt").write_text("")
+    (root / "good.txt").write_text("def f(x):\n    return x\n" * 200)
+    (root / "binary.txt").write_bytes(bytes(range(256)) * 8)
+    (root / "nofield.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
+    (root / "malformed.jsonl").write_text('{"text": "fine"}\n{"text": "cut off\n')
+    (root / "nonstring.jsonl").write_text(json.dumps({"text": 5}) + "\n")
+    (root / "corrupt.parquet").write_bytes(b"PAR1" + bytes(100) + b"PAR1")
+    pq.write_table(pa.table({"body": ["a", "b"]}), root / "nofield.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), root / "nonstring.parquet")
+    (root / "not_a_dir").write_text("a file where a directory is asked for")
+    hf_unknown = make_model(root / "hf_unknown", "llama")
+    config = json.loads((hf_unknown / "config.json").read_text())
+    (hf_unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A real 2-step checkpoint of the FAST config, for the resume cases."""
+    run_dir = tmp_path_factory.mktemp("trained")
+    train(run_dir, *FAST, "train.steps=2")
+    return run_dir / "checkpoints" / "step-00000002"
+
+
+def _absent_accelerator() -> str:
+    """An accelerator type this machine does not have (cuda, unless it has CUDA)."""
+    here = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return "xpu" if here is not None and here.type == "cuda" else "cuda"
+
+
+# (id, overrides with {files}/{checkpoint} placeholders, key the message starts with, a fragment it contains)
+PREFLIGHT_CASES = [
+    ("empty_corpus", ["data=text_files", "data.paths=[{files}/empty]"], "data.paths", "every file is empty"),
+    ("jsonl_without_field", ["data=text_files", "data.paths=[{files}/nofield.jsonl]"], "data.text_field",
+     "fields: ['body']"),
+    ("parquet_without_field", ["data=text_files", "data.paths=[{files}/nofield.parquet]"], "data.text_field",
+     "fields: ['body']"),
+    ("binary_text", ["data=text_files", "data.paths=[{files}/binary.txt]"], "data.paths", "is not UTF-8 text"),
+    ("malformed_json_line", ["data=text_files", "data.paths=[{files}/malformed.jsonl]"], "data.paths",
+     "line 2 is not valid JSON"),
+    ("corrupt_parquet", ["data=text_files", "data.paths=[{files}/corrupt.parquet]"], "data.paths",
+     "is not a readable parquet file"),
+    ("non_string_json_text", ["data=text_files", "data.paths=[{files}/nonstring.jsonl]"], "data.text_field",
+     "holds int '5'"),
+    ("non_string_parquet_column", ["data=text_files", "data.paths=[{files}/nonstring.parquet]"], "data.text_field",
+     "holds int64, not text"),
+    ("paths_without_text_files", ["data.paths=[{files}/good.txt]"], "data.paths", "Add data=text_files"),
+    ("unknown_key_added_with_plus", ["+some.unknown_key=1"], "some.unknown_key", "is not a composer3d setting"),
+    ("unknown_nested_key", ["+train.stepz=3"], "train.stepz", "is not a composer3d setting"),
+    ("resume_missing", ["checkpoint.resume={files}/nope"], "checkpoint.resume", "no composer3d.json"),
+    ("resume_other_model_shape", ["checkpoint.resume={checkpoint}", "model.n_layers=3"], "model",
+     "a model of another shape"),
+    ("resume_past_train_steps", ["checkpoint.resume={checkpoint}", "train.steps=1"], "train.steps",
+     "past train.steps=1"),
+    ("async_pinned_on_cpu", ["checkpoint.async_mode=async_pinned"], "checkpoint.async_mode", "needs an accelerator"),
+    ("compile_tp_on_cpu", ["compile.enabled=true", "parallel.tp=2", "launch.nproc_per_node=2"], "compile.enabled",
+     "wrong gradients on the CPU"),
+    ("absent_accelerator", ["launch.device={absent}"], "launch.device", "is not an accelerator here"),
+    ("unknown_device_name", ["launch.device=gpu"], "launch.device", "Use launch.device=auto"),
+    ("run_dir_not_writable", ["run.dir={files}/not_a_dir/run"], "run.dir", "cannot write into"),
+    ("checkpoint_dir_not_writable", ["checkpoint.dir={files}/not_a_dir/ckpt"], "checkpoint.dir", "cannot write into"),
+    ("unknown_hf_model_type", ["model=hf", "model.path={files}/hf_unknown"], "model.path", "no_such_architecture"),
+]
+
+
+@pytest.mark.parametrize("overrides, key, fragment", [c[1:] for c in PREFLIGHT_CASES],
+                         ids=[c[0] for c in PREFLIGHT_CASES])
+def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overrides, key, fragment):
+    filled = [o.format(files=files, checkpoint=checkpoint, absent=_absent_accelerator()) for o in overrides]
+    with pytest.raises(ConfigError) as error:
+        cfg = compose_cfg(*filled)
+        resolve_model_config(cfg.model)
+        preflight(cfg, cfg.launch.nproc_per_node)
+    message = str(error.value)
+    assert message.startswith(key + ": "), message
+    assert fragment in message, message
+
+
+def test_preflight_passes_what_can_run(compose_cfg, files, checkpoint):
+    """The checks are not simply refusing: good files, a matching checkpoint and writable dirs pass."""
+    cfg = compose_cfg("data=text_files", f"data.paths=[{files}/good.txt]", f"checkpoint.resume={checkpoint}",
+                      "train.steps=4")
+    assert preflight(cfg, 1)["dp_shard"] == 1
+
+
+def test_eval_refuses_random_weights(compose_cfg, checkpoint):
+    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: model=llama has no weights .* random"):
+        check_weights_source(compose_cfg("model=tiny"))
+    check_weights_source(compose_cfg(f"checkpoint.resume={checkpoint}"))  # a checkpoint's weights: fine
+
+
+# ------------------------------------------------------------------------------------------ the CLI paths
+
+def _refused_once(run, key: str) -> str:
+    assert run.returncode == 2, run.output
+    assert run.output.count(PREFIX) == 1, run.output
+    assert "Traceback" not in run.output, run.output
+    message = run.output[run.output.index(PREFIX) + len(PREFIX):]
+    assert message.startswith(key + ":"), run.output
+    return message
+
+
+def test_launcher_refuses_bad_corpus_before_any_worker(tmp_path, files):
+    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{files}/nonstring.parquet]", nproc=2, check=False)
+    _refused_once(run, "data.text_field")
+    assert "worker" not in run.output, "refused by the launcher, not by failing workers"
+
+
+def test_late_corpus_error_in_workers_is_reported_once(tmp_path):
+    """A malformed line past what the launcher reads up front fails in every worker alike: one message, exit 2."""
+    corpus = tmp_path / "late.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(150)) + '{"text": "cut\n')
+    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{corpus}]", nproc=2, check=False)
+    message = _refused_once(run, "data.paths")
+    assert "reading" in message and "late.jsonl" in message
+
+
+def test_resume_after_data_change_is_a_config_error_not_a_bad_checkpoint(tmp_path, checkpoint):
+    """A healthy checkpoint resumed with another seq_len: named as the change it is, not as 'unreadable'."""
+    run = train(tmp_path / "run", *FAST, "train.seq_len=16", "train.steps=4", f"checkpoint.resume={checkpoint}",
+                nproc=2, check=False)
+    message = _refused_once(run, "checkpoint.resume")
+    assert "train.seq_len or train.seed changed" in message and "unreadable" not in run.output
+
+
+@pytest.mark.parametrize("overrides, fragment", [(["model=nonexistent"], "model/nonexistent"),
+                                                 (["train.steps=abc"], "train.steps")])
+def test_hydra_errors_exit_2(tmp_path, overrides, fragment):
+    run = train(tmp_path / "run", *overrides, nproc=2, check=False)
+    assert run.returncode == 2 and fragment in run.output, run.output
