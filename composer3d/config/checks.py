@@ -67,10 +67,13 @@ def _check_known_keys(cfg: Any) -> None:
 def _unknown_keys(given: dict, schema: dict, prefix: str) -> list[str]:
     found = []
     for key, value in given.items():
-        if key not in schema:
+        if key in schema and not (isinstance(value, dict) and isinstance(schema[key], dict)):
+            continue
+        if isinstance(value, dict):  # an unknown section is named by its keys, as the user typed them
+            section = schema.get(key)
+            found += _unknown_keys(value, section if isinstance(section, dict) else {}, f"{prefix}{key}.")
+        else:
             found.append(f"{prefix}{key}")
-        elif isinstance(value, dict) and isinstance(schema[key], dict):
-            found += _unknown_keys(value, schema[key], f"{prefix}{key}.")
     return found
 
 
