@@ -10,10 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import FAST, train, train_in_background
+from harness import FAST, spawn, train, train_in_background
+from omegaconf import OmegaConf
 
 from composer3d.checkpoint import META_FILE, committed_checkpoints
 from composer3d.errors import StoppedBySignal
+from composer3d.metrics import MetricsSink
 
 SLOW_RANK = "COMPOSER3D_TEST_SLOW_RANK"
 
@@ -94,6 +96,50 @@ def test_sigterm_saves_that_step_and_the_same_command_resumes_exactly_then_refus
     assert more.returncode == 2 and "invalid configuration: train.steps:" in more.output, more.output[-2000:]
     assert "holds the final weights of a finished run" in more.output
     assert _files(run_dir / "checkpoints") | {"metrics.jsonl": _files(run_dir)["metrics.jsonl"]} == before
+
+
+def _agree_on_stop(rank: int, world_size: int, out: Path) -> None:
+    from datetime import timedelta
+
+    from composer3d.trainer import StopSignals
+
+    signals = StopSignals(timedelta(minutes=1))
+    verdicts = []
+    for step in range(1, 7):
+        if rank == 1 and step == 3:  # only rank 1 is told, during step 3
+            os.kill(os.getpid(), signal.SIGUSR1)
+        verdicts.append(signals.agreed())  # the boundary after the step
+    signals.finish()
+    signals.restore()
+    (out / f"rank{rank}.json").write_text(json.dumps(verdicts))
+
+
+def test_ranks_agree_on_the_stop_signal_at_the_same_boundary(tmp_path):
+    spawn(_agree_on_stop, 2, tmp_path, tmp_path)
+    expected = [0, 0, 0, signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR1]  # seen at boundary 3, agreed at the next
+    assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [expected, expected]
+
+
+def _sink(run_dir: Path, resume_step: int) -> None:
+    cfg = OmegaConf.create({"logging": {"wandb": False, "tensorboard": False, "progress_bar": False}})
+    MetricsSink(run_dir, cfg, enabled=True, total_steps=10, resume_step=resume_step).close()
+
+
+def test_metrics_resume_drops_only_a_torn_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3)]
+    path.write_text("\n".join(lines))  # complete, only the newline missing: kept
+    _sink(tmp_path, resume_step=3)
+    assert path.read_text() == "".join(line + "\n" for line in lines)
+    written = path.stat().st_mtime_ns
+    _sink(tmp_path, resume_step=3)
+    assert path.stat().st_mtime_ns == written, "nothing to drop: the file is not rewritten"
+    path.write_text("".join(line + "\n" for line in lines) + '{"step": 4, "lo')
+    _sink(tmp_path, resume_step=2)
+    assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
+    path.write_text(lines[0] + "\n" + '{"step": 2, "lo' + "\n" + lines[2] + "\n")  # not a crash's trace
+    with pytest.raises(ValueError, match="line 2, is not a metrics record"):
+        _sink(tmp_path, resume_step=3)
 
 
 def test_a_stalled_rank_fails_the_run_after_launch_timeout_minutes(tmp_path):
