@@ -23,7 +23,9 @@ class ParallelModel:
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 
-def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device) -> ParallelModel:
+def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_checkpoint: bool = False) -> ParallelModel:
+    """``from_checkpoint``: a checkpoint's weights replace every parameter next, so they are only allocated (no
+    init, no read of model.path's weights, which need not be there any more)."""
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
@@ -31,8 +33,8 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device) -> Paral
     flops = flops_per_token(num_params, embedding_params(model), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
     stages = parallelize(model, spec, mesh, cfg, device)
-    weights = spec.pretrained_weights(cfg.model)
-    materialize(model, device, cfg.train.seed, fsdp_roots=stages, init_params=weights is None)
+    weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
+    materialize(model, device, cfg.train.seed, fsdp_roots=stages, init_params=weights is None and not from_checkpoint)
     if weights is not None:
         from composer3d.models.hf_weights import load_pretrained
 

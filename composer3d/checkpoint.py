@@ -21,6 +21,7 @@ import os
 import pickle
 import re
 import shutil
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -124,10 +125,6 @@ def check_complete(path: Path) -> None:
                               "Give another step-N directory, or start afresh with checkpoint.resume=none")
 
 
-def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
-    return Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
-
-
 def committed_checkpoints(directory: Path) -> list[Path]:
     """Complete checkpoints in ``directory``, newest first."""
     if not directory.is_dir():
@@ -168,6 +165,19 @@ def set_rng_state(state: dict, device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------------------ the checkpointer
 
+def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
+    return Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
+
+
+def resumes_from_a_checkpoint(ckpt_cfg, run_dir: Path) -> bool:
+    """Whether ``Checkpointer.resume`` will load a checkpoint's weights (or stop with an error trying): with
+    resume=auto, whenever the directory holds a committed checkpoint (a finished run's final weights load nothing,
+    but it trains nothing either)."""
+    if ckpt_cfg.resume != "auto":
+        return ckpt_cfg.resume != "none"
+    return bool(committed_checkpoints(checkpoint_dir(ckpt_cfg, run_dir)))
+
+
 class Checkpointer:
     """Saves and restores a Trainer's whole state; see the module docstring for the on-disk contract."""
 
@@ -181,7 +191,8 @@ class Checkpointer:
         self.async_group = None
         if ckpt_cfg.async_mode != "none":
             # Background writes run collectives; on their own gloo group they never interleave with training's.
-            self.async_group = dist.new_group(backend="gloo")
+            timeout = timedelta(minutes=config_dict["launch"]["timeout_minutes"])
+            self.async_group = dist.new_group(backend="gloo", timeout=timeout)
             pinned = ckpt_cfg.async_mode == "async_pinned"
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
                                                        use_async_staging=False, use_non_blocking_copy=pinned))
@@ -278,7 +289,10 @@ class Checkpointer:
         if mode == "none":
             return 0
         if mode == "auto":
-            candidates = [p for p in committed_checkpoints(self.dir) if not read_meta(p)["model_only"]]
+            committed = committed_checkpoints(self.dir)
+            if committed and read_meta(committed[0])["model_only"]:
+                return self._finished(committed[0])
+            candidates = [p for p in committed if not read_meta(p)["model_only"]]
             for path in candidates:
                 try:
                     return self._load(path)
@@ -301,9 +315,23 @@ class Checkpointer:
         except LOAD_FAILURES as error:
             raise CheckpointError(f"checkpoint {path} is unreadable ({_reason(error)})") from None
 
+    def _finished(self, path: Path) -> int:
+        """The newest checkpoint holds only the final weights (checkpoint.model_only_final): the run is done. Training
+        on here, from an older checkpoint or from scratch, would overwrite or prune them: it is refused."""
+        step = read_meta(path)["step"]
+        if step != self.trainer.total_steps:
+            raise ConfigError(
+                f"train.steps: {path} holds the final weights of a finished run (checkpoint.model_only_final, step "
+                f"{step}; no optimizer or data state to continue from), and train.steps={self.trainer.total_steps} "
+                "would train on in this directory, overwriting or pruning them. Use a new run.dir: with "
+                f"checkpoint.resume={path} it starts from these weights, or with checkpoint.resume=<an older step-N "
+                "directory> it continues that state")
+        log.info("%s holds the final weights (checkpoint.model_only_final); nothing is loaded or written", path)
+        return step
+
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
-        check_same_model(meta["config"]["model"], self.config_dict["model"], path)
+        check_same_model(path, self.config_dict["model"])
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)
@@ -351,13 +379,16 @@ def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
                           "or start afresh with checkpoint.resume=none")
 
 
-def check_same_model(saved: dict, current: dict, path: Path) -> None:
-    """Refuse a checkpoint whose parameters have other names or shapes (fields like max_seq_len may change)."""
-    def shapes(model_cfg: dict) -> dict[str, tuple]:
-        model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), model_cfg))
-        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+def check_same_model(path: Path, current: dict) -> None:
+    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change).
 
-    before, now = shapes(saved), shapes(current)
+    What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
+    need the directory it was trained from, which may have moved since."""
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
+              if key.startswith("model.") and hasattr(entry, "size")}
+    model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
+    now = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if before != now:
         differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
         raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "

@@ -75,13 +75,14 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     return torch.device(kind, local_rank)
 
 
-def init_process_group(device: torch.device, env: Env | None) -> Env:
+def init_process_group(device: torch.device, env: Env | None, timeout: timedelta | None = None) -> Env:
+    """``timeout``: how long a collective may wait for the other ranks before it fails (launch.timeout_minutes;
+    None: torch's default)."""
     backend = dist.get_default_backend_for_device(device)
     if env is None:  # a single process: no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return Env(0, 0, 1)
-    dist.init_process_group(backend, timeout=timedelta(minutes=10),
-                            device_id=device if device.type != "cpu" else None)
+    dist.init_process_group(backend, timeout=timeout, device_id=device if device.type != "cpu" else None)
     return env
 
 

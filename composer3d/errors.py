@@ -15,3 +15,10 @@ class ConfigError(ValueError):
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradients became NaN/inf (or every update was dropped for too long). Exit code 3."""
+
+
+class StoppedBySignal(Exception):
+    """SIGTERM or SIGUSR1 (a preemption or time-limit notice) stopped the run at a step boundary, after saving that
+    step's checkpoint. Exit code 75 (sysexits' EX_TEMPFAIL: "try again later"): requeue the same command."""
+
+    EXIT_CODE = 75

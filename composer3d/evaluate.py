@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -54,7 +55,7 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     check_weights_source(cfg)
     resume = cfg.checkpoint.resume
-    env = distributed.init_process_group(device, env)
+    env = distributed.init_process_group(device, env, timedelta(minutes=cfg.launch.timeout_minutes))
     finished = False
     try:
         metrics = _evaluate_in_group(cfg, degrees, device, windows, resume)
@@ -68,8 +69,8 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
 
 def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor,
                        resume: str) -> dict:
-    mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-    trainer = Trainer(cfg, mesh, device, sequences=None)
+    mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timedelta(minutes=cfg.launch.timeout_minutes))
+    trainer = Trainer(cfg, mesh, device, sequences=None, from_checkpoint=resume not in ("auto", "none"))
     if resume not in ("auto", "none"):
         load_model_weights(trainer.model, Path(resume))
     return trainer.evaluate(windows)

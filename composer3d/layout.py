@@ -9,9 +9,11 @@ FSDP shards over) and ``loss`` (dp × cp, where losses and token counts are redu
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from functools import cached_property
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
@@ -40,7 +42,8 @@ class Layout:
 class ParallelMesh:
     """The world DeviceMesh with its named sub-meshes and flattened views (kept here, not sliced again later)."""
 
-    def __init__(self, layout: Layout, device_type: str):
+    def __init__(self, layout: Layout, device_type: str, timeout: timedelta | None = None):
+        """``timeout``: the collective timeout of every group of the mesh (None: torch's defaults)."""
         self.layout = layout
         self.world: DeviceMesh = init_device_mesh(
             device_type, tuple(getattr(layout, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
@@ -48,6 +51,11 @@ class ParallelMesh:
         self.dp: DeviceMesh = self.world["dp_replicate", "dp_shard"]._flatten("dp")
         self.dp_shard_cp: DeviceMesh = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
         self.loss: DeviceMesh = self.world["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+        if timeout is not None:
+            # A mesh dim spanning the world reuses the default group (init_process_group's timeout); the others are
+            # new groups, which torch gives its own default (30 min on gloo, 10 on NCCL) whatever the job asked for.
+            for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp, self.dp_shard_cp, self.loss):
+                _set_pg_timeout(timeout, mesh.get_group())
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.world[name]

@@ -126,11 +126,29 @@ class MetricsSink:
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``."""
+        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``.
+
+        A last line that is not JSON was cut short by a process that died mid-write: it is dropped, with a warning.
+        Any other unreadable line is no crash's trace, and is refused rather than dropped."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        self.path.write_text("".join(line + "\n" for line in kept))
+        lines = [line for line in self.path.read_text().splitlines() if line]
+        kept = []
+        for number, line in enumerate(lines, 1):
+            try:
+                record_step = json.loads(line)["step"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                if number < len(lines):
+                    raise ValueError(f"{self.path}, line {number}, is not a metrics record: {line[:100]!r}. "
+                                     "Repair or delete that line, then run again") from None
+                log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r",
+                            self.path, line[:100])
+                continue
+            if record_step <= step:
+                kept.append(line)
+        text = "".join(line + "\n" for line in kept)
+        if text != self.path.read_text():  # a finished run's file, resumed with nothing to train, stays untouched
+            self.path.write_text(text)
 
     def write_run_info(self, info: dict) -> None:
         if self.enabled:

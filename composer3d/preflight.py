@@ -78,6 +78,12 @@ def check_resumable(cfg, directory: Path) -> None:
     except ValueError as error:  # a foreign format version, or JSON that does not parse
         raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
                           "directory, or start afresh with checkpoint.resume=none") from None
-    check_same_model(meta["config"]["model"], OmegaConf.to_container(cfg.model, resolve=True), path)
+    try:
+        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True))
+    except ConfigError:
+        raise
+    except Exception:  # an unreadable index: resume=auto falls back to an older checkpoint when it loads
+        if mode != "auto":
+            raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)

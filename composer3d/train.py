@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,10 +18,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d import distributed
-from composer3d.checkpoint import Checkpointer, CheckpointError
+from composer3d.checkpoint import Checkpointer, CheckpointError, resumes_from_a_checkpoint
 from composer3d.config import ConfigError, register_configs, resolve_model_config
 from composer3d.data import PackedSequences, build_sequences, eval_windows
-from composer3d.errors import TrainingDiverged
+from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.hydra_entry import hydra_entry_point
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink
@@ -41,26 +42,31 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> None:
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len) if cfg.train.eval_every else None
-    env = distributed.init_process_group(device, env)
+    timeout = timedelta(minutes=cfg.launch.timeout_minutes)
+    env = distributed.init_process_group(device, env, timeout)
     finished = False
     try:
-        _train_in_group(cfg, env, degrees, device, sequences, windows)
+        _train_in_group(cfg, env, degrees, device, sequences, windows, timeout)
         finished = True
+    except StoppedBySignal:
+        finished = True  # every rank stopped at the same step: shut down as after the last one
+        raise
     finally:
         distributed.shut_down(finished)
 
 
 def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device: torch.device,
-                    sequences: PackedSequences, windows: torch.Tensor | None) -> None:
+                    sequences: PackedSequences, windows: torch.Tensor | None, timeout: timedelta) -> None:
     """The run once the process group exists; returning drops the trainer (and its pipeline's pending work)."""
     world_size = env.world_size
     run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
     distributed.log_to_run_dir(env.rank, run_dir)
     if env.rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
-    mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+    mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
     log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
-    trainer = Trainer(cfg, mesh, device, sequences, windows)
+    from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
+    trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     checkpointer = None
     if cfg.checkpoint.enabled:
         checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))
@@ -100,6 +106,8 @@ def _main(cfg: DictConfig) -> None:
         if env is None or env.rank == 0:
             print(f"composer3d: training stopped: {error}", file=sys.stderr)
         sys.exit(3)
+    except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
+        sys.exit(StoppedBySignal.EXIT_CODE)
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under `python -m` (workers,

@@ -41,8 +41,7 @@ class RunResult:
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 
 
-def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
-          env: dict | None = None, faults: dict | None = None) -> RunResult:
+def _command(run_dir: Path, overrides, nproc: int, env: dict | None, faults: dict | None) -> tuple[list, dict]:
     """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads."""
     args = [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides]
     child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -50,6 +49,20 @@ def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, 
     if faults:
         child_env.update(faults)
         child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), child_env.get("PYTHONPATH")]))
+    return args, child_env
+
+
+def train_in_background(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
+                        faults: dict | None = None) -> subprocess.Popen:
+    """The run ``train`` makes, started in the background to act on while it trains; output in ``<run_dir>.out``."""
+    args, child_env = _command(run_dir, overrides, nproc, env, faults)
+    with open(f"{run_dir}.out", "w") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True, env=child_env)
+
+
+def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
+          env: dict | None = None, faults: dict | None = None) -> RunResult:
+    args, child_env = _command(run_dir, overrides, nproc, env, faults)
     start = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=child_env)
     result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, Path(run_dir))

@@ -110,6 +110,7 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["model.n_kv_heads=-4"], "model.n_kv_heads", "must be >= 1"),
     (1, ["data.max_tokens=-1"], "data.max_tokens", "Use 0 for no cap"),
     (1, ["data=synthetic", "data.synthetic_sequences=0"], "data.synthetic_sequences", "must be >= 1"),
+    (2, ["launch.timeout_minutes=0"], "launch.timeout_minutes", "must be > 0, got 0"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

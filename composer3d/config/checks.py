@@ -336,6 +336,8 @@ def _check_checkpoint(c: Any) -> None:
 def _check_launch_and_logging(launch: Any, logging: Any) -> None:
     _require(launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {launch.nproc_per_node}",
              "Use 1 or more")
+    _require(launch.timeout_minutes > 0, "launch.timeout_minutes", f"must be > 0, got {launch.timeout_minutes}",
+             "Use e.g. 30 (minutes; fractions allowed)")
     _require(logging.peak_tflops is None or logging.peak_tflops > 0, "logging.peak_tflops",
              f"must be > 0, got {logging.peak_tflops}", "Use null for the table's value")
     _require(logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {logging.log_every}", "Use 1+")

@@ -172,6 +172,9 @@ class CheckpointConfig:
 class LaunchConfig:
     nproc_per_node: int = 1
     device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
+    # a collective that has not completed after this long fails the run (a stalled or dead rank) instead of hanging;
+    # fractions allowed. Generous: a first step that compiles, or a large checkpoint, holds ranks up for minutes
+    timeout_minutes: float = 30.0
 
 
 @dataclass

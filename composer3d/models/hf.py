@@ -46,7 +46,9 @@ def resolve_model_dir(path: str | None) -> str:
     except Exception:  # noqa: BLE001 — any failure means "not available locally"
         raise ConfigError(f"model.path: {path!r} is neither a local directory nor a model in the local Hugging Face "
                           "cache (nothing is downloaded at run time). Download it first (huggingface-cli download) "
-                          "or point model.path at a directory holding config.json") from None
+                          "or point model.path at a directory holding config.json; a run that resumes from its "
+                          "checkpoint (e.g. after the model directory moved) needs only config.json and the tokenizer "
+                          "there") from None
 
 
 def load_hf_config(path: str, attn_implementation: str | None = None):

@@ -3,11 +3,15 @@ run whose PYTHONPATH starts with this directory (launcher and workers alike; ``h
 
 COMPOSER3D_TEST_KILL_DURING_SAVE=STEP:RANK — that rank SIGKILLs itself in the middle of that step's checkpoint
 save (its data files written, the checkpoint's index not yet), as a node failure would.
+
+COMPOSER3D_TEST_SLOW_RANK=RANK:STEP:SECONDS — that rank sleeps that long before each step from that step on (a slow
+or stalled rank; or simply slow steps, since the other ranks wait for it in the step's collectives).
 """
 
 import os
 
 _KILL_DURING_SAVE = os.environ.get("COMPOSER3D_TEST_KILL_DURING_SAVE")
+_SLOW_RANK = os.environ.get("COMPOSER3D_TEST_SLOW_RANK")
 
 if _KILL_DURING_SAVE:
     import signal
@@ -30,3 +34,19 @@ if _KILL_DURING_SAVE:
         return _write_normally(self, path, step)
 
     Checkpointer._storage_writer = _storage_writer
+
+if _SLOW_RANK:
+    import time
+
+    from composer3d.trainer import Trainer
+
+    _slow_rank, _slow_from = (int(x) for x in _SLOW_RANK.split(":")[:2])
+    _slow_seconds = float(_SLOW_RANK.split(":")[2])
+    _step_normally = Trainer.train_step
+
+    def _slow_train_step(self):
+        if int(os.environ.get("RANK", "0")) == _slow_rank and self.step + 1 >= _slow_from:
+            time.sleep(_slow_seconds)
+        return _step_normally(self)
+
+    Trainer.train_step = _slow_train_step
