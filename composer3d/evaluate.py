@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composer3d import distributed
+from composer3d import distributed, launcher
 from composer3d.checkpoint import load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
@@ -65,18 +66,25 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
 @hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     env = distributed.job_env()
+    if launcher.started_by_local_launcher():
+        launcher.die_with_launcher()
     try:
         resolve_model_config(cfg.model)
         if env is None and cfg.launch.nproc_per_node > 1:
             validate(cfg, cfg.launch.nproc_per_node)
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
             overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
-            distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
             return
         run(cfg, env)
     except ConfigError as error:
         print(f"composer3d-eval: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
+    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
+        signum = getattr(error, "signum", signal.SIGINT)
+        if env is None or env.rank == 0:
+            print(f"composer3d-eval: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
 
 
 register_configs()

@@ -1,14 +1,15 @@
 """The ``composer3d-train`` entry point (also ``python -m composer3d.train``): config, launch, one run per rank.
 
-Run alone it trains in this process; with ``launch.nproc_per_node > 1`` it checks the config and the data once,
-then starts that many workers (each runs this module under torchrun's environment variables). The step loop
-itself is the Trainer (``trainer.py``).
+Run alone it trains in this process; with ``launch.nproc_per_node > 1`` (or ``launch.max_restarts``) it checks the
+config and the data once, then starts that many workers (``launcher``; each runs this module under torchrun's
+environment variables). The step loop itself is the Trainer (``trainer.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from composer3d import distributed
-from composer3d.checkpoint import Checkpointer, CheckpointError
+from composer3d import distributed, launcher
+from composer3d.checkpoint import Checkpointer, CheckpointError, committed_checkpoints
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import PackedSequences, build_sequences, check_sources, eval_windows
 from composer3d.errors import TrainingDiverged
@@ -77,21 +78,21 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
 @hydra.main(config_path="pkg://composer3d.conf", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     env = distributed.job_env()
+    ours = launcher.started_by_local_launcher()
+    if ours:
+        launcher.die_with_launcher()
+    run_dir = Path(os.path.abspath(cfg.run.dir))  # once: it may hold ${now:...}
     try:
         resolve_model_config(cfg.model)
-        if env is None and cfg.launch.nproc_per_node > 1:
-            # Fail here, in seconds, before starting any worker.
-            validate(cfg, cfg.launch.nproc_per_node)
-            check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
-            if cfg.train.eval_every:
-                eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
-            # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
-            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
-            overrides += list(HydraConfig.get().overrides.hydra)
-            # One run directory for all workers: resolve it here once (it may hold ${now:...}).
-            overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")
-            distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides)
+        if env is not None and not ours and cfg.launch.max_restarts:
+            raise ConfigError("launch.max_restarts: restarts are the local launcher's; this job was started by "
+                              "torchrun or SLURM. Use torchrun's --max-restarts (or the scheduler's requeue) instead")
+        if env is None and (cfg.launch.nproc_per_node > 1 or cfg.launch.max_restarts):
+            _launch(cfg, run_dir)
             return
+        # One job per run.dir: held by this process, or by rank 0 of a torchrun/SLURM job (ours: the launcher).
+        if env is None or (env.rank == 0 and not ours):
+            launcher.lock_run_dir(run_dir)
         run(cfg, env)
     except ConfigError as error:
         print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
@@ -103,6 +104,34 @@ def main(cfg: DictConfig) -> None:
         if env is None or env.rank == 0:
             print(f"composer3d: training stopped: {error}", file=sys.stderr)
         sys.exit(3)
+    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
+        signum = getattr(error, "signum", signal.SIGINT)
+        if env is None or env.rank == 0:
+            how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
+def _launch(cfg: DictConfig, run_dir: Path) -> None:
+    """Check the config and the data once, here, in seconds; then start the local workers."""
+    validate(cfg, cfg.launch.nproc_per_node)
+    launcher.lock_run_dir(run_dir)
+    check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
+    if cfg.train.eval_every:
+        eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
+    overrides += list(HydraConfig.get().overrides.hydra)
+    overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
+    launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
+                                 max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs")
+
+
+def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:
+    if not cfg.checkpoint.enabled:
+        return "none (checkpoint.enabled=false)"
+    found = committed_checkpoints(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints")
+    return str(found[0]) if found else "none"
 
 
 register_configs()

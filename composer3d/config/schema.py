@@ -172,6 +172,9 @@ class CheckpointConfig:
 class LaunchConfig:
     nproc_per_node: int = 1
     device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
+    # local launcher: restart the whole worker group up to N times after a worker dies (not for exit 2 or 3),
+    # resuming from the last checkpoint. Under torchrun use its --max-restarts instead
+    max_restarts: int = 0
 
 
 @dataclass

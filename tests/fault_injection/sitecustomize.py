@@ -30,3 +30,22 @@ if _KILL_DURING_SAVE:
         return _write_normally(self, path, step)
 
     Checkpointer._storage_writer = _storage_writer
+
+_KILL_AT_STEP = os.environ.get("COMPOSER3D_TEST_KILL_AT_STEP")
+
+# COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first attempt only
+# (TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group then runs through.
+if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    import signal
+
+    from composer3d.trainer import Trainer
+
+    _step_at, _rank_at = (int(x) for x in _KILL_AT_STEP.split(":"))
+    _train_step = Trainer.train_step
+
+    def _train_step_or_die(self):
+        if (self.step + 1, int(os.environ.get("RANK", "0"))) == (_step_at, _rank_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _train_step(self)
+
+    Trainer.train_step = _train_step_or_die
