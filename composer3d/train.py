@@ -30,10 +30,13 @@ from composer3d.trainer import Trainer, prepare_rank
 log = logging.getLogger("composer3d")
 
 
-def run(cfg: DictConfig, env: distributed.Env | None) -> None:
+def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     """Train in this process, as one rank of the job (or the only one)."""
     distributed.setup_logging(env.rank if env else 0)
     degrees, device = prepare_rank(cfg, env)
+    # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
+    if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
+        launcher.lock_run_dir(run_dir)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -90,10 +93,7 @@ def main(cfg: DictConfig) -> None:
         if env is None and (cfg.launch.nproc_per_node > 1 or cfg.launch.max_restarts):
             _launch(cfg, run_dir)
             return
-        # One job per run.dir: held by this process, or by rank 0 of a torchrun/SLURM job (ours: the launcher).
-        if env is None or (env.rank == 0 and not ours):
-            launcher.lock_run_dir(run_dir)
-        run(cfg, env)
+        run(cfg, env, run_dir)
     except ConfigError as error:
         print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
