@@ -2,7 +2,7 @@
 
 Three ways in: torchrun (RANK/WORLD_SIZE/MASTER_* in the environment), SLURM with one task per device
 (SLURM_PROCID/SLURM_NTASKS), or a plain command that starts ``launch.nproc_per_node`` local workers itself
-through torch's elastic agent — the same agent torchrun uses, so worker failures surface the same way.
+(``launcher``: torch's elastic agent, the one torchrun runs, so the workers join the same way).
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import sys
-import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -91,26 +89,6 @@ def agree_on(value: object) -> object:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def spawn_local_workers(nproc: int, module: str, args: list[str]) -> None:
-    """Run ``python -m module args`` in ``nproc`` local worker processes under torch's elastic agent."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, like torchrun --standalone
-        max_restarts=0, monitor_interval=0.5,
-    )
-    try:
-        elastic_launch(config, entrypoint=sys.executable)("-m", module, *args)
-    except ChildFailedError as error:
-        failures = "; ".join(f"rank {r}: exit code {f.exitcode}" for r, f in sorted(error.failures.items()))
-        log.error("composer3d: worker(s) failed: %s", failures)
-        _, first = error.get_first_failure()
-        # The first failure's own code (a bad config: 2, divergence: 3) is the job's; a signal or crash is 1.
-        sys.exit(first.exitcode if 0 < first.exitcode < 128 else 1)
 
 
 def shut_down(finished: bool) -> None:

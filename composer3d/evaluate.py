@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composer3d import distributed
+from composer3d import distributed, launcher
 from composer3d.checkpoint import META_FILE, load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
@@ -78,6 +79,8 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
 
 def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
+    if launcher.started_by_local_launcher():
+        launcher.die_with_launcher()
     try:
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
@@ -86,13 +89,18 @@ def _main(cfg: DictConfig) -> None:
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         if env is None and cfg.launch.nproc_per_node > 1:
             overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
-            distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
             return
         run(cfg, env)
     except ConfigError as error:  # the same on every rank: rank 0 tells
         if env is None or env.rank == 0 or error.rank_specific:
             print(f"composer3d-eval: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
+    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
+        signum = getattr(error, "signum", signal.SIGINT)
+        if env is None or env.rank == 0:
+            print(f"composer3d-eval: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
 
 
 # pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under

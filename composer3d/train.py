@@ -1,14 +1,15 @@
 """The ``composer3d-train`` entry point (also ``python -m composer3d.train``): config, launch, one run per rank.
 
-Run alone it trains in this process; with ``launch.nproc_per_node > 1`` it checks the config and the data once,
-then starts that many workers (each runs this module under torchrun's environment variables). The step loop
-itself is the Trainer (``trainer.py``).
+Run alone it trains in this process; with ``launch.nproc_per_node > 1`` (or ``launch.max_restarts``) it checks the
+config and the data once, then starts that many workers (``launcher``; each runs this module under torchrun's
+environment variables). The step loop itself is the Trainer (``trainer.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -17,8 +18,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from composer3d import distributed
-from composer3d.checkpoint import Checkpointer, CheckpointError, resumes_from_a_checkpoint
+from composer3d import distributed, launcher
+from composer3d.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    checkpoint_dir,
+    committed_checkpoints,
+    resumes_from_a_checkpoint,
+)
 from composer3d.config import ConfigError, register_configs, resolve_model_config
 from composer3d.data import PackedSequences, build_sequences, eval_windows
 from composer3d.errors import StoppedBySignal, TrainingDiverged
@@ -31,10 +38,13 @@ from composer3d.trainer import Trainer, prepare_rank
 log = logging.getLogger("composer3d")
 
 
-def run(cfg: DictConfig, env: distributed.Env | None) -> None:
+def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     """Train in this process, as one rank of the job (or the only one)."""
     distributed.setup_logging(env.rank if env else 0)
     degrees, device = prepare_rank(cfg, env)
+    # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
+    if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
+        launcher.lock_run_dir(run_dir)
     if cfg.train.deterministic:
         torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -81,20 +91,22 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
 
 def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
+    ours = launcher.started_by_local_launcher()
+    if ours:
+        launcher.die_with_launcher()
+    run_dir = Path(os.path.abspath(cfg.run.dir))  # once: it may hold ${now:...}
     try:
         resolve_model_config(cfg.model)
+        if env is not None and not ours and cfg.launch.max_restarts:
+            raise ConfigError("launch.max_restarts: restarts are the local launcher's; this job was started by "
+                              "torchrun or SLURM. Use torchrun's --max-restarts (or the scheduler's requeue) instead")
         if env is None:
             # Fail here, in seconds, before starting any worker (or, in one process, before training).
             preflight(cfg, cfg.launch.nproc_per_node)
-        if env is None and cfg.launch.nproc_per_node > 1:
-            # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
-            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
-            overrides += list(HydraConfig.get().overrides.hydra)
-            # One run directory for all workers: resolve it here once (it may hold ${now:...}).
-            overrides.append(f"run.dir={os.path.abspath(cfg.run.dir)}")
-            distributed.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides)
+        if env is None and (cfg.launch.nproc_per_node > 1 or cfg.launch.max_restarts):
+            _launch(cfg, run_dir)
             return
-        run(cfg, env)
+        run(cfg, env, run_dir)
     except ConfigError as error:  # one config, one corpus: the same on every rank, so rank 0 tells
         if env is None or env.rank == 0 or error.rank_specific:
             print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
@@ -108,6 +120,30 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(3)
     except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
         sys.exit(StoppedBySignal.EXIT_CODE)
+    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
+        signum = getattr(error, "signum", signal.SIGINT)
+        if env is None or env.rank == 0:
+            how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}", file=sys.stderr)
+        sys.exit(128 + signum)
+
+
+def _launch(cfg: DictConfig, run_dir: Path) -> None:
+    """Start the local workers (the config and the data were checked by ``preflight``), holding run.dir's lock."""
+    launcher.lock_run_dir(run_dir)
+    # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
+    overrides += list(HydraConfig.get().overrides.hydra)
+    overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
+    launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
+                                 max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs")
+
+
+def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:
+    if not cfg.checkpoint.enabled:
+        return "none (checkpoint.enabled=false)"
+    found = committed_checkpoints(checkpoint_dir(cfg.checkpoint, run_dir))
+    return str(found[0]) if found else "none"
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under `python -m` (workers,

@@ -41,34 +41,54 @@ class RunResult:
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 
 
-def _command(run_dir: Path, overrides, nproc: int, env: dict | None, faults: dict | None) -> tuple[list, dict]:
+def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
+          env: dict | None = None, faults: dict | None = None) -> RunResult:
     """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads."""
-    args = [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides]
-    child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
-    if faults:
-        child_env.update(faults)
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), child_env.get("PYTHONPATH")]))
-    return args, child_env
+    began = time.monotonic()
+    proc = subprocess.run(_command(run_dir, overrides, nproc), capture_output=True, text=True, timeout=timeout,
+                          env=_child_env(env, faults))
+    result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - began, Path(run_dir))
+    if check and proc.returncode != 0:
+        raise AssertionError(f"composer3d-train {' '.join(overrides)} failed ({proc.returncode}):\n{result.output[-6000:]}")
+    return result
+
+
+def start(run_dir: Path, *overrides: str, nproc: int = 1, faults: dict | None = None) -> subprocess.Popen:
+    """composer3d-train in the background, in its own process group (as a shell starts a job), output piped."""
+    return subprocess.Popen(_command(run_dir, overrides, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_child_env(None, faults), start_new_session=True)
 
 
 def train_in_background(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
                         faults: dict | None = None) -> subprocess.Popen:
     """The run ``train`` makes, started in the background to act on while it trains; output in ``<run_dir>.out``."""
-    args, child_env = _command(run_dir, overrides, nproc, env, faults)
     with open(f"{run_dir}.out", "w") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, text=True, env=child_env)
+        return subprocess.Popen(_command(run_dir, overrides, nproc), stdout=out, stderr=subprocess.STDOUT, text=True,
+                                env=_child_env(env, faults))
 
 
-def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
-          env: dict | None = None, faults: dict | None = None) -> RunResult:
-    args, child_env = _command(run_dir, overrides, nproc, env, faults)
-    start = time.monotonic()
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=child_env)
-    result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start, Path(run_dir))
-    if check and proc.returncode != 0:
-        raise AssertionError(f"composer3d-train {' '.join(overrides)} failed ({proc.returncode}):\n{result.output[-6000:]}")
-    return result
+def wait_until(proc: subprocess.Popen, condition, what: str, timeout: float = 300) -> None:
+    """Poll ``condition()`` while ``proc`` runs; fail with its output if it ends (or time runs out) first."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {what} (exit {proc.returncode}):\n{proc.communicate()[1][-4000:]}")
+        time.sleep(0.2)
+
+
+def _command(run_dir: Path, overrides, nproc: int) -> list[str]:
+    return [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}",
+            *overrides]
+
+
+def _child_env(env: dict | None, faults: dict | None) -> dict:
+    child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
+    if faults:
+        child_env.update(faults)
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), child_env.get("PYTHONPATH")]))
+    return child_env
 
 
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:

@@ -49,7 +49,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_memory(cfg, degrees["pp"])
     _check_data(cfg.data, cfg.model)
     _check_checkpoint(cfg.checkpoint)
-    _check_launch_and_logging(cfg.launch, cfg.logging)
+    _check_launch_and_logging(cfg.launch, cfg.logging, cfg.checkpoint)
     return degrees
 
 
@@ -333,11 +333,19 @@ def _check_checkpoint(c: Any) -> None:
              f"Choose one of {DTYPE_NAMES}")
 
 
-def _check_launch_and_logging(launch: Any, logging: Any) -> None:
+def _check_launch_and_logging(launch: Any, logging: Any, checkpoint: Any) -> None:
     _require(launch.nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {launch.nproc_per_node}",
              "Use 1 or more")
     _require(launch.timeout_minutes > 0, "launch.timeout_minutes", f"must be > 0, got {launch.timeout_minutes}",
              "Use e.g. 30 (minutes; fractions allowed)")
+    _require(launch.max_restarts >= 0, "launch.max_restarts", f"must be >= 0, got {launch.max_restarts}",
+             "Use 0 for no restarts")
+    # A restarted group continues from the newest checkpoint in its checkpoint.dir: without one (or with a fixed
+    # resume point) it would start over and train the same steps again.
+    _require(launch.max_restarts == 0 or (checkpoint.enabled and checkpoint.resume == "auto"), "launch.max_restarts",
+             f"restarts resume from the last checkpoint, but checkpoint.enabled={checkpoint.enabled} and "
+             f"checkpoint.resume={checkpoint.resume}", "Use checkpoint.enabled=true checkpoint.resume=auto (the "
+             "defaults) with a checkpoint.interval, or launch.max_restarts=0")
     _require(logging.peak_tflops is None or logging.peak_tflops > 0, "logging.peak_tflops",
              f"must be > 0, got {logging.peak_tflops}", "Use null for the table's value")
     _require(logging.log_every >= 1, "logging.log_every", f"must be >= 1, got {logging.log_every}", "Use 1+")

@@ -175,6 +175,9 @@ class LaunchConfig:
     # a collective that has not completed after this long fails the run (a stalled or dead rank) instead of hanging;
     # fractions allowed. Generous: a first step that compiles, or a large checkpoint, holds ranks up for minutes
     timeout_minutes: float = 30.0
+    # local launcher: restart the whole worker group up to N times after a worker dies (not for exit 2 or 3),
+    # resuming from the last checkpoint. Under torchrun use its --max-restarts instead
+    max_restarts: int = 0
 
 
 @dataclass

@@ -6,16 +6,19 @@ save (its data files written, the checkpoint's index not yet), as a node failure
 
 COMPOSER3D_TEST_SLOW_RANK=RANK:STEP:SECONDS — that rank sleeps that long before each step from that step on (a slow
 or stalled rank; or simply slow steps, since the other ranks wait for it in the step's collectives).
+
+COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first attempt only
+(TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group then runs through.
 """
 
 import os
+import signal
 
 _KILL_DURING_SAVE = os.environ.get("COMPOSER3D_TEST_KILL_DURING_SAVE")
 _SLOW_RANK = os.environ.get("COMPOSER3D_TEST_SLOW_RANK")
+_KILL_AT_STEP = os.environ.get("COMPOSER3D_TEST_KILL_AT_STEP")
 
 if _KILL_DURING_SAVE:
-    import signal
-
     from torch.distributed.checkpoint import FileSystemWriter
 
     from composer3d.checkpoint import Checkpointer
@@ -50,3 +53,16 @@ if _SLOW_RANK:
         return _step_normally(self)
 
     Trainer.train_step = _slow_train_step
+
+if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    from composer3d.trainer import Trainer
+
+    _step_at, _rank_at = (int(x) for x in _KILL_AT_STEP.split(":"))
+    _train_step = Trainer.train_step
+
+    def _train_step_or_die(self):
+        if (self.step + 1, int(os.environ.get("RANK", "0"))) == (_step_at, _rank_at):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _train_step(self)
+
+    Trainer.train_step = _train_step_or_die

@@ -1,0 +1,228 @@
+"""The local launcher: a plain command starts ``launch.nproc_per_node`` workers under torch's elastic agent (the
+agent torchrun runs), and owes its user what torchrun's users get from torchrun and the scheduler:
+
+- restarts (``launch.max_restarts``): elastic's own restart loop stops the whole group and starts it again, and the
+  workers resume from the last checkpoint; a bad config (exit 2) or divergence (exit 3) is not retried;
+- one line naming the rank that failed first, measured to the millisecond;
+- Ctrl-C: the workers stop quietly, the CLI prints one line and exits 130;
+- workers that die with their launcher, even when it is SIGKILLed (Linux);
+- one job per run directory (a lock the kernel releases when its holder dies).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import logging
+import math
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import IO
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
+from torch.distributed.launcher.api import LaunchConfig
+
+from composer3d.errors import ConfigError
+
+LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
+NOT_RETRIED = {2: "a bad config", 3: "divergence"}  # exit codes a restart would only repeat
+LOCK_FILE = ".composer3d.lock"
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_held: list[IO] = []  # run-directory locks of this process
+
+log = logging.getLogger("composer3d.launcher")
+
+
+class Interrupted(Exception):
+    """The launcher got a signal (Ctrl-C: SIGINT) and stopped its workers; exit code 128 + the signal's number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def started_by_local_launcher() -> bool:
+    return LAUNCHER_PID in os.environ
+
+
+def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: int = 0,
+                        log_dir: Path | None = None) -> None:
+    """Run ``python -m module args`` in ``nproc`` local workers. Returns when all succeed; a failure past the
+    restarts exits with the first failure's own code (2 config, 3 divergence; a signal or crash: 1); a signal to
+    the launcher raises Interrupted once the workers are stopped. ``log_dir``: where the agent's own log goes."""
+    _log_to_console_and(log_dir)
+    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit the launcher's environment
+    if max_restarts:
+        # The agent's shared TCPStore outlives a restart with the old attempt's keys in it: the new workers' gloo
+        # read the dead workers' addresses and fail to connect (pytorch/pytorch#135712, still so in torch 2.13).
+        # Without sharing, each attempt's rank 0 hosts a fresh store on a fresh port.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, like torchrun --standalone
+                          max_restarts=max_restarts, monitor_interval=0.5)
+    agent = _agent(config, ("-m", module, *args))
+    try:
+        result = agent.run()
+    except SignalException as error:
+        raise Interrupted(error.sigval) from None
+    finally:
+        agent.get_worker_group().spec.rdzv_handler.shutdown()
+    if result.is_failed():
+        rank, failure = agent.first_failure(result)
+        code = failure.exitcode if 0 < failure.exitcode < 128 else 1
+        log.error("composer3d: rank %d failed first (%s)%s; exit code %d", rank, _describe(failure),
+                  _not_retried(failure, max_restarts), code)
+        sys.exit(code)
+
+
+def _agent(config: LaunchConfig, args: tuple) -> _Agent:
+    """What torch.distributed.launcher.api.launch_agent builds from a LaunchConfig, with our agent class."""
+    rendezvous = rendezvous_registry.get_rendezvous_handler(RendezvousParameters(
+        backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+        min_nodes=config.min_nodes, max_nodes=config.max_nodes, local_addr=config.local_addr, **config.rdzv_configs))
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=sys.executable, args=args,
+                      rdzv_handler=rendezvous, max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, local_addr=config.local_addr,
+                      numa_options=config.numa_options)
+    return _Agent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
+                  shutdown_timeout=config.shutdown_timeout)
+
+
+class _Agent(LocalElasticAgent):
+    """torch's local agent and its restart loop, plus: exit times per worker, no restart for a failure that would
+    only repeat, a line per restart, and SIGTERM instead of SIGINT to stop the workers."""
+
+    exits: _ExitClock | None = None
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        self.exits = _ExitClock(pids.values())
+        return pids
+
+    def _monitor_workers(self, worker_group) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed():
+            rank, failure = self.first_failure(result)
+            if failure.exitcode in NOT_RETRIED:
+                self._remaining_restarts = 0  # as elastic itself does for a worker it cannot recover
+            elif self._remaining_restarts > 0:
+                spec = worker_group.spec
+                log.warning("composer3d: rank %d failed first (%s); restarting all workers from the last "
+                            "checkpoint (restart %d of %d)", rank, _describe(failure),
+                            spec.max_restarts - self._remaining_restarts + 1, spec.max_restarts)
+        return result
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # Ctrl-C reaches only the launcher (workers run in their own sessions), and elastic passes the SIGINT on:
+        # every worker would print a KeyboardInterrupt traceback. SIGTERM ends them without a word.
+        super()._shutdown(signal.SIGTERM if death_sig == signal.SIGINT else death_sig, timeout)
+
+    def first_failure(self, result: RunResult) -> tuple[int, ProcessFailure]:
+        """The failed rank that exited first. Elastic's own timestamps are whole seconds: a rank killed outright
+        and a peer whose collective then broke usually share one, so the exit clock decides."""
+        exited = self.exits.times(f.pid for f in result.failures.values()) if self.exits else {}
+        return min(result.failures.items(), key=lambda item: (exited.get(item[1].pid, math.inf), item[1].timestamp))
+
+
+class _ExitClock:
+    """When each worker process exited (monotonic seconds), from a pidfd per process (Linux >= 5.3; elsewhere
+    nothing is measured and elastic's order stands). Watching a pidfd does not reap: Popen still gets the code."""
+
+    def __init__(self, pids):
+        self._exited: dict[int, float] = {}
+        self._threads = {pid: threading.Thread(target=self._watch, args=(pid,), daemon=True) for pid in pids}
+        for thread in self._threads.values():
+            thread.start()
+
+    def _watch(self, pid: int) -> None:
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        try:
+            select.select([fd], [], [])  # readable once the process has exited
+            self._exited[pid] = time.monotonic()
+        finally:
+            os.close(fd)
+
+    def times(self, pids) -> dict[int, float]:
+        """Exit times of these (exited) processes; waits briefly for their watchers to note them."""
+        for pid in pids:
+            if pid in self._threads:
+                self._threads[pid].join(timeout=1.0)
+        return dict(self._exited)
+
+
+def _describe(failure: ProcessFailure) -> str:
+    if failure.exitcode < 0:
+        return f"exit code {failure.exitcode} / signal {failure.signal_name()}"
+    return f"exit code {failure.exitcode}"
+
+
+def _not_retried(failure: ProcessFailure, max_restarts: int) -> str:
+    if max_restarts and failure.exitcode in NOT_RETRIED:
+        return f", not restarted: {NOT_RETRIED[failure.exitcode]} fails again the same way"
+    return ""
+
+
+def _log_to_console_and(log_dir: Path | None) -> None:
+    """Our lines to stderr (and the log file); the agent's own chatter only to <log_dir>/launcher.log."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s"))
+    log.handlers[:] = [console]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    if log_dir is None:
+        return
+    log_dir.mkdir(parents=True, exist_ok=True)
+    file = logging.FileHandler(log_dir / "launcher.log")
+    file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    log.addHandler(file)
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.handlers[:] = [file]
+    elastic.propagate = False
+
+
+def die_with_launcher() -> None:
+    """In a worker of this launcher: have the kernel SIGKILL it when the launcher dies, even by SIGKILL, so no
+    orphan keeps training into run.dir. The death signal follows the thread that forked the worker: the
+    launcher's main thread, which runs the agent and lives as long as the launcher."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != int(os.environ[LAUNCHER_PID]):  # the launcher died before the line above
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold <run.dir>/.composer3d.lock while this process lives: a second job on the same run.dir would mix its
+    checkpoints and metrics into this one's. flock is released by the kernel when its holder exits, however it
+    exits, so a finished or crashed run's directory resumes with the same command."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / LOCK_FILE, "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "a process that has not written its name yet"
+        lock.close()
+        raise ConfigError(f"run.dir: {run_dir} is in use by another job ({holder}). Wait for it to end, or give "
+                          "this one another run.dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+    lock.flush()
+    _held.append(lock)  # open until the process exits

@@ -1,0 +1,137 @@
+"""The local launcher under faults and signals, on real gloo runs: a killed rank restarts the group from the last
+checkpoint and the run ends bit-identical to an uninterrupted one; a bad config or divergence is not retried; the
+first failed rank is named; Ctrl-C stops every process with one line; workers die with a SIGKILLed launcher; a
+second job on a busy run.dir is refused before any worker starts."""
+
+import fcntl
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import FAST, RunResult, start, train, wait_until
+from hydra import compose, initialize_config_module
+
+from composer3d.checkpoint import committed_checkpoints
+from composer3d.config import ConfigError, register_configs, validate
+from composer3d.launcher import LOCK_FILE
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+
+KILL_AT_STEP = "COMPOSER3D_TEST_KILL_AT_STEP"
+TWO_RANKS = [*FAST, "parallel.dp_shard=2", "checkpoint.interval=2"]
+LONG = "train.steps=100000"  # runs until the test stops it
+
+
+def _children(pid: int) -> list[int]:
+    """Processes whose parent is ``pid`` (the launcher's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped by whoever inherited it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def _all_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(_alive(pid) for pid in pids)
+
+
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint_bit_identically(tmp_path):
+    args = [*TWO_RANKS, "train.steps=8"]
+    straight = train(tmp_path / "straight", *args, nproc=2)
+    # Rank 1 is SIGKILLed as step 6 begins (first attempt only); step-4 is the last checkpoint, steps 1-5 logged.
+    run = train(tmp_path / "restarted", *args, "launch.max_restarts=2", nproc=2, faults={KILL_AT_STEP: "6:1"})
+    restart = "composer3d: rank 1 failed first (exit code -9 / signal SIGKILL); restarting all workers"
+    assert restart in run.output and "(restart 1 of 2)" in run.output and "restart 2 of 2" not in run.output
+    assert restart in (run.run_dir / "logs" / "launcher.log").read_text()
+    assert f"resumed from {run.run_dir / 'checkpoints' / 'step-00000004'} at step 4" in \
+        (run.run_dir / "logs" / "rank0.log").read_text()
+    assert [m["step"] for m in run.metrics] == list(range(1, 9)), "each step once: the killed attempt's 5 cut"
+    assert run.losses == straight.losses, "restarted from step 4, the curve must be the uninterrupted one, bit for bit"
+    assert [m["grad_norm"] for m in run.metrics] == [m["grad_norm"] for m in straight.metrics]
+
+
+def test_divergence_is_not_restarted(tmp_path):
+    # One worker: launch.max_restarts alone puts the run under the launcher.
+    run = train(tmp_path, *FAST, "train.steps=6", "optim.lr=1e6", "optim.warmup_steps=0", "launch.max_restarts=2",
+                check=False)
+    assert run.returncode == 3, run.output[-3000:]
+    assert "restarting" not in run.output and run.output.count("training stopped") == 1
+    assert "rank 0 failed first (exit code 3), not restarted: divergence fails again the same way" in run.output
+
+
+@pytest.mark.parametrize("overrides", [["checkpoint.enabled=false"], ["checkpoint.resume=none"]])
+def test_restarts_without_a_checkpoint_to_resume_are_refused(overrides):
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=["run.dir=unused", "launch.max_restarts=1", *overrides])
+    with pytest.raises(ConfigError, match="^launch.max_restarts: restarts resume from the last checkpoint"):
+        validate(cfg, 1)
+
+
+def test_restarts_under_torchrun_are_refused_naming_its_flag(tmp_path):
+    run = train(tmp_path, *FAST, "launch.max_restarts=1", check=False, timeout=120,
+                env={"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})  # as torchrun starts a worker
+    assert run.returncode == 2 and "invalid configuration: launch.max_restarts: restarts are the local " \
+        "launcher's" in run.output and "--max-restarts" in run.output, run.output[-2000:]
+    assert not tmp_path.exists() or not any(tmp_path.iterdir()), "refused before anything was written"
+
+
+def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_one_line(tmp_path):
+    first = start(tmp_path, *TWO_RANKS, LONG, nproc=2)
+    wait_until(first, lambda: (tmp_path / "metrics.jsonl").exists(), "a logged step")
+    workers = _children(first.pid)
+    assert len(workers) == 2
+    for pid in workers:  # held mid-run, so the first job is surely still running while the second tries
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        second = train(tmp_path, *TWO_RANKS, LONG, nproc=2, check=False, timeout=120)
+    finally:
+        for pid in workers:
+            os.kill(pid, signal.SIGCONT)
+    assert second.returncode == 2, second.output[-3000:]
+    assert f"invalid configuration: run.dir: {tmp_path} is in use by another job (pid {first.pid} on host " \
+        in second.output
+    assert "data: " not in second.output and "layout" not in second.output, "no worker of the second job started"
+    assert second.seconds < 60
+
+    wait_until(first, lambda: bool(committed_checkpoints(tmp_path / "checkpoints")), "a checkpoint")
+    os.killpg(first.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the foreground process group
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    newest = committed_checkpoints(tmp_path / "checkpoints")[0]
+    assert stderr.strip().splitlines() == [f"composer3d: interrupted (Ctrl-C); the last checkpoint is {newest}"], \
+        stderr[-3000:]
+    assert _all_gone(workers, 5)
+    steps = [m["step"] for m in RunResult(0, "", 0.0, tmp_path).metrics]
+    assert steps == list(range(1, len(steps) + 1)), "one job's steps, each once"
+
+
+def test_workers_die_with_a_sigkilled_launcher_and_its_lock_goes_with_it(tmp_path):
+    launcher = start(tmp_path, *TWO_RANKS, LONG, nproc=2)
+    wait_until(launcher, lambda: (tmp_path / "metrics.jsonl").exists(), "a logged step")
+    workers = _children(launcher.pid)
+    assert len(workers) == 2 and all(_alive(pid) for pid in workers)
+    launcher.kill()
+    launcher.communicate()
+    assert _all_gone(workers, 5), "orphaned workers still training into run.dir"
+    with open(tmp_path / LOCK_FILE) as lock:  # the kernel dropped the dead launcher's flock
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
