@@ -87,7 +87,10 @@ def _child_env(env: dict | None, faults: dict | None) -> dict:
     child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
     if faults:
         child_env.update(faults)
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), child_env.get("PYTHONPATH")]))
+        # The hooks import composer3d at interpreter start-up, before `python -m` puts the working directory on
+        # sys.path: name this checkout's package first, so the hooks patch the code the run executes.
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), str(FAULT_INJECTION.parents[1]),
+                                                                child_env.get("PYTHONPATH")]))
     return child_env
 
 
