@@ -12,7 +12,8 @@ BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
 def _run(name: str, *args: str, env: dict | None = None) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}  # a smoke test, not a measurement: leave the other core alone
+    # a smoke test, not a measurement: leave the other core alone
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
