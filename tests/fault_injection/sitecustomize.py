@@ -3,9 +3,13 @@ run whose PYTHONPATH starts with this directory (launcher and workers alike; ``h
 
 COMPOSER3D_TEST_KILL_DURING_SAVE=STEP:RANK — that rank SIGKILLs itself in the middle of that step's checkpoint
 save (its data files written, the checkpoint's index not yet), as a node failure would.
+
+COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.train`` run writes what the precision and memory switches
+did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
 """
 
 import os
+import sys
 
 _KILL_DURING_SAVE = os.environ.get("COMPOSER3D_TEST_KILL_DURING_SAVE")
 
@@ -30,3 +34,6 @@ if _KILL_DURING_SAVE:
         return _write_normally(self, path, step)
 
     Checkpointer._storage_writer = _storage_writer
+
+if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.train"]:
+    import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)
