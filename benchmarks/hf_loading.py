@@ -6,7 +6,7 @@ through composer3d's loader (DCP's HuggingFaceStorageReader), in fresh gloo proc
 the fraction of the checkpoint's elements each rank read, the rank's peak RSS growth during build+load (Linux), and the
 wall time of the load. Side by side in one run; CPU only.
 
-    python benchmarks/hf_loading.py [--hidden 1024 --layers 12 --vocab 32000]
+    python benchmarks/hf_loading.py [--hidden 1024 --layers 12 --vocab 32000] [--worlds 1 2 4]
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to load into")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
@@ -102,7 +103,7 @@ def main() -> None:
         print(f"model: {params / 1e6:.0f}M params, checkpoint {size / 2**20:.0f} MiB (fp32 safetensors)")
         print("| ranks | read per rank (of the checkpoint) | peak RSS growth per rank (max) | load wall time |")
         print("|---|---|---|---|")
-        for world in (1, 2, 4):
+        for world in args.worlds:
             context = mp.get_context("spawn")
             results = context.Queue()
             store = Path(tmp) / f"store{world}"

@@ -1,6 +1,6 @@
 """Effect of the memory switches, measured side by side in one run (one process, CPU or accelerator).
 
-    python benchmarks/memory_compile.py [--steps 4]
+    python benchmarks/memory_compile.py [--steps 4] [--models tiny dim512x8] [--same-process]
 
 For the tiny model and a larger CPU-feasible one (dim 512, 8 layers, seq 256) it prints
   - peak activation memory with activation checkpointing none / selective (op-level) / selective (every 2nd
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -23,7 +24,7 @@ from composer3d.config import register_configs, validate
 from composer3d.data import build_sequences
 from composer3d.distributed import resolve_device
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.metrics import model_state_bytes
+from composer3d.metrics import memory_breakdown, model_state_bytes
 from composer3d.trainer import Trainer
 
 MODELS = {
@@ -44,18 +45,16 @@ def trainer_for(overrides: list[str]) -> Trainer:
 
 
 def peak_activation_bytes(overrides: list[str]) -> int:
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     trainer = trainer_for(overrides)
     trainer.train_step()  # optimizer state exists, like in a steady-state step
     trainer.zero_grad()
-    tracker = FSDPMemTracker(mod=trainer.model, optm=trainer.optimizer)
-    tracker.track_inputs(())
-    with tracker:
+    # The tracker training's logging.memory_breakdown uses: FSDP's for a sharded model, the plain one where FSDP
+    # does not run (one rank has no data-parallel dim, so no FSDP since the step-overhead change).
+    with memory_breakdown(trainer.model, trainer.optimizer) as (peaks, trainer.memory_tracker):
         trainer.train_step()
-        trainer.zero_grad()
-    peaks = tracker.get_tracker_snapshot("peak")
-    return max(int(sum(v for k, v in stats.items() if "ACT" in str(k))) for stats in peaks.values())
+    trainer.memory_tracker = None
+    trainer.zero_grad()
+    return peaks["ACT"]
 
 
 def state_bytes(overrides: list[str]) -> int:
@@ -75,9 +74,11 @@ def step_seconds(overrides: list[str], steps: int) -> float:
     return statistics.mean(times[2:])
 
 
-def in_fresh_process(fn, *args):
+def in_fresh_process(fn, *args, same_process: bool = False):
     """Each measurement in its own process: compiled graphs (ours, torchao's optimizer step) and allocator
-    state of one model must not leak into the next."""
+    state of one model must not leak into the next. ``same_process``: all in this one (a quick smoke run)."""
+    if same_process:
+        return _run(fn.__name__, *args)
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(_run, (fn.__name__, *args))
 
@@ -95,18 +96,23 @@ def _run(name: str, *args):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--same-process", action="store_true",
+                        help="measure everything in this process (a smoke run; the numbers may leak into each other)")
     args = parser.parse_args()
+    measure = partial(in_fresh_process, same_process=args.same_process)
     mib = 2**20
-    for name, model in MODELS.items():
+    for name in args.models:
+        model = MODELS[name]
         print(f"== {name}")
         for label, ac in (("none", []), ("selective (op)", ["memory.activation_checkpointing=selective"]),
                           ("selective (every 2nd)", ["memory.activation_checkpointing=selective", "memory.ac_every=2"]),
                           ("full", ["memory.activation_checkpointing=full"])):
-            print(f"  activation checkpointing {label:<22} peak activations {in_fresh_process(peak_activation_bytes, model + ac) / mib:8.1f} MiB")
+            print(f"  activation checkpointing {label:<22} peak activations {measure(peak_activation_bytes, model + ac) / mib:8.1f} MiB")
         for opt in ("adamw", "adamw_8bit"):
-            print(f"  optimizer {opt:<11} model state {in_fresh_process(state_bytes, model + [f'optim.name={opt}']) / mib:8.2f} MiB")
-        plain = in_fresh_process(step_seconds, model, args.steps)
-        compiled = in_fresh_process(step_seconds, model + ["compile.enabled=true"], args.steps)
+            print(f"  optimizer {opt:<11} model state {measure(state_bytes, model + [f'optim.name={opt}']) / mib:8.2f} MiB")
+        plain = measure(step_seconds, model, args.steps)
+        compiled = measure(step_seconds, model + ["compile.enabled=true"], args.steps)
         print(f"  step time eager {plain:.3f} s, compiled {compiled:.3f} s (ratio {compiled / plain:.2f})")
 
 

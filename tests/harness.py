@@ -37,13 +37,21 @@ class RunResult:
     def run_info(self) -> dict:
         return json.loads((self.run_dir / "run.json").read_text())
 
+    @property
+    def effects(self) -> list[dict]:
+        """Per rank, what the switches did to the model and optimizer (``train(probe_effects=True)``)."""
+        return [json.loads(p.read_text()) for p in sorted((self.run_dir / "effects").glob("rank*.json"))]
+
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
 
 
 def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
-          env: dict | None = None, faults: dict | None = None) -> RunResult:
-    """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads."""
+          env: dict | None = None, faults: dict | None = None, probe_effects: bool = False) -> RunResult:
+    """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads;
+    ``probe_effects``: each rank records its model's and optimizer's state after the first step (``effects``)."""
+    if probe_effects:
+        faults = {**(faults or {}), "COMPOSER3D_TEST_EFFECTS": str(Path(run_dir) / "effects")}
     began = time.monotonic()
     proc = subprocess.run(_command(run_dir, overrides, nproc), capture_output=True, text=True, timeout=timeout,
                           env=_child_env(env, faults))

@@ -11,8 +11,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
-def _run(name: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # a smoke test, not a measurement: leave the other core alone
+def _run(name: str, *args: str, env: dict | None = None) -> str:
+    # a smoke test, not a measurement: leave the other core alone
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / name), *args], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-6000:]
@@ -43,3 +44,21 @@ def test_pipeline_bubble_benchmark_measures_each_schedule():
 def test_checkpoint_blocking_benchmark_compares_sync_and_async():
     stdout = _run("checkpoint_blocking.py", "--dim", "64", "--layers", "2", "--steps", "4", "--device", "cpu")
     assert "async / sync blocking ratio" in stdout, stdout
+
+
+def test_memory_compile_benchmark_measures_each_switch():
+    # Dynamo off: torch.compile (the blocks', torchao's 8-bit step) runs eagerly, or compiling alone would take
+    # minutes on the CPU; compile itself is tested by test_memory_precision. Every measurement still runs.
+    stdout = _run("memory_compile.py", "--models", "tiny", "--same-process", "--steps", "1",
+                  env={"TORCHDYNAMO_DISABLE": "1"})
+    activations = [float(line.split()[-2]) for line in stdout.splitlines() if "peak activations" in line]
+    assert len(activations) == 4 and activations[0] > activations[1] > activations[3], stdout  # none > op > full
+    state = [float(line.split()[-2]) for line in stdout.splitlines() if "model state" in line]
+    assert len(state) == 2 and state[1] < 0.8 * state[0], stdout  # adamw_8bit's state is smaller
+    assert "step time eager" in stdout and "compiled" in stdout, stdout
+
+
+def test_hf_loading_benchmark_reads_a_share_per_rank():
+    stdout = _run("hf_loading.py", "--hidden", "256", "--layers", "2", "--vocab", "512", "--worlds", "2")
+    rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1 and rows[0][1].strip() == "50.0%", stdout  # each of 2 FSDP ranks reads half

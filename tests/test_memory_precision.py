@@ -1,4 +1,5 @@
-"""Memory and precision switches: each trains under the parallelisms it composes with and matches its reference."""
+"""Memory and precision switches: each trains under the parallelisms it composes with and matches its reference,
+and does what it is for — a switch that silently did nothing would pass the loss comparison alone."""
 
 import json
 
@@ -11,13 +12,97 @@ STEPS = ["train.steps=6"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return {layers: train(tmp_path_factory.mktemp(f"ref{layers}"), *FAST, *STEPS, f"model.n_layers={layers}")
+    return {layers: train(tmp_path_factory.mktemp(f"ref{layers}"), *FAST, *STEPS, f"model.n_layers={layers}",
+                          probe_effects=True)
             for layers in (2, 4)}
+
+
+def _id(value):
+    """Test ids from the overrides: ``activation_checkpointing=full``, ``float8=true``, ``dp_shard=2``."""
+    def short(arg):
+        key, setting = arg.split("=", 1)
+        parts = key.split(".")
+        return f"{parts[-2] if parts[-1] == 'enabled' else parts[-1]}={setting}"
+    return "+".join(map(short, value)) if isinstance(value, list) else None
 
 
 def _max_diff(a, b):
     assert len(a.losses) == len(b.losses) == 6
     return max(abs(x - y) for x, y in zip(a.losses, b.losses))
+
+
+LOW_BIT_STATE = {  # torchao's state subclass, and its bytes over fp32's (codes, block scales, code map)
+    "adamw_8bit": ("OptimState8bit", 0.30),  # 1 byte + 4/256 (scale) + a 256-entry fp32 map per tensor: 0.28 here
+    "adamw_4bit": ("OptimState4bit", 0.15),  # 0.5 byte + 4/128 + a 16-entry map: 0.135 here
+    "adamw_fp8": ("OptimStateFp8", 0.27),  # 1 byte + 4/256: 0.254
+}
+
+
+def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]) -> None:
+    """What each switch in ``switch`` must have done on every rank (``harness.train(probe_effects=True)``)."""
+    settings = dict(arg.split("=", 1) for arg in switch + layout)
+    shards = int(settings.get("parallel.dp_shard", 1)) > 1
+    assert ranks, "no effects recorded"
+    for rank in ranks:
+        blocks = rank["blocks"]
+        mode = settings.get("memory.activation_checkpointing")
+        if mode:
+            every = int(settings.get("memory.ac_every", 0))
+            wanted = [b for b in blocks if mode == "full" or every == 0 or int(b) % every == 0]
+            # the blocks the mode names (by global layer id, also in a pipeline stage) run under checkpoint
+            assert wanted and rank["checkpointed_blocks"] == wanted, (rank["checkpointed_blocks"], wanted)
+        if settings.get("parallel.offload") == "cpu":
+            # On a CPU-only machine every tensor is on the CPU with or without offload, so devices cannot tell;
+            # what offload changes is FSDP itself: it wraps even where no dim shards, and every parameter it
+            # manages carries CPUOffloadPolicy's offload_to_cpu (on an accelerator: shards, gradients and the
+            # optimizer step stay in host memory, copied to the device only for the all-gather).
+            offloaded = [flag for group in rank["fsdp"] for flag in group["offload_to_cpu"]]
+            assert len(offloaded) == rank["num_params"] and all(offloaded), rank["fsdp"]  # every parameter
+            # (trivial on the CPU; on an accelerator, where gradients and optimizer state must be found)
+            assert set(rank["grad_devices"]) == {s["device"] for s in rank["optimizer_state"]} == {"cpu"}
+        if settings.get("compile.enabled") == "true":
+            # every block compiled, and dynamo did compile graphs for the block forward during the step
+            assert rank["compiled_blocks"] == blocks and rank["block_forward_graphs"] > 0, rank["compiled_blocks"]
+        if settings.get("precision.float8.enabled") == "true":
+            linears = rank["linear_classes"]
+            in_blocks = [fqn for fqn in linears if fqn.startswith("layers.")]
+            # every block matmul (7 a block) is a Float8Linear; the output head stays high precision
+            assert len(in_blocks) == 7 * len(blocks) and {linears[f] for f in in_blocks} == {"Float8Linear"}, linears
+            assert linears.get("output", "Linear") == "Linear", linears
+            if shards:  # tensorwise under FSDP: weights all-gathered as float8 bytes, not fp32
+                assert rank["param_local_classes"].get("WeightWithDynamicFloat8CastTensor") == len(in_blocks)
+                assert "torch.uint8" in rank["collective_dtypes"]["all_gather"], rank["collective_dtypes"]
+        dtype = settings.get("precision.param_dtype")
+        if dtype:
+            low = f"torch.{dtype}"
+            # the head computes in the low precision (FSDP's policy or autocast), on the ranks that have it
+            assert rank["output_dtypes"] in ([low], []), rank["output_dtypes"]
+            assert rank["loss_scaler"] == (dtype == "float16")  # fp16 needs loss scaling, bf16 none
+            if shards:
+                # FSDP's policy: gathered params in the low dtype, gradients reduced in fp32 (reduce_dtype's
+                # default), and the collectives indeed carried those dtypes
+                assert rank["fsdp"] and all(g["param_dtype"] == low and g["reduce_dtype"] == "torch.float32"
+                                            for g in rank["fsdp"]), rank["fsdp"]
+                assert set(rank["collective_dtypes"]["all_gather"]) == {low}, rank["collective_dtypes"]
+                assert set(rank["collective_dtypes"]["reduce_scatter"]) == {"torch.float32"}
+        name = settings.get("optim.name")
+        if name:
+            cls, ratio = LOW_BIT_STATE[name]
+            states = rank["optimizer_state"]
+            # torchao quantizes the moments of every tensor of >= 4096 local elements (smaller ones stay fp32)
+            large = [s for s in states if s["numel"] >= 4096]
+            assert large and {s["class"] for s in large} == {cls}, {(s["param"], s["class"]) for s in states}
+            quantized = sum(s["bytes"] for s in large) / sum(4 * s["numel"] for s in large)
+            assert quantized < ratio, quantized  # about 1/4 (8-bit, fp8) or 1/8 (4-bit) of fp32's bytes
+    if settings.get("precision.param_dtype"):  # some rank has the head (under PP only the last stage)
+        assert any(rank["output_dtypes"] for rank in ranks)
+
+
+def assert_effect_and_control(run, reference, switch, layout):
+    assert_switch_effect(run.effects, switch, layout)
+    # The control: the same checks on the run without the switch must fail, or they could not catch a no-op.
+    with pytest.raises(AssertionError):
+        assert_switch_effect(reference.effects, switch, layout)
 
 
 # Same math, so the curve must match the plain run within 1e-4.
@@ -30,10 +115,11 @@ def _max_diff(a, b):
     (["compile.enabled=true"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true", "memory.activation_checkpointing=full"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true"], ["parallel.pp=2"], 2, 4),
-])
+], ids=_id)
 def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, nproc, layers):
-    run = train(tmp_path, *FAST, *STEPS, f"model.n_layers={layers}", *switch, *layout, nproc=nproc)
+    run = train(tmp_path, *FAST, *STEPS, f"model.n_layers={layers}", *switch, *layout, nproc=nproc, probe_effects=True)
     assert _max_diff(reference[layers], run) < 1e-4
+    assert_effect_and_control(run, reference[layers], switch, layout)
 
 
 @pytest.mark.parametrize("switch, layout, nproc, tolerance", [
@@ -44,10 +130,11 @@ def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, n
     (["optim.name=adamw_8bit"], ["parallel.dp_shard=2"], 2, 0.02),
     (["optim.name=adamw_4bit"], ["parallel.dp_shard=2"], 2, 0.05),
     (["optim.name=adamw_fp8"], ["parallel.dp_shard=2"], 2, 0.02),
-])
+], ids=_id)
 def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc, tolerance):
-    run = train(tmp_path, *FAST, *STEPS, *switch, *layout, nproc=nproc)
+    run = train(tmp_path, *FAST, *STEPS, *switch, *layout, nproc=nproc, probe_effects=True)
     assert _max_diff(reference[2], run) < tolerance
+    assert_effect_and_control(run, reference[2], switch, layout)
 
 
 @pytest.mark.parametrize("switch, layout, tolerance", [
@@ -58,10 +145,11 @@ def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc,
     (["optim.name=adamw_8bit"], ["parallel.pp=2"], 0.02),
     (["parallel.offload=cpu"], ["parallel.pp=2"], 1e-4),
     (["parallel.offload=cpu"], ["parallel.tp=2"], 1e-4),
-])
+], ids=_id)
 def test_switch_composes_with_tp_and_pp(tmp_path, reference, switch, layout, tolerance):
-    run = train(tmp_path, *FAST, *STEPS, "model.n_layers=4", *switch, *layout, nproc=2)
+    run = train(tmp_path, *FAST, *STEPS, "model.n_layers=4", *switch, *layout, nproc=2, probe_effects=True)
     assert _max_diff(reference[4], run) < tolerance
+    assert_effect_and_control(run, reference[4], switch, layout)
 
 
 def test_low_bit_optimizer_state_is_smaller_and_checkpoints(tmp_path):
@@ -122,3 +210,60 @@ def test_memory_breakdown_shows_activation_checkpointing_effect(tmp_path):
     # Adam's two fp32 moments of half the parameters (dp_shard=2), counted by the tracker as optimizer state.
     opt = plain["memory_breakdown_bytes_per_rank"]["OPT"]
     assert abs(opt - 8 * plain["num_params"] / 2) / opt < 0.05
+
+
+class _KeptForBackward(torch.utils._python_dispatch.TorchDispatchMode):
+    """Storages every op of a forward allocates, by weak reference: those still alive after it are what autograd
+    keeps for backward (saved_tensors_hooks would not do: checkpoint's own hooks hide the tensors selective AC
+    keeps from an outer hook, so op-level selective and full would look the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.storages[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self) -> int:
+        return sum(nbytes for ref, nbytes in self.storages.values() if not ref.expired())
+
+
+def test_activation_checkpointing_keeps_fewer_activations():
+    """In-process, the tiny model's forward under each mode: the bytes of activations it leaves for backward."""
+    from hydra import compose, initialize_config_module
+
+    from composer3d.config import register_configs
+    from composer3d.models import build_model
+    from composer3d.models.init import materialize
+    from composer3d.parallel.activation import apply_activation_checkpointing
+
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        model_cfg = compose("train", overrides=["model=tiny", "run.dir=unused"]).model  # 2 blocks
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(64).expand(2, 64)
+
+    def kept(mode, every=0):
+        model = build_model(model_cfg)
+        apply_activation_checkpointing(model, mode, every)
+        materialize(model, torch.device("cpu"), 0)
+        with _KeptForBackward() as meter:
+            logits = model(tokens, position_ids=positions)
+        kept_bytes = meter.alive_bytes() - logits.untyped_storage().nbytes()
+        logits.float().sum().backward()  # and the checkpointed blocks recompute without error
+        assert all(p.grad is not None for p in model.parameters())
+        return kept_bytes
+
+    none, op_level, every_2nd, full = kept("none"), kept("selective"), kept("selective", 2), kept("full")
+    # op-level selective drops the cheap ops' outputs and keeps the matmuls' and attention's
+    assert full < op_level < 0.8 * none, (none, op_level, full)
+    # every 2nd block (block 0 of 2) fully recomputed: between none and full
+    assert full < every_2nd < 0.8 * none, (none, every_2nd, full)
+    assert full < 0.5 * none, (none, full)  # full keeps only each block's input (and what lies outside the blocks)

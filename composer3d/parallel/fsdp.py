@@ -33,9 +33,12 @@ def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
-    # None keeps the params' own dtype: no casts at all in a pure fp32 run.
-    as_dtype = lambda name: None if name == "float32" else DTYPES[name]  # noqa: E731
-    return MixedPrecisionPolicy(param_dtype=as_dtype(param_dtype), reduce_dtype=as_dtype(reduce_dtype))
+    # None keeps the params' own dtype: no casts at all in a pure fp32 run. The reduction dtype is named whenever
+    # compute is in low precision: FSDP reads reduce_dtype=None as "reduce in the compute dtype", which would
+    # reduce bf16/fp16 gradients in bf16/fp16 when precision.reduce_dtype asks for float32.
+    pure_fp32 = param_dtype == reduce_dtype == "float32"
+    return MixedPrecisionPolicy(param_dtype=None if param_dtype == "float32" else DTYPES[param_dtype],
+                                reduce_dtype=None if pure_fp32 else DTYPES[reduce_dtype])
 
 
 def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int) -> bool:

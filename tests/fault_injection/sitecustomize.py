@@ -9,10 +9,14 @@ or stalled rank; or simply slow steps, since the other ranks wait for it in the 
 
 COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first attempt only
 (TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group then runs through.
+
+COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.train`` run writes what the precision and memory switches
+did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
 """
 
 import os
 import signal
+import sys
 
 _KILL_DURING_SAVE = os.environ.get("COMPOSER3D_TEST_KILL_DURING_SAVE")
 _SLOW_RANK = os.environ.get("COMPOSER3D_TEST_SLOW_RANK")
@@ -66,3 +70,6 @@ if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return _train_step(self)
 
     Trainer.train_step = _train_step_or_die
+
+if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.train"]:
+    import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)

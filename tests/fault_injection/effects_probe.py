@@ -1,0 +1,118 @@
+"""COMPOSER3D_TEST_EFFECTS=DIR — every rank writes DIR/rank{R}.json after its first optimizer step: what the
+precision and memory switches did to its model, its FSDP wrapping and its optimizer, so a test can assert a switch's
+effect, not only that the loss stayed close (which a switch that does nothing passes). Loaded by sitecustomize in
+the ``composer3d.train`` processes of a run (``harness.train(probe_effects=True)``); it only reads state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from composer3d.metrics import local_bytes
+from composer3d.trainer import Trainer
+
+_DIR = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
+# dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls these two through ``dist``)
+_COLLECTIVES: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
+
+
+def _recording(name: str, key: str):
+    original = getattr(dist, name)
+
+    def collective(*args, **kwargs):
+        tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
+        if isinstance(tensor, torch.Tensor):
+            _COLLECTIVES[key][str(tensor.dtype)] += 1
+        return original(*args, **kwargs)
+
+    setattr(dist, name, collective)
+
+
+_recording("all_gather_single", "all_gather")
+_recording("reduce_scatter_single", "reduce_scatter")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _fsdp(trainer: Trainer) -> list[dict]:
+    """The FSDP groups of this rank: the model's, and under PP its stage modules' (the roots of the embedding,
+    final norm and head), which the model does not register."""
+    from torch.distributed.fsdp import FSDPModule
+
+    pipeline = trainer.pipeline
+    stages = [] if pipeline is None else getattr(pipeline, "_stages", None) or [pipeline._stage]
+    modules = {id(m): (fqn, m) for fqn, m in trainer.model.named_modules()}
+    for i, stage in enumerate(stages):
+        modules.setdefault(id(stage.submod), (f"stage{i}", stage.submod))
+    found = []
+    for fqn, module in modules.values():
+        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        if group is not None:
+            found.append({"fqn": fqn, "param_dtype": str(group.mp_policy.param_dtype),
+                          "reduce_dtype": str(group.mp_policy.reduce_dtype),
+                          "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params]})
+    return found
+
+
+def _effects(trainer: Trainer) -> dict:
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.distributed._composable.contract import _get_registry
+
+    model, optimizer = trainer.model, trainer.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    counters = torch._dynamo.utils.counters
+    return {
+        "rank": dist.get_rank(),
+        "blocks": list(model.layers.keys()),  # this rank's (a pipeline stage keeps some)
+        "linear_classes": {fqn: type(m).__name__ for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)},
+        "num_params": len(list(model.parameters())),
+        "fsdp": _fsdp(trainer),
+        "param_local_classes": dict(Counter(type(_local(p)).__name__ for p in model.parameters())),
+        "param_devices": dict(Counter(str(_local(p).device) for p in model.parameters())),
+        "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
+        "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
+        "optimizer_state": [
+            {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
+             "dtype": str(v.dtype), "device": str(_local(v).device), "numel": _local(v).numel(),
+             "bytes": local_bytes(v)}
+            for p, state in optimizer.state.items() for key, v in state.items()
+            if isinstance(v, torch.Tensor) and v.ndim > 0],
+        "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
+        "loss_scaler": trainer.scaler is not None,
+        "compiled_blocks": [i for i, b in model.layers.items() if getattr(b, "_compiled_call_impl", None) is not None],
+        "checkpointed_blocks": [i for i, b in model.layers.items() if "checkpoint" in (_get_registry(b) or {})],
+        "dynamo": {k: dict(counters[k]) for k in ("stats", "frames")},  # torchao's optimizer step compiles too
+        # graphs dynamo compiled for the blocks' forward (its cache on that code object): the blocks', no one else's
+        "block_forward_graphs": len(_debug_get_cache_entry_list(type(next(iter(model.layers.values()))).forward.__code__)),
+    }
+
+
+_init, _train_step = Trainer.__init__, Trainer.train_step
+
+
+def __init__(self: Trainer, *args, **kwargs) -> None:
+    _init(self, *args, **kwargs)
+    self._probe_output_dtypes = []
+    head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
+    if head is not None:
+        head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
+
+
+def train_step(self: Trainer) -> dict:
+    metrics = _train_step(self)
+    if self.step == 1:  # optimizer state, gradients and compiled graphs exist now
+        _DIR.mkdir(parents=True, exist_ok=True)
+        (_DIR / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))
+    return metrics
+
+
+Trainer.__init__, Trainer.train_step = __init__, train_step
