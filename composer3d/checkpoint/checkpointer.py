@@ -1,25 +1,10 @@
-"""Distributed checkpoints with DCP: save, async save, atomic commit, pruning, and resume (also under another layout).
-
-A checkpoint is a directory ``<checkpoint.dir>/step-<8 digits>/`` holding
-  - DCP files of ``{"model": <model state>, "optim": <optimizer state>}`` keyed by parameter name (FQN), as
-    ``torch.distributed.checkpoint.state_dict`` gives them: DTensor shards that DCP re-slices for any layout;
-  - ``composer3d.json``: ours, plain JSON — step, config, data-loader and LR-schedule state, layout;
-  - ``rng/rank<N>.json``: each rank's RNG states (restored only when the world size is unchanged).
-It is written as ``step-N.partial`` and renamed to ``step-N`` by rank 0 only after every rank's data and the
-DCP metadata are on disk, so a crash mid-save leaves at most a ``.partial`` directory, never a half checkpoint
-that looks whole. Loading never unpickles arbitrary objects: DCP's tensor files are read with
-``weights_only``, its pickled index through a whitelist of DCP's own metadata classes, ours is JSON.
-"""
+"""The Checkpointer: saves a Trainer's whole state (async if asked), commits it atomically, prunes, resumes."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import logging
 import os
-import pickle
-import re
 import shutil
 from datetime import timedelta
 from pathlib import Path
@@ -27,155 +12,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from composer3d.config import ConfigError, ModelConfig
+from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
-from composer3d.models import build_model
 from composer3d.optim import restore_configured_settings
 
+from composer3d.checkpoint.format import (
+    FORMAT_VERSION,
+    LOAD_FAILURES,
+    META_FILE,
+    STEP_DIR,
+    CheckpointError,
+    SafeFileSystemReader,
+    check_same_model,
+    check_steps_left,
+    checkpoint_dir,
+    committed_checkpoints,
+    failure_reason,
+    load_model_weights,
+    read_meta,
+)
+from composer3d.checkpoint.rng import rng_state, set_rng_state
+
 log = logging.getLogger("composer3d")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
-
-
-# DCP gathers every rank's failure into one CheckpointException, raised on all ranks alike (a BaseException).
-LOAD_FAILURES = (Exception, CheckpointException)
-
-
-def _reason(error: BaseException) -> str:
-    """One line for the console; the per-rank tracebacks DCP embeds go to the rank logs."""
-    log.debug("checkpoint load failure", exc_info=error)
-    if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {rank}: {_one_line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
-    return _one_line(error)
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
-
-FORMAT_VERSION = 1
-META_FILE = "composer3d.json"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-# ------------------------------------------------------------------------------------------ safe reading
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` index and nothing else: DCP's metadata classes, sizes, dtypes and paths."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
-
-    def find_class(self, module: str, name: str) -> Any:
-        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module.startswith("torch.distributed.checkpoint.") or is_dtype or (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata; "
-                                     "refusing to load it")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args: Any, **kwargs: Any):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-def read_meta(path: Path) -> dict:
-    meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT_VERSION}")
-    return meta
-
-
-def check_complete(path: Path) -> None:
-    """Refuse (ConfigError) a checkpoint whose DCP index or data files are missing or shorter than the index says:
-    a copy cut short, or a disk that filled up. Reads only the index and file sizes."""
-    try:
-        metadata = SafeFileSystemReader(path).read_metadata()
-    except Exception as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
-        raise ConfigError(f"checkpoint.resume: {path} has no readable DCP index (.metadata: {_reason(error)}). Give "
-                          "another step-N directory, or start afresh with checkpoint.resume=none") from None
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        have = (path / name).stat().st_size if (path / name).is_file() else None
-        if have is None or have < size:
-            state = "is missing" if have is None else f"has {have} bytes"
-            raise ConfigError(f"checkpoint.resume: {path} is incomplete: {name} {state}, its index needs {size}. "
-                              "Give another step-N directory, or start afresh with checkpoint.resume=none")
-
-
-def committed_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoints in ``directory``, newest first."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / META_FILE).exists()]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
-
-
-def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load only the model part of a checkpoint (any layout) into ``model`` (sharded or not)."""
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, storage_reader=SafeFileSystemReader(path))
-    set_model_state_dict(model, state["model"])
-
-
-# ------------------------------------------------------------------------------------------ RNG states
-
-def _encode(t: torch.Tensor) -> str:
-    return base64.b64encode(t.cpu().numpy().tobytes()).decode()
-
-
-def _decode(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state(device: torch.device) -> dict:
-    state = {"cpu": _encode(torch.get_rng_state())}
-    if device.type != "cpu":
-        state[device.type] = _encode(torch.get_device_module(device.type).get_rng_state())
-    return state
-
-
-def set_rng_state(state: dict, device: torch.device) -> None:
-    torch.set_rng_state(_decode(state["cpu"]))
-    if device.type != "cpu" and device.type in state:
-        torch.get_device_module(device.type).set_rng_state(_decode(state[device.type]))
-
-
-# ------------------------------------------------------------------------------------------ the checkpointer
-
-def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
-    return Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
-
-
-def resumes_from_a_checkpoint(ckpt_cfg, run_dir: Path) -> bool:
-    """Whether ``Checkpointer.resume`` will load a checkpoint's weights (or stop with an error trying): with
-    resume=auto, whenever the directory holds a committed checkpoint (a finished run's final weights load nothing,
-    but it trains nothing either)."""
-    if ckpt_cfg.resume != "auto":
-        return ckpt_cfg.resume != "none"
-    return bool(committed_checkpoints(checkpoint_dir(ckpt_cfg, run_dir)))
 
 
 class Checkpointer:
@@ -299,7 +162,7 @@ class Checkpointer:
                 except ConfigError:
                     raise
                 except LOAD_FAILURES as error:
-                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path, _reason(error))
+                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path, failure_reason(error))
             if candidates:
                 raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in candidates]}); "
                                       "fix or remove them, or start afresh with checkpoint.resume=none")
@@ -313,7 +176,7 @@ class Checkpointer:
         except ConfigError:
             raise
         except LOAD_FAILURES as error:
-            raise CheckpointError(f"checkpoint {path} is unreadable ({_reason(error)})") from None
+            raise CheckpointError(f"checkpoint {path} is unreadable ({failure_reason(error)})") from None
 
     def _finished(self, path: Path) -> int:
         """The newest checkpoint holds only the final weights (checkpoint.model_only_final): the run is done. Training
@@ -370,26 +233,3 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
-
-
-def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
-    if meta["step"] > total_steps:
-        raise ConfigError(f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
-                          f"{total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
-                          "or start afresh with checkpoint.resume=none")
-
-
-def check_same_model(path: Path, current: dict) -> None:
-    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change).
-
-    What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
-    need the directory it was trained from, which may have moved since."""
-    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
-              if key.startswith("model.") and hasattr(entry, "size")}
-    model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
-    now = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if before != now:
-        differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-        raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "
-                          f"differ, e.g. {differing[:3]}). Resume with its model config (see {path / META_FILE})")

@@ -1,0 +1,155 @@
+"""The checkpoint directory format: what a committed checkpoint is, reading it safely, and the checks a resume
+makes before loading one (complete, same model, steps left)."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from composer3d.config import ConfigError, ModelConfig
+from composer3d.models import build_model
+
+log = logging.getLogger("composer3d")
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message says which and why."""
+
+
+# DCP gathers every rank's failure into one CheckpointException, raised on all ranks alike (a BaseException).
+LOAD_FAILURES = (Exception, CheckpointException)
+
+
+def failure_reason(error: BaseException) -> str:
+    """One line for the console; the per-rank tracebacks DCP embeds go to the rank logs."""
+    log.debug("checkpoint load failure", exc_info=error)
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {_one_line(exc)}" for rank, (exc, _) in sorted(error.failures.items()))
+    return _one_line(error)
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
+
+
+FORMAT_VERSION = 1
+META_FILE = "composer3d.json"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+# ------------------------------------------------------------------------------------------ safe reading
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP's ``.metadata`` index and nothing else: DCP's metadata classes, sizes, dtypes and paths."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str) -> Any:
+        is_dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module.startswith("torch.distributed.checkpoint.") or is_dtype or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata; "
+                                     "refusing to load it")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as stream:
+            metadata = _MetadataUnpickler(io.BytesIO(stream.read())).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def read_meta(path: Path) -> dict:
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT_VERSION}")
+    return meta
+
+
+def check_complete(path: Path) -> None:
+    """Refuse (ConfigError) a checkpoint whose DCP index or data files are missing or shorter than the index says:
+    a copy cut short, or a disk that filled up. Reads only the index and file sizes."""
+    try:
+        metadata = SafeFileSystemReader(path).read_metadata()
+    except Exception as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
+        raise ConfigError(f"checkpoint.resume: {path} has no readable DCP index (.metadata: {failure_reason(error)}). Give "
+                          "another step-N directory, or start afresh with checkpoint.resume=none") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"has {have} bytes"
+            raise ConfigError(f"checkpoint.resume: {path} is incomplete: {name} {state}, its index needs {size}. "
+                              "Give another step-N directory, or start afresh with checkpoint.resume=none")
+
+
+def committed_checkpoints(directory: Path) -> list[Path]:
+    """Complete checkpoints in ``directory``, newest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if p.is_dir() and STEP_DIR.match(p.name) and (p / META_FILE).exists()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load only the model part of a checkpoint (any layout) into ``model`` (sharded or not)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    set_model_state_dict(model, state["model"])
+
+
+def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
+    return Path(ckpt_cfg.dir) if ckpt_cfg.dir else run_dir / "checkpoints"
+
+
+def resumes_from_a_checkpoint(ckpt_cfg, run_dir: Path) -> bool:
+    """Whether ``Checkpointer.resume`` will load a checkpoint's weights (or stop with an error trying): with
+    resume=auto, whenever the directory holds a committed checkpoint (a finished run's final weights load nothing,
+    but it trains nothing either)."""
+    if ckpt_cfg.resume != "auto":
+        return ckpt_cfg.resume != "none"
+    return bool(committed_checkpoints(checkpoint_dir(ckpt_cfg, run_dir)))
+
+
+def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
+    if meta["step"] > total_steps:
+        raise ConfigError(f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
+                          f"{total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
+                          "or start afresh with checkpoint.resume=none")
+
+
+def check_same_model(path: Path, current: dict) -> None:
+    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change).
+
+    What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
+    need the directory it was trained from, which may have moved since."""
+    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
+              if key.startswith("model.") and hasattr(entry, "size")}
+    model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
+    now = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if before != now:
+        differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "
+                          f"differ, e.g. {differing[:3]}). Resume with its model config (see {path / META_FILE})")

@@ -1,0 +1,5 @@
+import sys
+
+from composer3d.convert.cli import main
+
+sys.exit(main())
