@@ -34,10 +34,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from composer3d.errors import ConfigError
+from composer3d.errors import ConfigError, StoppedBySignal
 
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
-NOT_RETRIED = {2: "a bad config", 3: "divergence"}  # exit codes a restart would only repeat
+# exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
+NOT_RETRIED = {2: "a bad config", 3: "divergence", StoppedBySignal.EXIT_CODE: "a stop signal"}
+# The agent forwards these to the workers; SIGUSR1 (SLURM's --signal time-limit notice) is not among its defaults,
+# and unhandled it would kill the launcher and orphan workers that then save and stop unseen.
+FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LOCK_FILE = ".composer3d.lock"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _held: list[IO] = []  # run-directory locks of this process
@@ -64,6 +68,7 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     the launcher raises Interrupted once the workers are stopped. ``log_dir``: where the agent's own log goes."""
     _log_to_console_and(log_dir)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit the launcher's environment
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
     if max_restarts:
         # The agent's shared TCPStore outlives a restart with the old attempt's keys in it: the new workers' gloo
         # read the dead workers' addresses and fail to connect (pytorch/pytorch#135712, still so in torch 2.13).
@@ -81,6 +86,9 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
         agent.get_worker_group().spec.rdzv_handler.shutdown()
     if result.is_failed():
         rank, failure = agent.first_failure(result)
+        if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
+            log.info("composer3d: the workers stopped for a stop signal after saving; the same command resumes")
+            sys.exit(StoppedBySignal.EXIT_CODE)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
         log.error("composer3d: rank %d failed first (%s)%s; exit code %d", rank, _describe(failure),
                   _not_retried(failure, max_restarts), code)

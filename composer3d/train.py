@@ -122,10 +122,14 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(StoppedBySignal.EXIT_CODE)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
+        # SIGTERM/SIGUSR1 reached the workers too: they saved at their next step boundary (within the agent's
+        # shutdown grace period), and the job is to be requeued, as when the workers got the signal themselves.
+        stop = signum in (signal.SIGTERM, signal.SIGUSR1)
         if env is None or env.rank == 0:
-            how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
-            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}", file=sys.stderr)
-        sys.exit(128 + signum)
+            how = f"stopped by {signal.Signals(signum).name}" if signum != signal.SIGINT else "interrupted (Ctrl-C)"
+            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}"
+                  f"{'; the same command resumes' if stop else ''}", file=sys.stderr)
+        sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
 
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:

@@ -177,3 +177,22 @@ def test_an_hf_run_resumes_from_its_checkpoint_after_its_model_directory_moved(t
     resumed = train(tmp_path / "resumed", *args, f"model.path={moved}", f"checkpoint.resume={step2}")
     assert [m["step"] for m in resumed.metrics] == [3]
     assert resumed.losses == first.losses[2:], "step 3 from the checkpoint, exactly as the first run took it"
+
+
+def test_sigusr1_to_the_launcher_reaches_the_workers_which_save_and_exit_75(tmp_path):
+    """SLURM's time-limit notice (--signal=USR1@…) reaches a job's launcher: it forwards it, the workers save the
+    step they stop at, and the launcher exits 75 (requeue) with one line, not a traceback."""
+    run_dir = tmp_path / "run"
+    proc = train_in_background(run_dir, *FAST, "train.steps=40", "parallel.dp_shard=2", nproc=2,
+                               faults={SLOW_RANK: "1:1:0.25"})
+    _wait_for_steps(run_dir / "metrics.jsonl", 3, proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    returncode = proc.wait(timeout=300)
+    output = Path(f"{run_dir}.out").read_text()
+    assert returncode == StoppedBySignal.EXIT_CODE, output[-3000:]
+    stopped = _strict_records(run_dir / "metrics.jsonl")[-1]["step"]
+    assert 3 <= stopped < 40, f"stopped at step {stopped}: not mid-run"
+    saved = committed_checkpoints(run_dir / "checkpoints")
+    assert saved and saved[0].name == f"step-{stopped:08d}", "the step the workers stopped at is saved and committed"
+    assert "stopped by SIGUSR1; the last checkpoint is" in output and "the same command resumes" in output, output
+    assert "Traceback" not in output, output[-3000:]
