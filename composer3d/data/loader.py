@@ -59,7 +59,7 @@ class GlobalBatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_sequences"] != len(self.sequences) or state["seed"] != self.seed:
-            raise ConfigError(f"checkpoint.resume: the checkpoint's data position is for {state['num_sequences']} "
+            raise ConfigError(f"checkpoint.resume: the checkpoint's data-loader state is for {state['num_sequences']} "
                               f"sequences with seed {state['seed']}, but this run has {len(self.sequences)} with seed "
                               f"{self.seed}: the corpus (data.*), train.seq_len or train.seed changed since it was "
                               "saved. Resume with the settings it was saved with (its composer3d.json has them), or "
