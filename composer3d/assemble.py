@@ -11,8 +11,9 @@ from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
-from composer3d.parallel import parallelize
+from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
+from composer3d.parallel.tensor import keep_grads_in_param_layout
 
 
 @dataclass
@@ -39,4 +40,6 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
         from composer3d.models.hf_weights import load_pretrained
 
         load_pretrained(model, weights)
+    if not shards_or_replicates(mesh, cfg.parallel.offload == "cpu"):  # after materialize: it makes the parameters
+        keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, flops)

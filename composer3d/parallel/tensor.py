@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from composer3d.models import ModelSpec
@@ -27,3 +28,17 @@ def _present(model: nn.Module, name: str) -> bool:
         return model.get_submodule(name) is not None
     except AttributeError:
         return False
+
+
+def keep_grads_in_param_layout(model: nn.Module) -> None:
+    """DTensor's embedding backward returns the vocab-sharded weight's gradient replicated: whole on every rank.
+    FSDP's reduce-scatter re-shards it; where FSDP does not run (TP-only layouts) it would stay whole, 4x the
+    shard's bytes at tp=4. Slice it back to the parameter's layout as it accumulates (Replicate -> Shard is local)."""
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            param.register_post_accumulate_grad_hook(_grad_to_param_layout)
+
+
+def _grad_to_param_layout(param: DTensor) -> None:
+    if param.grad is not None and param.grad.placements != param.placements:
+        param.grad = param.grad.redistribute(param.device_mesh, param.placements)
