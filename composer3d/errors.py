@@ -4,8 +4,9 @@
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what would. Exit code 2.
 
-    Most are the same on every rank (one config, one corpus): rank 0 alone reports them. ``rank_specific``
-    marks one only some ranks hit (this node's devices), which each of them reports.
+    Most are the same on every rank (one config, one corpus): one line reports them (the local launcher's, or rank
+    0's under torchrun). ``rank_specific`` marks one only some ranks hit (this node's devices), which each of them
+    reports under torchrun.
     """
 
     def __init__(self, message: str, rank_specific: bool = False):

@@ -3,7 +3,7 @@ agent torchrun runs), and owes its user what torchrun's users get from torchrun 
 
 - restarts (``launch.max_restarts``): elastic's own restart loop stops the whole group and starts it again, and the
   workers resume from the last checkpoint; a bad config (exit 2) or divergence (exit 3) is not retried;
-- one line naming the rank that failed first, measured to the millisecond;
+- one line naming the rank that failed first, measured to the millisecond, after that rank's own message;
 - Ctrl-C: the workers stop quietly, the CLI prints one line and exits 130;
 - workers that die with their launcher, even when it is SIGKILLed (Linux);
 - one job per run directory (a lock the kernel releases when its holder dies).
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import json
 import logging
 import math
 import os
@@ -43,6 +44,9 @@ NOT_RETRIED = {2: "a bad config", 3: "divergence", StoppedBySignal.EXIT_CODE: "a
 # and unhandled it would kill the launcher and orphan workers that then save and stop unseen.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LOCK_FILE = ".composer3d.lock"
+# seconds the survivors of a failed worker get to exit on SIGTERM before SIGKILL (enough to flush their logs)
+FAILED_GROUP_GRACE_S = 5
+_REPORTED = "composer3d"  # marks an error file written by report_to_launcher
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _held: list[IO] = []  # run-directory locks of this process
 
@@ -59,6 +63,18 @@ class Interrupted(Exception):
 
 def started_by_local_launcher() -> bool:
     return LAUNCHER_PID in os.environ
+
+
+def report_to_launcher(line: str) -> bool:
+    """Leave the line this worker would print for the local launcher, which prints the first failed rank's. (A rank
+    that fails stops the others at once, so the rank 0 meant to tell may be gone before it could.) False where no
+    local launcher started this worker: then the worker prints it."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # one per worker and attempt, set by the elastic agent
+    if not started_by_local_launcher() or not error_file:
+        return False
+    with open(error_file, "w") as f:  # elastic's error-file format, a plain message; read back as ProcessFailure
+        json.dump({"message": line, "timestamp": int(time.time()), _REPORTED: True}, f)
+    return True
 
 
 def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: int = 0,
@@ -90,6 +106,8 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
             log.info("composer3d: the workers stopped for a stop signal after saving; the same command resumes")
             sys.exit(StoppedBySignal.EXIT_CODE)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
+        if failure.error_file_data.get(_REPORTED):
+            print(failure.message, file=sys.stderr)
         log.error("composer3d: rank %d failed first (%s)%s; exit code %d", rank, _describe(failure),
                   _not_retried(failure, max_restarts), code)
         sys.exit(code)
@@ -113,6 +131,7 @@ class _Agent(LocalElasticAgent):
     only repeat, a line per restart, and SIGTERM instead of SIGINT to stop the workers."""
 
     exits: _ExitClock | None = None
+    _peer_failed = False  # a worker failed: the group is stopped next
 
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
@@ -123,6 +142,7 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank, failure = self.first_failure(result)
+            self._peer_failed = failure.exitcode != StoppedBySignal.EXIT_CODE  # stopped workers are saving
             if failure.exitcode in NOT_RETRIED:
                 self._remaining_restarts = 0  # as elastic itself does for a worker it cannot recover
             elif self._remaining_restarts > 0:
@@ -135,6 +155,11 @@ class _Agent(LocalElasticAgent):
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # Ctrl-C reaches only the launcher (workers run in their own sessions), and elastic passes the SIGINT on:
         # every worker would print a KeyboardInterrupt traceback. SIGTERM ends them without a word.
+        if self._peer_failed:
+            # The survivors of a failed rank cannot save (a checkpoint needs every rank) and wait in a collective
+            # that never completes, where SIGTERM only marks a stop: the full grace would be spent for nothing.
+            timeout = min(timeout, FAILED_GROUP_GRACE_S)
+            self._peer_failed = False
         super()._shutdown(signal.SIGTERM if death_sig == signal.SIGINT else death_sig, timeout)
 
     def first_failure(self, result: RunResult) -> tuple[int, ProcessFailure]:

@@ -25,6 +25,8 @@ from composer3d.checkpoint import (
 from composer3d.config import validate, validate_for_device
 from composer3d.data import check_sources, eval_windows
 from composer3d.errors import ConfigError
+from composer3d.models import MODEL_REGISTRY, build_model
+from composer3d.models.hf_weights import check_pretrained
 
 
 def preflight(cfg, world_size: int) -> dict[str, int]:
@@ -36,8 +38,10 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
-    if cfg.checkpoint.enabled:
-        check_resumable(cfg, directory)
+    resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
+    weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
+    if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
+        check_pretrained(build_model(cfg.model), weights)
     # Last: these create the directories, which a refused run should not leave behind.
     check_writable("run.dir", Path(cfg.run.dir))
     if cfg.checkpoint.enabled:
@@ -56,16 +60,17 @@ def check_writable(key: str, directory: Path) -> None:
                           "this user can create and write") from None
 
 
-def check_resumable(cfg, directory: Path) -> None:
+def check_resumable(cfg, directory: Path) -> Path | None:
     """The checkpoint a resume would load fits this run: complete (an explicit one), the same model shapes, and
-    steps left to train. (Its data position is checked against the corpus when a worker loads it.)"""
+    steps left to train. (Its data position is checked against the corpus when a worker loads it.) Returns that
+    checkpoint; None where the run starts afresh."""
     mode = cfg.checkpoint.resume
     if mode == "none":
-        return
+        return None
     if mode == "auto":  # the newest training checkpoint; an unreadable one is skipped at load time, as before
         found = [p for p in committed_checkpoints(directory) if not read_meta(p)["model_only"]]
         if not found:
-            return
+            return None
         path = found[0]
     else:
         path = Path(mode)
@@ -87,3 +92,4 @@ def check_resumable(cfg, directory: Path) -> None:
             raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)
+    return path

@@ -107,16 +107,14 @@ def _main(cfg: DictConfig) -> None:
             _launch(cfg, run_dir)
             return
         run(cfg, env, run_dir)
-    except ConfigError as error:  # one config, one corpus: the same on every rank, so rank 0 tells
-        if env is None or env.rank == 0 or error.rank_specific:
-            print(f"composer3d: invalid configuration: {error}", file=sys.stderr)
+    except ConfigError as error:
+        _tell(env, f"composer3d: invalid configuration: {error}", every_rank=error.rank_specific)
         sys.exit(2)
     except CheckpointError as error:
         print(f"composer3d: {error}", file=sys.stderr)
         sys.exit(1)
-    except TrainingDiverged as error:  # every rank sees the same values: rank 0 tells, all exit alike
-        if env is None or env.rank == 0:
-            print(f"composer3d: training stopped: {error}", file=sys.stderr)
+    except TrainingDiverged as error:  # every rank sees the same values and exits alike
+        _tell(env, f"composer3d: training stopped: {error}")
         sys.exit(3)
     except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
         sys.exit(StoppedBySignal.EXIT_CODE)
@@ -130,6 +128,15 @@ def _main(cfg: DictConfig) -> None:
             print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}"
                   f"{'; the same command resumes' if stop else ''}", file=sys.stderr)
         sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
+
+
+def _tell(env, line: str, every_rank: bool = False) -> None:
+    """One line on stderr for the job. Under the local launcher, it prints the first failed rank's; under torchrun
+    or SLURM, rank 0 prints what every rank found alike (one config, one corpus) and each rank what is its own."""
+    if launcher.report_to_launcher(line):
+        return
+    if env is None or env.rank == 0 or every_rank:
+        print(line, file=sys.stderr)
 
 
 def _launch(cfg: DictConfig, run_dir: Path) -> None:

@@ -21,6 +21,7 @@ from composer3d.launcher import LOCK_FILE
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 
 KILL_AT_STEP = "COMPOSER3D_TEST_KILL_AT_STEP"
+DIVERGE_AT_STEP = "COMPOSER3D_TEST_DIVERGE_AT_STEP"
 TWO_RANKS = [*FAST, "parallel.dp_shard=2", "checkpoint.interval=2"]
 LONG = "train.steps=100000"  # runs until the test stops it
 
@@ -75,6 +76,17 @@ def test_divergence_is_not_restarted(tmp_path):
     assert run.returncode == 3, run.output[-3000:]
     assert "restarting" not in run.output and run.output.count("training stopped") == 1
     assert "rank 0 failed first (exit code 3), not restarted: divergence fails again the same way" in run.output
+
+
+def test_the_first_failed_rank_tells_its_error_even_when_rank_0_is_stopped_before_it_could(tmp_path):
+    # Rank 1 alone diverges at step 3; rank 0 waits in that step's collectives until the launcher stops it. Left
+    # to rank 0, the reason would be lost with it: the launcher prints rank 1's line, once.
+    run = train(tmp_path, *TWO_RANKS, "train.steps=6", nproc=2, check=False, faults={DIVERGE_AT_STEP: "3:1"})
+    assert run.returncode == 3, run.output[-3000:]
+    line = "composer3d: training stopped: step 3: injected on rank 1 alone"
+    assert run.output.count(line) == 1, run.output[-3000:]
+    assert "composer3d: rank 1 failed first (exit code 3)" in run.output
+    assert run.output.index(line) < run.output.index("rank 1 failed first"), "the reason, then who"
 
 
 @pytest.mark.parametrize("overrides", [["checkpoint.enabled=false"], ["checkpoint.resume=none"]])

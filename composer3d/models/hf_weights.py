@@ -56,12 +56,18 @@ def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, .
                           + "; ".join(problems) + ". Use the directory save_pretrained wrote, unmodified")
 
 
+def check_pretrained(model: HFCausalLM, path: str) -> None:
+    """The safetensors in ``path`` hold exactly the tensors ``model`` (whole, on meta is enough) has, in its shapes:
+    headers only, so the launcher checks this before any worker starts."""
+    check_checkpoint_keys(model, safetensors_index(path), path)
+
+
 def load_pretrained(model: HFCausalLM, path: str) -> None:
     """Read each rank's shards of its parameters straight from the safetensors files (DCP's Hugging Face reader
     reads only the slices a rank holds; no rank ever holds the whole model). Tied heads load with the embedding."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
-    check_checkpoint_keys(model, safetensors_index(path), path)
+    check_pretrained(model, path)
     state = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
     load(state, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
 

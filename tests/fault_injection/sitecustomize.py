@@ -10,6 +10,9 @@ or stalled rank; or simply slow steps, since the other ranks wait for it in the 
 COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first attempt only
 (TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group then runs through.
 
+COMPOSER3D_TEST_DIVERGE_AT_STEP=STEP:RANK — that rank raises TrainingDiverged as that step begins, as if it alone
+had seen a non-finite loss: its peers wait in that step's collectives until the launcher stops them.
+
 COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.train`` run writes what the precision and memory switches
 did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
 """
@@ -21,6 +24,7 @@ import sys
 _KILL_DURING_SAVE = os.environ.get("COMPOSER3D_TEST_KILL_DURING_SAVE")
 _SLOW_RANK = os.environ.get("COMPOSER3D_TEST_SLOW_RANK")
 _KILL_AT_STEP = os.environ.get("COMPOSER3D_TEST_KILL_AT_STEP")
+_DIVERGE_AT_STEP = os.environ.get("COMPOSER3D_TEST_DIVERGE_AT_STEP")
 
 if _KILL_DURING_SAVE:
     from torch.distributed.checkpoint import FileSystemWriter
@@ -70,6 +74,20 @@ if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return _train_step(self)
 
     Trainer.train_step = _train_step_or_die
+
+if _DIVERGE_AT_STEP:
+    from composer3d.errors import TrainingDiverged
+    from composer3d.trainer import Trainer
+
+    _diverge_step, _diverge_rank = (int(x) for x in _DIVERGE_AT_STEP.split(":"))
+    _step_or_diverge = Trainer.train_step
+
+    def _train_step_or_diverge(self):
+        if (self.step + 1, int(os.environ.get("RANK", "0"))) == (_diverge_step, _diverge_rank):
+            raise TrainingDiverged(f"step {self.step + 1}: injected on rank {_diverge_rank} alone")
+        return _step_or_diverge(self)
+
+    Trainer.train_step = _train_step_or_diverge
 
 if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.train"]:
     import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)
