@@ -102,6 +102,43 @@ def _child_env(env: dict | None, faults: dict | None) -> dict:
     return child_env
 
 
+def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[RunResult]:
+    """Each job (run directory, overrides) trained by ``composer3d.train.run`` as a torchrun worker runs it, one after
+    another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
+    paid once. For numerics across many models; the command line itself is what ``train`` tests."""
+    import torch.multiprocessing as mp
+
+    ports = [_free_port() for _ in jobs]
+    mp.spawn(_train_jobs, args=(nproc, [(str(d), list(o)) for d, o in jobs], ports), nprocs=nproc, join=True)
+    return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int]) -> None:
+    from hydra import compose, initialize_config_module
+
+    from composer3d import distributed
+    from composer3d.config import register_configs, resolve_model_config
+    from composer3d.train import run
+
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1")
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        for (run_dir, overrides), port in zip(jobs, ports):
+            os.environ["MASTER_PORT"] = str(port)
+            cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides])
+            resolve_model_config(cfg.model)
+            run(cfg, distributed.job_env(), Path(run_dir))
+
+
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback fails the test."""
     import torch.multiprocessing as mp

@@ -1,7 +1,8 @@
-"""Loss parity: every layout gives the single-process loss curve (fp32, same seed and global batch)."""
+"""Loss parity: every layout gives the single-process loss curve (fp32, same seed and global batch). The reference
+runs through the command; the layouts through ``composer3d.train.run`` as torchrun's workers run it."""
 
 import pytest
-from harness import FAST, train
+from harness import FAST, train, train_in_one_group
 
 STEPS = ["train.steps=10"]
 LAYOUTS = {
@@ -24,19 +25,20 @@ def reference(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def layout_runs(tmp_path_factory):
-    """Each layout once per session; the memory tests read the same runs."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = train(tmp_path_factory.mktemp(name), *FAST, *STEPS, *LAYOUTS[name], nproc=WORLD.get(name, 4))
-        return cache[name]
-    return get
+    """Every layout once per session, those of a world size one after another in one process group (start-up paid
+    once); the memory tests read the same runs."""
+    root = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    for world in sorted({WORLD.get(name, 4) for name in LAYOUTS}):
+        names = [name for name in LAYOUTS if WORLD.get(name, 4) == world]
+        jobs = [(root / name, [*FAST, *STEPS, *LAYOUTS[name]]) for name in names]
+        runs.update(zip(names, train_in_one_group(jobs, nproc=world)))
+    return runs
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_loss_matches_single_process(name, reference, layout_runs):
-    run = layout_runs(name)
+    run = layout_runs[name]
     assert len(reference.losses) == len(run.losses) == 10
     diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
     assert max(diffs) < 1e-4, f"{name}: per-step |Δloss| {diffs}\nref {reference.losses}\ngot {run.losses}"
@@ -60,7 +62,7 @@ def _norm_params(info):  # RMSNorm weights: the parameters tensor parallel leave
     ("tp4", lambda P, info: 16 * ((P - _norm_params(info)) / 4 + _norm_params(info))),  # TP: all but norms split
 ])
 def test_model_state_bytes_per_rank(name, formula, layout_runs):
-    info = layout_runs(name).run_info
+    info = layout_runs[name].run_info
     expected = formula(info["num_params"], info)
     measured = info["model_state_bytes_per_rank"]
     assert abs(measured - expected) / expected < 0.05, f"{name}: measured {measured} vs formula {expected:.0f}"

@@ -4,7 +4,7 @@ import itertools
 import random
 
 import pytest
-from harness import FAST, train
+from harness import FAST, RunResult, train, train_in_one_group
 
 from composer3d.parallel.pipeline import (
     SCHEDULES,
@@ -30,23 +30,40 @@ def _assert_parity(reference, run):
     assert max(grad_diffs) < 1e-3, f"grad norms (clipped over pp too) differ: {grad_diffs}"
 
 
+COMPOSED = {
+    "pp2_fsdp2": (["parallel.pp=2", "parallel.dp_shard=2"], 4),
+    "pp2_fsdp2_tp2_sp": (["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                         8),
+    "pp2_ddp2_tp2_interleaved": (["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2",
+                                  "parallel.pp_schedule=interleaved_1f1b"], 8),
+    "pp2_zero1_dp2": (["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory) -> dict[str, RunResult]:
+    """Every schedule on 2 ranks, and PP composed with the other dimensions on 4 and 8, each world size's runs one
+    after another in one process group (start-up paid once)."""
+    root = tmp_path_factory.mktemp("pp")
+    jobs = {2: {f"pp2_{s}": [*FOUR_LAYERS, "parallel.pp=2", f"parallel.pp_schedule={s}"] for s in SCHEDULES}}
+    for name, (layout, nproc) in COMPOSED.items():
+        jobs.setdefault(nproc, {})[name] = [*FOUR_LAYERS, *layout]
+    runs = {}
+    for nproc, named in sorted(jobs.items()):
+        runs.update(zip(named, train_in_one_group([(root / n, o) for n, o in named.items()], nproc=nproc)))
+    return runs
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_pp2_schedule_matches_single_process(tmp_path, reference4, schedule):
-    run = train(tmp_path, *FOUR_LAYERS, "parallel.pp=2", f"parallel.pp_schedule={schedule}", nproc=2)
+def test_pp2_schedule_matches_single_process(reference4, pipeline_runs, schedule):
+    run = pipeline_runs[f"pp2_{schedule}"]
     _assert_parity(reference4, run)
     assert run.run_info["layout"]["pp"] == 2
 
 
-@pytest.mark.parametrize("name, layout, nproc", [
-    ("pp2_fsdp2", ["parallel.pp=2", "parallel.dp_shard=2"], 4),
-    ("pp2_fsdp2_tp2_sp", ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2",
-                          "parallel.sequence_parallel=true"], 8),
-    ("pp2_ddp2_tp2_interleaved", ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.tp=2",
-                                  "parallel.pp_schedule=interleaved_1f1b"], 8),
-    ("pp2_zero1_dp2", ["parallel.pp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"], 4),
-])
-def test_pp_composed_with_data_and_tensor_parallel(tmp_path, reference4, name, layout, nproc):
-    _assert_parity(reference4, train(tmp_path, *FOUR_LAYERS, *layout, nproc=nproc))
+@pytest.mark.parametrize("name", COMPOSED)
+def test_pp_composed_with_data_and_tensor_parallel(reference4, pipeline_runs, name):
+    _assert_parity(reference4, pipeline_runs[name])
 
 
 def test_pp4_interleaved_two_stages_per_rank(tmp_path):
