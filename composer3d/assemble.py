@@ -35,11 +35,14 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
     stages = parallelize(model, spec, mesh, cfg, device)
     weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
-    materialize(model, device, cfg.train.seed, fsdp_roots=stages, init_params=weights is None and not from_checkpoint)
+    offload = cfg.parallel.offload == "cpu"
+    # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
+    materialize(model, torch.device("cpu") if offload else device, cfg.train.seed, fsdp_roots=stages,
+                init_params=weights is None and not from_checkpoint, buffer_device=device)
     if weights is not None:
         from composer3d.models.hf_weights import load_pretrained
 
         load_pretrained(model, weights)
-    if not shards_or_replicates(mesh, cfg.parallel.offload == "cpu"):  # after materialize: it makes the parameters
+    if not shards_or_replicates(mesh, offload):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, flops)

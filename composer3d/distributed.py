@@ -73,10 +73,14 @@ def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     return torch.device(kind, local_rank)
 
 
-def init_process_group(device: torch.device, env: Env | None, timeout: timedelta | None = None) -> Env:
+def init_process_group(device: torch.device, env: Env | None, timeout: timedelta | None = None,
+                       host_collectives: bool = False) -> Env:
     """``timeout``: how long a collective may wait for the other ranks before it fails (launch.timeout_minutes;
-    None: torch's default)."""
+    None: torch's default). ``host_collectives``: collectives on tensors in host memory too (the gradient norm over
+    CPU-offloaded gradients), through gloo beside an accelerator's own backend; every group of the mesh inherits it."""
     backend = dist.get_default_backend_for_device(device)
+    if host_collectives and device.type != "cpu":
+        backend = f"{device.type}:{backend},cpu:gloo"
     if env is None:  # a single process: no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return Env(0, 0, 1)

@@ -56,7 +56,8 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     check_weights_source(cfg)
     resume = cfg.checkpoint.resume
-    env = distributed.init_process_group(device, env, timedelta(minutes=cfg.launch.timeout_minutes))
+    env = distributed.init_process_group(device, env, timedelta(minutes=cfg.launch.timeout_minutes),
+                                         host_collectives=cfg.parallel.offload == "cpu")
     finished = False
     try:
         metrics = _evaluate_in_group(cfg, degrees, device, windows, resume)
@@ -86,15 +87,17 @@ def _main(cfg: DictConfig) -> None:
         if env is None:  # before any worker starts
             validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
+            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model)
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         if env is None and cfg.launch.nproc_per_node > 1:
             overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
             return
         run(cfg, env)
-    except ConfigError as error:  # the same on every rank: rank 0 tells
-        if env is None or env.rank == 0 or error.rank_specific:
-            print(f"composer3d-eval: invalid configuration: {error}", file=sys.stderr)
+    except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
+        line = f"composer3d-eval: invalid configuration: {error}"
+        if not launcher.report_to_launcher(line) and (env is None or env.rank == 0 or error.rank_specific):
+            print(line, file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)

@@ -53,7 +53,7 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len) if cfg.train.eval_every else None
     timeout = timedelta(minutes=cfg.launch.timeout_minutes)
-    env = distributed.init_process_group(device, env, timeout)
+    env = distributed.init_process_group(device, env, timeout, host_collectives=cfg.parallel.offload == "cpu")
     finished = False
     try:
         _train_in_group(cfg, env, degrees, device, sequences, windows, timeout)

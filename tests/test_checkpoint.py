@@ -106,7 +106,9 @@ def test_keep_last_prunes_and_model_only_final(tmp_path):
 def test_async_save_gives_sync_losses_and_resumable_checkpoints(tmp_path):
     args = [*FAST, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=0", "parallel.dp_shard=2"]
     sync = train(tmp_path / "sync", *args, nproc=2)
-    asynchronous = train(tmp_path / "async", *args, "checkpoint.async_mode=async", nproc=2)
+    # Three saves through one stager, which closes itself after each as torch 2.11-2.12's does: each save still works.
+    asynchronous = train(tmp_path / "async", *args, "checkpoint.async_mode=async", nproc=2,
+                         faults={"COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE": "1"})
     assert asynchronous.losses == sync.losses
     assert [p.name for p in committed_checkpoints(tmp_path / "async" / "checkpoints")] == \
         ["step-00000006", "step-00000004", "step-00000002"]

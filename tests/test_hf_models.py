@@ -198,3 +198,30 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert lines[0] == str(snapshot), out.stderr
     assert "model.path: 'tiny-org/absent' is neither a local directory nor a model in the local" in lines[1]
+
+
+def test_the_forward_check_passes_every_tested_architecture(models):
+    """The check the launcher runs before training (a tiny replica of config.json, composer3d's forward against
+    transformers'): every architecture above passes it."""
+    from composer3d.models.hf_forward_check import check_forward_matches_transformers
+
+    for arch, path in models.items():
+        check_forward_matches_transformers(train_config(path).model)
+
+
+def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_before_launch(tmp_path):
+    """Granite scales embeddings and logits in its own top-level forwards, which composer3d rebuilds without them:
+    left alone it would train 0.6 logits away from transformers under every layout. Refused, exit 2, no worker."""
+    from harness import FAST, train
+    from transformers import AutoConfig
+
+    path = tmp_path / "granite"
+    AutoConfig.for_model("granite", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0, logits_scaling=8.0,
+                         residual_multiplier=0.22, attention_multiplier=0.0078).save_pretrained(path)
+    run = train(tmp_path / "run", *[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}",
+                "parallel.dp_shard=2", nproc=2, check=False, timeout=300)
+    assert run.returncode == 2, run.output[-3000:]
+    assert run.output.count("composer3d's forward of granite (GraniteForCausalLM) does not compute what "
+                            "transformers' own does") == 1, run.output[-3000:]
+    assert "failed first" not in run.output, "refused by the launcher, before any worker started"

@@ -56,9 +56,12 @@ class Checkpointer:
             # Background writes run collectives; on their own gloo group they never interleave with training's.
             timeout = timedelta(minutes=config_dict["launch"]["timeout_minutes"])
             self.async_group = dist.new_group(backend="gloo", timeout=timeout)
-            pinned = ckpt_cfg.async_mode == "async_pinned"
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                                       use_async_staging=False, use_non_blocking_copy=pinned))
+            self.stager = self._new_stager()
+
+    def _new_stager(self) -> DefaultStager:
+        pinned = self.cfg.async_mode == "async_pinned"
+        return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
+                                            use_async_staging=False, use_non_blocking_copy=pinned))
 
     # -- state
 
@@ -108,6 +111,8 @@ class Checkpointer:
         else:
             response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
                                       async_stager=self.stager)
+            if not _can_stage_again(self.stager):
+                self.stager = self._new_stager()
             future = getattr(response, "upload_completion", response)
             self.pending = (future, partial, final)
 
@@ -233,3 +238,11 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
     return value
+
+
+def _can_stage_again(stager: DefaultStager) -> bool:
+    """False where torch closed the stager's copier at the end of its save (torch 2.11 and 2.12,
+    pytorch/pytorch#183413): the next save through it would fail with ``KeyError: <class 'type'>``. Where it can,
+    the stager is kept, and with it the pinned staging buffers it reuses from save to save."""
+    copier = getattr(stager, "_state_dict_stager", None)
+    return copier is None or bool(getattr(copier, "_deepcopy_dispatch", True))

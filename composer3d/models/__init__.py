@@ -28,6 +28,9 @@ class ModelSpec:
     tensor_parallel_problem: Callable[[Any], str | None] = lambda cfg: None
     # Directory of pretrained weights to load into the shards after parallelizing (None: initialize)
     pretrained_weights: Callable[[Any], str | None] = lambda cfg: None
+    # Raises ConfigError where composer3d's forward of the model would not compute what its reference computes;
+    # run before launch
+    check_forward: Callable[[Any], None] = lambda cfg: None
 
 
 def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
@@ -54,6 +57,12 @@ def _hf_tp_problem(cfg) -> str | None:
     return tensor_parallel_problem(cfg)
 
 
+def _hf_check_forward(cfg) -> None:
+    from composer3d.models.hf_forward_check import check_forward_matches_transformers
+
+    check_forward_matches_transformers(cfg)
+
+
 def _hf_split_sizes(cfg):
     from composer3d.models.hf_tensor_parallel import tp_split_sizes
 
@@ -64,7 +73,8 @@ def _hf_split_sizes(cfg):
 MODEL_REGISTRY: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", llama.Llama, llama.tensor_parallel_plan, _llama_split_sizes),
     "hf": ModelSpec("hf", _hf_build, _hf_plan, _hf_split_sizes, tensor_parallel_problem=_hf_tp_problem,
-                    pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None),
+                    pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None,
+                    check_forward=_hf_check_forward),
 }
 
 

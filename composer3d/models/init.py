@@ -57,10 +57,13 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = (),
-                init_params: bool = True) -> None:
+                init_params: bool = True, buffer_device: torch.device | None = None) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
 
     ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers.
+
+    ``buffer_device``: where the buffers (rotary tables) go when it is not ``device``: with FSDP's CPU offload the
+    parameters live in host memory, which FSDP requires of them, while the forward runs on the accelerator.
 
     ``fsdp_roots``: FSDP roots outside the model's own tree (pipeline stage modules); FSDP re-registers the
     sharded parameters it manages only when its own module is moved.
@@ -78,4 +81,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
             raise RuntimeError(f"init of {name}: computed shard {tuple(shard.shape)} but the rank holds "
                                f"{tuple(local.shape)} under placements {param.placements}")
         local.copy_(shard)
-    model.init_buffers(device)
+    buffer_device = buffer_device or device
+    model.init_buffers(buffer_device)
+    if buffer_device != device:  # buffers a model recomputes in place stay where to_empty put them
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module._buffers[name] = buffer.to(buffer_device)

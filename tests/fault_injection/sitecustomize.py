@@ -13,6 +13,9 @@ COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that ste
 COMPOSER3D_TEST_DIVERGE_AT_STEP=STEP:RANK — that rank raises TrainingDiverged as that step begins, as if it alone
 had seen a non-finite loss: its peers wait in that step's collectives until the launcher stops them.
 
+COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE=1 — DCP's DefaultStager closes its copier at the end of every stage, as
+torch 2.11 and 2.12 do (pytorch/pytorch#183413): a stager reused for a second async save then fails.
+
 COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.train`` run writes what the precision and memory switches
 did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
 """
@@ -88,6 +91,18 @@ if _DIVERGE_AT_STEP:
         return _step_or_diverge(self)
 
     Trainer.train_step = _train_step_or_diverge
+
+if os.environ.get("COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE"):
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    _stage_and_keep = DefaultStager._stage
+
+    def _stage_then_close(self, state_dict, **kwargs):
+        staged = _stage_and_keep(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    DefaultStager._stage = _stage_then_close
 
 if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.train"]:
     import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)
