@@ -85,9 +85,9 @@ def _main(cfg: DictConfig) -> None:
     try:
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
-            validate(cfg, cfg.launch.nproc_per_node)
+            degrees = validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
-            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model)
+            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         if env is None and cfg.launch.nproc_per_node > 1:
             overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)

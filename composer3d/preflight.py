@@ -34,7 +34,7 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     degrees = validate(cfg, world_size)
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
     validate_for_device(cfg, degrees, kind)
-    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model)
+    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
     check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)

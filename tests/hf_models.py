@@ -28,6 +28,9 @@ ARCHITECTURES = {
     # Gemma 3 (text): per-layer-type rotary embeddings (local/global bases) and per-head q/k norms.
     "gemma3_text": {"head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 16, "rope_local_base_freq": 10000.0,
                     "layer_types": ["sliding_attention", "full_attention"] * 2},
+    # StableLM ships no tensor-parallel plan: composer3d derives the Llama family's (with q/k/v biases split, and
+    # its attention's head counts made local, since it reshapes by them); LayerNorm with biases, partial rotary.
+    "stablelm": {"use_qkv_bias": True, "partial_rotary_factor": 0.25},
 }
 
 CHAT_TEMPLATE = (

@@ -202,26 +202,88 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path):
 
 def test_the_forward_check_passes_every_tested_architecture(models):
     """The check the launcher runs before training (a tiny replica of config.json, composer3d's forward against
-    transformers'): every architecture above passes it."""
+    transformers'): every architecture above passes it, and under tp=2 so does StableLM's derived plan."""
     from composer3d.models.hf_forward_check import check_forward_matches_transformers
 
-    for arch, path in models.items():
-        check_forward_matches_transformers(train_config(path).model)
+    for path in models.values():
+        check_forward_matches_transformers(train_config(path).model, tensor_parallel=2)
+
+
+# Families whose own top-level forwards scale the embeddings and/or the logits, with those scales away from 1.
+SCALED = {
+    "granite": dict(embedding_multiplier=12.0, logits_scaling=8.0, residual_multiplier=0.22,
+                    attention_multiplier=0.0078),
+    "hyperclovax": dict(embedding_multiplier=3.0, logits_scaling=0.25),
+    "cohere": dict(logit_scale=0.0625),
+}
+
+
+def _tiny_config_dir(path: Path, model_type: str, **fields) -> Path:
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, **fields).save_pretrained(path)
+    return path
+
+
+def test_embedding_and_logit_scalings_are_applied_as_each_family_does(tmp_path, monkeypatch):
+    """Granite divides its logits by logits_scaling, HyperCLOVA X multiplies by the same key, Cohere multiplies by
+    logit_scale: composer3d applies each, and the check sees it — without the table every one of them fails."""
+    from composer3d.errors import ConfigError
+    from composer3d.models import hf
+    from composer3d.models.hf_forward_check import check_forward_matches_transformers
+
+    configs = {arch: train_config(_tiny_config_dir(tmp_path / arch, arch, **fields)).model
+               for arch, fields in SCALED.items()}
+    for cfg in configs.values():
+        check_forward_matches_transformers(cfg)
+    monkeypatch.setattr(hf, "_TOP_LEVEL_SCALING", {})
+    for arch, cfg in configs.items():
+        with pytest.raises(ConfigError, match=f"composer3d's forward of {arch} .* does not compute what"):
+            check_forward_matches_transformers(cfg)
+
+
+def test_a_llama_layout_without_a_tp_plan_gets_the_llama_plan_checked_and_others_are_refused(models, tmp_path,
+                                                                                            monkeypatch):
+    """StableLM ships no base_model_tp_plan; laid out like Llama, it gets the Llama family's plan, whose split the
+    check simulates in one process (each rank's slices of attention and MLP, summed). StableLM reshapes by its
+    head count, so the plan makes the counts local — without that the split check refuses it. Per-head norms
+    (StableLM's qk_layernorm) or BitNet's sub-norms inside attention are not split by the plan: refused, named."""
+    from transformers import AutoConfig
+
+    from composer3d.errors import ConfigError
+    from composer3d.models import hf_forward_check
+    from composer3d.models.hf_tensor_parallel import tensor_parallel_problem
+
+    stablelm = train_config(models["stablelm"]).model
+    assert not getattr(AutoConfig.from_pretrained(models["stablelm"]), "base_model_tp_plan", None)
+    assert tensor_parallel_problem(stablelm) is None
+    for tp in (2, 4):
+        hf_forward_check.check_forward_matches_transformers(stablelm, tp)
+    cfg = train_config(models["stablelm"], tp=2)
+    assert validate(cfg, 2)["tp"] == 2
+
+    per_head_norms = train_config(_tiny_config_dir(tmp_path / "qk", "stablelm", qk_layernorm=True)).model
+    assert "self_attn.q_layernorm.norms.0.weight, which that plan would not split" in \
+        tensor_parallel_problem(per_head_norms)
+    bitnet = train_config(_tiny_config_dir(tmp_path / "bitnet", "bitnet")).model
+    assert "self_attn.attn_sub_norm.weight, which that plan would not split" in tensor_parallel_problem(bitnet)
+
+    monkeypatch.setattr(hf_forward_check, "use_local_head_counts", lambda attention, ranks: None)
+    with pytest.raises(ConfigError, match="parallel.tp: stablelm .* does not split it exactly"):
+        hf_forward_check.check_forward_matches_transformers(stablelm, 2)
 
 
 def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_before_launch(tmp_path):
-    """Granite scales embeddings and logits in its own top-level forwards, which composer3d rebuilds without them:
-    left alone it would train 0.6 logits away from transformers under every layout. Refused, exit 2, no worker."""
+    """NanoChat normalizes the embeddings in its own top-level forward, which composer3d rebuilds without that
+    norm: left alone it would train logits 0.2–0.4 away from transformers under every layout. Refused, exit 2, no
+    worker."""
     from harness import FAST, train
-    from transformers import AutoConfig
 
-    path = tmp_path / "granite"
-    AutoConfig.for_model("granite", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, embedding_multiplier=12.0, logits_scaling=8.0,
-                         residual_multiplier=0.22, attention_multiplier=0.0078).save_pretrained(path)
+    path = _tiny_config_dir(tmp_path / "nanochat", "nanochat")
     run = train(tmp_path / "run", *[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}",
                 "parallel.dp_shard=2", nproc=2, check=False, timeout=300)
     assert run.returncode == 2, run.output[-3000:]
-    assert run.output.count("composer3d's forward of granite (GraniteForCausalLM) does not compute what "
+    assert run.output.count("composer3d's forward of nanochat (NanoChatForCausalLM) does not compute what "
                             "transformers' own does") == 1, run.output[-3000:]
     assert "failed first" not in run.output, "refused by the launcher, before any worker started"

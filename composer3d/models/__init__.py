@@ -28,9 +28,9 @@ class ModelSpec:
     tensor_parallel_problem: Callable[[Any], str | None] = lambda cfg: None
     # Directory of pretrained weights to load into the shards after parallelizing (None: initialize)
     pretrained_weights: Callable[[Any], str | None] = lambda cfg: None
-    # Raises ConfigError where composer3d's forward of the model would not compute what its reference computes;
-    # run before launch
-    check_forward: Callable[[Any], None] = lambda cfg: None
+    # (model config, tp degree): raises ConfigError where composer3d's forward of the model, or its tensor-parallel
+    # split, would not compute what its reference computes; run before launch
+    check_forward: Callable[[Any, int], None] = lambda cfg, tp: None
 
 
 def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
@@ -57,10 +57,10 @@ def _hf_tp_problem(cfg) -> str | None:
     return tensor_parallel_problem(cfg)
 
 
-def _hf_check_forward(cfg) -> None:
+def _hf_check_forward(cfg, tp: int) -> None:
     from composer3d.models.hf_forward_check import check_forward_matches_transformers
 
-    check_forward_matches_transformers(cfg)
+    check_forward_matches_transformers(cfg, tp)
 
 
 def _hf_split_sizes(cfg):

@@ -75,6 +75,12 @@ def fill_model_config(m) -> None:
     pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
     m.path = resolve_model_dir(m.path)
     c = load_hf_config(m.path)
+    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if not isinstance(getattr(c, key, None), int)]
+    if missing:
+        raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
+                          "composer3d trains decoder-only text models; a multimodal model's config nests its text "
+                          "model (text_config). Use a text-only causal LM")
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads
@@ -88,7 +94,28 @@ def fill_model_config(m) -> None:
 
 # ---------------------------------------------------------------------------------------------- model
 
+# Layer type (config.layer_types) → transformers' function building its attention mask.
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+
 _REQUIRED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+
+# What transformers' top-level forwards (``*Model.forward``, ``*ForCausalLM.forward``) do beyond embed → layers →
+# norm → head, by model type: (config key multiplying the embeddings, config key scaling the logits, whether the
+# logits are divided by it). The same key means opposite things in different families (Granite divides by
+# ``logits_scaling``, HyperCLOVA X multiplies), so this is per family. An architecture missing here that needs
+# it fails the forward check (hf_forward_check) before launch.
+_TOP_LEVEL_SCALING: dict[str, tuple[str | None, str | None, bool]] = {
+    "granite": ("embedding_multiplier", "logits_scaling", True),
+    "granite_swa": ("embedding_multiplier", "logits_scaling", True),
+    "granitemoe": ("embedding_multiplier", "logits_scaling", True),
+    "granitemoeshared": ("embedding_multiplier", "logits_scaling", True),
+    "granitemoe_swa": ("embedding_multiplier", "logits_scaling", True),
+    "minicpm3": (None, "logits_scaling", True),  # it divides the final hidden states: the same, the head has no bias
+    "hyperclovax": ("embedding_multiplier", "logits_scaling", False),
+    "cohere": (None, "logit_scale", False),
+    "cohere2": (None, "logit_scale", False),
+    "cohere2_moe": (None, "logit_scale", False),
+}
 
 
 class HFCausalLM(nn.Module):
@@ -105,6 +132,10 @@ class HFCausalLM(nn.Module):
             raise ConfigError(f"model.path: {type(causal).__name__} lacks {missing}; composer3d runs decoder-only "
                               "text models laid out as transformers' Llama family (model.embed_tokens, model.layers, "
                               "model.norm, model.rotary_emb, lm_head)")
+        unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(_MASKS))
+        if unknown:
+            raise ConfigError(f"model.path: {config.model_type} has layers of type {unknown}; composer3d runs "
+                              f"attention layers of the types {sorted(_MASKS)} (transformers' mask functions)")
         self.config = causal.config
         self.model = causal.model
         self.lm_head = causal.lm_head
@@ -117,6 +148,10 @@ class HFCausalLM(nn.Module):
         self._owners = {name: copy.deepcopy(self.get_submodule(name.rpartition(".")[0]))
                         for name in self.full_shapes}
         self._rotary_by_type = "layer_type" in inspect.signature(self.model.rotary_emb.forward).parameters
+        embedding_key, logits_key, self._divide_logits = _TOP_LEVEL_SCALING.get(
+            self.config.model_type, (None, None, False))
+        self._embedding_multiplier = getattr(self.config, embedding_key) if embedding_key else None
+        self._logits_scale = getattr(self.config, logits_key) if logits_key else None
 
     # The protocol's names for transformers' modules (a pipeline stage sets those it does not run to None).
     @property
@@ -187,16 +222,18 @@ class HFCausalLM(nn.Module):
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
     def _masks(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        import transformers.masking_utils
 
-        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-        return {kind: makers[kind](config=self.config, inputs_embeds=reference, attention_mask=None,
-                                   past_key_values=None, position_ids=position_ids) for kind in kinds}
+        return {kind: getattr(transformers.masking_utils, _MASKS[kind])(
+            config=self.config, inputs_embeds=reference, attention_mask=None, past_key_values=None,
+            position_ids=position_ids) for kind in kinds}
 
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True, head: bool = True,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens (or a previous stage's hidden states) → logits (or hidden states) over ``layer_ids``."""
         h = self.tok_embeddings(x) if embed else x
+        if embed and self._embedding_multiplier is not None:
+            h = h * self._embedding_multiplier
         layer_ids = list(self.layers.keys()) if layer_ids is None else layer_ids
         if layer_ids:
             # Under sequence parallel a stage's input holds a slice of the sequence; masks and rotary
@@ -221,6 +258,8 @@ class HFCausalLM(nn.Module):
         if not head:
             return h
         logits = self.lm_head(self.norm(h))
+        if self._logits_scale is not None:
+            logits = logits / self._logits_scale if self._divide_logits else logits * self._logits_scale
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -14,24 +14,27 @@ import copy
 import tempfile
 
 import torch
+import torch.nn as nn
 from omegaconf import OmegaConf
 
 from composer3d.errors import ConfigError
+from composer3d.models.hf_tensor_parallel import LLAMA_LAYOUT_TP_PLAN, plan_is_derived, use_local_head_counts
 
 VOCAB = 256
 TOKENS = 48
 WINDOW = 16  # a sliding window shorter than the tokens, so that windowed attention is exercised
 ATOL = 1e-4
+TESTED = "llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3 and stablelm are tested"
 
 
-def tiny_replica(config):
+def tiny_replica(config, tensor_parallel: int = 1):
     """``config`` shrunk to a few million parameters, everything else kept. The head size stays (rotary scaling
-    tables are sized by it); widths follow from the number of heads."""
+    tables are sized by it); widths follow from the number of heads, which ``tensor_parallel`` ranks can split."""
     replica = copy.deepcopy(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    replica_kv = 1 if kv_heads == 1 else 2
+    replica_kv = tensor_parallel if tensor_parallel > 1 else 1 if kv_heads == 1 else 2
     replica.num_attention_heads = replica_kv * (2 if kv_heads < heads else 1)
     if hasattr(config, "num_key_value_heads"):
         replica.num_key_value_heads = replica_kv
@@ -44,46 +47,126 @@ def tiny_replica(config):
         value = getattr(config, special, None)
         if isinstance(value, int) and value >= VOCAB or isinstance(value, list):
             setattr(replica, special, None)
+    layers = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types:  # the first layer of each type, in their order
-        first = sorted({kind: i for i, kind in reversed(list(enumerate(layer_types)))}.values())
-        replica.layer_types = [layer_types[i] for i in first]
-        replica.num_hidden_layers = len(first)
+        kept = sorted({kind: i for i, kind in reversed(list(enumerate(layer_types)))}.values())
     else:
-        replica.num_hidden_layers = min(config.num_hidden_layers, 2)
+        kept = list(range(min(layers, 2)))
+    replica.num_hidden_layers = len(kept)
+    for key, value in vars(config).items():  # per-layer lists (layer_types, mlp_layer_types, …) follow the layers
+        if isinstance(value, list) and len(value) == layers and layers > 1:
+            setattr(replica, key, [value[i] for i in kept])
     if getattr(config, "sliding_window", None):
         replica.sliding_window = min(config.sliding_window, WINDOW)
     return replica
 
 
-@torch.no_grad()
-def check_forward_matches_transformers(model_cfg) -> None:
-    """Raise ConfigError naming the architecture when composer3d's logits differ from transformers' on the replica."""
+def _random_reference(replica):
     from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(replica, dtype=torch.float32).eval()
+    for param in reference.parameters():
+        if param.dim() == 1:  # norms start at ones or zeros: perturbed, a skipped or swapped norm shows
+            param.add_(0.1 * torch.randn_like(param))
+    return reference
+
+
+def _worst_difference(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    """max |Δ| where it exceeds the tolerance (relative to the logits' size), else None."""
+    worst = (got - expected).abs().max().item()
+    return None if worst <= ATOL * max(1.0, expected.abs().max().item()) else worst
+
+
+@torch.no_grad()
+def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> None:
+    """Raise ConfigError naming the architecture when composer3d's logits differ from transformers' on the replica,
+    or (with ``tensor_parallel`` > 1 and a plan composer3d derived) when that plan's split changes them."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     from composer3d.models.hf import HFCausalLM, load_hf_config
 
     config = load_hf_config(model_cfg.path, model_cfg.attn_implementation)
-    replica = tiny_replica(config)
+    kind = f"{config.model_type} ({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, 'causal LM')})"
+    replica = tiny_replica(config, tensor_parallel)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        reference = AutoModelForCausalLM.from_config(replica, dtype=torch.float32).eval()
-        for name, param in reference.named_parameters():
-            if param.dim() == 1:  # norms start at ones or zeros: perturbed, a skipped or swapped norm shows
-                param.add_(0.1 * torch.randn_like(param))
-        tokens = torch.randint(0, VOCAB, (2, TOKENS))
+        try:
+            reference = _random_reference(replica)
+            tokens = torch.randint(0, VOCAB, (2, TOKENS))
+            expected = reference(tokens).logits
+        except Exception as error:  # noqa: BLE001 — whatever stops transformers itself on the replica
+            raise ConfigError(f"model.path: cannot check composer3d's forward of {kind} against transformers': "
+                              f"transformers' own model fails on a tiny replica of its config.json "
+                              f"({type(error).__name__}: {error}). Unchecked, it could train on wrong numbers; "
+                              f"use an architecture that passes the check ({TESTED})") from None
     with tempfile.TemporaryDirectory() as directory:
         replica.save_pretrained(directory)
         ours = HFCausalLM(OmegaConf.merge(model_cfg, {"path": directory})).eval()
     ours.load_state_dict(reference.state_dict())  # the same names: composer3d keeps transformers'
-    expected = reference(tokens).logits
-    got = ours(tokens)
-    worst = (got - expected).abs().max().item()
-    if not worst <= ATOL * max(1.0, expected.abs().max().item()):
-        kind = config.model_type
+    try:
+        worst = _worst_difference(ours(tokens), expected)
+    except Exception as error:  # noqa: BLE001
+        worst = f"it fails ({type(error).__name__}: {error})"
+    if worst is not None:
         raise ConfigError(
-            f"model.path: composer3d's forward of {kind} ({type(reference).__name__}) does not compute what "
-            f"transformers' own does: max |Δlogit| {worst:.3g} on a tiny random replica of its config.json. The "
-            f"architecture does something in its top-level forward that composer3d's does not reproduce (as "
-            f"embedding or logit multipliers); training it would give wrong numbers. Use an architecture that "
-            f"passes this check (llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3 are tested)")
+            f"model.path: composer3d's forward of {kind} does not compute what transformers' own does "
+            f"({worst if isinstance(worst, str) else f'max |Δlogit| {worst:.3g}'} on a tiny random replica of its "
+            f"config.json). The architecture does something in its top-level forward that composer3d's does not "
+            f"reproduce (as embedding or logit multipliers); training it would give wrong numbers. Use an "
+            f"architecture that passes this check ({TESTED})")
+    if tensor_parallel > 1 and plan_is_derived(config):
+        _check_split(ours, tokens, expected, tensor_parallel, kind)
+
+
+class _SummedShards(nn.Module):
+    """What tensor parallel computes for a block under a column/row plan: each rank's slice of the block on the whole
+    input, the outputs summed (the row-parallel all-reduce)."""
+
+    def __init__(self, shards: list[nn.Module]):
+        super().__init__()
+        self.shards = nn.ModuleList(shards)
+
+    def forward(self, *args, **kwargs):
+        outputs = [shard(*args, **kwargs) for shard in self.shards]
+        if isinstance(outputs[0], tuple):
+            return (sum(out[0] for out in outputs), *outputs[0][1:])
+        return sum(outputs)
+
+
+def _shard(block: nn.Module, styles: dict[str, str], rank: int, ranks: int, attention: bool) -> nn.Module:
+    shard = copy.deepcopy(block)
+    for name, style in styles.items():
+        linear = shard.get_submodule(name)
+        dim = 0 if style == "colwise" else 1
+        linear.weight = nn.Parameter(linear.weight.chunk(ranks, dim)[rank].clone())
+        if linear.bias is not None:  # a column slice keeps its share of the bias; a row-parallel bias is added once
+            bias = linear.bias.chunk(ranks)[rank] if style == "colwise" else linear.bias * (rank == 0)
+            linear.bias = nn.Parameter(bias.clone())
+    if attention:  # it holds 1/ranks of the heads, as under the real plan
+        use_local_head_counts(shard, ranks)
+    return shard
+
+
+def _check_split(model, tokens, expected, ranks: int, kind: str) -> None:
+    """The derived plan (hf_tensor_parallel.LLAMA_LAYOUT_TP_PLAN) on ``ranks`` simulated ranks in this process:
+    each attention and MLP block replaced by its slices, summed. An architecture whose blocks mix heads or columns
+    in a way the plan does not split changes the logits."""
+    blocks: dict[str, dict[str, str]] = {}
+    for pattern, style in LLAMA_LAYOUT_TP_PLAN.items():
+        block, _, linear = pattern.removeprefix("layers.*.").partition(".")
+        blocks.setdefault(block, {})[linear] = style
+    try:
+        for layer in model.layers.values():
+            for block, styles in blocks.items():
+                setattr(layer, block, _SummedShards([_shard(getattr(layer, block), styles, r, ranks, block == "self_attn")
+                                                     for r in range(ranks)]))
+        worst = _worst_difference(model(tokens), expected)
+    except Exception as error:  # noqa: BLE001
+        worst = f"it fails ({type(error).__name__}: {error})"
+    if worst is not None:
+        raise ConfigError(
+            f"parallel.tp: {kind} has no tensor-parallel plan in transformers, and the Llama family's plan that "
+            f"composer3d derives for its layout does not split it exactly "
+            f"({worst if isinstance(worst, str) else f'max |Δlogit| {worst:.3g}'} over tp={ranks} on a tiny replica "
+            f"of its config.json). Use parallel.tp=1 (FSDP and pipeline parallel work)")

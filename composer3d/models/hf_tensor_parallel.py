@@ -1,6 +1,7 @@
 """Tensor parallel for Hugging Face models: the model's own ``base_model_tp_plan``, translated in ``TP_STYLES``
-(the one table); the embedding, final norm, head (vocab-parallel, loss on the shards) and sequence-parallel norms
-are ours.
+(the one table), or for an architecture laid out like Llama that ships none, the Llama family's plan (checked
+against the layer's modules here and numerically before launch: ``hf_forward_check``); the embedding, final norm,
+head (vocab-parallel, loss on the shards) and sequence-parallel norms are ours.
 """
 
 from __future__ import annotations
@@ -32,13 +33,64 @@ def tp_split_sizes(m) -> list[tuple[str, int]]:
     return sizes
 
 
+# The plan of transformers' Llama family, for architectures laid out like it that ship no base_model_tp_plan:
+# attention heads and MLP columns split over the tp ranks, each block's output projection reduced.
+LLAMA_LAYOUT_TP_PLAN = {
+    "layers.*.self_attn.q_proj": "colwise",
+    "layers.*.self_attn.k_proj": "colwise",
+    "layers.*.self_attn.v_proj": "colwise",
+    "layers.*.self_attn.o_proj": "rowwise",
+    "layers.*.mlp.gate_proj": "colwise",
+    "layers.*.mlp.up_proj": "colwise",
+    "layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def _derived_plan_problem(layers) -> str | None:
+    """Why the Llama-layout plan would not split ``layers`` correctly, else None. It splits only the planned
+    projections, so every other parameter must sit where the residual stream is whole: in the layer's own norms.
+    A per-head norm, gate or mixing weight inside attention or the MLP would see a slice of the heads and need a
+    style of its own (a plan in transformers)."""
+    planned = {pattern[len(_LAYER_PREFIX):] for pattern in LLAMA_LAYOUT_TP_PLAN}
+    for layer in layers:
+        missing = planned - dict(layer.named_modules()).keys()
+        if missing:
+            return f"its decoder layers lack {sorted(missing)}"
+        for name, _ in layer.named_parameters():
+            module_name = name.rpartition(".")[0]
+            module = layer.get_submodule(module_name)
+            if module_name in planned:
+                if not isinstance(module, nn.Linear):
+                    return f"its {module_name} is a {type(module).__name__}, not a Linear"
+            elif "." in module_name or "norm" not in type(module).__name__.lower():
+                return f"its decoder layers hold {name}, which that plan would not split"
+    return None
+
+
+def plan_is_derived(config) -> bool:
+    return not getattr(config, "base_model_tp_plan", None)
+
+
+def tp_plan(config) -> dict[str, str]:
+    """transformers' plan of the model, else the Llama-layout plan (tensor_parallel_problem says whether it fits)."""
+    return getattr(config, "base_model_tp_plan", None) or LLAMA_LAYOUT_TP_PLAN
+
+
 def tensor_parallel_problem(m) -> str | None:
     """Why this model cannot run tensor parallel (no plan, or a style the table does not know), else None."""
     config = load_hf_config(m.path)
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        return (f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in transformers; "
-                "it trains with FSDP and pipeline parallel only")
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            layers = AutoModelForCausalLM.from_config(config).model.layers
+        problem = _derived_plan_problem(layers)
+        if problem:
+            return (f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in transformers, and "
+                    f"composer3d's plan for the Llama layout does not fit it: {problem}. It trains with FSDP and "
+                    "pipeline parallel")
+        return None
     for pattern, style in plan.items():
         if style not in TP_STYLES:
             return (f"module {pattern} of {config.model_type} asks for tensor-parallel style {style!r}, which "
@@ -67,6 +119,32 @@ class _GatherSequence(ParallelStyle):
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
+
+
+# Head counts and widths some attention modules keep as attributes and reshape by (StableLM's ``view(b, s,
+# self.num_heads, d)``); transformers' newer modules reshape by -1. Under the derived plan each rank holds 1/tp of
+# the heads, so these become the local counts (torchtitan does the same for its own attention).
+_HEAD_ATTRIBUTES = ("num_heads", "num_attention_heads", "num_key_value_heads", "hidden_size")
+
+
+def use_local_head_counts(attention: nn.Module, ranks: int) -> None:
+    for name in _HEAD_ATTRIBUTES:
+        value = getattr(attention, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            setattr(attention, name, value // ranks)
+
+
+class _LocalHeads(ParallelStyle):
+    """The derived plan's attention block: local head counts (``use_local_head_counts``), then ``then`` (the
+    sequence-parallel gather) if any."""
+
+    def __init__(self, then: ParallelStyle | None = None):
+        super().__init__()
+        self.then = then
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        use_local_head_counts(module, device_mesh.size())
+        return self.then._apply(module, device_mesh) if self.then is not None else module
 
 
 def _styles(float8: bool):
@@ -108,7 +186,7 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
     layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP inputs
     all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
     """
-    plan = getattr(model.config, "base_model_tp_plan", None) or {}
+    plan = tp_plan(model.config)
     residual = Shard(1) if sequence_parallel else Replicate()
     block: dict[str, ParallelStyle] = {}
     root: dict[str, ParallelStyle] = {}
@@ -133,4 +211,6 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
                 block[child_name] = SequenceParallel(use_local_output=True)
             elif any(key.startswith(child_name + ".") for key in block):
                 block[child_name] = _GatherSequence()  # attention, MLP: they hold the planned projections
+    if plan_is_derived(model.config):
+        block["self_attn"] = _LocalHeads(then=block.get("self_attn"))
     return root, block
