@@ -8,7 +8,6 @@ Three ways in: torchrun (RANK/WORLD_SIZE/MASTER_* in the environment), SLURM wit
 from __future__ import annotations
 
 import gc
-import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,8 +16,6 @@ import torch
 import torch.distributed as dist
 
 from composer3d.errors import ConfigError
-
-log = logging.getLogger("composer3d")
 
 
 @dataclass(frozen=True)
@@ -104,28 +101,3 @@ def shut_down(finished: bool) -> None:
         gc.collect()
         dist.barrier()
     dist.destroy_process_group()
-
-
-def setup_logging(rank: int, stream=None) -> None:
-    """Rank 0 logs progress; the other ranks only warnings, so a run prints one story. ``stream``: where rank 0's
-    console goes (stdout by default; stderr when stdout carries a result, as composer3d-eval's JSON line)."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
-    level = logging.INFO if rank == 0 else logging.WARNING  # on the console
-    console = Console(file=stream) if stream is not None else None
-    handler = RichHandler(show_path=False, markup=False, console=console) if rank == 0 else logging.StreamHandler()
-    if rank != 0:
-        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(levelname)s %(message)s"))
-    handler.setLevel(level)
-    log.handlers[:] = [handler]
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-def log_to_run_dir(rank: int, run_dir) -> None:
-    """Every rank keeps its full log in <run.dir>/logs/rank<N>.log: the place to look when one rank misbehaves."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)

@@ -24,7 +24,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composer3d import distributed, launcher
+from composer3d import console, distributed, launcher
 from composer3d.checkpoint import META_FILE, load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
@@ -51,7 +51,7 @@ def check_weights_source(cfg: DictConfig) -> None:
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
-    distributed.setup_logging(env.rank if env else 0, stream=sys.stderr)
+    console.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees, device = prepare_rank(cfg, env)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     check_weights_source(cfg)

@@ -16,6 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composer3d.console import is_terminal
+
 log = logging.getLogger("composer3d")
 
 
@@ -117,7 +119,7 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if cfg.logging.progress_bar:
+        if cfg.logging.progress_bar and is_terminal():  # off a terminal it would print one cut-short line
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),

@@ -18,7 +18,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from composer3d import distributed, launcher
+from composer3d import console, distributed, launcher
 from composer3d.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -31,7 +31,7 @@ from composer3d.data import PackedSequences, build_sequences, eval_windows
 from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.hydra_entry import hydra_entry_point
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.metrics import MetricsSink
+from composer3d.metrics import MetricsSink, local_bytes
 from composer3d.preflight import preflight
 from composer3d.trainer import Trainer, prepare_rank
 
@@ -40,7 +40,7 @@ log = logging.getLogger("composer3d")
 
 def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     """Train in this process, as one rank of the job (or the only one)."""
-    distributed.setup_logging(env.rank if env else 0)
+    console.setup_logging(env.rank if env else 0)
     degrees, device = prepare_rank(cfg, env)
     # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
     if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
@@ -70,13 +70,17 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
     """The run once the process group exists; returning drops the trainer (and its pipeline's pending work)."""
     world_size = env.world_size
     run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
-    distributed.log_to_run_dir(env.rank, run_dir)
+    console.log_to_run_dir(env.rank, run_dir)
     if env.rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
     log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
+    log.info("model: %s parameters (%s of them on this rank); %s tokens a step (%d sequences of %d); %d steps",
+             f"{trainer.num_params:,}", console.human_bytes(sum(local_bytes(p) for p in trainer.model.parameters())),
+             f"{cfg.train.global_batch_size * cfg.train.seq_len:,}", cfg.train.global_batch_size, cfg.train.seq_len,
+             cfg.train.steps)
     checkpointer = None
     if cfg.checkpoint.enabled:
         checkpointer = Checkpointer(cfg.checkpoint, run_dir, trainer, OmegaConf.to_container(cfg, resolve=True))

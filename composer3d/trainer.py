@@ -33,6 +33,7 @@ from composer3d.data import (
     eval_result,
     window_batches,
 )
+from composer3d.console import human_bytes
 from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.flops import peak_flops
 from composer3d.grad import clip_grad_norm_
@@ -297,6 +298,8 @@ class Trainer:
                 run_info["model_state_bytes_per_rank"] = int(
                     max_over_ranks(model_state_bytes(self.model, self.optimizer), self.device))
                 sink.write_run_info(run_info)
+                log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
+                         human_bytes(run_info["model_state_bytes_per_rank"]))
             self.zero_grad()
             pending.append((self.step, metrics))
             last = self.step == cfg.train.steps

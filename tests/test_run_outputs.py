@@ -2,6 +2,8 @@
 
 import json
 import os
+import pty
+import re
 import subprocess
 import sys
 
@@ -41,3 +43,43 @@ def test_joins_a_torchrun_job_and_ranks_share_one_run_dir(tmp_path):
     lines = (dirs[0] / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert json.loads((dirs[0] / "run.json").read_text())["layout"]["tp"] == 2
+
+
+STEP_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO step (\d+) loss [\d.]+ grad_norm [\d.]+ lr \S+ "
+                       r"tokens/s [\d,]+ TFLOP/s/device \S+ mem [\d.]+ GiB$")
+
+
+def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_progress_bar(tmp_path):
+    """Piped, as in SLURM logs or `| tee`: every record whole on its own line — no wrapping at 80 columns, no
+    progress bar left cut short — with the start-up summary (layout, parameters, tokens a step, model state per
+    rank). On a (pseudo-)terminal the same run gets rich's console and the progress bar."""
+    run_dir = tmp_path / ("a-run-directory-with-a-name-long-enough-that-rich-would-wrap-it" * 2)
+    piped = train(run_dir, *FAST, "logging.progress_bar=true", "train.steps=3", "parallel.dp_shard=2", nproc=2)
+    lines = piped.output.splitlines()
+    assert [int(m.group(1)) for m in map(STEP_LINE.match, lines) if m] == [1, 2, 3], piped.output[-3000:]
+    assert any(line.endswith(f"run dir {run_dir}") and "layout {'pp': 1, 'dp_replicate': 1, 'dp_shard': 2" in line
+               for line in lines), piped.output[-3000:]
+    assert any(re.search(r"INFO model: [\d,]+ parameters \(.+ of them on this rank\); 512 tokens a step "
+                         r"\(8 sequences of 64\); 3 steps$", line) for line in lines), piped.output[-3000:]
+    assert any(re.search(r"INFO model state: [\d.]+ [KMG]i?B per rank", line) for line in lines), piped.output[-3000:]
+    assert "━" not in piped.output and "…" not in piped.output, "a progress bar was drawn into a pipe"
+
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "composer3d.train", *FAST, "logging.progress_bar=true",
+                             "train.steps=2", f"run.dir={tmp_path / 'tty'}"], stdin=subprocess.DEVNULL,
+                            stdout=secondary, stderr=secondary, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(secondary)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(primary, 65536)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(primary)
+    assert proc.wait(timeout=300) == 0
+    terminal = b"".join(chunks).decode(errors="replace")
+    assert "━" in terminal, terminal[-3000:]  # rich's progress bar
+    assert not any(STEP_LINE.match(line.strip()) for line in terminal.splitlines()), "plain records on a terminal"

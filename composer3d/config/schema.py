@@ -149,7 +149,7 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "composer3d"
     tensorboard: bool = False
-    progress_bar: bool = True
+    progress_bar: bool = True  # on a terminal; off one (SLURM logs, pipes) each logged step is one plain line
     memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
     # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.flops' table by device name (the CPU
     # and unlisted devices get TFLOP/s only)

@@ -1,0 +1,51 @@
+"""What a run prints: rich (colours, wrapping, the progress bar) on a terminal; off one (SLURM logs, ``| tee``,
+a file), plain records, one line each, which rich would otherwise wrap at 80 columns and cut short."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+log = logging.getLogger("composer3d")
+
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError  # the loop returns at GiB
+
+
+def is_terminal(stream=None) -> bool:
+    stream = sys.stdout if stream is None else stream
+    return bool(getattr(stream, "isatty", lambda: False)())
+
+
+def setup_logging(rank: int, stream=None) -> None:
+    """Rank 0 logs progress; the other ranks only warnings, so a run prints one story. ``stream``: where rank 0's
+    console goes (stdout by default; stderr when stdout carries a result, as composer3d-eval's JSON line)."""
+    stream = sys.stdout if stream is None else stream
+    if rank == 0 and is_terminal(stream):
+        from rich.console import Console
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, markup=False, console=Console(file=stream))
+    else:
+        handler = logging.StreamHandler(stream if rank == 0 else sys.stderr)
+        handler.setFormatter(logging.Formatter(PLAIN_FORMAT if rank == 0 else
+                                               f"%(asctime)s [rank{rank}] %(levelname)s %(message)s"))
+    handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def log_to_run_dir(rank: int, run_dir) -> None:
+    """Every rank keeps its full log in <run.dir>/logs/rank<N>.log: the place to look when one rank misbehaves."""
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter(PLAIN_FORMAT))
+    log.addHandler(handler)
