@@ -19,6 +19,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError  # the loop returns at GiB
 
 
+def resume_hint(run_name: str | None, run_dir) -> str:
+    """How this run resumes: an unnamed run's command makes a new timestamped directory each time it runs."""
+    if run_name is not None:
+        return f"the same command resumes it (run.name={run_name})"
+    return f"to resume it, run the same command with run.dir={run_dir}"
+
+
 def is_terminal(stream=None) -> bool:
     stream = sys.stdout if stream is None else stream
     return bool(getattr(stream, "isatty", lambda: False)())

@@ -78,10 +78,11 @@ def report_to_launcher(line: str) -> bool:
 
 
 def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: int = 0,
-                        log_dir: Path | None = None) -> None:
+                        log_dir: Path | None = None, resume_hint: str | None = None) -> None:
     """Run ``python -m module args`` in ``nproc`` local workers. Returns when all succeed; a failure past the
     restarts exits with the first failure's own code (2 config, 3 divergence; a signal or crash: 1); a signal to
-    the launcher raises Interrupted once the workers are stopped. ``log_dir``: where the agent's own log goes."""
+    the launcher raises Interrupted once the workers are stopped. ``log_dir``: where the agent's own log goes;
+    ``resume_hint``: how the run resumes, said when the workers stopped for a stop signal."""
     _log_to_console_and(log_dir)
     os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit the launcher's environment
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
@@ -103,7 +104,8 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     if result.is_failed():
         rank, failure = agent.first_failure(result)
         if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
-            log.info("composer3d: the workers stopped for a stop signal after saving; the same command resumes")
+            log.info("composer3d: the workers stopped for a stop signal after saving%s",
+                     f"; {resume_hint}" if resume_hint else "")
             sys.exit(StoppedBySignal.EXIT_CODE)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
         if failure.error_file_data.get(_REPORTED):

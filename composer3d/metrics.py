@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import resource
+import secrets
 from pathlib import Path
 
 import torch
@@ -101,6 +102,20 @@ class Throughput:
                 "mfu": flops / self.peak if self.peak else None}
 
 
+WANDB_RUN_ID_FILE = "wandb_run_id"
+
+
+def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
+    """The wandb run of this run directory: a resumed run continues the one it started (its id kept in run.dir),
+    a run from step 0 starts a new one."""
+    path = run_dir / WANDB_RUN_ID_FILE
+    if resume_step > 0 and path.exists():
+        return path.read_text().strip()
+    run_id = secrets.token_hex(6)
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class MetricsSink:
     def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int, resume_step: int = 0):
         self.enabled = enabled
@@ -114,7 +129,8 @@ class MetricsSink:
             from omegaconf import OmegaConf
 
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.run.name, dir=str(run_dir),
-                                    config=OmegaConf.to_container(cfg, resolve=True))
+                                    config=OmegaConf.to_container(cfg, resolve=True), resume="allow",
+                                    id=_wandb_run_id(run_dir, resume_step))
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -74,7 +74,8 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
     if env.rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
-    log.info("layout %s on %d %s rank(s); run dir %s", mesh.layout.as_dict(), world_size, device.type, run_dir)
+    log.info("layout %s on %d %s rank(s); run dir %s (%s)", mesh.layout.as_dict(), world_size, device.type, run_dir,
+             console.resume_hint(cfg.run.name, run_dir))
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     log.info("model: %s parameters (%s of them on this rank); %s tokens a step (%d sequences of %d); %d steps",
@@ -121,6 +122,8 @@ def _main(cfg: DictConfig) -> None:
         _tell(env, f"composer3d: training stopped: {error}")
         sys.exit(3)
     except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
+        if env is None or env.rank == 0:
+            log.info("%s", console.resume_hint(cfg.run.name, run_dir))
         sys.exit(StoppedBySignal.EXIT_CODE)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
@@ -129,8 +132,8 @@ def _main(cfg: DictConfig) -> None:
         stop = signum in (signal.SIGTERM, signal.SIGUSR1)
         if env is None or env.rank == 0:
             how = f"stopped by {signal.Signals(signum).name}" if signum != signal.SIGINT else "interrupted (Ctrl-C)"
-            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}"
-                  f"{'; the same command resumes' if stop else ''}", file=sys.stderr)
+            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
+                  f"{console.resume_hint(cfg.run.name, run_dir)}", file=sys.stderr)
         sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
 
 
@@ -151,7 +154,8 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
     overrides += list(HydraConfig.get().overrides.hydra)
     overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
     launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
-                                 max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs")
+                                 max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs",
+                                 resume_hint=console.resume_hint(cfg.run.name, run_dir))
 
 
 def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:

@@ -346,7 +346,7 @@ class Trainer:
             saved = f"step {self.step}, nothing saved (checkpoint.enabled=false)"
         signals.finish()
         message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued"
-        log.info("%s (exit code %d; the same command resumes)", message, StoppedBySignal.EXIT_CODE)
+        log.info("%s (exit code %d)", message, StoppedBySignal.EXIT_CODE)
         raise StoppedBySignal(message)
 
 

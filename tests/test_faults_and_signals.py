@@ -194,5 +194,6 @@ def test_sigusr1_to_the_launcher_reaches_the_workers_which_save_and_exit_75(tmp_
     assert 3 <= stopped < 40, f"stopped at step {stopped}: not mid-run"
     saved = committed_checkpoints(run_dir / "checkpoints")
     assert saved and saved[0].name == f"step-{stopped:08d}", "the step the workers stopped at is saved and committed"
-    assert "stopped by SIGUSR1; the last checkpoint is" in output and "the same command resumes" in output, output
+    assert "stopped by SIGUSR1; the last checkpoint is" in output, output
+    assert f"to resume it, run the same command with run.dir={run_dir}" in output, output
     assert "Traceback" not in output, output[-3000:]

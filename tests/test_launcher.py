@@ -130,8 +130,8 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     assert first.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
     newest = committed_checkpoints(tmp_path / "checkpoints")[0]
-    assert stderr.strip().splitlines() == [f"composer3d: interrupted (Ctrl-C); the last checkpoint is {newest}"], \
-        stderr[-3000:]
+    assert stderr.strip().splitlines() == [f"composer3d: interrupted (Ctrl-C); the last checkpoint is {newest}; "
+                                           f"to resume it, run the same command with run.dir={tmp_path}"], stderr[-3000:]
     assert _all_gone(workers, 5)
     steps = [m["step"] for m in RunResult(0, "", 0.0, tmp_path).metrics]
     assert steps == list(range(1, len(steps) + 1)), "one job's steps, each once"

@@ -83,3 +83,31 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
     terminal = b"".join(chunks).decode(errors="replace")
     assert "━" in terminal, terminal[-3000:]  # rich's progress bar
     assert not any(STEP_LINE.match(line.strip()) for line in terminal.splitlines()), "plain records on a terminal"
+
+
+def _train_in(cwd, *overrides: str) -> str:
+    """composer3d-train as a user types it in ``cwd``: no run.dir, so the config's default places the run."""
+    proc = subprocess.run([sys.executable, "-m", "composer3d.train", *FAST, *overrides], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_a_named_run_resumes_when_its_command_is_run_again_and_its_wandb_run_continues(tmp_path):
+    """run.name=NAME: the run lives in outputs/NAME, and running the command again (with more steps) resumes it
+    into the same wandb run (its id kept in the run directory). Unnamed, each run gets a new timestamped
+    directory, and the log says which run.dir resumes it."""
+    named = ["run.name=exp", "logging.wandb=true", "checkpoint.interval=2"]
+    first = _train_in(tmp_path, *named, "train.steps=2")
+    assert "the same command resumes it (run.name=exp)" in first
+    second = _train_in(tmp_path, *named, "train.steps=3")
+    run_dir = tmp_path / "outputs" / "exp"
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    assert "step 1 loss" not in second and "step 3 loss" in second, "the second run resumed at step 3"
+    wandb_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(wandb_runs) == 2 and len({path.name.rsplit("-", 1)[1] for path in wandb_runs}) == 1, wandb_runs
+    assert (run_dir / "wandb_run_id").read_text().strip() == wandb_runs[0].name.rsplit("-", 1)[1]
+
+    unnamed = _train_in(tmp_path, "train.steps=1", "checkpoint.enabled=false")
+    (stamped,) = (tmp_path / "outputs").glob("????-??-??/*")  # outputs/<date>/<time>
+    assert f"to resume it, run the same command with run.dir={stamped}" in unnamed

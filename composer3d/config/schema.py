@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -139,8 +139,10 @@ class OptimConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = MISSING
-    name: str = "composer3d"
+    dir: str = MISSING  # conf/train.yaml: outputs/<run.name>, or outputs/<date>/<time> for an unnamed run
+    # a stable run directory: re-running the command resumes it (an unnamed run starts afresh each time); also the
+    # wandb run's name
+    name: str | None = None
 
 
 @dataclass
@@ -198,5 +200,8 @@ class TrainConfig:
 
 
 def register_configs() -> None:
+    # run.dir's default (conf/train.yaml): the run's name where it has one, else the timestamp
+    OmegaConf.register_new_resolver("composer3d.run_subdir", lambda name, timestamp: timestamp if name is None else name,
+                                    replace=True)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
