@@ -118,3 +118,30 @@ def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hi
     message = str(error.value)
     assert message.startswith(key + ": "), message
     assert hint in message, message
+
+
+def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_recipes():
+    """`composer3d-train --help`: every key of the schema with its value in the composed config (a recipe's, when
+    one is chosen) and the schema's comment on it; the config groups and the recipes. Exit 0, nothing trained."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from composer3d.config import TrainConfig
+
+    def keys(prefix, cls):
+        for f in dataclasses.fields(cls):
+            nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
+            yield from keys(f"{prefix}{f.name}.", nested) if nested else [f"{prefix}{f.name}"]
+
+    help_ = subprocess.run([sys.executable, "-m", "composer3d.train", "recipe=llama3_1_8b", "--help"],
+                           capture_output=True, text=True, timeout=120)
+    assert help_.returncode == 0, help_.stderr[-3000:]
+    text = help_.stdout
+    missing = [key for key in keys("", TrainConfig) if f"  {key}=" not in text]
+    assert not missing, missing
+    assert "  model.name=hf " in text and "  train.seq_len=4096 " in text, "the recipe's values, not the defaults"
+    assert "cap on tokens read from the corpus (0 = no cap)" in text  # data.max_tokens's comment in schema.py
+    assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
+    assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
+    assert "train:\n" in text and "Override any key as key=value" in text

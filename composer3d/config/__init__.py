@@ -1,5 +1,6 @@
-"""The run's configuration: the typed schema Hydra fills (``schema``) and the checks types cannot express
-(``checks``). Everything a caller needs is importable from ``composer3d.config``."""
+"""The run's configuration: the typed schema Hydra fills (``schema``), the checks types cannot express
+(``checks``), what Hydra needs registered (``registration``) and the per-key ``--help`` (``help``). Everything a
+caller needs is importable from ``composer3d.config``."""
 
 from composer3d.config.checks import (
     pipeline_microbatches,
@@ -8,6 +9,7 @@ from composer3d.config.checks import (
     validate,
     validate_for_device,
 )
+from composer3d.config.registration import register_configs
 from composer3d.config.schema import (
     CheckpointConfig,
     CompileConfig,
@@ -24,7 +26,6 @@ from composer3d.config.schema import (
     RunConfig,
     TrainConfig,
     TrainLoopConfig,
-    register_configs,
 )
 from composer3d.errors import ConfigError
 

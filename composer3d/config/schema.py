@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING
 
 
 @dataclass
@@ -21,20 +20,20 @@ class ModelConfig:
     path: str | None = None
     pretrained: bool = True  # hf: load the weights from path; false: train from scratch (HF's own init, seeded)
     attn_implementation: str | None = None  # hf: sdpa | eager | ...; None: what transformers picks for the model
-    dim: int = MISSING
-    n_layers: int = MISSING
-    n_heads: int = MISSING
+    dim: int = MISSING  # model width (hidden size)
+    n_layers: int = MISSING  # decoder layers
+    n_heads: int = MISSING  # attention (query) heads
     n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
     head_dim: int | None = None  # None: dim / n_heads (the native llama's only choice); model=hf reads its own
-    vocab_size: int = MISSING
+    vocab_size: int = MISSING  # embedding rows; at least the tokenizer's vocabulary
     ffn_hidden_dim: int | None = None  # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
-    multiple_of: int = 256
-    ffn_dim_multiplier: float | None = None
-    norm_eps: float = 1e-5
-    rope_theta: float = 500000.0
-    max_seq_len: int = 8192
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    multiple_of: int = 256  # the MLP width is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None  # scales the Llama-3 MLP width rule
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    rope_theta: float = 500000.0  # rotary embedding base
+    max_seq_len: int = 8192  # longest sequence the rotary tables cover
+    tie_embeddings: bool = False  # the output head shares the embedding matrix
+    init_std: float = 0.02  # std of the normal init of the native model's weights
 
 
 @dataclass
@@ -57,14 +56,14 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = 1
+    dp_replicate: int = 1  # data-parallel replicas (HSDP's outer dimension: parameters replicated across them)
     dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    sequence_parallel: bool = False
-    zero_stage: int = 3
+    tp: int = 1  # tensor parallel degree (Megatron column/row splits of each layer)
+    pp: int = 1  # pipeline parallel degree (stages of consecutive layers)
+    cp: int = 1  # context parallel degree (not available yet: must be 1)
+    ep: int = 1  # expert parallel degree (mixture-of-experts models; not available yet: must be 1)
+    sequence_parallel: bool = False  # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
+    zero_stage: int = 3  # 3: FSDP shards params, grads, optimizer state | 2: params stay gathered | 1: only optimizer state
     # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
     # each microbatch would gather them again in forward and once more in backward. always | never override.
     reshard_after_forward: str = "default"
@@ -76,7 +75,7 @@ class ParallelConfig:
 
 @dataclass
 class Float8Config:
-    enabled: bool = False
+    enabled: bool = False  # float8 matmuls in the linear layers (torchao; accelerators with float8 support)
     recipe: str = "tensorwise"  # tensorwise | rowwise (torchao)
 
 
@@ -85,7 +84,7 @@ class PrecisionConfig:
     param_dtype: str = "auto"  # compute dtype of params: auto = bfloat16 on an accelerator, float32 on the CPU
     reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
     loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
-    loss_scale_growth_interval: int = 2000
+    loss_scale_growth_interval: int = 2000  # float16: steps without overflow before the loss scale doubles
     float8: Float8Config = field(default_factory=Float8Config)
 
 
@@ -102,12 +101,12 @@ class CompileConfig:
 
 @dataclass
 class TrainLoopConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps to train (a resumed run continues to this step)
     global_batch_size: int = 16  # sequences per optimizer step, across all data-parallel ranks
     micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel rank
-    seq_len: int = 128
-    seed: int = 0
-    deterministic: bool = False
+    seq_len: int = 128  # tokens per training sequence
+    seed: int = 0  # seeds initialization and the data order (both independent of the layout)
+    deterministic: bool = False  # torch's deterministic algorithms (bit-exact reruns; slower on accelerators)
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_every: int = 0  # evaluate on eval.path every N steps (and after the last); 0: never
     # a loss or gradient norm that is NaN/inf: stop (exit 3 naming the step, detected at the next metrics read-back,
@@ -125,12 +124,12 @@ class EvalConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
-    warmup_steps: int = 10
+    name: str = "adamw"  # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state)
+    lr: float = 3e-4  # peak learning rate, reached after warmup_steps
+    weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norms or biases)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
+    eps: float = 1e-8  # Adam's denominator epsilon
+    warmup_steps: int = 10  # linear warmup from 0 to lr
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     # adamw's kernels: auto (fused where the device has them, else foreach, else a loop) | fused | foreach | for_loop
@@ -147,10 +146,10 @@ class RunConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = 1
-    wandb: bool = False
-    wandb_project: str = "composer3d"
-    tensorboard: bool = False
+    log_every: int = 1  # read metrics back from the device and log them every N steps (fewer host syncs)
+    wandb: bool = False  # log to Weights & Biases (run.name names the run; resumed runs continue it)
+    wandb_project: str = "composer3d"  # the Weights & Biases project
+    tensorboard: bool = False  # write TensorBoard events to <run.dir>/tensorboard
     progress_bar: bool = True  # on a terminal; off one (SLURM logs, pipes) each logged step is one plain line
     memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
     # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.flops' table by device name (the CPU
@@ -160,19 +159,19 @@ class LoggingConfig:
 
 @dataclass
 class CheckpointConfig:
-    enabled: bool = True
+    enabled: bool = True  # save distributed checkpoints (DCP) and resume from them
     dir: str | None = None  # None: <run.dir>/checkpoints
     interval: int = 0  # save every N steps (0: only at the end of training)
     keep_last: int = 3  # committed checkpoints kept (0: all)
     async_mode: str = "none"  # none | async (write in a background thread) | async_pinned (stage to pinned memory)
     resume: str = "auto"  # auto (newest complete checkpoint in dir, if any) | none | <path to a step-N directory>
     model_only_final: bool = False  # the last checkpoint holds only the weights, in export_dtype
-    export_dtype: str = "bfloat16"
+    export_dtype: str = "bfloat16"  # dtype of exported Hugging Face weights (composer3d-convert export)
 
 
 @dataclass
 class LaunchConfig:
-    nproc_per_node: int = 1
+    nproc_per_node: int = 1  # local worker processes to start (one per device); under torchrun/SLURM theirs
     device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
     # a collective that has not completed after this long fails the run (a stalled or dead rank) instead of hanging;
     # fractions allowed. Generous: a first step that compiles, or a large checkpoint, holds ranks up for minutes
@@ -197,11 +196,3 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-
-
-def register_configs() -> None:
-    # run.dir's default (conf/train.yaml): the run's name where it has one, else the timestamp
-    OmegaConf.register_new_resolver("composer3d.run_subdir", lambda name, timestamp: timestamp if name is None else name,
-                                    replace=True)
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
