@@ -23,7 +23,7 @@ from composer3d.checkpoint import (
     read_meta,
 )
 from composer3d.config import validate, validate_for_device
-from composer3d.data import check_sources, eval_windows
+from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.hf_weights import check_pretrained
@@ -35,7 +35,10 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
     validate_for_device(cfg, degrees, kind)
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
-    check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
+    if cfg.data.prepared:  # mapped, not read: its manifest, shard sizes and what it was prepared from
+        check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.model)
+    else:
+        check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
@@ -93,4 +96,7 @@ def check_resumable(cfg, directory: Path) -> Path | None:
             raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)
+        if cfg.data.prepared:  # its data position points into the windows of the corpus it was saved with
+            check_same_corpus(meta["data"], check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len,
+                                                           cfg.model).identity)
     return path

@@ -62,3 +62,16 @@ def test_hf_loading_benchmark_reads_a_share_per_rank():
     stdout = _run("hf_loading.py", "--hidden", "256", "--layers", "2", "--vocab", "512", "--worlds", "2")
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1 and rows[0][1].strip() == "50.0%", stdout  # each of 2 FSDP ranks reads half
+
+
+def test_data_prepare_benchmark_prepares_and_serves_both_paths():
+    # one worker: a pool's process start-up would dominate a corpus this small (the pool is tested by
+    # test_prepared_data); both paths served in this process
+    stdout = _run("data_prepare.py", "--size-mb", "0.2", "--workers", "1", "--vocab", "600", "--seq-len", "64",
+                  "--batch", "4", "--same-process")
+    prepare = [line.split("|") for line in stdout.splitlines() if line.startswith("| 1 |")]
+    assert len(prepare) == 1 and float(prepare[0][3].replace(",", "")) > 0, stdout  # tokens/s
+    served = {line.split("|")[1].split()[0]: line.split("|")[2:5] for line in stdout.splitlines()
+              if line.startswith(("| prepared", "| in memory"))}
+    assert set(served) == {"prepared", "in"}, stdout
+    assert all(float(value.replace(",", "")) >= 0 for row in served.values() for value in row), stdout

@@ -53,6 +53,13 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     return degrees
 
 
+def validate_data(cfg: Any) -> None:
+    """The checks of what ``composer3d-prepare`` reads (the data and model keys); the layout is not its concern."""
+    _check_known_keys(cfg)
+    _check_model(cfg.model)
+    _check_data(cfg.data, cfg.model)
+
+
 def _check_known_keys(cfg: Any) -> None:
     """Hydra's ``+key=value`` adds a key the schema lacks (plain ``key=value`` is refused by Hydra); nothing would
     read it, so a typo would silently change nothing."""
@@ -302,9 +309,14 @@ def _check_memory(cfg: Any, pp: int) -> None:
 
 def _check_data(d: Any, m: Any) -> None:
     _require(d.name in DATASETS, "data.name", f"unknown dataset {d.name!r}", f"Choose one of {DATASETS}")
+    if d.prepared:
+        _require(d.name == "text_files", "data.prepared", f"holds a corpus of files, and data.name={d.name} reads "
+                 "none", "Use data=text_files (or data=chat) with data.prepared")
+    _require(d.prepare_workers >= 0, "data.prepare_workers", f"must be >= 0, got {d.prepare_workers}",
+             "Use 0 for one per CPU core")
     if d.name == "text_files":
-        _require(len(d.paths) > 0, "data.paths", "text_files needs at least one file, directory or glob",
-                 "Set data.paths=[/path/to/corpus/*.jsonl]")
+        _require(len(d.paths) > 0 or bool(d.prepared), "data.paths", "text_files needs at least one file, "
+                 "directory or glob", "Set data.paths=[/path/to/corpus/*.jsonl], or data.prepared=<prepared dir>")
     else:
         _require(not d.paths, "data.paths", f"is set, but data.name={d.name} reads no files: the run would train on "
                  f"the {d.name} corpus instead", "Add data=text_files to train on these files")

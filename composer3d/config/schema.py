@@ -50,7 +50,16 @@ class DataConfig:
     # packed documents: position_ids restart at each document and the previous document's last token (eos)
     # takes no loss; HF models also attend within documents only (the native llama: loss masking only)
     document_masking: bool = True
-    max_tokens: int = 4_000_000  # cap on tokens read from the corpus (0 = no cap)
+    # cap on tokens read from the corpus into memory (0 = no cap); a prepared corpus (data.prepared) is never capped
+    max_tokens: int = 4_000_000
+    # a corpus prepared once by composer3d-prepare (same data.*/model overrides + data.prepared=<dir>): token
+    # shards every rank maps read-only instead of tokenizing the corpus at start-up; training needs it prepared
+    # (missing: refused, naming the command). data.paths/data.tokenizer may then be left out; where given, they
+    # must be what it was prepared from. None: the corpus is read and tokenized in memory
+    prepared: str | None = None
+    prepare_workers: int = 0  # composer3d-prepare: tokenizing processes (0 = os.cpu_count())
+    # composer3d-prepare: replace a data.prepared directory prepared from other sources/tokenizer (else refused)
+    prepare_overwrite: bool = False
     synthetic_sequences: int = 4096  # synthetic: number of distinct random sequences
 
 

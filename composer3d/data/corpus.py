@@ -1,6 +1,7 @@
 """The training corpus from the data config: the sources checked up front, then read, tokenized and packed.
 
-Synthetic data is seeded random windows; the other corpora go documents → token stream → packed sequences.
+Synthetic data is seeded random windows; the other corpora go documents → token stream → packed sequences, in
+memory on every rank; a corpus prepared once (``data.prepared``) is served from its token shards instead.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import logging
 import torch
 
 from composer3d.data.packing import PackedSequences
-from composer3d.data.sources import chat_conversations, check_files, stdlib_documents, text_file_documents
+from composer3d.data.shards import PreparedSequences, corpus_settings, source_entries, tokenizer_digest
+from composer3d.data.sources import chat_conversations, check_files, expand, stdlib_documents, text_file_documents
 from composer3d.data.streams import conversation_stream, document_stream
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_source
 from composer3d.errors import ConfigError
@@ -41,12 +43,45 @@ def check_sources(data_cfg, model_vocab_size: int, model_cfg=None) -> ByteTokeni
     return tokenizer
 
 
-def build_sequences(data_cfg, model_vocab_size: int, seq_len: int, seed: int, model_cfg=None) -> PackedSequences:
+def check_prepared(data_cfg, model_vocab_size: int, seq_len: int, model_cfg=None) -> PreparedSequences:
+    """The prepared corpus of ``data.prepared``, mapped and checked against this run (ConfigError): its format and
+    field, a vocabulary the model embeds, and, where the config names them, the same tokenizer files and sources
+    (path, size, mtime) it was prepared from. A run that names neither trains on the corpus as prepared."""
+    sequences = PreparedSequences(data_cfg.prepared, seq_len, bool(getattr(data_cfg, "document_masking", True)))
+    manifest, where = sequences.manifest, f"the corpus in data.prepared={data_cfg.prepared}"
+    redo = "Prepare it again with composer3d-prepare and this run's data overrides (data.prepare_overwrite=true)"
+    if manifest["settings"] != corpus_settings(data_cfg):
+        raise ConfigError(f"data.format: {where} was prepared as {manifest['settings']}, and this run asks for "
+                          f"{corpus_settings(data_cfg)}. Use that data.format/field, or: {redo}")
+    vocab_size = manifest["tokenizer"]["vocab_size"]
+    if vocab_size > model_vocab_size:
+        raise ConfigError(f"model.vocab_size: {model_vocab_size} is smaller than the vocabulary {where} was "
+                          f"tokenized with ({vocab_size}). Use model.vocab_size>={vocab_size}")
+    if tokenizer_source(data_cfg, model_cfg) is not None and \
+            tokenizer_digest(data_cfg, model_cfg) != manifest["tokenizer"]["sha256"]:
+        raise ConfigError(f"data.tokenizer: {where} was tokenized by another tokenizer "
+                          f"({manifest['tokenizer']['path']}). Name that one, leave data.tokenizer out to train "
+                          f"on the corpus as prepared, or: {redo}")
+    if data_cfg.paths and source_entries(expand(list(data_cfg.paths))) != manifest["sources"]:
+        raise ConfigError(f"data.prepared: {where} was prepared from other sources than data.paths names now (files, "
+                          "sizes or modification times differ). Leave data.paths out to train on the corpus as "
+                          f"prepared, or: {redo}")
+    return sequences
+
+
+def build_sequences(data_cfg, model_vocab_size: int, seq_len: int, seed: int,
+                    model_cfg=None) -> PackedSequences | PreparedSequences:
     """All packed training sequences, (num_sequences, seq_len + 1) windows, identical on every rank.
 
     ``model_cfg``: the run's model config; a ``model=hf`` run without ``data.tokenizer`` uses its tokenizer.
+    With ``data.prepared`` the windows are served from its shards (:func:`check_prepared`), uncapped.
     """
     document_masking = bool(getattr(data_cfg, "document_masking", True))
+    if getattr(data_cfg, "prepared", None):
+        sequences = check_prepared(data_cfg, model_vocab_size, seq_len, model_cfg)
+        log.info("data: prepared corpus %s (%s), %d sequences of %d tokens, %d documents", data_cfg.prepared,
+                 sequences.manifest["settings"]["format"], len(sequences), seq_len, sequences.manifest["documents"])
+        return sequences
     if data_cfg.name == "synthetic":
         generator = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, model_vocab_size, (data_cfg.synthetic_sequences, seq_len + 1), generator=generator)

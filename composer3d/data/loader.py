@@ -17,13 +17,14 @@ import weakref
 import torch
 
 from composer3d.data.packing import Batch, PackedSequences
+from composer3d.data.shards import PreparedSequences, check_same_corpus
 from composer3d.errors import ConfigError
 
 
 class GlobalBatchLoader:
     """Yields this data-parallel rank's slice of each global batch; resumable from a layout-free position."""
 
-    def __init__(self, sequences: PackedSequences | torch.Tensor, global_batch_size: int, dp_rank: int, dp_size: int,
+    def __init__(self, sequences: PackedSequences | PreparedSequences | torch.Tensor, global_batch_size: int, dp_rank: int, dp_size: int,
                  seed: int):
         if isinstance(sequences, torch.Tensor):  # bare token windows: no documents known, every target counts
             sequences = PackedSequences(sequences)
@@ -55,9 +56,14 @@ class GlobalBatchLoader:
         return batch
 
     def state_dict(self) -> dict:
-        return {"consumed_sequences": self.consumed, "num_sequences": len(self.sequences), "seed": self.seed}
+        state = {"consumed_sequences": self.consumed, "num_sequences": len(self.sequences), "seed": self.seed}
+        identity = getattr(self.sequences, "identity", None)
+        if identity is not None:  # a prepared corpus: a resume checks it is still the same one
+            state["prepared_corpus"] = identity
+        return state
 
     def load_state_dict(self, state: dict) -> None:
+        check_same_corpus(state, getattr(self.sequences, "identity", None))
         if state["num_sequences"] != len(self.sequences) or state["seed"] != self.seed:
             raise ConfigError(f"checkpoint.resume: the checkpoint's data-loader state is for {state['num_sequences']} "
                               f"sequences with seed {state['seed']}, but this run has {len(self.sequences)} with seed "

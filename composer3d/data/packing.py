@@ -92,31 +92,52 @@ class PackedSequences:
     def shape(self) -> torch.Size:
         return self.tokens.shape
 
-    def _trained(self, rows: list[int]) -> torch.Tensor | None:
-        """Which targets (tokens[1:]) of the rows take a loss, (len(rows), seq_len) bool; None: all of them."""
-        trained = None
-        if self.trainable is not None:  # chat: only the assistant replies' tokens are targets
-            trained = self.trainable[rows][:, 1:]
-        if self.document_masking and self.starts is not None:
-            # the previous document's last token (its eos) predicts nothing
-            not_first = ~self.starts[rows][:, 1:]
-            trained = not_first if trained is None else trained & not_first
-        return trained
-
     def target_count(self, rows: list[int]) -> int:
         """How many targets of :meth:`batch` (rows) take a loss, from the masks alone (no Batch built)."""
-        trained = self._trained(rows)
-        return len(rows) * (self.tokens.shape[1] - 1) if trained is None else int(trained.sum())
+        return rows_target_count(*self._flags(rows), len(rows), self.tokens.shape[1] - 1, self.document_masking)
 
     def batch(self, rows: list[int]) -> Batch:
         """The rows as a Batch: inputs are tokens[:-1], targets tokens[1:] with IGNORE_INDEX where masked."""
-        tokens = self.tokens[rows]
-        inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
-        trained = self._trained(rows)
-        if trained is not None:
-            targets[~trained] = IGNORE_INDEX
-        if self.document_masking and self.starts is not None:
-            positions = document_positions(self.starts[rows][:, :-1])
-        else:
-            positions = torch.arange(inputs.shape[1]).expand(inputs.shape).clone()
-        return Batch(inputs, targets, positions)
+        return rows_batch(self.tokens[rows], *self._flags(rows), self.document_masking)
+
+    def _flags(self, rows: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return (None if self.starts is None else self.starts[rows],
+                None if self.trainable is None else self.trainable[rows])
+
+
+# The rows' windows to a Batch, shared by the in-memory corpus and the prepared one (data/prepared.py), so that
+# both turn the same windows into the same batches.
+
+def _trained(starts: torch.Tensor | None, trainable: torch.Tensor | None,
+             document_masking: bool) -> torch.Tensor | None:
+    """Which targets (tokens[1:]) of the windows take a loss, (rows, seq_len) bool; None: all of them."""
+    trained = None
+    if trainable is not None:  # chat: only the assistant replies' tokens are targets
+        trained = trainable[:, 1:]
+    if document_masking and starts is not None:
+        # the previous document's last token (its eos) predicts nothing
+        not_first = ~starts[:, 1:]
+        trained = not_first if trained is None else trained & not_first
+    return trained
+
+
+def rows_target_count(starts: torch.Tensor | None, trainable: torch.Tensor | None, rows: int, seq_len: int,
+                      document_masking: bool) -> int:
+    """How many targets of ``rows`` windows with these flags (rows, seq_len + 1) take a loss."""
+    trained = _trained(starts, trainable, document_masking)
+    return rows * seq_len if trained is None else int(trained.sum())
+
+
+def rows_batch(tokens: torch.Tensor, starts: torch.Tensor | None, trainable: torch.Tensor | None,
+               document_masking: bool) -> Batch:
+    """Windows (rows, seq_len + 1) and their flags as a Batch: inputs tokens[:-1], targets tokens[1:] with
+    IGNORE_INDEX where masked, positions restarting per document under document masking."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:].clone()
+    trained = _trained(starts, trainable, document_masking)
+    if trained is not None:
+        targets[~trained] = IGNORE_INDEX
+    if document_masking and starts is not None:
+        positions = document_positions(starts[:, :-1])
+    else:
+        positions = torch.arange(inputs.shape[1]).expand(inputs.shape).clone()
+    return Batch(inputs, targets, positions)

@@ -14,6 +14,7 @@ import glob
 import json
 import os
 import sysconfig
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -170,10 +171,7 @@ def text_file_documents(paths: list[str], text_field: str) -> Iterator[str]:
     files = expand(paths)
     field = "text" if file_kind(files) == "text" else text_field
     for row, text in enumerate(_load_rows(files, field, "data.text_field")):
-        if not isinstance(text, str):
-            raise ConfigError(f"data.text_field: row {row} of {paths} holds {type(text).__name__} "
-                              f"{str(text)[:80]!r}, not text. Set data.text_field to the field that holds the text")
-        yield text
+        yield document(text, f"row {row} of {paths}")
 
 
 def chat_conversations(paths: list[str], messages_field: str) -> Iterator[list[dict]]:
@@ -184,10 +182,125 @@ def chat_conversations(paths: list[str], messages_field: str) -> Iterator[list[d
                           f"data.paths gives .txt files ({files[0]}). Give .jsonl/.parquet files, or use "
                           "data.format=text")
     for row, messages in enumerate(_load_rows(files, messages_field, "data.messages_field")):
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     for m in messages):
-            raise ConfigError(f"data.messages_field: row {row} of {paths} holds {str(messages)[:200]!r}, not a list "
-                              "of {role, content} messages. Point data.messages_field at such a list")
-        # Rows of one file share a schema: drop the keys another message filled and this one lacks (None), so
-        # the template's `is defined` tests see each message as it was written.
-        yield [{k: v for k, v in m.items() if v is not None} for m in messages]
+        yield conversation(messages, f"row {row} of {paths}")
+
+
+def conversation(messages, where: str) -> list[dict]:
+    """A row's messages, checked to be a list of {role, content}, without the keys it does not fill."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 for m in messages):
+        raise ConfigError(f"data.messages_field: {where} holds {str(messages)[:200]!r}, not a list "
+                          "of {role, content} messages. Point data.messages_field at such a list")
+    # Rows of one file share a schema: drop the keys another message filled and this one lacks (None), so
+    # the template's `is defined` tests see each message as it was written.
+    return [{k: v for k, v in m.items() if v is not None} for m in messages]
+
+
+def document(text, where: str) -> str:
+    if not isinstance(text, str):
+        raise ConfigError(f"data.text_field: {where} holds {type(text).__name__} {str(text)[:80]!r}, not text. Set "
+                          "data.text_field to the field that holds the text")
+    return text
+
+
+# ------------------------------------------------------------------- the corpus in pieces (composer3d-prepare)
+
+@dataclass(frozen=True)
+class Piece:
+    """A part of the corpus that one worker reads, in corpus order: whole .txt files, the lines of a .jsonl file
+    that start in the byte range [start, stop), or row groups of a parquet file."""
+
+    files: tuple[str, ...]
+    start: int = 0
+    stop: int = 0
+    row_groups: tuple[int, ...] = ()
+
+
+def corpus_pieces(files: list[str], piece_bytes: int) -> list[Piece]:
+    """``files`` (one kind, from :func:`expand`) cut into pieces of about ``piece_bytes``, never inside a row."""
+    kind, pieces = file_kind(files), []
+    if kind == "text":  # one document per file: group whole files
+        group, size = [], 0
+        for file in files:
+            group.append(file)
+            size += os.path.getsize(file)
+            if size >= piece_bytes:
+                pieces.append(Piece(tuple(group)))
+                group, size = [], 0
+        return pieces + ([Piece(tuple(group))] if group else [])
+    for file in files:
+        if kind == "json":
+            cuts = _line_starts(file, piece_bytes)
+            pieces += [Piece((file,), a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+        else:
+            import pyarrow.parquet as pq
+
+            metadata = pq.ParquetFile(file).metadata
+            group, size = [], 0
+            for index in range(metadata.num_row_groups):
+                group.append(index)
+                size += metadata.row_group(index).total_byte_size
+                if size >= piece_bytes:
+                    pieces.append(Piece((file,), row_groups=tuple(group)))
+                    group, size = [], 0
+            if group:
+                pieces.append(Piece((file,), row_groups=tuple(group)))
+    return pieces
+
+
+def _line_starts(file: str, piece_bytes: int) -> list[int]:
+    """Byte offsets at which to cut ``file``: 0, a line start after every ``piece_bytes``, and its size."""
+    size, cuts = os.path.getsize(file), [0]
+    with open(file, "rb") as f:
+        while cuts[-1] + piece_bytes < size:
+            f.seek(cuts[-1] + piece_bytes)
+            f.readline()  # to the start of the next line
+            cuts.append(min(f.tell(), size))
+    return cuts + [size] if cuts[-1] < size else cuts
+
+
+def piece_rows(piece: Piece, field: str, key: str) -> Iterator[tuple[object, str]]:
+    """(value of ``field``, where it was read) for each row of the piece, read as :func:`_load_rows` reads it: a
+    .txt file whole (universal newlines), a .jsonl line's field, a parquet row's column."""
+    kind = file_kind(list(piece.files))
+    if kind == "text":
+        for file in piece.files:
+            try:
+                with open(file, encoding="utf-8") as f:
+                    yield f.read(), file
+            except UnicodeDecodeError as error:
+                raise ConfigError(f"data.paths: {file} is not UTF-8 text (byte {error.start}: {error.reason}). Give "
+                                  "UTF-8 text files (re-encode with iconv), or leave binary files out") from None
+    elif kind == "json":
+        file = piece.files[0]
+        with open(file, "rb") as f:
+            f.seek(piece.start)
+            position = piece.start
+            while position < piece.stop:
+                line = f.readline()
+                where = f"{file} byte {position}"
+                position += len(line)
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (ValueError, UnicodeDecodeError) as error:
+                    raise ConfigError(f"data.paths: {where} is not valid JSON ({error}). Give JSON Lines: one JSON "
+                                      "object per line") from None
+                if not isinstance(row, dict):
+                    raise ConfigError(f"data.paths: {where} holds {type(row).__name__}, not a JSON object. Give "
+                                      "JSON Lines: one JSON object per line")
+                yield row.get(field), where
+    else:
+        import pyarrow.parquet as pq
+
+        file = piece.files[0]
+        parquet = pq.ParquetFile(file)
+        if field not in parquet.schema_arrow.names:
+            raise ConfigError(f"{key}: {field!r} is not a field of {file} (fields: {parquet.schema_arrow.names}). "
+                              f"Set {key} to the field that holds it")
+        row = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.row_groups[0]))
+        for batch in parquet.iter_batches(row_groups=list(piece.row_groups), columns=[field]):
+            for value in batch.column(0).to_pylist():
+                yield value, f"{file} row {row}"
+                row += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from composer3d.errors import ConfigError
@@ -22,6 +23,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> torch.Tensor:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode` of each text, as numpy arrays (preparing a large corpus: no per-byte Python ints)."""
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
@@ -61,6 +66,10 @@ class HFTokenizer:
     def encode(self, text: str) -> torch.Tensor:
         """Token ids of ``text`` without added special tokens (no bos/eos; those in the text itself are kept)."""
         return torch.tensor(self.tokenizer.encode(text, add_special_tokens=False), dtype=torch.int64)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """:meth:`encode` of each text, as numpy arrays, in one call (the Rust tokenizer's batch path)."""
+        return [np.asarray(ids, dtype=np.int64) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
