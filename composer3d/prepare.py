@@ -20,7 +20,7 @@ import sys
 
 from omegaconf import DictConfig
 
-from composer3d import distributed
+from composer3d import console
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate_data
 from composer3d.data import prepare_corpus
 from composer3d.hydra_entry import hydra_entry_point
@@ -29,7 +29,7 @@ from composer3d.hydra_entry import hydra_entry_point
 def _main(cfg: DictConfig) -> None:
     # each worker is one process: the Rust tokenizer's own threads would only compete with the other workers
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    distributed.setup_logging(0, stream=sys.stderr)
+    console.setup_logging(0, stream=sys.stderr)
     try:
         resolve_model_config(cfg.model)
         validate_data(cfg)

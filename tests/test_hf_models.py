@@ -124,13 +124,16 @@ def _with_plan(tmp_path: Path, plan) -> Path:
     return path
 
 
-def test_tensor_parallel_without_a_plan_or_with_an_unknown_style_is_refused(tmp_path):
+def test_tensor_parallel_with_an_unknown_style_is_refused_and_without_a_plan_takes_the_llama_layouts(tmp_path):
+    from transformers import AutoConfig
+
     from composer3d.config import ConfigError
+    from composer3d.models.hf_tensor_parallel import LLAMA_LAYOUT_TP_PLAN, tp_plan
 
     no_plan = _with_plan(tmp_path / "none", {})
     validate(train_config(no_plan, dp_shard=2), 2)  # FSDP/PP need no plan
-    with pytest.raises(ConfigError, match="parallel.tp: llama defines no tensor-parallel plan"):
-        validate(train_config(no_plan, tp=2), 2)
+    validate(train_config(no_plan, tp=2), 2)  # laid out like Llama: the Llama family's plan, derived
+    assert tp_plan(AutoConfig.from_pretrained(no_plan)) == LLAMA_LAYOUT_TP_PLAN
     odd = _with_plan(tmp_path / "odd", {"layers.*.mlp.gate_proj": "colwise", "layers.*.mlp.up_proj": "fancy_split"})
     with pytest.raises(ConfigError, match=r"module layers\.\*\.mlp\.up_proj .* style 'fancy_split'"):
         validate(train_config(odd, tp=2), 2)
