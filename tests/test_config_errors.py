@@ -141,7 +141,7 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     missing = [key for key in keys("", TrainConfig) if f"  {key}=" not in text]
     assert not missing, missing
     assert "  model.name=hf " in text and "  train.seq_len=4096 " in text, "the recipe's values, not the defaults"
-    assert "cap on tokens read from the corpus (0 = no cap)" in text  # data.max_tokens's comment in schema.py
+    assert "cap on tokens read from the corpus into memory (0 = no cap)" in text  # data.max_tokens's, schema.py
     assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
     assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
     assert "train:\n" in text and "Override any key as key=value" in text
