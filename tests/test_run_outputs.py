@@ -57,8 +57,8 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
     piped = train(run_dir, *FAST, "logging.progress_bar=true", "train.steps=3", "parallel.dp_shard=2", nproc=2)
     lines = piped.output.splitlines()
     assert [int(m.group(1)) for m in map(STEP_LINE.match, lines) if m] == [1, 2, 3], piped.output[-3000:]
-    assert any(line.endswith(f"run dir {run_dir}") and "layout {'pp': 1, 'dp_replicate': 1, 'dp_shard': 2" in line
-               for line in lines), piped.output[-3000:]
+    assert any(f"run dir {run_dir} (to resume it, run the same command with run.dir={run_dir})" in line
+               and "layout {'pp': 1, 'dp_replicate': 1, 'dp_shard': 2" in line for line in lines), piped.output[-3000:]
     assert any(re.search(r"INFO model: [\d,]+ parameters \(.+ of them on this rank\); 512 tokens a step "
                          r"\(8 sequences of 64\); 3 steps$", line) for line in lines), piped.output[-3000:]
     assert any(re.search(r"INFO model state: [\d.]+ [KMG]i?B per rank", line) for line in lines), piped.output[-3000:]
