@@ -12,11 +12,11 @@ PLAIN_FORMAT = "%(asctime)s %(levelname)s %(message)s"
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError  # the loop returns at GiB
+    units = ("B", "KiB", "MiB", "GiB")
+    power = 0
+    while n >= 1024 and power < len(units) - 1:
+        n, power = n / 1024, power + 1
+    return f"{int(n)} B" if power == 0 else f"{n:.3g} {units[power]}"
 
 
 def resume_hint(run_name: str | None, run_dir) -> str:

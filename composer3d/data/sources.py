@@ -96,6 +96,19 @@ def _check_utf8(file: str) -> None:
                           "text files (re-encode with iconv), or leave binary files out") from None
 
 
+def _json_row(line: bytes, where: str) -> dict:
+    """One JSON Lines row, or the ConfigError saying what is wrong with it at ``where``."""
+    try:
+        row = json.loads(line)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"data.paths: {where} is not valid JSON ({error}). Give JSON Lines: one JSON object per "
+                          "line") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"data.paths: {where} holds {type(row).__name__}, not a JSON object. Give JSON Lines: one "
+                          "JSON object per line")
+    return row
+
+
 def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
     with open(file, "rb") as f:
         for number, line in enumerate(f, start=1):
@@ -103,14 +116,9 @@ def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
                 break
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except (ValueError, UnicodeDecodeError) as error:
-                raise ConfigError(f"data.paths: {file} line {number} is not valid JSON ({error}). Give JSON Lines: "
-                                  "one JSON object per line") from None
-            if not isinstance(row, dict) or field not in row:
-                fields = sorted(row) if isinstance(row, dict) else type(row).__name__
-                raise ConfigError(f"{key}: {field!r} is not a field of {file} line {number} (fields: {fields}). "
+            row = _json_row(line, f"{file} line {number}")
+            if field not in row:
+                raise ConfigError(f"{key}: {field!r} is not a field of {file} line {number} (fields: {sorted(row)}). "
                                   f"Set {key} to the field that holds the {wanted}")
             _check_value_type(row[field], file, f"line {number}", key, wanted)
 
@@ -282,15 +290,7 @@ def piece_rows(piece: Piece, field: str, key: str) -> Iterator[tuple[object, str
                 position += len(line)
                 if not line.strip():
                     continue
-                try:
-                    row = json.loads(line)
-                except (ValueError, UnicodeDecodeError) as error:
-                    raise ConfigError(f"data.paths: {where} is not valid JSON ({error}). Give JSON Lines: one JSON "
-                                      "object per line") from None
-                if not isinstance(row, dict):
-                    raise ConfigError(f"data.paths: {where} holds {type(row).__name__}, not a JSON object. Give "
-                                      "JSON Lines: one JSON object per line")
-                yield row.get(field), where
+                yield _json_row(line, where).get(field), where
     else:
         import pyarrow.parquet as pq
 

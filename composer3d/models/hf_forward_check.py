@@ -73,10 +73,15 @@ def _random_reference(replica):
     return reference
 
 
-def _worst_difference(got: torch.Tensor, expected: torch.Tensor) -> float | None:
-    """max |Δ| where it exceeds the tolerance (relative to the logits' size), else None."""
+def _mismatch(forward, expected: torch.Tensor) -> str | None:
+    """How the logits ``forward()`` returns differ from ``expected`` beyond the tolerance (relative to the logits'
+    size), or how it fails; None where they agree."""
+    try:
+        got = forward()
+    except Exception as error:  # noqa: BLE001 — any failure of the forward is a mismatch, reported with its reason
+        return f"it fails ({type(error).__name__}: {error})"
     worst = (got - expected).abs().max().item()
-    return None if worst <= ATOL * max(1.0, expected.abs().max().item()) else worst
+    return None if worst <= ATOL * max(1.0, expected.abs().max().item()) else f"max |Δlogit| {worst:.3g}"
 
 
 @torch.no_grad()
@@ -104,14 +109,11 @@ def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> N
         replica.save_pretrained(directory)
         ours = HFCausalLM(OmegaConf.merge(model_cfg, {"path": directory})).eval()
     ours.load_state_dict(reference.state_dict())  # the same names: composer3d keeps transformers'
-    try:
-        worst = _worst_difference(ours(tokens), expected)
-    except Exception as error:  # noqa: BLE001
-        worst = f"it fails ({type(error).__name__}: {error})"
-    if worst is not None:
+    mismatch = _mismatch(lambda: ours(tokens), expected)
+    if mismatch is not None:
         raise ConfigError(
             f"model.path: composer3d's forward of {kind} does not compute what transformers' own does "
-            f"({worst if isinstance(worst, str) else f'max |Δlogit| {worst:.3g}'} on a tiny random replica of its "
+            f"({mismatch} on a tiny random replica of its "
             f"config.json). The architecture does something in its top-level forward that composer3d's does not "
             f"reproduce (as embedding or logit multipliers); training it would give wrong numbers. Use an "
             f"architecture that passes this check ({TESTED})")
@@ -156,17 +158,17 @@ def _check_split(model, tokens, expected, ranks: int, kind: str) -> None:
     for pattern, style in LLAMA_LAYOUT_TP_PLAN.items():
         block, _, linear = pattern.removeprefix("layers.*.").partition(".")
         blocks.setdefault(block, {})[linear] = style
-    try:
+
+    def split_forward():
         for layer in model.layers.values():
             for block, styles in blocks.items():
                 setattr(layer, block, _SummedShards([_shard(getattr(layer, block), styles, r, ranks, block == "self_attn")
                                                      for r in range(ranks)]))
-        worst = _worst_difference(model(tokens), expected)
-    except Exception as error:  # noqa: BLE001
-        worst = f"it fails ({type(error).__name__}: {error})"
-    if worst is not None:
+        return model(tokens)
+
+    mismatch = _mismatch(split_forward, expected)
+    if mismatch is not None:
         raise ConfigError(
             f"parallel.tp: {kind} has no tensor-parallel plan in transformers, and the Llama family's plan that "
-            f"composer3d derives for its layout does not split it exactly "
-            f"({worst if isinstance(worst, str) else f'max |Δlogit| {worst:.3g}'} over tp={ranks} on a tiny replica "
+            f"composer3d derives for its layout does not split it exactly ({mismatch} over tp={ranks} on a tiny replica "
             f"of its config.json). Use parallel.tp=1 (FSDP and pipeline parallel work)")
