@@ -106,19 +106,16 @@ def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[R
     """Each job (run directory, overrides) trained by ``composer3d.train.run`` as a torchrun worker runs it, one after
     another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
     paid once. For numerics across many models; the command line itself is what ``train`` tests."""
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    ports = [_free_port() for _ in jobs]
-    mp.spawn(_train_jobs, args=(nproc, [(str(d), list(o)) for d, o in jobs], ports), nprocs=nproc, join=True)
+    # Each job's rendezvous store is served from here, as torchrun's agent serves its workers', on a port the OS
+    # picks and this process holds throughout: a port found free and let go before use can be taken in between
+    # (an earlier job's client sockets draw from the same range), and the job then fails to start.
+    stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
+    mp.spawn(_train_jobs, args=(nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores]), nprocs=nproc,
+             join=True)
     return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int]) -> None:
@@ -129,7 +126,7 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
     from composer3d.train import run
 
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1")
+                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         for (run_dir, overrides), port in zip(jobs, ports):
