@@ -110,7 +110,7 @@ def test_wheel_in_fresh_virtualenv_runs_recipe(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("module", ["composer3d.train", "composer3d.evaluate"])
+@pytest.mark.parametrize("module", ["composer3d.train", "composer3d.evaluate", "composer3d.generate"])
 def test_this_install_composes_from_any_directory(module, tmp_path):
     """The install the suite runs against (editable in development and CI): `python -m` as the workers start."""
     _check_recipe_config(_run([sys.executable, "-m", module, f"recipe={RECIPE}", f"model.path={MODEL_PATH}",

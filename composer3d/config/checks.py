@@ -44,6 +44,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_pipeline(cfg, degrees["pp"], degrees["dp_replicate"] * degrees["dp_shard"])
     _check_batch(cfg, degrees)
     _check_loop(cfg.train, cfg.eval)
+    _check_generate(cfg.generate)
     _check_optimizer(cfg.optim, cfg.parallel)
     _check_precision(cfg.precision, degrees["tp"])
     _check_memory(cfg, degrees["pp"])
@@ -258,6 +259,15 @@ def _check_loop(t: Any, eval_cfg: Any) -> None:
     _require(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}",
              "Use e.g. 10")
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
+
+
+def _check_generate(g: Any) -> None:
+    """composer3d-generate's decoding settings (the prompt's length is checked once it is tokenized)."""
+    _require(g.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}", "Use e.g. 128")
+    _require(g.temperature >= 0, "generate.temperature", f"must be >= 0, got {g.temperature}",
+             "Use 0 for greedy decoding, or e.g. 0.8 to sample")
+    _require(0 < g.top_p <= 1, "generate.top_p", f"must be in (0, 1], got {g.top_p}", "Use 1 for no nucleus cut, or e.g. 0.9")
+    _require(g.output in ("text", "json"), "generate.output", f"unknown output {g.output!r}", "Choose text or json")
 
 
 def _check_optimizer(o: Any, p: Any) -> None:

@@ -132,6 +132,18 @@ class EvalConfig:
 
 
 @dataclass
+class GenerateConfig:
+    prompt: str = ""  # composer3d-generate: the text to continue
+    chat: bool = False  # send the prompt as a user message through the tokenizer's chat template
+    max_new_tokens: int = 128  # tokens generated at most (prompt + these must fit model.max_seq_len)
+    temperature: float = 0.0  # 0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)
+    top_p: float = 1.0  # sampling: only from the most likely tokens whose probabilities add up to top_p (nucleus)
+    seed: int = 0  # seeds the sampling (the same seed and weights give the same text)
+    stop_at_eos: bool = True  # stop at the tokenizer's end-of-sequence token
+    output: str = "text"  # text: the prompt and its continuation | json: one line with the token ids too
+
+
+@dataclass
 class OptimConfig:
     name: str = "adamw"  # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state)
     lr: float = 3e-4  # peak learning rate, reached after warmup_steps
@@ -201,6 +213,7 @@ class TrainConfig:
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
     run: RunConfig = field(default_factory=RunConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -138,7 +138,8 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
         (out / HF_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(out / HF_INDEX)
     if model_fields["name"] == "llama":
-        written.append(_write_llama_config(meta, out, dtype))
+        eos_id, tokenizer_files = _write_run_tokenizer(meta, out)
+        written += [*tokenizer_files, *_write_llama_config(meta, out, dtype, eos_id)]
     return written
 
 
@@ -150,15 +151,35 @@ def _llama_hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[st
     return {k: v.to(DTYPES[dtype]).contiguous() for k, v in llama.hf_state_dict_from_native(native, cfg).items()}
 
 
-def _write_llama_config(meta: dict, out: Path, dtype: str) -> Path:
+def _write_run_tokenizer(meta: dict, out: Path) -> tuple[int, list[Path]]:
+    """The tokenizer the run trained with (its data.tokenizer, else the byte-level one), saved as transformers
+    saves one, so the exported directory generates as it is; returns its eos id and the files written."""
+    from types import SimpleNamespace
+
+    from composer3d.data.tokenizers import ByteTokenizer, build_tokenizer
+    from composer3d.errors import ConfigError
+
+    data = SimpleNamespace(tokenizer=(meta["config"].get("data") or {}).get("tokenizer"))
+    try:
+        tokenizer = build_tokenizer(data)
+    except ConfigError as error:
+        raise ConvertError(f"the run's tokenizer is exported with the model, and it cannot be loaded: {error}") from None
+    hf_tokenizer = tokenizer.to_transformers() if isinstance(tokenizer, ByteTokenizer) else tokenizer.tokenizer
+    return tokenizer.eos_id, [Path(name) for name in hf_tokenizer.save_pretrained(out)]
+
+
+def _write_llama_config(meta: dict, out: Path, dtype: str, eos_id: int) -> list[Path]:
+    """config.json, and generation_config.json naming the tokenizer's eos (transformers' generate stops there)."""
     from composer3d.models import llama
 
     try:
-        from transformers import LlamaConfig
+        from transformers import GenerationConfig, LlamaConfig
     except ImportError as error:
         raise ConvertError("export needs transformers (pip install 'composer3d[hf]')") from error
     cfg = model_config(meta["config"]["model"])
-    LlamaConfig(**llama.hf_config_from_native(cfg), dtype=dtype, bos_token_id=None, eos_token_id=None).save_pretrained(out)
+    LlamaConfig(**llama.hf_config_from_native(cfg), dtype=dtype, bos_token_id=None,
+                eos_token_id=eos_id).save_pretrained(out)
+    GenerationConfig(eos_token_id=eos_id).save_pretrained(out)
     # Spell the RoPE base and dtype the transformers 4 way too: a 4.x reader ignores rope_parameters and would
     # silently fall back to theta 10000.
     config_file = out / "config.json"
@@ -166,7 +187,7 @@ def _write_llama_config(meta: dict, out: Path, dtype: str) -> Path:
     config.setdefault("rope_theta", float(cfg.rope_theta))
     config.setdefault("torch_dtype", dtype)
     config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    return config_file
+    return [config_file, out / "generation_config.json"]
 
 
 def _prepare_out_dir(out: Path, overwrite: bool) -> None:

@@ -31,6 +31,18 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
+    def to_transformers(self):
+        """The same ids as a transformers tokenizer, for an exported model: byte-level BPE without merges (each byte
+        one token, its id the byte's value, spelled by GPT-2's byte-to-character table) and eos as id 256."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+        byte_level = Tokenizer(models.BPE(vocab={char: byte for byte, char in bytes_to_unicode().items()}, merges=[]))
+        byte_level.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        byte_level.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=byte_level, eos_token="<|end_of_document|>")
+
 
 class HFTokenizer:
     """A Hugging Face tokenizer loaded from a local directory (never downloaded).
