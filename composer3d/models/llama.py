@@ -195,10 +195,10 @@ class Llama(nn.Module):
         rope, mask = (self.rope_cos, self.rope_sin), None
         if position_ids is not None:
             documents = document_ids(position_ids)
-            # Leaving the fast causal kernel is a host decision: one device-to-host read per forward (microbatch,
-            # pipeline stage), never per layer; transformers' packed-sequence check reads the same for HF models.
-            # Rows without a restart run causal with the tables from 0: RoPE sees only relative positions.
-            if documents[:, -1].any():
+            # Flex attention takes the mask whatever it holds: no read of the device (a host sync would stall the
+            # step). The exact fallback runs where the device is the host or synchronous anyway; a batch without a
+            # restart keeps the causal kernel and the tables from 0 there (RoPE sees only relative positions).
+            if _flex_fits(documents.device.type) or documents[:, -1].any():
                 rope, mask = (self.rope_cos[position_ids], self.rope_sin[position_ids]), document_mask(documents)
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
             h = self.layers[layer_id](h, *rope, mask)
