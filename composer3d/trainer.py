@@ -110,20 +110,23 @@ class Trainer:
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
 
-        position_ids go to the model (under PP: to every stage, split into microbatches like the inputs).
+        With data.document_masking, position_ids go to the model (under PP: to every stage, split into microbatches
+        like the inputs); without, they run 0..seq-1 in every row and the model's causal default is the same.
         """
-        inputs, targets, positions = batch.inputs, batch.targets, batch.position_ids
+        inputs, targets = batch.inputs, batch.targets
+        positions = batch.position_ids if self.cfg.data.document_masking else None
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.runs_first_stage else ()
-            self.pipeline.step(*args, target=targets, losses=losses, position_ids=positions)
+            self.pipeline.step(*args, target=targets, losses=losses,
+                               **({} if positions is None else {"position_ids": positions}))
             for loss in losses if self.runs_last_stage else []:
                 total += loss.detach()
             return total
+        position_chunks = [None] * self.accumulation_steps if positions is None else positions.chunk(self.accumulation_steps)
         for i, (inp, tgt, pos) in enumerate(zip(inputs.chunk(self.accumulation_steps),
-                                                targets.chunk(self.accumulation_steps),
-                                                positions.chunk(self.accumulation_steps))):
+                                                targets.chunk(self.accumulation_steps), position_chunks)):
             if i and self.memory_tracker is not None:
                 self.memory_tracker.reset_mod_stats()
             loss = self._loss(self.model(inp, position_ids=pos), tgt)
@@ -239,16 +242,15 @@ class Trainer:
         self.model.eval()
         self.evaluating = True
         try:
-            for inputs, targets, positions in window_batches(windows, self.mesh.dp_rank, self.mesh.layout.dp,
-                                                             per_forward):
-                inputs, targets, positions = (t.to(self.device) for t in (inputs, targets, positions))
+            for inputs, targets in window_batches(windows, self.mesh.dp_rank, self.mesh.layout.dp, per_forward):
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
                 count += (targets != IGNORE_INDEX).sum()
                 if self.pipeline is None:
-                    loss_sum += self._loss(self.model(inputs, position_ids=positions), targets).double()
+                    loss_sum += self._loss(self.model(inputs), targets).double()
                     continue
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.runs_first_stage else ()
-                self.pipeline.eval(*args, target=targets, losses=losses, position_ids=positions)
+                self.pipeline.eval(*args, target=targets, losses=losses)
                 for loss in losses if self.runs_last_stage else []:
                     loss_sum += loss.double()
         finally:

@@ -48,7 +48,7 @@ class DataConfig:
     # local directory of a Hugging Face tokenizer; None = model=hf's own (model.path), else byte-level
     tokenizer: str | None = None
     # packed documents: position_ids restart at each document and the previous document's last token (eos)
-    # takes no loss; HF models also attend within documents only (the native llama: loss masking only)
+    # takes no loss; the model (native llama or HF) also attends within documents only
     document_masking: bool = True
     # cap on tokens read from the corpus into memory (0 = no cap); a prepared corpus (data.prepared) is never capped
     max_tokens: int = 4_000_000

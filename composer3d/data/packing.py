@@ -3,10 +3,10 @@
 The stream is cut into windows of seq_len + 1 tokens, its per-token flags alongside. A window becomes a
 :class:`Batch` row: inputs, targets (-100 where no loss is taken) and position_ids. With
 ``data.document_masking`` the positions restart at 0 at each document's first token and no loss is taken on
-predicting a document's first token from the previous document. Hugging Face models see the restarts in
-``position_ids`` and, through transformers' mask utilities (a position jump other than +1 starts a new packed
-sequence), attend only within each document; the native Llama ignores ``position_ids`` (its attention stays
-causal over the whole window), so it gets the loss masking only.
+predicting a document's first token from the previous document. The model sees the restarts in ``position_ids``
+(a position other than the previous one + 1 starts a new packed document) and attends only within each
+document: Hugging Face models through transformers' mask utilities, the native Llama through its own
+block-causal mask (``composer3d.models.llama.document_mask``) built by the same rule.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ class Batch:
     """Model inputs and loss targets for a batch of packed windows, all (batch, seq_len) int64.
 
     ``targets`` holds the next token, or IGNORE_INDEX (-100) where no loss is taken. ``position_ids`` restart at 0
-    at each document start when document masking is on (HF models then attend within documents only; the native
-    Llama ignores them), else they count 0..seq_len-1 along each row. ``global_targets``: targets that take a loss
-    in the whole global batch (every data-parallel rank's rows), when the loader filled it in.
+    at each document start when document masking is on (the model then attends within documents only, native
+    Llama and HF models alike), else they count 0..seq_len-1 along each row. ``global_targets``: targets that
+    take a loss in the whole global batch (every data-parallel rank's rows), when the loader filled it in.
     """
 
     inputs: torch.Tensor

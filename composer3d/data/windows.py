@@ -31,7 +31,8 @@ def eval_windows(eval_cfg, data_cfg, model_cfg, seq_len: int) -> torch.Tensor:
 
 
 def window_batches(windows: torch.Tensor, dp_rank: int, dp: int, per_forward: int):
-    """This data-parallel rank's (inputs, targets, position_ids) batches of ``per_forward`` windows.
+    """This data-parallel rank's (inputs, targets) batches of ``per_forward`` windows (each one span of the file:
+    plain causal attention, no position_ids).
 
     A window is fed whole (seq_len tokens, so sequence-parallel divisibility holds) and its last position takes no
     loss: it has no next token in the window. Every rank runs the same number of batches — the window count is
@@ -44,9 +45,8 @@ def window_batches(windows: torch.Tensor, dp_rank: int, dp: int, per_forward: in
     pad = padded - windows.shape[0]
     inputs = torch.cat([windows, windows.new_zeros((pad, windows.shape[1]))])
     targets = torch.cat([targets, targets.new_full((pad, windows.shape[1]), IGNORE_INDEX)])
-    positions = torch.arange(windows.shape[1]).expand(per_forward, -1)
     for start in range(dp_rank * per_forward, padded, per_round):
-        yield inputs[start:start + per_forward], targets[start:start + per_forward], positions
+        yield inputs[start:start + per_forward], targets[start:start + per_forward]
 
 
 def eval_result(loss_sum: float, count: int) -> dict:

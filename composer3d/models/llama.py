@@ -3,11 +3,14 @@
 Built on the meta device; weights are filled later by ``composer3d.models.init`` from per-parameter rules
 this module declares (``init_rule``), so the values do not depend on how the parameters get sharded.
 Attention reads its head count from the tensor it receives, so the same code runs whole or
-tensor-parallel (where each rank holds n_heads / tp heads).
+tensor-parallel (where each rank holds n_heads / tp heads). Packed documents (``position_ids`` that restart, as
+``data.document_masking`` makes them) attend only within themselves, as in Hugging Face models: RoPE at the given
+positions and block-causal attention (``document_mask``).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -21,6 +24,8 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils._triton import has_triton
 
 from composer3d.models.init import InitRule, normal, ones
 
@@ -42,12 +47,55 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.dev
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of the head dim: x is (batch, seq, heads, head_dim)."""
-    seq = x.shape[1]
-    cos, sin = cos[:seq, None, :], sin[:seq, None, :]
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of the head dim: x is (batch, seq, heads, head_dim).
+
+    ``cos``/``sin``: the whole tables (positions 0..seq-1 are used) or, gathered at each row's position_ids,
+    (batch, seq, head_dim / 2)."""
+    if cos.dim() == 2:
+        cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x_even, x_odd = x.float()[..., 0::2], x.float()[..., 1::2]
     rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's document index in its row, (batch, seq): a document starts wherever the position does not go on
+    +1 from the previous token's, transformers' rule for packed sequences (``find_packed_sequence_indices``)."""
+    return F.pad((position_ids[:, 1:] != position_ids[:, :-1] + 1).cumsum(-1), (1, 0))
+
+
+@functools.cache
+def _flex_fits(device_type: str) -> bool:
+    """Whether attention on this device type takes flex attention: where inductor compiles it to Triton kernels (the
+    accelerator, when Triton supports it). Elsewhere its kernels are slow or missing (torch 2.13's flex attention has
+    no backward on the CPU), and the exact SDPA mask is used."""
+    accelerator = torch.accelerator.current_accelerator()
+    return accelerator is not None and device_type == accelerator.type and has_triton()
+
+
+# flex_attention and create_block_mask compiled, made on first use (torch.compile costs seconds to import): eager,
+# the one materializes every score and the other a (batch, seq, seq) mask.
+_compiled_flex: tuple | None = None
+
+
+def document_mask(documents: torch.Tensor) -> BlockMask | torch.Tensor:
+    """Block-causal attention over ``document_ids``: token i attends to token j iff j <= i in the same document.
+
+    A flex-attention BlockMask where flex fits the device (``_flex_fits``), else a boolean mask for SDPA,
+    (batch, 1, seq, seq): exact, with memory quadratic in the sequence.
+    """
+    global _compiled_flex
+    batch, seq = documents.shape
+    if _flex_fits(documents.device.type):
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention), torch.compile(create_block_mask)
+
+        def same_document_causal(b, h, q, kv):
+            return (kv <= q) & (documents[b, q] == documents[b, kv])
+        return _compiled_flex[1](same_document_causal, batch, None, seq, seq, device=documents.device)
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -59,16 +107,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
+        """``mask``: None for causal attention, else ``document_mask``'s."""
         bsz, seq, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds only its share of the heads.
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin)
-        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin)
-        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=q.shape[2] != k.shape[2],
-        )
+        # -1 heads: under tensor parallel each rank holds only its share of the heads (the mask has no head dim).
+        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
+        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        gqa = q.shape[1] != k.shape[1]
+        if isinstance(mask, BlockMask):
+            out = _compiled_flex[0](q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -91,8 +142,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.feed_forward = FeedForward(dim, hidden_dim)
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -134,11 +186,22 @@ class Llama(nn.Module):
 
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
                 head: bool = True, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head."""
-        # position_ids (packed-document restarts) are ignored: RoPE runs 0..seq-1 and attention stays causal.
+        """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head.
+
+        ``position_ids`` (batch, seq) that restart mark packed documents: each attends only within itself, with RoPE
+        at its positions. Without a restart (or without position_ids) attention is causal over the whole row.
+        """
         h = self.tok_embeddings(x) if embed else x
+        rope, mask = (self.rope_cos, self.rope_sin), None
+        if position_ids is not None:
+            documents = document_ids(position_ids)
+            # Flex attention takes the mask whatever it holds: no read of the device (a host sync would stall the
+            # step). The exact fallback runs where the device is the host or synchronous anyway; a batch without a
+            # restart keeps the causal kernel and the tables from 0 there (RoPE sees only relative positions).
+            if _flex_fits(documents.device.type) or documents[:, -1].any():
+                rope, mask = (self.rope_cos[position_ids], self.rope_sin[position_ids]), document_mask(documents)
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
-            h = self.layers[layer_id](h, self.rope_cos, self.rope_sin)
+            h = self.layers[layer_id](h, *rope, mask)
         return self.output(self.norm(h)) if head else h
 
 
@@ -179,7 +242,9 @@ def tensor_parallel_plan(model: Llama, sequence_parallel: bool, float8: bool = F
         block.update({
             "attention_norm": SequenceParallel(),
             "ffn_norm": SequenceParallel(),
-            "attention": PrepareInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)),
+            # (x, rope_cos, rope_sin, mask): the sequence is gathered, so RoPE tables and mask cover all of it
+            "attention": PrepareInput(input_layouts=(Shard(1), None, None, None),
+                                      desired_input_layouts=(Replicate(), None, None, None)),
             "feed_forward": PrepareInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         })
     return root, block

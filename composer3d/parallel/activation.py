@@ -24,6 +24,7 @@ def _save_list() -> set:
                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
+    ops.add(torch.ops.higher_order.flex_attention)  # the native llama's attention within packed documents
     for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):  # TP's: don't redo comms
         ops.add(getattr(torch.ops._c10d_functional, name).default)
     return ops
