@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import inspect
 import json
 import logging
 import math
@@ -46,6 +47,9 @@ FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 LOCK_FILE = ".composer3d.lock"
 # seconds the survivors of a failed worker get to exit on SIGTERM before SIGKILL (enough to flush their logs)
 FAILED_GROUP_GRACE_S = 5
+# torch >= 2.13's agent takes the grace period its shutdown gives the workers; torch 2.11/2.12's always give 30 s
+# (there, the survivors of a failed rank are stopped after 30 s, not FAILED_GROUP_GRACE_S).
+_SHUTDOWN_TAKES_GRACE = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 _REPORTED = "composer3d"  # marks an error file written by report_to_launcher
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _held: list[IO] = []  # run-directory locks of this process
@@ -124,8 +128,8 @@ def _agent(config: LaunchConfig, args: tuple) -> _Agent:
                       rdzv_handler=rendezvous, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, local_addr=config.local_addr,
                       numa_options=config.numa_options)
-    return _Agent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
-                  shutdown_timeout=config.shutdown_timeout)
+    grace = {"shutdown_timeout": config.shutdown_timeout} if _SHUTDOWN_TAKES_GRACE else {}
+    return _Agent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method, **grace)
 
 
 class _Agent(LocalElasticAgent):
@@ -162,7 +166,11 @@ class _Agent(LocalElasticAgent):
             # that never completes, where SIGTERM only marks a stop: the full grace would be spent for nothing.
             timeout = min(timeout, FAILED_GROUP_GRACE_S)
             self._peer_failed = False
-        super()._shutdown(signal.SIGTERM if death_sig == signal.SIGINT else death_sig, timeout)
+        death_sig = signal.SIGTERM if death_sig == signal.SIGINT else death_sig
+        if _SHUTDOWN_TAKES_GRACE:
+            super()._shutdown(death_sig, timeout)
+        else:
+            super()._shutdown(death_sig)
 
     def first_failure(self, result: RunResult) -> tuple[int, ProcessFailure]:
         """The failed rank that exited first. Elastic's own timestamps are whole seconds: a rank killed outright
