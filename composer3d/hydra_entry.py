@@ -71,7 +71,7 @@ def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, conf
 def _ends_a_sweep(code) -> bool:
     """This process was told to stop (a scheduler's SIGTERM, Ctrl-C): not the job's own failure. A submitit job's
     task is one job of the sweep, whose code the sweep's command then exits with (75: requeue it)."""
-    stopped = not isinstance(code, int) or code == StoppedBySignal.EXIT_CODE or code >= 128
+    stopped = code == StoppedBySignal.EXIT_CODE or (isinstance(code, int) and code >= 128)
     return stopped and not in_submitit_job()
 
 
