@@ -1,8 +1,8 @@
 """Joining or starting a distributed job, and the one place that decides device and backend.
 
-Three ways in: torchrun (RANK/WORLD_SIZE/MASTER_* in the environment), SLURM with one task per device
-(SLURM_PROCID/SLURM_NTASKS), or a plain command that starts ``launch.nproc_per_node`` local workers itself
-(``launcher``: torch's elastic agent, the one torchrun runs, so the workers join the same way).
+Three ways in: torchrun (RANK/WORLD_SIZE/MASTER_* in the environment), SLURM or submitit with one task per device
+(SLURM_PROCID/SLURM_NTASKS; hydra/launcher=submitit_*), or a plain command that starts ``launch.nproc_per_node``
+local workers itself (``launcher``: torch's elastic agent, the one torchrun runs, so the workers join the same way).
 """
 
 from __future__ import annotations
@@ -25,19 +25,39 @@ class Env:
     world_size: int
 
 
+# A job's tasks, one per device, and where their launcher says which task each is (rank, tasks, local rank, job id,
+# the first node's address): submitit's local executor (hydra/launcher=submitit_local) runs them on this machine
+# under variables of its own; srun (SLURM, hydra/launcher=submitit_slurm too) sets SLURM's. Checked in this order: a
+# submitit_local job started inside a SLURM allocation inherits that allocation's variables.
+TASK_VARIABLES = (
+    ("SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_NTASKS", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_JOB_ID", None),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_LAUNCH_NODE_IPADDR"),
+)
+
+
 def job_env() -> Env | None:
-    """This process's place in a job started by torchrun or SLURM; None when started as a plain command."""
+    """This process's place in a job started by torchrun, SLURM or submitit; None when started as a plain command."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return Env(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
-    if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
-        # One SLURM task per device: translate to the variables torch.distributed reads.
-        os.environ["RANK"] = os.environ["SLURM_PROCID"]
-        os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
-        os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
-        os.environ.setdefault("MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
-        os.environ.setdefault("MASTER_PORT", "29500")
+    for rank, ntasks, local_rank, job_id, address in TASK_VARIABLES:
+        if rank not in os.environ:
+            continue
+        if int(os.environ.get(ntasks, "1")) == 1:
+            return None  # a job of one task (e.g. one task per node that runs torchrun): a plain command
+        # Translate to the variables torch.distributed reads.
+        os.environ["RANK"] = os.environ[rank]
+        os.environ["WORLD_SIZE"] = os.environ[ntasks]
+        os.environ["LOCAL_RANK"] = os.environ.get(local_rank, "0")
+        os.environ.setdefault("MASTER_ADDR", os.environ.get(address, "127.0.0.1") if address else "127.0.0.1")
+        # A port of the job's own (Lightning's rule): the jobs of a sweep may share a node.
+        os.environ.setdefault("MASTER_PORT", str(15000 + int(os.environ.get(job_id, "0")) % 10000))
         return job_env()
     return None
+
+
+def in_submitit_job() -> bool:
+    """A task of a job submitit started (hydra/launcher=submitit_*): its ranks are the job's tasks."""
+    return "SUBMITIT_EXECUTOR" in os.environ
 
 
 def device_type(requested: str, local_processes: int = 1) -> str:

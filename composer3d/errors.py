@@ -23,3 +23,12 @@ class StoppedBySignal(Exception):
     step's checkpoint. Exit code 75 (sysexits' EX_TEMPFAIL: "try again later"): requeue the same command."""
 
     EXIT_CODE = 75
+
+
+class Exit(SystemExit):
+    """Ends the command with ``code`` once ``line`` (what went wrong, in one line) has been told. A sweep (``-m``)
+    goes on to its next job instead, and repeats the line when it reports the failed job (``hydra_entry``)."""
+
+    def __init__(self, code: int, line: str):
+        super().__init__(code)
+        self.line = line

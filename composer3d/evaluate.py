@@ -21,14 +21,13 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from composer3d import console, distributed, launcher
 from composer3d.checkpoint import META_FILE, load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
-from composer3d.hydra_entry import hydra_entry_point
+from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
 from composer3d.trainer import Trainer, prepare_rank
@@ -90,8 +89,7 @@ def _main(cfg: DictConfig) -> None:
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         if env is None and cfg.launch.nproc_per_node > 1:
-            overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", overrides)
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", job_overrides())
             return
         run(cfg, env)
     except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)

@@ -2,7 +2,12 @@
 
 Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and exits 1 — the
 same code as a crash inside the run. A configuration the user typed wrong exits 2 here, like every other
-configuration error, so scripts can tell the two apart: Hydra's exit before the task started is the override's.
+configuration error, so scripts can tell the two apart: Hydra's exit for its own error (HydraException) before the
+task started is the override's. (A submitit job's task runs elsewhere: its failures are not Hydra's.)
+
+A sweep (``-m``) runs each job through Hydra's launcher (one after another in this process, or as submitit jobs).
+A job that fails does not end the sweep: it is reported when the sweep ends, which exits with the first failed
+job's code. A stop signal or Ctrl-C (exit 75, or 128 + the signal) ends a sweep run by this process at once.
 """
 
 from __future__ import annotations
@@ -11,7 +16,24 @@ import functools
 from typing import Callable
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException, HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
+
+from composer3d.distributed import in_submitit_job
+from composer3d.errors import StoppedBySignal
+
+
+class SweepJobFailed(CompactHydraException):
+    """A sweep's job exited with ``code``; Hydra records it as the job's failure and goes on with the sweep."""
+
+    def __init__(self, code: int, line: str | None):
+        super().__init__(code, line)  # both in args: a submitit job sends the exception back pickled
+        self.code, self.line = code, line
+
+    def __str__(self) -> str:
+        return f"{self.line or 'composer3d: the job failed'} (exit code {self.code})"
 
 
 def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, config_name: str) -> Callable[[], None]:
@@ -22,7 +44,12 @@ def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, conf
     def started_task(cfg: DictConfig) -> None:
         nonlocal started
         started = True
-        task(cfg)
+        try:
+            task(cfg)
+        except SystemExit as exit_:
+            if not exit_.code or HydraConfig.get().mode != RunMode.MULTIRUN or _ends_a_sweep(exit_.code):
+                raise
+            raise SweepJobFailed(exit_.code, getattr(exit_, "line", None)) from None
 
     hydra_main = hydra.main(config_path=config_path, config_name=config_name, version_base=None)(started_task)
 
@@ -31,8 +58,25 @@ def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, conf
         try:
             hydra_main()
         except SystemExit as exit_:
-            if exit_.code == 1 and not started:
+            # Hydra has printed the exception (the first failed job's line) and exits 1 from its handler of it.
+            if isinstance(exit_.__context__, SweepJobFailed):
+                raise SystemExit(exit_.__context__.code) from None
+            if exit_.code == 1 and not started and isinstance(exit_.__context__, HydraException):
                 raise SystemExit(2) from None
             raise
 
     return entry_point
+
+
+def _ends_a_sweep(code) -> bool:
+    """This process was told to stop (a scheduler's SIGTERM, Ctrl-C): not the job's own failure. A submitit job's
+    task is one job of the sweep, whose code the sweep's command then exits with (75: requeue it)."""
+    stopped = code == StoppedBySignal.EXIT_CODE or (isinstance(code, int) and code >= 128)
+    return stopped and not in_submitit_job()
+
+
+def job_overrides() -> list[str]:
+    """This job's overrides as typed, hydra.* too (e.g. hydra.searchpath for the user's own recipes), for the local
+    workers it starts: each of them runs this one job, so not a sweep's ``hydra.mode=MULTIRUN``."""
+    overrides = HydraConfig.get().overrides
+    return list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
-from composer3d.errors import ConfigError, StoppedBySignal
+from composer3d.errors import ConfigError, Exit, StoppedBySignal
 
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
 # exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
@@ -88,7 +88,6 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     the launcher raises Interrupted once the workers are stopped. ``log_dir``: where the agent's own log goes;
     ``resume_hint``: how the run resumes, said when the workers stopped for a stop signal."""
     _log_to_console_and(log_dir)
-    os.environ[LAUNCHER_PID] = str(os.getpid())  # the workers inherit the launcher's environment
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
     if max_restarts:
         # The agent's shared TCPStore outlives a restart with the old attempt's keys in it: the new workers' gloo
@@ -99,12 +98,15 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0",  # a free port, like torchrun --standalone
                           max_restarts=max_restarts, monitor_interval=0.5)
     agent = _agent(config, ("-m", module, *args))
+    # The workers inherit the launcher's environment; set for them only (a sweep's next job runs in this process).
+    os.environ[LAUNCHER_PID] = str(os.getpid())
     try:
         result = agent.run()
     except SignalException as error:
         raise Interrupted(error.sigval) from None
     finally:
         agent.get_worker_group().spec.rdzv_handler.shutdown()
+        del os.environ[LAUNCHER_PID]
     if result.is_failed():
         rank, failure = agent.first_failure(result)
         if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
@@ -112,11 +114,12 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
                      f"; {resume_hint}" if resume_hint else "")
             sys.exit(StoppedBySignal.EXIT_CODE)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
-        if failure.error_file_data.get(_REPORTED):
+        reported = failure.error_file_data.get(_REPORTED)
+        if reported:
             print(failure.message, file=sys.stderr)
-        log.error("composer3d: rank %d failed first (%s)%s; exit code %d", rank, _describe(failure),
-                  _not_retried(failure, max_restarts), code)
-        sys.exit(code)
+        line = f"composer3d: rank {rank} failed first ({_describe(failure)}){_not_retried(failure, max_restarts)}"
+        log.error("%s; exit code %d", line, code)
+        raise Exit(code, failure.message if reported else line)
 
 
 def _agent(config: LaunchConfig, args: tuple) -> _Agent:

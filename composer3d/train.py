@@ -2,7 +2,9 @@
 
 Run alone it trains in this process; with ``launch.nproc_per_node > 1`` (or ``launch.max_restarts``) it checks the
 config and the data once, then starts that many workers (``launcher``; each runs this module under torchrun's
-environment variables). The step loop itself is the Trainer (``trainer.py``).
+environment variables). Under ``-m`` each job of the sweep does the same in its own run directory (Hydra's basic
+launcher: one job after another in this process; hydra/launcher=slurm: each a SLURM job whose tasks are its ranks).
+The step loop itself is the Trainer (``trainer.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d import console, distributed, launcher
@@ -28,8 +31,8 @@ from composer3d.checkpoint import (
 )
 from composer3d.config import ConfigError, register_configs, resolve_model_config
 from composer3d.data import PackedSequences, build_sequences, eval_windows
-from composer3d.errors import StoppedBySignal, TrainingDiverged
-from composer3d.hydra_entry import hydra_entry_point
+from composer3d.errors import Exit, StoppedBySignal, TrainingDiverged
+from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink, local_bytes
 from composer3d.preflight import preflight
@@ -45,8 +48,8 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
     if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
         launcher.lock_run_dir(run_dir)
+    torch.use_deterministic_algorithms(cfg.train.deterministic)  # either way: a sweep's jobs share this process
     if cfg.train.deterministic:
-        torch.use_deterministic_algorithms(True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.manual_seed(cfg.train.seed)
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
@@ -99,12 +102,18 @@ def _main(cfg: DictConfig) -> None:
     ours = launcher.started_by_local_launcher()
     if ours:
         launcher.die_with_launcher()
-    run_dir = Path(os.path.abspath(cfg.run.dir))  # once: it may hold ${now:...}
+    run_dir = _run_dir(cfg)
     try:
         resolve_model_config(cfg.model)
         if env is not None and not ours and cfg.launch.max_restarts:
             raise ConfigError("launch.max_restarts: restarts are the local launcher's; this job was started by "
-                              "torchrun or SLURM. Use torchrun's --max-restarts (or the scheduler's requeue) instead")
+                              "torchrun, SLURM or submitit. Use torchrun's --max-restarts (or the scheduler's requeue) "
+                              "instead")
+        if env is None and distributed.in_submitit_job() and cfg.launch.nproc_per_node > 1:
+            raise ConfigError(f"launch.nproc_per_node: {cfg.launch.nproc_per_node} processes asked for, but a submitit "
+                              "job's ranks are its tasks, one per device, and this job has one. Use "
+                              f"hydra.launcher.tasks_per_node={cfg.launch.nproc_per_node} (hydra/launcher=slurm sets it "
+                              "from launch.nproc_per_node)")
         if env is None:
             # Fail here, in seconds, before starting any worker (or, in one process, before training).
             preflight(cfg, cfg.launch.nproc_per_node)
@@ -113,14 +122,17 @@ def _main(cfg: DictConfig) -> None:
             return
         run(cfg, env, run_dir)
     except ConfigError as error:
-        _tell(env, f"composer3d: invalid configuration: {error}", every_rank=error.rank_specific)
-        sys.exit(2)
+        line = f"composer3d: invalid configuration: {error}"
+        _tell(env, line, every_rank=error.rank_specific)
+        raise Exit(2, line) from None
     except CheckpointError as error:
-        print(f"composer3d: {error}", file=sys.stderr)
-        sys.exit(1)
+        line = f"composer3d: {error}"
+        print(line, file=sys.stderr)
+        raise Exit(1, line) from None
     except TrainingDiverged as error:  # every rank sees the same values and exits alike
-        _tell(env, f"composer3d: training stopped: {error}")
-        sys.exit(3)
+        line = f"composer3d: training stopped: {error}"
+        _tell(env, line)
+        raise Exit(3, line) from None
     except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
         if env is None or env.rank == 0:
             log.info("%s", console.resume_hint(cfg.run.name, run_dir))
@@ -137,6 +149,15 @@ def _main(cfg: DictConfig) -> None:
         sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
 
 
+def _run_dir(cfg: DictConfig) -> Path:
+    """run.dir, resolved once (it may hold ${now:...}). In a sweep (-m) run.dir is the sweep's directory
+    (hydra.sweep.dir follows it) and each job trains in its own: hydra.sweep.subdir in it, the job's number."""
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        cfg.run.dir = hydra_cfg.runtime.output_dir  # what the job's config.yaml says, and its workers are given
+    return Path(os.path.abspath(cfg.run.dir))
+
+
 def _tell(env, line: str, every_rank: bool = False) -> None:
     """One line on stderr for the job. Under the local launcher, it prints the first failed rank's; under torchrun
     or SLURM, rank 0 prints what every rank found alike (one config, one corpus) and each rank what is its own."""
@@ -149,9 +170,7 @@ def _tell(env, line: str, every_rank: bool = False) -> None:
 def _launch(cfg: DictConfig, run_dir: Path) -> None:
     """Start the local workers (the config and the data were checked by ``preflight``), holding run.dir's lock."""
     launcher.lock_run_dir(run_dir)
-    # hydra.* overrides too (e.g. hydra.searchpath for the user's own recipes), as typed.
-    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("run.dir=")]
-    overrides += list(HydraConfig.get().overrides.hydra)
+    overrides = [o for o in job_overrides() if not o.startswith("run.dir=")]
     overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
     launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
                                  max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs",
@@ -173,4 +192,9 @@ main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name
 register_configs()
 
 if __name__ == "__main__":
-    main()
+    # `python -m composer3d.train` runs this file as __main__; start the importable module's main instead, so that a
+    # submitit job pickles the task function by reference: unpickling it then imports composer3d.train, which
+    # registers the resolvers the job's config needs.
+    from composer3d.train import main as imported_main
+
+    imported_main()

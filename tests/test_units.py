@@ -84,10 +84,26 @@ def test_slurm_task_per_device_becomes_torch_env(monkeypatch):
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.7")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242137")
     env = distributed.job_env()
     assert env == distributed.Env(rank=5, local_rank=1, world_size=8)
     import os
     assert os.environ["MASTER_ADDR"] == "10.0.0.7" and os.environ["RANK"] == "5"
+    assert os.environ["MASTER_PORT"] == "17137"  # the job's own: 15000 + its id's last 4 digits
+
+
+def test_submitit_local_task_becomes_torch_env(monkeypatch):
+    """hydra/launcher=submitit_local's tasks (its own variables, one machine) join like SLURM's, on a port of their
+    job's; inside a SLURM allocation, the allocation's variables do not count."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in {"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1",
+                       "SUBMITIT_LOCAL_JOB_ID": "31234", "SLURM_PROCID": "0", "SLURM_NTASKS": "4",
+                       "SLURM_LAUNCH_NODE_IPADDR": "10.0.0.7"}.items():
+        monkeypatch.setenv(key, value)
+    assert distributed.job_env() == distributed.Env(rank=1, local_rank=1, world_size=2)
+    import os
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1" and os.environ["MASTER_PORT"] == "16234"
 
 
 def test_single_slurm_task_is_not_a_job(monkeypatch):

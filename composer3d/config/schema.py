@@ -159,7 +159,9 @@ class OptimConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = MISSING  # conf/train.yaml: outputs/<run.name>, or outputs/<date>/<time> for an unnamed run
+    # conf/train.yaml: outputs/<run.name>, or outputs/<date>/<time> for an unnamed run; in a sweep (-m) the sweep's
+    # directory, job N training in <run.dir>/N
+    dir: str = MISSING
     # a stable run directory: re-running the command resumes it (an unnamed run starts afresh each time); also the
     # wandb run's name
     name: str | None = None
@@ -192,7 +194,9 @@ class CheckpointConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc_per_node: int = 1  # local worker processes to start (one per device); under torchrun/SLURM theirs
+    # local worker processes to start (one per device); under torchrun/SLURM theirs; hydra/launcher=slurm: the SLURM
+    # tasks per node (each task one rank)
+    nproc_per_node: int = 1
     device: str = "auto"  # auto | cpu | cuda | any torch accelerator type
     # a collective that has not completed after this long fails the run (a stalled or dead rank) instead of hanging;
     # fractions allowed. Generous: a first step that compiles, or a large checkpoint, holds ranks up for minutes
