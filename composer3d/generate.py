@@ -38,7 +38,7 @@ from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.evaluate import check_weights_source
-from composer3d.hydra_entry import hydra_entry_point
+from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
 from composer3d.trainer import prepare_rank
@@ -188,8 +188,7 @@ def _main(cfg: DictConfig) -> None:
             check_generation(cfg, degrees, encode_prompt(build_tokenizer(cfg.data, cfg.model), cfg.generate))
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
         if env is None and cfg.launch.nproc_per_node > 1:
-            overrides = list(HydraConfig.get().overrides.task) + list(HydraConfig.get().overrides.hydra)
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.generate", overrides)
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.generate", job_overrides())
             return
         run(cfg, env)
     except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
