@@ -19,8 +19,8 @@ class TrainingDiverged(RuntimeError):
 
 
 class StoppedBySignal(Exception):
-    """SIGTERM or SIGUSR1 (a preemption or time-limit notice) stopped the run at a step boundary, after saving that
-    step's checkpoint. Exit code 75 (sysexits' EX_TEMPFAIL: "try again later"): requeue the same command."""
+    """SIGTERM, SIGUSR1 or SIGUSR2 (a preemption or time-limit notice) stopped the run at a step boundary, after
+    saving that step's checkpoint. Exit code 75 (sysexits' EX_TEMPFAIL: "try again later"): requeue the same command."""
 
     EXIT_CODE = 75
 

@@ -11,7 +11,8 @@ import torch.distributed as dist
 
 class StopSignals:
     """SIGTERM and SIGUSR1 — how SLURM announces a preemption or the time limit (to every task; the local launcher
-    and torchrun forward SIGTERM to their workers) — stop the run at a step boundary. The handler only records the
+    and torchrun forward SIGTERM to their workers) — and SIGUSR2, which submitit has SLURM send 90 s before the
+    time limit (hydra/launcher=slurm), stop the run at a step boundary. The handler only records the
     signal; ``agreed`` is asked at every boundary and answers alike on every rank.
 
     Ranks may receive the signal at different steps, so they agree with an all-reduce (MAX) of the signal number,
@@ -21,7 +22,7 @@ class StopSignals:
     over many nodes a ring all-reduce takes longer, still hidden behind the step.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self, timeout: timedelta):
         self.received = 0  # the largest signal number seen here (set by the handler)

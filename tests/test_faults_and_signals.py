@@ -108,6 +108,8 @@ def _agree_on_stop(rank: int, world_size: int, out: Path) -> None:
     for step in range(1, 7):
         if rank == 1 and step == 3:  # only rank 1 is told, during step 3
             os.kill(os.getpid(), signal.SIGUSR1)
+        if rank == 0 and step == 4:  # submitit's time-limit notice (unhandled, it would end the process)
+            os.kill(os.getpid(), signal.SIGUSR2)
         verdicts.append(signals.agreed())  # the boundary after the step
     signals.finish()
     signals.restore()
@@ -116,7 +118,8 @@ def _agree_on_stop(rank: int, world_size: int, out: Path) -> None:
 
 def test_ranks_agree_on_the_stop_signal_at_the_same_boundary(tmp_path):
     spawn(_agree_on_stop, 2, tmp_path, tmp_path)
-    expected = [0, 0, 0, signal.SIGUSR1, signal.SIGUSR1, signal.SIGUSR1]  # seen at boundary 3, agreed at the next
+    # SIGUSR1 seen at boundary 3, agreed at the next; SIGUSR2 (the larger number) seen at 4, agreed at 5
+    expected = [0, 0, 0, signal.SIGUSR1, signal.SIGUSR2, signal.SIGUSR2]
     assert [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)] == [expected, expected]
 
 
