@@ -111,10 +111,12 @@ class Trainer:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
 
         With data.document_masking, position_ids go to the model (under PP: to every stage, split into microbatches
-        like the inputs); without, they run 0..seq-1 in every row and the model's causal default is the same.
+        like the inputs); without, or with synthetic windows (no documents), they run 0..seq-1 in every row and the
+        model's causal default is the same, on its fastest kernel.
         """
         inputs, targets = batch.inputs, batch.targets
-        positions = batch.position_ids if self.cfg.data.document_masking else None
+        documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
+        positions = batch.position_ids if documents else None
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             losses: list[torch.Tensor] = []
