@@ -19,7 +19,7 @@ from composer3d.metrics import local_bytes
 from composer3d.trainer import Trainer
 
 _DIR = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
-# dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls these two through ``dist``)
+# dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through ``dist``)
 _COLLECTIVES: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
 
 
@@ -35,8 +35,11 @@ def _recording(name: str, key: str):
     setattr(dist, name, collective)
 
 
-_recording("all_gather_single", "all_gather")
-_recording("reduce_scatter_single", "reduce_scatter")
+# torch >= 2.13 names them *_single; torch 2.11/2.12's FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor.
+for _name, _key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter"),
+                    ("all_gather_into_tensor", "all_gather"), ("reduce_scatter_tensor", "reduce_scatter")):
+    if hasattr(dist, _name) and (_name.endswith("_single") or not hasattr(dist, "all_gather_single")):
+        _recording(_name, _key)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
