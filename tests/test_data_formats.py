@@ -327,10 +327,11 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
     trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), "cpu"), torch.device("cpu"), sequences)
     # The whole global batch of step 1 (the loader's seeded order), as raw token windows.
     probe = GlobalBatchLoader(sequences, cfg.train.global_batch_size, 0, 1, cfg.train.seed)
-    windows = sequences.tokens[[probe._index(p) for p in range(cfg.train.global_batch_size)]]
+    rows = [probe._index(p) for p in range(cfg.train.global_batch_size)]
+    windows = sequences.tokens[rows]
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    with torch.no_grad():
-        logits = trainer.model(inputs).float()
+    with torch.no_grad():  # attending within documents, as the trainer's model does (data.document_masking)
+        logits = trainer.model(inputs, position_ids=sequences.batch(rows).position_ids).float()
     # By hand, from the token ids alone: every next token is a target except the one after an eos.
     keep = inputs != ByteTokenizer.eos_id
     nll = -torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
