@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -81,7 +80,7 @@ def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     if launcher.started_by_local_launcher():
         launcher.die_with_launcher()
-    try:
+    with launcher.exits_as_a_command("composer3d-eval", env):
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
             degrees = validate(cfg, cfg.launch.nproc_per_node)
@@ -92,16 +91,6 @@ def _main(cfg: DictConfig) -> None:
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", job_overrides())
             return
         run(cfg, env)
-    except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
-        line = f"composer3d-eval: invalid configuration: {error}"
-        if not launcher.report_to_launcher(line) and (env is None or env.rank == 0 or error.rank_specific):
-            print(line, file=sys.stderr)
-        sys.exit(2)
-    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
-        signum = getattr(error, "signum", signal.SIGINT)
-        if env is None or env.rank == 0:
-            print(f"composer3d-eval: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        sys.exit(128 + signum)
 
 
 # pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under

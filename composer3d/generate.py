@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -179,7 +178,7 @@ def _main(cfg: DictConfig) -> None:
         launcher.die_with_launcher()
     # The same numbers without sequence parallel, which needs a sequence length divisible by tp: a growing one is not.
     cfg.parallel.sequence_parallel = False
-    try:
+    with launcher.exits_as_a_command("composer3d-generate", env):
         adopt_checkpoint_config(cfg, list(HydraConfig.get().overrides.task))
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
@@ -191,16 +190,6 @@ def _main(cfg: DictConfig) -> None:
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.generate", job_overrides())
             return
         run(cfg, env)
-    except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
-        line = f"composer3d-generate: invalid configuration: {error}"
-        if not launcher.report_to_launcher(line) and (env is None or env.rank == 0 or error.rank_specific):
-            print(line, file=sys.stderr)
-        sys.exit(2)
-    except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
-        signum = getattr(error, "signum", signal.SIGINT)
-        if env is None or env.rank == 0:
-            print(f"composer3d-generate: stopped by {signal.Signals(signum).name}", file=sys.stderr)
-        sys.exit(128 + signum)
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (see composer3d/train.py).

@@ -11,6 +11,7 @@ agent torchrun runs), and owes its user what torchrun's users get from torchrun 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import inspect
@@ -120,6 +121,24 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
         line = f"composer3d: rank {rank} failed first ({_describe(failure)}){_not_retried(failure, max_restarts)}"
         log.error("%s; exit code %d", line, code)
         raise Exit(code, failure.message if reported else line)
+
+
+@contextlib.contextmanager
+def exits_as_a_command(command: str, env):
+    """How a one-shot entry point (composer3d-eval, composer3d-generate) ends on a bad config or a stop: one line and
+    exit 2, or 128 + the signal; ``env`` is the rank's distributed.Env (None: the command before any worker)."""
+    try:
+        yield
+    except ConfigError as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
+        line = f"{command}: invalid configuration: {error}"
+        if not report_to_launcher(line) and (env is None or env.rank == 0 or error.rank_specific):
+            print(line, file=sys.stderr)
+        sys.exit(2)
+    except (KeyboardInterrupt, Interrupted) as error:  # one line, not a traceback per process
+        signum = getattr(error, "signum", signal.SIGINT)
+        if env is None or env.rank == 0:
+            print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
 
 
 def _agent(config: LaunchConfig, args: tuple) -> _Agent:
