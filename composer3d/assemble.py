@@ -11,6 +11,7 @@ from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
+from composer3d.models.moe import inactive_expert_params
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
@@ -21,6 +22,7 @@ class ParallelModel:
     model: nn.Module
     stages: list[StageModule]  # this rank's pipeline stages ([] without PP)
     num_params: int  # of the whole model, before any split
+    active_params: int  # that one token goes through (mixture of experts: only top_k routed experts a layer)
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 
@@ -30,8 +32,9 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
+    active_params = num_params - inactive_expert_params(model)
     m = cfg.model
-    flops = flops_per_token(num_params, embedding_params(model), m.n_layers,
+    flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
     stages = parallelize(model, spec, mesh, cfg, device)
     weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
@@ -45,4 +48,4 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
         load_pretrained(model, weights)
     if not shards_or_replicates(mesh, offload):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
-    return ParallelModel(model, stages, num_params, flops)
+    return ParallelModel(model, stages, num_params, active_params, flops)

@@ -1,9 +1,12 @@
 """Layout: the parallel degrees, and the DeviceMesh they define.
 
-Mesh dims, outer to inner: pp, dp_replicate, dp_shard, cp, tp — tensor-parallel groups are consecutive ranks
-(one node, fastest links) and pipeline stages span the farthest. Dims of size 1 exist too, so code never asks
-whether a dim is there. Flattened views: ``dp`` (replicate × shard, feeds data loading), ``dp_shard_cp`` (what
-FSDP shards over) and ``loss`` (dp × cp, where losses and token counts are reduced).
+Mesh dims, outer to inner: pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp — tensor-parallel groups are consecutive
+ranks (one node, fastest links) and pipeline stages span the farthest. Expert parallel borrows its ranks from
+dp_shard (as torchtitan and Megatron do): dp_shard is split into dp_shard_mod_ep × ep, the ep ranks consecutive, so
+every other view sees the same dp_shard as without experts. Dims of size 1 exist too, so code never asks whether
+a dim is there. Flattened views: ``dp_shard`` (dp_shard_mod_ep × ep), ``dp`` (replicate × shard, feeds data
+loading), ``dp_shard_cp`` (what FSDP shards the dense parameters over) and ``loss`` (dp × cp, where losses and
+token counts are reduced); routed experts are FSDP-sharded over ``expert_dp`` (what ep leaves of dp_shard).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from functools import cached_property
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -45,16 +48,18 @@ class ParallelMesh:
     def __init__(self, layout: Layout, device_type: str, timeout: timedelta | None = None):
         """``timeout``: the collective timeout of every group of the mesh (None: torch's defaults)."""
         self.layout = layout
+        sizes = {**layout.as_dict(), "dp_shard_mod_ep": layout.dp_shard // layout.ep}
         self.world: DeviceMesh = init_device_mesh(
-            device_type, tuple(getattr(layout, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
+            device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
-        self.dp: DeviceMesh = self.world["dp_replicate", "dp_shard"]._flatten("dp")
-        self.dp_shard_cp: DeviceMesh = self.world["dp_shard", "cp"]._flatten("dp_shard_cp")
-        self.loss: DeviceMesh = self.world["dp_replicate", "dp_shard", "cp"]._flatten("loss")
+        self.dp_shard: DeviceMesh = self.world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+        self.dp: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+        self.dp_shard_cp: DeviceMesh = self.world["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+        self.loss: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("loss")
         if timeout is not None:
             # A mesh dim spanning the world reuses the default group (init_process_group's timeout); the others are
             # new groups, which torch gives its own default (30 min on gloo, 10 on NCCL) whatever the job asked for.
-            for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp, self.dp_shard_cp, self.loss):
+            for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp_shard, self.dp, self.dp_shard_cp, self.loss):
                 _set_pg_timeout(timeout, mesh.get_group())
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -67,7 +72,15 @@ class ParallelMesh:
     @property
     def hsdp(self) -> DeviceMesh:
         """(dp_replicate, dp_shard) as a 2-D mesh for HSDP; with cp > 1 the shard dim will be dp_shard_cp."""
-        return self.world["dp_replicate", "dp_shard"]
+        return DeviceMesh._concatenate([self.world["dp_replicate"], self.dp_shard])
+
+    @property
+    def expert_dp(self) -> DeviceMesh:
+        """What routed experts are FSDP-sharded over (ep takes the rest of dp_shard): HSDP's 2-D form under
+        dp_replicate > 1."""
+        if self.layout.dp_replicate > 1:
+            return self.world["dp_replicate", "dp_shard_mod_ep"]
+        return self.world["dp_shard_mod_ep"]
 
 
 def layout_from_degrees(degrees: dict[str, int]) -> Layout:

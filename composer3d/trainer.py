@@ -35,6 +35,7 @@ from composer3d.data import (
 )
 from composer3d.console import human_bytes
 from composer3d.errors import StoppedBySignal, TrainingDiverged
+from composer3d.expert_load import ExpertLoad
 from composer3d.flops import peak_flops
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh
@@ -47,6 +48,7 @@ from composer3d.metrics import (
     model_state_bytes,
     peak_memory_bytes,
 )
+from composer3d.models.llama import is_moe_layer
 from composer3d.optim import build_optimizer, build_scheduler, configured_settings
 from composer3d.parallel.pipeline import build_schedule
 from composer3d.precision import DynamicLossScaler
@@ -64,6 +66,7 @@ class Trainer:
         t, p = cfg.train, cfg.parallel
         built = build_parallel_model(cfg, mesh, device, from_checkpoint)
         self.model, self.num_params, stages = built.model, built.num_params, built.stages
+        self.active_params = built.active_params
         self.throughput = Throughput(built.flops_per_token, peak_flops(device, cfg.precision.param_dtype,
                                                                        cfg.logging.peak_tflops),
                                      mesh.layout.world_size)
@@ -89,6 +92,10 @@ class Trainer:
                                            device, self._loss)
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
+        self.expert_load = None
+        if cfg.model.name == "llama" and cfg.model.moe.experts > 0:
+            self.expert_load = ExpertLoad(self.model, cfg.model.moe, sum(
+                is_moe_layer(cfg.model, i) for i in range(cfg.model.n_layers)), t.global_batch_size, mesh, device)
         self.step = 0
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
         self.dropped_in_a_row = 0  # consecutive updates dropped, for any reason (train.max_skipped_steps)
@@ -153,6 +160,8 @@ class Trainer:
                     **({"loss_scale": self.scaler.scale, "skipped_steps": self.scaler.skipped_steps}
                        if self.scaler else {})}
         scale = self.scaler.scale if self.scaler else 1.0
+        if self.expert_load is not None:
+            self.expert_load.before_step(scale)
         loss = self._forward_backward(batch) / scale
         params = list(self.model.parameters())
         stepped = self.scaler.unscale_or_skip(params) if self.scaler else True
@@ -174,6 +183,8 @@ class Trainer:
             self.dropped_in_a_row = 0
         else:
             self.dropped_in_a_row += 1
+        if self.expert_load is not None:
+            self.expert_load.after_step(updated=stepped)
         self.scheduler.step()
         self.step += 1
         if self.dropped_in_a_row > self.cfg.train.max_skipped_steps:
@@ -200,6 +211,7 @@ class Trainer:
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending])
         values = torch.cat([losses.double(), norms.double(), peak]).tolist()
+        experts = self.expert_load.read(len(pending)) if self.expert_load is not None else {}
         step_time = (time.perf_counter() - window_start) / len(pending)
         records = []
         for i, (step, metrics) in enumerate(pending):
@@ -208,7 +220,7 @@ class Trainer:
                 "step": step, "loss": _finite_or_none(values[i]),
                 "grad_norm": _finite_or_none(values[len(pending) + i]), "lr": metrics["lr"],
                 "tokens_per_s": tokens_per_s, "step_time_s": step_time, "peak_mem_bytes": int(values[-1]),
-                **self.throughput.of(tokens_per_s),
+                **self.throughput.of(tokens_per_s), **experts,
                 **{k: metrics[k] for k in ("loss_scale", "skipped_steps", "nonfinite_skipped_steps") if k in metrics},
                 **({"update_skipped": True} if metrics["update_skipped"] else {})})
         return records
@@ -281,6 +293,7 @@ class Trainer:
             "layout": self.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
             "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
             "num_params": self.num_params, "device": self.device.type,
+            **({"num_active_params": self.active_params} if self.active_params != self.num_params else {}),
             "accumulation_steps": self.accumulation_steps, "flops_per_token": self.throughput.flops_per_token,
             "peak_flops_per_device": self.throughput.peak,
         }

@@ -32,6 +32,8 @@ VALIDATION_CASES = [
     ("context_parallel", 4, ["parallel.cp=2"], ["parallel.cp", "not available"]),
     ("more_stages_than_layers", 4, ["parallel.pp=4"], ["parallel.pp", "4 stages"]),
     ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
+    ("expert_parallel_of_a_dense_model", 4, ["parallel.ep=2"], ["parallel.ep", "the model is dense",
+                                                                 "model=tiny_moe"]),
 ]
 
 
@@ -111,6 +113,19 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["data.max_tokens=-1"], "data.max_tokens", "Use 0 for no cap"),
     (1, ["data=synthetic", "data.synthetic_sequences=0"], "data.synthetic_sequences", "must be >= 1"),
     (2, ["launch.timeout_minutes=0"], "launch.timeout_minutes", "must be > 0, got 0"),
+    # mixture of experts: ep borrows dp_shard ranks and shards the experts; both must divide
+    (4, ["model=tiny_moe", "parallel.ep=3"], "parallel.ep", "Choose parallel.ep among 1, 2, 4, 8"),
+    (4, ["model=tiny_moe", "parallel.ep=4", "parallel.tp=2"], "parallel.ep", "Choose parallel.ep among 1, 2"),
+    (4, ["model=tiny_moe", "parallel.ep=2", "parallel.zero_stage=1"], "parallel.zero_stage",
+     "Use parallel.zero_stage=2 or 3 with ep>1"),
+    (1, ["model=tiny_moe", "model.moe.top_k=9"], "model.moe.top_k", "between 1 and experts=8"),
+    (1, ["model=tiny_moe", "model.moe.dense_layers=4"], "model.moe.dense_layers", "at least one MoE layer"),
+    (1, ["model=tiny_moe", "model.moe.score_func=relu"], "model.moe.score_func", "Choose softmax or sigmoid"),
+    (1, ["model=tiny_moe", "model.moe.score_func=sigmoid", "model.moe.normalize_top_k=false"],
+     "model.moe.normalize_top_k", "normalize_top_k=true"),
+    (1, ["model=tiny_moe", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor", "Use 0 to turn it off"),
+    (2, ["model=tiny_moe", "parallel.tp=2", "model.moe.expert_hidden_dim=63"], "parallel.tp",
+     "model.moe.expert_hidden_dim=63"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

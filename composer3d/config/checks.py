@@ -142,8 +142,7 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
     tp = degrees["tp"]
     _require(degrees["cp"] == 1, "parallel.cp", f"context parallel (cp={degrees['cp']}) is not available yet",
              "Use parallel.cp=1")
-    _require(degrees["ep"] == 1, "parallel.ep", f"expert parallel (ep={degrees['ep']}) needs a mixture-of-experts "
-             "model, and the available models are dense", "Use parallel.ep=1")
+    _check_expert_parallel(cfg, degrees)
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", f"must be 1, 2 or 3, got {p.zero_stage}",
              "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
              "1 replicates params and shards only optimizer state")
@@ -167,6 +166,25 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
                  "Set parallel.tp>1 or parallel.sequence_parallel=false")
         _require(t.seq_len % tp == 0, "train.seq_len", f"seq_len={t.seq_len} is not divisible by tp={tp}, "
                  "which sequence parallel shards it over", f"Use a multiple of {tp}")
+
+
+def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
+    """ep borrows its ranks from dp_shard and shards each MoE layer's experts: both must divide."""
+    ep, m, p = degrees["ep"], cfg.model, cfg.parallel
+    if ep == 1:
+        return
+    experts = m.moe.experts if m.name == "llama" else 0
+    dense = "model=hf: expert parallel of Hugging Face MoE models is not available yet" if m.name == "hf" \
+        else "the model is dense (model.moe.experts=0)"
+    _require(experts > 0, "parallel.ep", f"expert parallel (ep={ep}) needs a mixture-of-experts model, and {dense}",
+             "Use parallel.ep=1, or a native MoE model (model=tiny_moe, or model.moe.experts>0)")
+    _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide model.moe.experts={experts} "
+             "(each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
+    _require(degrees["dp_shard"] % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={degrees['dp_shard']}: "
+             "expert parallel takes its ranks from the data-parallel shard dimension",
+             f"Choose parallel.ep among {_divisors(degrees['dp_shard'])}, or give dp_shard a multiple of {ep}")
+    _require(p.zero_stage != 1, "parallel.zero_stage", "ZeRO-1 replicates every parameter over the data-parallel "
+             f"ranks, but under ep={ep} each rank holds only its experts", "Use parallel.zero_stage=2 or 3 with ep>1")
 
 
 def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
@@ -229,6 +247,30 @@ def _check_model(m: Any) -> None:
              f"Choose n_kv_heads among {_divisors(m.n_heads)}")
     _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads", f"head dim {m.dim // m.n_heads} is odd; RoPE rotates pairs",
              "Choose n_heads so that dim / n_heads is even")
+    _check_moe(m)
+
+
+def _check_moe(m: Any) -> None:
+    moe = m.moe
+    _require(moe.experts >= 0, "model.moe.experts", f"must be >= 0, got {moe.experts}", "Use 0 for a dense model")
+    if moe.experts == 0:
+        return
+    _require(1 <= moe.top_k <= moe.experts, "model.moe.top_k", f"must be between 1 and experts={moe.experts}, got "
+             f"{moe.top_k}", "Route each token to a few experts, e.g. 2")
+    _require(moe.shared_experts >= 0, "model.moe.shared_experts", f"must be >= 0, got {moe.shared_experts}", "Use 0 or 1")
+    _require(moe.expert_hidden_dim is None or moe.expert_hidden_dim >= 1, "model.moe.expert_hidden_dim",
+             f"must be >= 1, got {moe.expert_hidden_dim}", "Use null for the dense layers' width")
+    _require(0 <= moe.dense_layers < m.n_layers, "model.moe.dense_layers", f"must be between 0 and n_layers-1="
+             f"{m.n_layers - 1} (at least one MoE layer), got {moe.dense_layers}", "Use 0 or 1")
+    _require(moe.score_func in ("softmax", "sigmoid"), "model.moe.score_func", f"unknown {moe.score_func!r}",
+             "Choose softmax or sigmoid")
+    _require(moe.score_func == "softmax" or moe.normalize_top_k or moe.top_k == 1, "model.moe.normalize_top_k",
+             "sigmoid scores do not sum to one: unnormalized, the mixing weights of top_k > 1 experts would add up "
+             "to as much as top_k", "Use model.moe.normalize_top_k=true with score_func=sigmoid")
+    for key in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):
+        value = getattr(moe, key)
+        _require(value >= 0, f"model.moe.{key}", f"must be >= 0, got {value}", "Use 0 to turn it off")
+    _require(moe.route_scale > 0, "model.moe.route_scale", f"must be > 0, got {moe.route_scale}", "Use 1.0")
 
 
 def _check_batch(cfg: Any, degrees: dict[str, int]) -> None:

@@ -12,6 +12,27 @@ from omegaconf import MISSING
 
 
 @dataclass
+class MoEConfig:
+    # Mixture-of-experts feed-forward layers of the native llama (model=tiny_moe). 0: every layer is dense
+    experts: int = 0  # routed experts per MoE layer (stacked [experts, ...] tensors: expert parallel shards them)
+    top_k: int = 2  # experts each token is routed to
+    shared_experts: int = 0  # experts every token goes through as well (one SwiGLU of shared_experts × the width)
+    expert_hidden_dim: int | None = None  # each expert's SwiGLU width; None: the dense layers' width
+    dense_layers: int = 0  # the first k layers keep a dense feed-forward (DeepSeek-V3 style); the rest are MoE
+    score_func: str = "softmax"  # softmax | sigmoid: the router's per-expert scores
+    normalize_top_k: bool = True  # the chosen experts' scores are divided by their sum (the mixing weights)
+    route_scale: float = 1.0  # multiplies the mixing weights
+    # sequence-wise load-balancing loss (DeepSeek-V3's form, 1.0 when balanced) × this, added to the training loss
+    aux_loss_coef: float = 0.001
+    # auxiliary-loss-free balancing (DeepSeek-V3): after each step a per-expert bias, used only to choose the
+    # top-k, moves by this much towards balance (sign of mean load - load, over the global batch); 0: off
+    bias_update_rate: float = 0.0
+    # 0: no token is ever dropped. c > 0: each expert takes at most ceil(c · seq_len · top_k / experts) tokens of a
+    # sequence (first choices first, then by position); the rest of its tokens skip that expert
+    capacity_factor: float = 0.0
+
+
+@dataclass
 class ModelConfig:
     # registry key: "llama" is the native Llama-3 style decoder, "hf" any transformers causal LM (model=hf)
     name: str = MISSING
@@ -34,6 +55,7 @@ class ModelConfig:
     max_seq_len: int = 8192  # longest sequence the rotary tables cover
     tie_embeddings: bool = False  # the output head shares the embedding matrix
     init_std: float = 0.02  # std of the normal init of the native model's weights
+    moe: MoEConfig = field(default_factory=MoEConfig)  # native llama: mixture-of-experts layers (experts > 0)
 
 
 @dataclass
@@ -70,7 +92,10 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel degree (Megatron column/row splits of each layer)
     pp: int = 1  # pipeline parallel degree (stages of consecutive layers)
     cp: int = 1  # context parallel degree (not available yet: must be 1)
-    ep: int = 1  # expert parallel degree (mixture-of-experts models; not available yet: must be 1)
+    # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard)
+    # holds experts/ep experts per MoE layer and exchanges tokens with all-to-all; experts are FSDP-sharded over
+    # the dp_shard/ep ranks that remain
+    ep: int = 1
     sequence_parallel: bool = False  # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
     zero_stage: int = 3  # 3: FSDP shards params, grads, optimizer state | 2: params stay gathered | 1: only optimizer state
     # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because

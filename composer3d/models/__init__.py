@@ -35,8 +35,14 @@ class ModelSpec:
 
 def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
     hidden = llama.ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier, cfg.ffn_hidden_dim)
-    return [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads or cfg.n_heads),
-            ("model.vocab_size", cfg.vocab_size), ("model.ffn_hidden_dim", hidden)]
+    sizes = [("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads or cfg.n_heads),
+             ("model.vocab_size", cfg.vocab_size)]
+    moe = cfg.moe
+    if moe.experts == 0 or moe.dense_layers > 0:
+        sizes.append(("model.ffn_hidden_dim", hidden))
+    if moe.experts > 0:  # each expert's width (the shared experts' is a multiple of it)
+        sizes.append(("model.moe.expert_hidden_dim", moe.expert_hidden_dim or hidden))
+    return sizes
 
 
 def _hf_build(cfg) -> nn.Module:

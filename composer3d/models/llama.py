@@ -28,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils._triton import has_triton
 
 from composer3d.models.init import InitRule, normal, ones
+from composer3d.models.moe import MoE
 
 
 def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None, explicit: int | None) -> int:
@@ -135,17 +136,29 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden_dim: int, norm_eps: float):
+    """Attention, then a dense SwiGLU (``feed_forward``) or, given ``moe_cfg``, a mixture of experts (``moe``)."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden_dim: int, norm_eps: float,
+                 moe_cfg=None, expert_hidden_dim: int | None = None):
         super().__init__()
         self.attention_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.attention = Attention(dim, n_heads, n_kv_heads)
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
-        self.feed_forward = FeedForward(dim, hidden_dim)
+        if moe_cfg is None:
+            self.feed_forward = FeedForward(dim, hidden_dim)
+        else:
+            self.moe = MoE(dim, expert_hidden_dim or hidden_dim, moe_cfg)
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        return h + (self.moe if hasattr(self, "moe") else self.feed_forward)(self.ffn_norm(h))
+
+
+def is_moe_layer(cfg, layer: int) -> bool:
+    """Whether layer ``layer`` of model config ``cfg`` is a mixture of experts (after moe.dense_layers dense ones)."""
+    moe = getattr(cfg, "moe", None)
+    return moe is not None and moe.experts > 0 and layer >= moe.dense_layers
 
 
 class Llama(nn.Module):
@@ -156,9 +169,10 @@ class Llama(nn.Module):
         hidden = ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier, cfg.ffn_hidden_dim)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         # A dict keyed by layer index keeps parameter names stable when a pipeline stage drops layers.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(cfg.dim, cfg.n_heads, n_kv_heads, hidden, cfg.norm_eps) for i in range(cfg.n_layers)}
-        )
+        self.layers = nn.ModuleDict({
+            str(i): TransformerBlock(cfg.dim, cfg.n_heads, n_kv_heads, hidden, cfg.norm_eps,
+                                     *((cfg.moe, cfg.moe.expert_hidden_dim) if is_moe_layer(cfg, i) else ()))
+            for i in range(cfg.n_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -174,13 +188,16 @@ class Llama(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         cos, sin = rope_tables(self.cfg.dim // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta, device)
         self.rope_cos, self.rope_sin = cos, sin
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.init_buffers()
 
     def init_rule(self, name: str) -> InitRule:
         """How to initialize parameter ``name``; residual projections are scaled down with depth (GPT-2 style)."""
         std = self.cfg.init_std
         if name.endswith("norm.weight"):
             return ones()
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "moe.experts.w2", "moe.shared_w2.weight")):
             return normal(std / math.sqrt(2 * self.cfg.n_layers))
         return normal(std)
 
@@ -209,7 +226,8 @@ def tensor_parallel_plan(model: Llama, sequence_parallel: bool, float8: bool = F
                          ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """Megatron splits: (plan for the root modules, plan applied to every block).
 
-    Column-parallel q/k/v and w1/w3, row-parallel wo and w2; a vocab-parallel embedding; a column-parallel head
+    Column-parallel q/k/v and w1/w3, row-parallel wo and w2 (mixture-of-experts layers split their experts
+    themselves: ``parallel.experts``); a vocab-parallel embedding; a column-parallel head
     whose output stays sharded on the vocab dim (a DTensor) so the loss (``composer3d.loss``) runs on the shards
     without gathering full-vocabulary logits. With sequence parallel the residual stream and the norms hold a slice of
     the sequence; attention and MLP inputs are all-gathered on entry and reduce-scattered on exit. With float8

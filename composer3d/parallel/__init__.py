@@ -1,7 +1,7 @@
 """``parallelize``: the one function that knows the composition order.
 
-1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel,
-4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel
+1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
+the experts of mixture-of-experts layers by expert (ep) and width (tp), 4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel
 dim has more than one rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision
 compute without FSDP's buffers and copies. TP comes before FSDP so
 FSDP shards the DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP
@@ -17,6 +17,7 @@ from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
 from composer3d.parallel.activation import apply_activation_checkpointing
 from composer3d.parallel.autocast import autocast_forward
+from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
@@ -42,6 +43,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         # float8 TP styles all-gather float8 tensors, which gloo cannot carry: plain styles on the CPU.
         apply_tensor_parallel(model, spec, mesh["tp"], parallel_cfg.sequence_parallel,
                               float8=float8 and precision_cfg.float8.recipe == "tensorwise" and device.type != "cpu")
+    shard_experts(model, mesh, parallel_cfg.sequence_parallel)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every)
     if cfg.compile.enabled:
         for block in model.layers.values():

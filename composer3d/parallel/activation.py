@@ -19,18 +19,27 @@ aten = torch.ops.aten
 
 
 def _save_list() -> set:
-    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
+    ops = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default, aten._grouped_mm.default}
     for name in ("_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
                  "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
     ops.add(torch.ops.higher_order.flex_attention)  # the native llama's attention within packed documents
-    for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce"):  # TP's: don't redo comms
+    # TP's collectives and expert parallel's token exchange: don't redo communication
+    for name in ("reduce_scatter_tensor", "all_gather_into_tensor", "all_reduce", "all_to_all_single"):
         ops.add(getattr(torch.ops._c10d_functional, name).default)
     return ops
 
 
 SAVE_OPS = _save_list()
+
+# Profiler annotations are no computation, but selective checkpointing replays ops by count, and FSDP2 annotates
+# a nested FSDP module's (expert parallel's experts) forward a different number of times when it is recomputed:
+# the replay then fails ("_record_function_enter_new ... not found in storage"; torchtitan#3427, fixed upstream
+# after torch 2.13 by ignoring these ops in the same way).
+torch.utils.checkpoint.SAC_IGNORED_OPS.update(
+    getattr(torch.ops.profiler, name).default for name in ("_record_function_enter", "_record_function_enter_new"))
+torch.utils.checkpoint.SAC_IGNORED_OPS.add(torch.ops.profiler._record_function_exit._RecordFunction)
 
 
 def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -17,6 +17,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from composer3d.dtypes import DTYPES
 from composer3d.layout import ParallelMesh
+from composer3d.models.moe import moe_layers
 
 
 def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:
@@ -55,7 +56,8 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
     """FSDP/DDP per block, then per root: the model, or under PP each stage module (embedding, norm, head).
 
     Pipeline schedules drive FSDP through the stage module they run (unshard, reshard, gradient sync per
-    microbatch), so under PP each stage module is an FSDP root of its own.
+    microbatch), so under PP each stage module is an FSDP root of its own. Under expert parallel the routed
+    experts of each MoE layer are an FSDP unit of their own, over the ranks that hold the same experts.
     """
     if replicates_params(mesh, zero_stage):
         # ZeRO-1 replicates over every data-parallel rank (and shards optimizer state over them: optim.py).
@@ -69,6 +71,9 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
         wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
         wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
             reshard_policy, zero_stage, mesh.layout.pp))
+    if mesh.layout.ep > 1:
+        for moe in moe_layers(model):
+            wrap_block(moe.experts, mesh=mesh.expert_dp)
     for block in model.layers.values():
         wrap_block(block)
     roots = roots or [model]

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
+
+from composer3d.models.moe import routing_unrecorded
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 # composer3d name → torch's schedule name
@@ -152,9 +154,23 @@ class StageModule(nn.Module):
                            position_ids=position_ids)
 
 
+class _Stage(PipelineStage):
+    """A PipelineStage whose shape inference leaves no trace in the model's routing statistics.
+
+    torch (2.13) infers the shapes a stage sends by running it once on the first microbatch or on placeholder
+    tensors, with gradients enabled, before the schedule's first step and again after switching between training
+    and evaluation; mixture-of-experts layers would count that routing as training (``models.moe``).
+    """
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with routing_unrecorded(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+
 def build_schedule(stages: list[StageModule], schedule: str, microbatches: int, pp_group, device: torch.device,
                    loss_fn):
-    pipeline_stages = [PipelineStage(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
+    stage_class = _Stage if hasattr(PipelineStage, "_forward_metadata_inference") else PipelineStage
+    pipeline_stages = [stage_class(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
                        for stage in stages]
     schedule_class = get_schedule_class(SCHEDULES[schedule])
     # The loss is already divided by the global token count: gradients are summed over microbatches, not averaged.

@@ -14,7 +14,9 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
                           float8: bool = False) -> None:
     root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel, float8)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan)
+        # A mixture-of-experts block has no dense feed-forward: its experts are split by ``parallel.experts``.
+        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items()
+                                             if "*" in name or _present(block, name)})
     # A pipeline stage may have dropped the embedding or the head.
     parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items() if _present(model, name)})
     if sequence_parallel and hasattr(model, "sequence_shards"):

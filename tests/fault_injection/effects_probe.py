@@ -42,6 +42,48 @@ for _name, _key in (("all_gather_single", "all_gather"), ("reduce_scatter_single
         _recording(_name, _key)
 
 
+# expert parallel's token exchanges (models.moe sends rows with the functional all-to-all): calls and rows sent
+_ALL_TO_ALL = Counter()
+
+
+def _counting_all_to_all():
+    import torch.distributed._functional_collectives as funcol
+
+    original = funcol.all_to_all_single_autograd
+
+    def all_to_all(tensor, output_split_sizes, input_split_sizes, group):
+        _ALL_TO_ALL["calls"] += 1
+        _ALL_TO_ALL["rows_sent"] += int(tensor.shape[0])
+        return original(tensor, output_split_sizes, input_split_sizes, group)
+
+    funcol.all_to_all_single_autograd = all_to_all
+
+
+_counting_all_to_all()
+
+
+def _moe(model) -> list[dict]:
+    """Each mixture-of-experts layer of this rank: how its experts, shared experts and router are held."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from composer3d.models.moe import moe_layers
+
+    layers = []
+    for moe in moe_layers(model):
+        experts = moe.experts
+        fsdp = experts._get_fsdp_state()._fsdp_param_group if isinstance(experts, FSDPModule) else None
+        layers.append({
+            "experts_local_shape": list(_local(experts.w1).shape),
+            "experts_placements": [str(p) for p in getattr(experts.w1, "placements", ())],
+            "experts_mesh_dims": list(getattr(getattr(experts.w1, "device_mesh", None), "mesh_dim_names", None) or ()),
+            "experts_own_fsdp_group_size": fsdp.mesh_info.mesh.size() if fsdp is not None else None,
+            "shared_local_shape": list(_local(moe.shared_w1.weight).shape) if moe.shared_w1 is not None else None,
+            "gate_placements": [str(p) for p in getattr(moe.gate.weight, "placements", ())],
+            "ep_group_size": dist.get_world_size(moe.ep_group) if moe.ep_group is not None else 1,
+        })
+    return layers
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -83,6 +125,8 @@ def _effects(trainer: Trainer) -> dict:
         "param_devices": dict(Counter(str(_local(p).device) for p in model.parameters())),
         "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
         "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
+        "moe_layers": _moe(model),
+        "all_to_all": dict(_ALL_TO_ALL),
         "optimizer_state": [
             {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
              "dtype": str(v.dtype), "device": str(_local(v).device), "numel": _local(v).numel(),

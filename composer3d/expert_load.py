@@ -1,0 +1,72 @@
+"""Mixture-of-experts bookkeeping around the step: the auxiliary loss's gradient scale, the auxiliary-loss-free
+bias update, and the load metrics (``models.moe`` counts the routing; this module reduces and resets it).
+
+Counts are summed over the data-parallel ranks (the ``loss`` mesh: every rank there routed different sequences;
+tensor-parallel ranks routed the same ones), so the bias moves by the global batch's load, the same under every
+layout. Under pipeline parallel each stage looks after its own layers; the metrics combine the stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from composer3d.layout import ParallelMesh
+from composer3d.models.moe import moe_layers
+
+
+class ExpertLoad:
+    def __init__(self, model: torch.nn.Module, moe_cfg, total_moe_layers: int, global_batch_size: int,
+                 mesh: ParallelMesh, device: torch.device):
+        self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some, or none)
+        self.cfg, self.total_moe_layers, self.global_batch_size = moe_cfg, total_moe_layers, global_batch_size
+        self.mesh = mesh
+        self.window = torch.zeros(len(self.layers), moe_cfg.experts, device=device)  # routed tokens, logging window
+        self.window_global = moe_cfg.bias_update_rate > 0  # already summed over ranks step by step
+
+    def before_step(self, loss_scale: float) -> None:
+        """The auxiliary loss's gradient: coefficient over the global batch's sequences (it is a per-sequence mean,
+        like the token loss is a per-token one), times the fp16 loss scale the token loss carries too."""
+        for layer in self.layers:
+            layer.aux_grad_scale = self.cfg.aux_loss_coef / self.global_batch_size * loss_scale
+
+    def after_step(self, updated: bool) -> None:
+        """Move the balancing bias by this step's global load (if the update was applied) and start a new count."""
+        if not self.layers:  # a pipeline stage without MoE layers, as are the other ranks of its loss mesh
+            return
+        counts = torch.stack([layer.routed_tokens for layer in self.layers])
+        if self.window_global:
+            dist.all_reduce(counts, group=self.mesh.loss.get_group())
+        if self.window_global and updated:
+            with torch.no_grad():
+                for layer, load in zip(self.layers, counts):
+                    # DeepSeek-V3: an expert below the mean load gets a higher bias, one above a lower.
+                    layer.expert_bias += self.cfg.bias_update_rate * torch.sign(load.mean() - load)
+        self.window += counts
+        for layer in self.layers:
+            layer.routed_tokens.zero_()
+
+    def read(self, steps: int) -> dict:
+        """The window's load metrics (a collective on every rank), and a new window.
+
+        ``moe_aux_loss``: the sequence-wise balance loss averaged over MoE layers and sequences (1.0 = balanced;
+        the coefficient not applied); ``expert_load_max``/``_min``: the most and least loaded expert of any layer,
+        as a multiple of that layer's mean load."""
+        window = self.window.clone()
+        if not self.window_global:
+            dist.all_reduce(window, group=self.mesh.loss.get_group())
+        aux = sum((layer.aux_loss_sum for layer in self.layers), torch.zeros((), device=window.device))
+        dist.all_reduce(aux, group=self.mesh.loss.get_group())
+        ratios = window / window.mean(-1, keepdim=True).clamp_min(1)
+        # max load, -min load (so one MAX reduction serves both) and the aux sum, over the pipeline stages
+        stats = torch.stack([ratios.max() if len(ratios) else torch.tensor(0.0, device=window.device),
+                             -ratios.min() if len(ratios) else torch.tensor(-float("inf"), device=window.device)])
+        if self.mesh.layout.pp > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
+            dist.all_reduce(aux, group=self.mesh["pp"].get_group())
+        load_max, neg_load_min, aux_sum = torch.cat([stats, aux.view(1)]).tolist()
+        self.window.zero_()
+        for layer in self.layers:
+            layer.aux_loss_sum.zero_()
+        return {"moe_aux_loss": aux_sum / (self.global_batch_size * steps * self.total_moe_layers),
+                "expert_load_max": load_max, "expert_load_min": -neg_load_min}

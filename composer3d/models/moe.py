@@ -1,0 +1,266 @@
+"""Mixture-of-experts feed-forward layer of the native llama: router, routed experts, shared experts.
+
+A router scores every token against every expert (in fp32), each token goes to its ``top_k`` experts and the
+experts' outputs are mixed by the chosen scores; shared experts see every token. Routed experts are stacked
+tensors (``[experts, ...]``), so expert parallel shards them by expert (``parallel.experts``), and their compute
+is one grouped GEMM per projection where the device has it (``torch.nn.functional.grouped_mm``), an exact loop
+over experts elsewhere.
+
+Load balancing, both optional (``model.moe``): the sequence-wise auxiliary loss of DeepSeek-V3, which is 1.0 when
+the load is balanced and reaches the gradients through ``AttachAuxLoss`` (so it works inside pipeline stages, whose
+loss only the last stage sees), and DeepSeek-V3's auxiliary-loss-free bias, added to the scores only to choose the
+experts and moved after each step (``expert_load``). Both are per sequence or over the global batch, so neither
+depends on the layout.
+
+Under tensor parallel (``parallel.experts``) every expert and the shared experts are split Megatron-style over the
+hidden width: all tensor-parallel ranks route the same (gathered) tokens, each computes its slice of the hidden
+width, and the partial outputs are summed once for the whole layer. Under expert parallel the tokens travel to
+the rank holding their expert and back with all-to-all over the ``ep`` group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (a DTensor under TP/EP); gradients flow back to the DTensor's shard."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Returns ``hidden`` unchanged; in backward, ``aux_loss`` receives the gradient ``scale`` (Megatron's trick).
+
+    The auxiliary loss then trains the router wherever its layer runs (a pipeline stage included) without being
+    carried to the training loss; ``scale`` is what the training loss's gradient would give it: the coefficient,
+    over the global batch's sequences, times the fp16 loss scale.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.save_for_backward(aux_loss)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None
+
+
+def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``grouped_mm`` runs these operands: on the CPU (any float dtype), on CUDA in bf16 from compute
+    capability 8.0; rows 16-byte aligned (its kernels' requirement)."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
+    if x.device.type == "cpu":
+        return aligned
+    if x.device.type == "cuda":
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
+
+
+class GroupedExperts(nn.Module):
+    """``experts`` SwiGLU experts as stacked weights: w1, w3 [experts, hidden, dim], w2 [experts, dim, hidden]."""
+
+    def __init__(self, experts: int, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x``: this rank's rows sorted by its local experts, ``counts[e]`` of them for local expert e."""
+        w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
+        if _grouped_mm_fits(x, w1) and _grouped_mm_fits(x, w2.transpose(-2, -1)):
+            offsets = counts.cumsum(0).to(torch.int32)
+            hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) \
+                * F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
+        outputs = []
+        for e, rows in enumerate(torch.split(x, counts.tolist())):  # a host sync: the loop needs the counts
+            outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+        return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int, moe_cfg):
+        super().__init__()
+        self.cfg = moe_cfg
+        self.n_experts = moe_cfg.experts
+        self.gate = nn.Linear(dim, self.n_experts, bias=False)
+        self.experts = GroupedExperts(self.n_experts, dim, hidden_dim)
+        shared_hidden = hidden_dim * moe_cfg.shared_experts
+        self.shared_w1 = nn.Linear(dim, shared_hidden, bias=False) if shared_hidden else None
+        self.shared_w2 = nn.Linear(shared_hidden, dim, bias=False) if shared_hidden else None
+        self.shared_w3 = nn.Linear(dim, shared_hidden, bias=False) if shared_hidden else None
+        # Checkpointed: it decides the routing, and moves with training (bias_update_rate > 0).
+        self.register_buffer("expert_bias", torch.zeros(self.n_experts), persistent=True)
+        # This step's routed tokens per expert and summed sequence aux losses (training forwards only).
+        self.register_buffer("routed_tokens", torch.zeros(self.n_experts), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
+        self.aux_grad_scale = 0.0  # set each step by the trainer (``ExpertLoad.before_step``)
+        self.recording = True  # off while a pipeline stage infers its shapes (``routing_unrecorded``)
+        # Set by ``parallel.experts`` under tensor / expert parallel.
+        self.tp_mesh: DeviceMesh | None = None
+        self.sequence_parallel = False
+        self.ep_group: dist.ProcessGroup | None = None
+
+    def init_buffers(self) -> None:
+        for buffer in (self.expert_bias, self.routed_tokens, self.aux_loss_sum):
+            buffer.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None and self.sequence_parallel:  # route whole sequences on every TP rank
+            if not isinstance(x, DTensor):  # the sequence-parallel norm hands over a DTensor, or its local shard
+                x = DTensor.from_local(x, self.tp_mesh, (Shard(1),), run_check=False)
+            x = x.redistribute(placements=(Replicate(),)).to_local()
+        batch, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        weights, chosen, scores = self.route(tokens)
+        if self.training and torch.is_grad_enabled():
+            aux = self._sequence_aux_losses(scores, chosen, batch, seq)
+            self._record(chosen, aux)
+        else:
+            aux = None
+        keep = self._within_capacity(chosen, batch, seq) if self.cfg.capacity_factor > 0 else None
+        expert_input = tokens
+        if self.tp_mesh is not None:
+            # Each TP rank's experts see only their slice of the hidden width, so the gradients they send back to
+            # the tokens and to the mixing weights are partial sums: reduce them over TP (Megatron's "f").
+            expert_input, weights = (_sum_grad_over(t, self.tp_mesh) for t in (tokens, weights))
+        out = self._routed(expert_input, weights, chosen, keep)
+        if self.shared_w1 is not None:
+            out = out + F.linear(F.silu(F.linear(expert_input, local(self.shared_w1.weight)))
+                                 * F.linear(expert_input, local(self.shared_w3.weight)), local(self.shared_w2.weight))
+        out = out.view(batch, seq, dim)
+        if self.tp_mesh is not None:  # the partial sums of every TP rank, once for the whole layer
+            out = DTensor.from_local(out, self.tp_mesh, (Partial(),), run_check=False).redistribute(
+                placements=(Shard(1) if self.sequence_parallel else Replicate(),)).to_local()
+        if aux is not None and self.aux_grad_scale:
+            out = AttachAuxLoss.apply(out, aux.sum(), self.aux_grad_scale)
+        return out
+
+    def route(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Mixing weights (tokens, top_k) in fp32, chosen experts (tokens, top_k), and all scores (tokens, experts).
+
+        In fp32 whatever the compute dtype (also under autocast): near-ties between experts would otherwise flip
+        with the rounding of the low-precision logits."""
+        with torch.autocast(tokens.device.type, enabled=False):
+            logits = F.linear(tokens.float(), local(self.gate.weight).float())
+        scores = logits.softmax(-1) if self.cfg.score_func == "softmax" else logits.sigmoid()
+        selection = scores + self.expert_bias if self.cfg.bias_update_rate > 0 else scores
+        chosen = selection.topk(self.cfg.top_k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        if self.cfg.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights * self.cfg.route_scale, chosen, scores
+
+    def _sequence_aux_losses(self, scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss per sequence: sum_i f_i · P_i, f_i the fraction of the sequence's
+        choices that went to expert i times experts / top_k, P_i its mean normalized score; 1.0 when balanced."""
+        experts, k = self.n_experts, self.cfg.top_k
+        probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts)
+        hits = torch.zeros_like(scores).scatter_(1, chosen, 1.0).view(batch, seq, experts)
+        fraction = hits.sum(1) * experts / (k * seq)
+        return (fraction * probs.mean(1)).sum(-1)
+
+    def _record(self, chosen: torch.Tensor, aux: torch.Tensor) -> None:
+        """Count this forward's routing, once: activation checkpointing reruns forwards inside backward (an
+        autograd graph task is then running), which must not count again."""
+        if not self.recording or torch._C._current_graph_task_id() != -1:
+            return
+        with torch.no_grad():
+            self.routed_tokens += torch.bincount(chosen.flatten(), minlength=self.n_experts).to(self.routed_tokens)
+            self.aux_loss_sum += aux.detach().sum()
+
+    def _within_capacity(self, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+        """(tokens, top_k) bools: the choices an expert takes under model.moe.capacity_factor, per sequence, first
+        choices before second ones and earlier positions first."""
+        k, experts = self.cfg.top_k, self.n_experts
+        capacity = math.ceil(self.cfg.capacity_factor * seq * k / experts)
+        in_order = chosen.view(batch, seq, k).transpose(1, 2).reshape(batch, k * seq)  # slot-major priority
+        onehot = F.one_hot(in_order, experts)
+        place = (onehot.cumsum(1) * onehot).sum(-1) - 1  # this choice's place in its expert's queue
+        return (place < capacity).view(batch, k, seq).transpose(1, 2).reshape(-1, k)
+
+    def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
+                keep: torch.Tensor | None) -> torch.Tensor:
+        """Sum over each token's chosen experts of weight × expert(token), in fp32, cast back to the tokens' dtype."""
+        k = self.cfg.top_k
+        experts = chosen.flatten()
+        source = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
+        mix = weights.flatten()
+        if keep is not None:
+            kept = keep.flatten()
+            experts, source, mix = experts[kept], source[kept], mix[kept]
+        order = experts.argsort(stable=True)
+        counts = torch.bincount(experts, minlength=self.n_experts)
+        rows = tokens[source[order]]
+        if self.ep_group is None:
+            out_rows = self.experts(rows, counts)
+        else:
+            out_rows = _through_expert_parallel(self.experts, rows, counts, self.ep_group)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        out.index_add_(0, source[order], out_rows.float() * mix[order].unsqueeze(-1))
+        return out.to(tokens.dtype)
+
+
+def _sum_grad_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity forward; backward all-reduces the gradient over ``mesh`` (DTensor: Partial → Replicate)."""
+    return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
+
+
+def _through_expert_parallel(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor,
+                             group: dist.ProcessGroup) -> torch.Tensor:
+    """Send ``rows`` (sorted by global expert, ``counts`` per expert) to the ranks holding their experts, run them
+    there and bring the outputs back in the same order. Rank r of the ep group holds experts
+    [r·E/ep, (r+1)·E/ep). One all-to-all of counts (read back to the host: the splits), one of rows each way."""
+    ep = dist.get_world_size(group)
+    local_experts = counts.numel() // ep
+    received = funcol.all_to_all_single(counts, None, None, group)  # [source rank, local expert]
+    received = funcol.wait_tensor(received) if isinstance(received, funcol.AsyncCollectiveTensor) else received
+    splits = torch.stack([counts.view(ep, local_experts).sum(1), received.view(ep, local_experts).sum(1)]).tolist()
+    send, recv = splits
+    arrived = funcol.all_to_all_single_autograd(rows, recv, send, group)
+    # Arrived rows are grouped by source rank, then by local expert: regroup them by local expert.
+    expert_of_row = torch.arange(local_experts, device=rows.device).repeat(ep).repeat_interleave(received)
+    by_expert = expert_of_row.argsort(stable=True)
+    computed = experts(arrived[by_expert], received.view(ep, local_experts).sum(0))
+    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
+    return funcol.all_to_all_single_autograd(unsorted, send, recv, group)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@contextlib.contextmanager
+def routing_unrecorded(model: nn.Module):
+    """Forwards of ``model`` that are no training (a pipeline stage's shape inference) leave the counts alone."""
+    layers = moe_layers(model)
+    for layer in layers:
+        layer.recording = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.recording = True
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Parameters of routed experts a token does not go through: (experts - top_k) of every MoE layer's experts,
+    whole (also when sharded). FLOPs per token count the active parameters only."""
+    inactive = 0
+    for moe in moe_layers(model):
+        per_expert = sum(p.numel() for p in moe.experts.parameters()) // moe.n_experts
+        inactive += per_expert * (moe.n_experts - moe.cfg.top_k)
+    return inactive
