@@ -33,6 +33,12 @@ ARCHITECTURES = {
     "stablelm": {"use_qkv_bias": True, "partial_rotary_factor": 0.25},
 }
 
+# Mixture-of-experts architectures: transformers fuses their experts in memory but saves them one by one.
+MOE_ARCHITECTURES = {
+    "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "mixtral": {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2},
+}
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -68,7 +74,7 @@ def make_tokenizer(path: Path, vocab_size: int = VOCAB):
 def hf_config(model_type: str, **overrides):
     from transformers import AutoConfig
 
-    fields = {**COMMON, **ARCHITECTURES[model_type], **overrides}
+    fields = {**COMMON, **{**ARCHITECTURES, **MOE_ARCHITECTURES}[model_type], **overrides}
     config = AutoConfig.for_model(model_type, **fields)
     if model_type == "qwen2":
         config.layer_types = ["full_attention"] * config.num_hidden_layers

@@ -75,3 +75,15 @@ def test_data_prepare_benchmark_prepares_and_serves_both_paths():
               if line.startswith(("| prepared", "| in memory"))}
     assert set(served) == {"prepared", "in"}, stdout
     assert all(float(value.replace(",", "")) >= 0 for row in served.values() for value in row), stdout
+
+
+def test_moe_dispatch_benchmark_counts_rows_and_balances_load():
+    result = json.loads(_run("moe_dispatch.py", "--ep", "1", "2", "--tokens", "256", "--dim", "32", "--hidden", "32",
+                             "--steps", "12", "--json"))
+    one, two = result["results"]["1"], result["results"]["2"]
+    assert one["rows_sent_per_step"] == 0 and two["rows_sent_per_step"] > 0
+    # the measured rows are a skewed router's; a uniform one would send tokens × top_k × (ep-1)/ep each way
+    assert 0.3 < two["rows_sent_per_step"] / two["rows_uniform_router"] < 1.7, two
+    for r in (one, two):
+        assert r["load_max_init"] > 1.5, r  # tokens sharing a direction: an unbalanced router at first
+        assert r["load_max_last"] < r["load_max_init"], r  # the bias update evens the load out

@@ -290,3 +290,23 @@ def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_
     assert run.output.count("composer3d's forward of nanochat (NanoChatForCausalLM) does not compute what "
                             "transformers' own does") == 1, run.output[-3000:]
     assert "failed first" not in run.output, "refused by the launcher, before any worker started"
+
+
+def test_a_mixture_of_experts_checkpoint_is_refused_and_from_scratch_trains_with_fsdp(tmp_path):
+    """transformers 5 keeps a MoE model's experts fused in memory but saves them one by one: loading those weights is
+    refused, naming the way that works; from scratch a tiny Qwen3-MoE trains under FSDP on the one-process curve."""
+    from harness import FAST, train
+    from hf_models import make_model
+
+    from composer3d.config import ConfigError
+
+    path = make_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(qwen3_moe, 8 experts a layer\).*pretrained=false"):
+        train_config(path)
+    args = [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}", "model.pretrained=false",
+            "train.steps=3", "train.seq_len=32", "data.max_tokens=20000", "checkpoint.enabled=false"]
+    one = train(tmp_path / "one", *args)
+    fsdp = train(tmp_path / "fsdp", *args, "parallel.dp_shard=2", nproc=2)
+    assert max(abs(a - b) for a, b in zip(one.losses, fsdp.losses)) < 1e-4, (one.losses, fsdp.losses)
+    refused = train(tmp_path / "ep", *args, "parallel.ep=2", nproc=2, check=False)
+    assert refused.returncode == 2 and "expert parallel of Hugging Face MoE models is not available yet" in refused.output

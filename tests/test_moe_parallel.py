@@ -8,16 +8,16 @@ from harness import FAST, train, train_in_one_group
 
 MOE = ["model=tiny_moe", "train.steps=10", "logging.log_every=5"]
 LAYOUTS = {  # name: (world size, overrides)
-    "ep2": (2, ["parallel.ep=2"]),
-    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
-    "pp2": (2, ["parallel.pp=2"]),
     "ep2_selective_ac": (2, ["parallel.ep=2", "memory.activation_checkpointing=selective"]),
-    "ep4": (4, ["parallel.ep=4"]),
+    "tp2": (2, ["parallel.tp=2"]),  # no data parallel: no FSDP, experts split by width only
+    # ep4 also writes the checkpoint the resume jobs below read (jobs of a group run one after another)
+    "ep4": (4, ["parallel.ep=4", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
     "ep2_fsdp4": (4, ["parallel.ep=2"]),  # dp_shard 4: experts FSDP-sharded over the 2 ranks ep leaves
     "hsdp2x2_ep2": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
     "pp2_fsdp2_tp2_sp_ep2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
 }
+RESUMED = {"resumed_ep2": ["parallel.ep=2"], "resumed_ep1": []}  # from ep4's step 5, on its 4 ranks
 PROBED = ("ep2_fsdp2_tp2_sp", ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
 
 
@@ -33,6 +33,11 @@ def layout_runs(tmp_path_factory):
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [name for name, (w, _) in LAYOUTS.items() if w == world]
         jobs = [(root / name, [*FAST, *MOE, *LAYOUTS[name][1]]) for name in names]
+        if world == 4:
+            step5 = root / "ep4" / "checkpoints" / "step-00000005"
+            names += list(RESUMED)
+            jobs += [(root / name, [*FAST, *MOE, f"checkpoint.resume={step5}", *overrides])
+                     for name, overrides in RESUMED.items()]
         runs.update(zip(names, train_in_one_group(jobs, nproc=world)))
     name, overrides = PROBED
     runs[name] = train(root / name, *FAST, *MOE, *overrides, nproc=4, probe_effects=True)
@@ -65,8 +70,8 @@ def test_moe_metrics_and_active_flops(reference):
 
 def test_experts_split_by_expert_and_width(layout_runs):
     """ep=2 × tp=2 (+SP) on 4 ranks with dp_shard=2: each rank holds 4 of the 8 experts at half their width, FSDP gives
-    the experts a unit of their own over the one rank ep leaves of dp_shard, the router stays whole, and tokens
-    crossed ranks by all-to-all (one exchange each way per MoE layer and micro-batch, plus the backward's)."""
+    the experts a unit of their own over the one rank ep leaves of dp_shard, the router stays whole over TP, and
+    tokens crossed ranks by all-to-all (forward: one exchange each way per MoE layer and micro-batch)."""
     effects = layout_runs[PROBED[0]].effects
     assert len(effects) == 4
     for rank in effects:
@@ -76,23 +81,19 @@ def test_experts_split_by_expert_and_width(layout_runs):
             assert layer["experts_local_shape"] == [4, 32, 64], layer  # [experts/ep, hidden/tp, dim]
             assert layer["experts_own_fsdp_group_size"] == 1, layer
             assert layer["ep_group_size"] == 2
-            assert layer["shared_local_shape"] == [32, 64]  # one shared expert, column-split over tp
-            assert layer["gate_placements"] == ["Replicate()"]
+            # one shared expert [64, 64], column-split over tp, then FSDP-sharded over dp_shard=2 with the block
+            assert layer["shared_local_shape"] == [16, 64]
+            assert layer["gate_placements"][-1] == "R", layer  # whole on every TP rank (FSDP shards it over dp)
         # forward: 2 exchanges per layer and micro-batch; 3 layers, 2 micro-batches per rank (8 / dp 2 / 2)
         assert rank["all_to_all"]["calls"] == 2 * 3 * 2, rank["all_to_all"]
         assert rank["all_to_all"]["rows_sent"] > 0
 
 
-def test_expert_parallel_checkpoint_resumes_under_other_degrees(tmp_path, reference):
-    """A checkpoint written under ep=4 resumes under ep=2 (× FSDP) and on one process (ep=1) on the straight curve:
+def test_expert_parallel_checkpoint_resumes_under_other_degrees(reference, layout_runs):
+    """The checkpoint ep=4 wrote at step 5 resumes under ep=2 (× FSDP) and ep=1 (FSDP over 4) on the straight curve:
     expert weights, their optimizer state and the balancing bias re-shard like every other parameter."""
-    ckpt = ["checkpoint.interval=5", "checkpoint.keep_last=0"]
-    first = train(tmp_path / "ep4", *FAST, *MOE, *ckpt, "parallel.ep=4", nproc=4)
-    step5 = first.run_dir / "checkpoints" / "step-00000005"
-    assert step5.is_dir()
-    for name, nproc, overrides in (("ep2", 4, ["parallel.ep=2"]), ("ep1", 1, [])):
-        resumed = train(tmp_path / name, *FAST, *MOE, f"checkpoint.resume={step5}", *overrides, nproc=nproc)
-        tail = [m["loss"] for m in resumed.metrics]
+    for name in RESUMED:
+        resumed = layout_runs[name]
         assert [m["step"] for m in resumed.metrics] == list(range(6, 11)), name
-        diffs = [abs(a - b) for a, b in zip(reference.losses[5:], tail)]
+        diffs = [abs(a - b["loss"]) for a, b in zip(reference.losses[5:], resumed.metrics)]
         assert max(diffs) < 1e-4, f"{name}: {diffs}"

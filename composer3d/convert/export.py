@@ -36,6 +36,9 @@ def _read_checkpoint_meta(path: Path) -> dict:
         raise ConvertError(f"{path / META_FILE} has no config.model")
     if model.get("name") not in ("llama", "hf"):
         raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; 'llama' and 'hf' export to Hugging Face")
+    if model.get("name") == "llama" and (model.get("moe") or {}).get("experts", 0) > 0:
+        raise ConvertError(f"the checkpoint's model is a mixture of experts (model.moe.experts="
+                           f"{model['moe']['experts']}), which has no Hugging Face export yet; dense llama models export")
     if not (path / ".metadata").exists():
         raise ConvertError(f"{path} has {META_FILE} but no DCP .metadata: the checkpoint is incomplete")
     return meta

@@ -70,6 +70,10 @@ def load_hf_config(path: str, attn_implementation: str | None = None):
     return config
 
 
+# Where transformers' configs keep the number of routed experts (Qwen-MoE, Mixtral, DeepSeek, OLMoE/Granite-MoE).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def fill_model_config(m) -> None:
     """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
     pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
@@ -81,6 +85,13 @@ def fill_model_config(m) -> None:
         raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
                           "composer3d trains decoder-only text models; a multimodal model's config nests its text "
                           "model (text_config). Use a text-only causal LM")
+    experts = next((getattr(c, key) for key in _EXPERT_COUNT_KEYS if getattr(c, key, None)), 0)
+    if experts and m.pretrained:
+        raise ConfigError(f"model.path: {m.path} is a Hugging Face mixture-of-experts model ({c.model_type}, {experts} "
+                          "experts a layer), whose checkpoint stores every expert as tensors of its own that "
+                          "transformers fuses while loading; composer3d cannot load those weights yet. Use "
+                          "model.pretrained=false to train it from scratch (FSDP, PP; no tensor or expert parallel), "
+                          "or a native mixture of experts (model=tiny_moe, model.moe.*)")
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads
