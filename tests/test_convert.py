@@ -18,6 +18,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from composer3d.checkpoint import META_FILE, SafeFileSystemReader, read_meta
 from composer3d.config import ModelConfig
+from composer3d.convert.common import model_config
 from composer3d.models import build_model, llama
 from composer3d.models.init import materialize
 
@@ -64,7 +65,7 @@ def save_checkpoint(path: Path, model: torch.nn.Module, cfg: ModelConfig, model_
 
 def load_native(path: Path) -> tuple[torch.nn.Module, ModelConfig]:
     """The composer3d model of checkpoint ``path``, loaded in one process without a process group."""
-    cfg = ModelConfig(**read_meta(path)["config"]["model"])
+    cfg = model_config(read_meta(path)["config"]["model"])  # nested groups (model.moe) as their dataclasses
     model = build_model(cfg)
     materialize(model, torch.device("cpu"), seed=123)  # overwritten below
     dcp.load({"model": model.state_dict()}, storage_reader=SafeFileSystemReader(path), no_dist=True)
