@@ -144,3 +144,15 @@ def test_routing_is_counted_once_under_activation_checkpointing():
     with torch.no_grad():
         moe(x)
     assert int(moe.routed_tokens.sum()) == 2 * 8 * 2, "evaluation forwards are not counted"
+
+
+def test_experts_compute_in_autocasts_dtype():
+    """Where no FSDP casts the weights (one device), the experts follow autocast like the linear layers do."""
+    moe = make_moe()
+    seen = []
+    moe.experts.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32  # mixed in fp32, back in the residual's dtype
+    torch.testing.assert_close(y, moe(x), atol=0.1, rtol=0.05)

@@ -79,6 +79,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: this rank's rows sorted by its local experts, ``counts[e]`` of them for local expert e."""
+        if torch.is_autocast_enabled(x.device.type):  # one device, no FSDP: compute in autocast's dtype, as linears do
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if _grouped_mm_fits(x, w1) and _grouped_mm_fits(x, w2.transpose(-2, -1)):
             offsets = counts.cumsum(0).to(torch.int32)
