@@ -58,11 +58,11 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``grouped_mm`` runs these operands: on the CPU (any float dtype), on CUDA in bf16 from compute
-    capability 8.0; rows 16-byte aligned (its kernels' requirement)."""
+    """Whether ``grouped_mm`` runs these operands: on the CPU (any float dtype eagerly; torch.compile's shape
+    rules accept only bf16), on CUDA in bf16 from compute capability 8.0; rows 16-byte aligned (its kernels' rule)."""
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
     if x.device.type == "cpu":
-        return aligned
+        return aligned and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
     if x.device.type == "cuda":
         return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return False
