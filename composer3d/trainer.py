@@ -128,7 +128,8 @@ class Trainer:
         if self.pipeline is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.runs_first_stage else ()
-            self.pipeline.step(*args, target=targets, losses=losses,
+            # return_outputs=False: the last stage would otherwise hold every microbatch's logits until the step ends
+            self.pipeline.step(*args, target=targets, losses=losses, return_outputs=False,
                                **({} if positions is None else {"position_ids": positions}))
             for loss in losses if self.runs_last_stage else []:
                 total += loss.detach()
