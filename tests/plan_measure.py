@@ -1,0 +1,163 @@
+"""Measure what composer3d-plan predicts, on real multi-process gloo training steps (tests/test_plan.py).
+
+Every layout of a list is trained for a few steps in one group of ``nproc`` processes (one interpreter start-up for
+all of them, as ``harness.train_in_one_group``); on each rank, around one steady-state ``Trainer.train_step`` (the
+second step: the optimizer state exists), three meters run:
+  - collectives: a TorchDispatchMode sees every c10d op the step runs (FSDP's all-gathers and reduce-scatters, the
+    functional collectives of DTensor's TP/SP, pipeline send/recv, the gradient-norm all-reduce, ZeRO-1's all-gather)
+    and adds up the bytes each one carries, by kind and by the size of the group it runs on;
+  - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
+    the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
+  - pipeline idle: the time inside the stages' forward/backward chunks over the step's time, as
+    benchmarks/pipeline_bubble.py measures it (averaged over the steps after the first).
+The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+c10d = torch.ops.c10d
+funcol = torch.ops._c10d_functional
+
+# c10d op → (kind, the argument whose bytes the collective carries: the gathered output, the reduced input)
+C10D_OPS = {
+    c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", 1),
+    c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1),
+    c10d.allreduce_.default: ("all_reduce", 0), c10d.allreduce_coalesced_.default: ("all_reduce", 0),
+    c10d.broadcast_.default: ("broadcast", 0), c10d.send.default: ("send", 0),
+    c10d.alltoall_base_.default: ("all_to_all", 1),
+}
+FUNCOL_OPS = {funcol.all_gather_into_tensor.default: "all_gather", funcol.reduce_scatter_tensor.default: "reduce_scatter",
+              funcol.all_reduce.default: "all_reduce", funcol.all_to_all_single.default: "all_to_all"}
+
+
+def _nbytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    return sum(_nbytes(a) for a in arg) if isinstance(arg, (list, tuple)) else 0
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes per (kind, group size) of every collective dispatched while active: an all-gather counts its gathered
+    output, a reduce-scatter its input, an all-reduce its tensor, a send what it sends (receives are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def _add(self, kind: str, group_size: int, nbytes: int) -> None:
+        key = f"{kind}/{group_size}"
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in C10D_OPS:
+            kind, index = C10D_OPS[func]
+            group = next(a for a in args if isinstance(a, torch.ScriptObject))
+            self._add(kind, torch.distributed.ProcessGroup.unbox(group).size(), _nbytes(args[index]))
+        elif func in FUNCOL_OPS:
+            kind = FUNCOL_OPS[func]
+            size = torch.distributed.distributed_c10d._resolve_process_group(args[-1]).size()
+            self._add(kind, size, _nbytes(args[0]) * (size if kind == "all_gather" else 1))
+        return func(*args, **kwargs)
+
+
+def _peak_tracker():
+    """torch's MemTracker, told that a root module run again is the next micro-batch (gradient accumulation, pipeline
+    schedules) rather than an error: only its whole-rank peak is read here, which the per-module reset keeps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    return PeakTracker()
+
+
+def _stage_timer(trainer, busy: list[float]) -> None:
+    pipeline = trainer.pipeline
+    for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            original = getattr(stage, name, None)
+            if original is None:
+                continue
+
+            def timed(*args, _original=original, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    busy.append(time.perf_counter() - start)
+            setattr(stage, name, timed)
+
+
+def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, steps: int, store: str) -> None:
+    """Worker of ``mp.spawn``: each job (overrides) trained for ``steps`` steps; rank R writes out_dir/<job>.rankR.json."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_module
+    from composer3d.config import register_configs
+    from composer3d.data import build_sequences
+    from composer3d.distributed import Env
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.metrics import model_state_bytes
+    from composer3d.trainer import Trainer, prepare_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        for index, overrides in enumerate(jobs):
+            cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", "run.dir=unused", *overrides])
+            degrees, device = prepare_rank(cfg, Env(rank, rank, nproc))
+            torch.manual_seed(cfg.train.seed)
+            sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+            trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+            busy: list[float] = []
+            if trainer.pipeline is not None:
+                _stage_timer(trainer, busy)
+            idle, result = [], {}
+            for step in range(steps):
+                dist.barrier()
+                busy.clear()
+                start = time.perf_counter()
+                if step == 1:
+                    comms, tracker = CollectiveBytes(), _peak_tracker()
+                    tracker.track_external(trainer.model, trainer.optimizer)
+                    with tracker, comms:
+                        trainer.train_step()
+                    result["collective_bytes"] = comms.bytes
+                    result["peak_bytes"] = int(max(stats["Total"] for stats in
+                                                   tracker.get_tracker_snapshot("peak").values()))
+                    result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
+                else:
+                    trainer.train_step()
+                elapsed = time.perf_counter() - start
+                if step >= 2 and trainer.pipeline is not None:  # after the measured step, untimed by meters
+                    idle.append(1 - sum(busy) / elapsed)
+                trainer.zero_grad()
+            result["idle_fraction"] = sum(idle) / len(idle) if idle else None
+            trainer.close()
+            Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
+            del trainer
+    dist.destroy_process_group()
+
+
+def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, steps: int = 3) -> list[list[dict]]:
+    """Per job, per rank: what ``measure_layouts`` recorded."""
+    import torch.multiprocessing as mp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), steps, str(out_dir / "store")), nprocs=nproc, join=True)
+    return [[json.loads((out_dir / f"{i}.rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(jobs))]
