@@ -90,6 +90,7 @@ class Trainer:
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.step = 0
+        self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
         self.dropped_in_a_row = 0  # consecutive updates dropped, for any reason (train.max_skipped_steps)
         # The hyperparameters this run asks for: a checkpoint restores its own, and the config's win (see resume).
@@ -282,7 +283,7 @@ class Trainer:
             "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
             "num_params": self.num_params, "device": self.device.type,
             "accumulation_steps": self.accumulation_steps, "flops_per_token": self.throughput.flops_per_token,
-            "peak_flops_per_device": self.throughput.peak,
+            "peak_flops_per_device": self.throughput.peak, **self.run_info_extra,
         }
         pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
         window_start = time.perf_counter()

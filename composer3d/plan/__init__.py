@@ -8,7 +8,7 @@ composer3d-train). Each term is a function of its own, so a new parallelism (exp
 expert sharding) adds functions rather than changing the others.
 """
 
-from composer3d.plan.estimate import Estimate, estimate
+from composer3d.plan.estimate import Estimate, Workload, estimate
 from composer3d.plan.layouts import Candidate, candidate_from_config, enumerate_candidates
 
-__all__ = ["Candidate", "Estimate", "candidate_from_config", "enumerate_candidates", "estimate"]
+__all__ = ["Candidate", "Estimate", "Workload", "candidate_from_config", "enumerate_candidates", "estimate"]

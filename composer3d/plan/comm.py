@@ -23,11 +23,8 @@ from dataclasses import dataclass
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, rank_params
+from composer3d.plan.memory import fsdp_shards, rank_sum, root_params
 from composer3d.plan.shapes import ModelShape, StageSet
-
-BLOCK_PARAMS = 9  # tensors per block in ModelShape.block_params
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -38,15 +35,13 @@ class Collective:
     overlapped: bool  # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
 
 
-def _gathered(shapes: list[tuple[int, ...]], n: int) -> int:
-    """Elements an FSDP all-gather of these parameters produces: each padded to a multiple of n rows."""
-    return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in shapes)
+def _gathered(s: tuple[int, ...], n: int) -> int:
+    """Elements an FSDP all-gather of this parameter produces: padded to a multiple of n rows."""
+    return math.ceil(s[0] / n) * n * math.prod(s[1:])
 
 
 def data_parallel(shape: ModelShape, c: Candidate, stages: StageSet, compute_bytes: int, reduce_bytes: int
                   ) -> list[Collective]:
-    shapes = rank_params(shape, stages, c.tp)
-    blocks, root = shapes[:stages.n_layers * BLOCK_PARAMS], shapes[stages.n_layers * BLOCK_PARAMS:]
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
     out = []
     if fsdp_shards(c):
@@ -54,19 +49,21 @@ def data_parallel(shape: ModelShape, c: Candidate, stages: StageSet, compute_byt
         reshard = c.zero_stage == 3 and c.pp == 1
         if c.reshard_after_forward != "default":
             reshard = c.reshard_after_forward == "always"
-        gathers = (2 if reshard else 1) * _gathered(blocks, n) + _gathered(root, n)
-        grads = _gathered(shapes, n)
+        blocks = stages.n_layers * sum(_gathered(p, n) for p in shape.block_params(c.tp))
+        root = sum(_gathered(p, n) for p in root_params(shape, stages, c.tp))
+        gathers = (2 if reshard else 1) * blocks + root
+        grads = blocks + root
         out.append(Collective("dp_shard", "all_gather", n, m * gathers * compute_bytes, True))
         out.append(Collective("dp_shard", "reduce_scatter", n, m * grads * reduce_bytes, True))
         if c.dp_replicate > 1:
             out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True))
         return out
     if c.dp > 1:
-        whole = sum(math.prod(s) for s in shapes)
+        whole = rank_sum(shape, stages, c.tp, math.prod)
         dim, n = ("dp", c.dp) if c.zero_stage == 1 else ("dp_replicate", c.dp_replicate)
         out.append(Collective(dim, "all_reduce", n, m * whole * reduce_bytes, True))
         if c.zero_stage == 1:
-            slices = sum(math.ceil(math.prod(s) / c.dp) for s in shapes)
+            slices = rank_sum(shape, stages, c.tp, lambda p: math.ceil(math.prod(p) / c.dp))
             out.append(Collective("dp", "all_gather", c.dp, c.dp * slices * 4, False))  # fp32 master slices
     return out
 

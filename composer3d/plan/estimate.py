@@ -21,6 +21,22 @@ from composer3d.plan.memory import Memory, memory
 from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the planner reads from a training config, read once (config access is slow next to the arithmetic)."""
+    shape: ModelShape
+    seq_len: int
+    global_batch_size: int
+    optimizer: str
+    reduce_dtype: str
+    memory_headroom: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "Workload":
+        return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
+                   cfg.precision.reduce_dtype, cfg.plan.memory_headroom)
+
+
 @dataclass
 class Estimate:
     candidate: Candidate
@@ -73,17 +89,16 @@ def recompute_factor(c: Candidate) -> float:
     return 1.0  # op-level selective recomputes only elementwise ops
 
 
-def estimate(cfg, c: Candidate, cluster: Cluster) -> Estimate:
-    """Predict ``c`` for the config's model, batch and optimizer on ``cluster``."""
+def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
+    """Predict ``c`` for the workload's model, batch and optimizer on ``cluster``."""
     refuse_unmodelled(c)
-    shape = ModelShape.from_config(cfg.model)
-    seq = cfg.train.seq_len
+    shape, seq = work.shape, work.seq_len
     cb = cluster.compute_bytes
-    reduce_bytes = 4 if cb == 4 else DTYPES[cfg.precision.reduce_dtype].itemsize
+    reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, cfg.optim.name) for s in sets]
+    mems = [memory(shape, c, s, seq, cluster, work.optimizer) for s in sets]
     cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) for s in sets]
-    tokens_per_step = cfg.train.global_batch_size * seq
+    tokens_per_step = work.global_batch_size * seq
     tokens_per_rank = tokens_per_step / c.dp / c.tp  # each TP rank does 1/tp of its data-parallel rank's work
     rate = cluster.peak_flops * cluster.achievable_fraction
     compute = [rank_flops_per_token(shape, s, seq) * tokens_per_rank * recompute_factor(c) / rate for s in sets]
@@ -113,4 +128,4 @@ def estimate(cfg, c: Candidate, cluster: Cluster) -> Estimate:
         collectives_per_pp_rank=cols, compute_s=compute[busiest], bubble_s=bubble, exposed_comm_s=exposed,
         step_time_s=step, tokens_per_s_per_gpu=tokens_per_step / world / step, tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None, bubble_fraction=bubble_fraction(c),
-        fits=mems[worst].total <= cluster.memory_bytes * cfg.plan.memory_headroom)
+        fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom)

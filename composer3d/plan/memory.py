@@ -55,14 +55,9 @@ class Memory:
                 "total": self.total, "host_offloaded": self.host}
 
 
-def rank_params(shape: ModelShape, stages: StageSet, tp: int) -> list[tuple[int, ...]]:
-    """Shapes of this pipeline rank's parameters on one tensor-parallel rank."""
-    params = [s for _ in range(stages.n_layers) for s in shape.block_params(tp)]
-    if stages.first:
-        params += shape.embedding_params(tp)
-    if stages.last:
-        params += shape.head_params(tp)
-    return params
+def root_params(shape: ModelShape, stages: StageSet, tp: int) -> list[tuple[int, ...]]:
+    """Shapes of this pipeline rank's embedding, final norm and head, on one tensor-parallel rank."""
+    return (shape.embedding_params(tp) if stages.first else []) + (shape.head_params(tp) if stages.last else [])
 
 
 def fsdp_shards(c: Candidate) -> bool:
@@ -75,15 +70,21 @@ def shard_numel(shape: tuple[int, ...], n: int) -> int:
     return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
-def model_state(shapes: list[tuple[int, ...]], c: Candidate, optimizer: str) -> tuple[float, float, float]:
+def rank_sum(shape: ModelShape, stages: StageSet, tp: int, per_param) -> float:
+    """``per_param(shape)`` summed over this rank's parameters: its blocks' (all alike) and its root modules'."""
+    return (stages.n_layers * sum(per_param(s) for s in shape.block_params(tp))
+            + sum(per_param(s) for s in root_params(shape, stages, tp)))
+
+
+def model_state(shape: ModelShape, stages: StageSet, c: Candidate, optimizer: str) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
-    whole = sum(math.prod(s) for s in shapes)
     if fsdp_shards(c):
-        local = sum(shard_numel(s, c.dp_shard) for s in shapes)
+        local = rank_sum(shape, stages, c.tp, lambda s: shard_numel(s, c.dp_shard))
         return 4 * local, 4 * local, opt * local
+    whole = rank_sum(shape, stages, c.tp, math.prod)
     if c.zero_stage == 1 and c.dp > 1:
-        return 4 * whole, 4 * whole, opt * sum(math.ceil(math.prod(s) / c.dp) for s in shapes)
+        return 4 * whole, 4 * whole, opt * rank_sum(shape, stages, c.tp, lambda s: math.ceil(math.prod(s) / c.dp))
     return 4 * whole, 4 * whole, opt * whole
 
 
@@ -116,8 +117,7 @@ def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: i
 
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
            optimizer: str = "adamw") -> Memory:
-    shapes = rank_params(shape, stages, c.tp)
-    params, grads, opt = model_state(shapes, c, optimizer)
+    params, grads, opt = model_state(shape, stages, c, optimizer)
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
@@ -138,12 +138,12 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     grads_at_peak = c.microbatches > 1 or c.pp > 1 or (c.dp > 1 and not fsdp_shards(c))
     buffers = 0.0
     block = sum(math.prod(s) for s in shape.block_params(c.tp)) * cb
-    root = sum(math.prod(s) for s in shapes[stages.n_layers * 9:]) * cb
+    root = sum(math.prod(s) for s in root_params(shape, stages, c.tp)) * cb
     if fsdp_shards(c):
         keeps_gathered = c.zero_stage == 2 or c.pp > 1 or c.reshard_after_forward == "never"
         if c.reshard_after_forward == "always":
             keeps_gathered = False
         buffers = root + (stages.n_layers * block if keeps_gathered else 2 * block)
     elif cb != 4:
-        buffers = sum(math.prod(s) for s in shapes) * cb  # low-precision copies of whole weights (casts)
+        buffers = rank_sum(shape, stages, c.tp, math.prod) * cb  # low-precision copies of whole weights (casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak)

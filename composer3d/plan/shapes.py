@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cache, cached_property
 
 from composer3d.models.llama import ffn_hidden_dim
 from composer3d.parallel.pipeline import split_layers, stage_ids_of_rank
@@ -35,6 +35,7 @@ class ModelShape:
                    ffn=ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier, m.ffn_hidden_dim),
                    vocab=m.vocab_size, tied=bool(m.tie_embeddings))
 
+    @cache  # noqa: B019 (a few shapes per run; frozen, hashable)
     def block_params(self, tp: int) -> list[tuple[int, ...]]:
         """Shapes of one block's parameters on one tensor-parallel rank."""
         h, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.ffn
@@ -82,6 +83,7 @@ class StageSet:
         return sum(self.layers)
 
 
+@cache
 def stage_sets(shape: ModelShape, pp: int, stages_per_rank: int, schedule: str) -> list[StageSet]:
     """Per pipeline rank, its stages (the split composer3d makes: cost = parameters, embedding on the first stage,
     norm and head on the last)."""
