@@ -8,8 +8,8 @@ second step: the optimizer state exists), three meters run:
     and adds up the bytes each one carries, by kind and by the size of the group it runs on;
   - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
     the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
-  - pipeline idle: the time inside the stages' forward/backward chunks over the step's time, as
-    benchmarks/pipeline_bubble.py measures it (averaged over the steps after the first).
+  - pipeline idle: 1 − the time inside the stages' forward/backward chunks over the time inside the schedule's
+    step, as benchmarks/pipeline_bubble.py measures it (averaged over the steps after the measured one).
 The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
 """
 
@@ -86,8 +86,19 @@ def _peak_tracker():
     return PeakTracker()
 
 
-def _stage_timer(trainer, busy: list[float]) -> None:
+def _stage_timer(trainer, busy: list[float], schedule_time: list[float]) -> None:
+    """Time inside the stages' compute chunks (``busy``) and inside the schedule's step (``schedule_time``): the
+    idle share of the schedule is the bubble (and the sends it waits on), not the optimizer step after it."""
     pipeline = trainer.pipeline
+    run_schedule = pipeline.step
+
+    def step(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run_schedule(*args, **kwargs)
+        finally:
+            schedule_time.append(time.perf_counter() - start)
+    pipeline.step = step
     for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             original = getattr(stage, name, None)
@@ -125,13 +136,14 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
             sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
             trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
             busy: list[float] = []
+            schedule_time: list[float] = []
             if trainer.pipeline is not None:
-                _stage_timer(trainer, busy)
+                _stage_timer(trainer, busy, schedule_time)
             idle, result = [], {}
             for step in range(steps):
                 dist.barrier()
                 busy.clear()
-                start = time.perf_counter()
+                schedule_time.clear()
                 if step == 1:
                     comms, tracker = CollectiveBytes(), _peak_tracker()
                     tracker.track_external(trainer.model, trainer.optimizer)
@@ -143,9 +155,8 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                     result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
                 else:
                     trainer.train_step()
-                elapsed = time.perf_counter() - start
                 if step >= 2 and trainer.pipeline is not None:  # after the measured step, untimed by meters
-                    idle.append(1 - sum(busy) / elapsed)
+                    idle.append(1 - sum(busy) / sum(schedule_time))
                 trainer.zero_grad()
             result["idle_fraction"] = sum(idle) / len(idle) if idle else None
             trainer.close()

@@ -75,11 +75,14 @@ def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
     act = c.micro_batch_size * seq_len * shape.dim * compute_bytes * c.microbatches  # one residual tensor, per step
     layers, first, last = stages.n_layers, int(stages.first), int(stages.last)
     loss = 3 * c.micro_batch_size * seq_len * 4 * c.microbatches * last
+    # Full checkpointing reruns a block's forward collectives up to the last one backward needs (torch stops the
+    # recomputation there): the gathers and the attention's reduce-scatter / all-reduce, not the MLP's.
+    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
     if c.sequence_parallel:
-        return [Collective("tp", "all_gather", c.tp, (4 * layers + first + last) * act, False),
-                Collective("tp", "reduce_scatter", c.tp, (4 * layers + first + last) * act, False),
+        return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * rerun + first + last) * act, False),
+                Collective("tp", "reduce_scatter", c.tp, (4 * layers + rerun + first + last) * act, False),
                 Collective("tp", "all_reduce", c.tp, loss, False)]
-    return [Collective("tp", "all_reduce", c.tp, (7 * layers + first + last) * act + loss, False)]
+    return [Collective("tp", "all_reduce", c.tp, (7 * layers + rerun + first + last) * act + loss, False)]
 
 
 def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int) -> list[Collective]:

@@ -36,7 +36,7 @@ class Memory:
     optimizer: float
     activations: float
     logits: float
-    comm_buffers: float  # FSDP's gathered parameters (and replicas' low-precision copies)
+    comm_buffers: float  # FSDP's gathered parameters; replicas' gradient all-reduce buffer and low-precision copies
     host: float  # offloaded model state (in host memory, not the GPU's)
     grads_at_peak: bool = True
 
@@ -130,12 +130,13 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     # recomputation in backward (its whole activations, once the logits are gone).
     acts = saved * tokens * stages.n_layers * in_flight * cb
     recompute = transient * tokens * cb
-    if recompute > logits:
+    in_backward = recompute > logits
+    if in_backward:
         acts, logits = acts + recompute, 0.0
     # Gradients exist during forward only from the second micro-batch on: a single micro-batch's backward frees
     # activations about as fast as it creates gradients, so they do not add to its peak — except where they are
     # whole (replicas, ZeRO-1): FSDP's all-reduce copies them into a buffer of their size.
-    grads_at_peak = c.microbatches > 1 or c.pp > 1 or (c.dp > 1 and not fsdp_shards(c))
+    grads_at_peak = c.microbatches > 1 or c.pp > 1
     buffers = 0.0
     block = sum(math.prod(s) for s in shape.block_params(c.tp)) * cb
     root = sum(math.prod(s) for s in root_params(shape, stages, c.tp)) * cb
@@ -144,6 +145,14 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         if c.reshard_after_forward == "always":
             keeps_gathered = False
         buffers = root + (stages.n_layers * block if keeps_gathered else 2 * block)
-    elif cb != 4:
-        buffers = rank_sum(shape, stages, c.tp, math.prod) * cb  # low-precision copies of whole weights (casts)
+        if c.pp > 1:  # the pipeline syncs gradients at its last micro-batch: until then they are whole
+            buffers += stages.n_layers * block + root
+        elif in_backward:  # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
+            buffers += 2 * block / cb * 4
+    else:
+        whole = rank_sum(shape, stages, c.tp, math.prod)
+        if c.dp > 1:  # replicas' all-reduce copies the whole gradients into a buffer of the reduce dtype
+            buffers += whole * 4
+        if cb != 4:
+            buffers += whole * cb  # low-precision copies of whole weights (casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak)
