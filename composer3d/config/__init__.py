@@ -9,7 +9,6 @@ from composer3d.config.checks import (
     validate,
     validate_data,
     validate_for_device,
-    validate_plan,
 )
 from composer3d.config.registration import register_configs
 from composer3d.config.schema import (
@@ -35,5 +34,5 @@ __all__ = [
     "CheckpointConfig", "CompileConfig", "ConfigError", "DataConfig", "EvalConfig",
     "Float8Config", "LaunchConfig", "LoggingConfig", "MemoryConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PrecisionConfig", "RunConfig", "TrainConfig", "TrainLoopConfig", "pipeline_microbatches", "register_configs",
-    "resolve_degrees", "resolve_model_config", "validate", "validate_data", "validate_for_device", "validate_plan",
+    "resolve_degrees", "resolve_model_config", "validate", "validate_data", "validate_for_device",
 ]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from omegaconf import open_dict
 
-from composer3d.config import validate_plan
 from composer3d.plan.hardware import cluster_from_config
+from composer3d.plan.validation import validate_plan
 from composer3d.plan.layouts import apply_to_config
 from composer3d.plan.search import best, why_slower
 

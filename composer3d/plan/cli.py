@@ -14,11 +14,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from composer3d import launcher
-from composer3d.config import register_configs, resolve_model_config, validate, validate_plan
+from composer3d.config import register_configs, resolve_model_config, validate
 from composer3d.hydra_entry import hydra_entry_point
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate
 from composer3d.plan.hardware import cluster_from_config
+from composer3d.plan.validation import validate_plan
 from composer3d.plan.layouts import candidate_from_config
 from composer3d.plan.search import ranked
 
