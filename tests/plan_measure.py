@@ -8,8 +8,9 @@ second step: the optimizer state exists), three meters run:
     and adds up the bytes each one carries, by kind and by the size of the group it runs on;
   - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
     the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
-  - pipeline idle: 1 − the time inside the stages' forward/backward chunks over the time inside the schedule's
-    step, as benchmarks/pipeline_bubble.py measures it (averaged over the steps after the measured one).
+  - pipeline time, in each of ``idle_steps`` steps after the measured one: inside the stages' compute (``busy_s``:
+    forward/backward chunks and the loss) and inside the schedule's step (``schedule_s``), on each rank; a step's
+    idle share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it.
 The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
 """
 
@@ -86,36 +87,33 @@ def _peak_tracker():
     return PeakTracker()
 
 
-def _stage_timer(trainer, busy: list[float], schedule_time: list[float]) -> None:
-    """Time inside the stages' compute chunks (``busy``) and inside the schedule's step (``schedule_time``): the
-    idle share of the schedule is the bubble (and the sends it waits on), not the optimizer step after it."""
-    pipeline = trainer.pipeline
-    run_schedule = pipeline.step
-
-    def step(*args, **kwargs):
+def _timed(method, into: list[float]):
+    def timed(*args, **kwargs):
         start = time.perf_counter()
         try:
-            return run_schedule(*args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            schedule_time.append(time.perf_counter() - start)
-    pipeline.step = step
+            into.append(time.perf_counter() - start)
+    return timed
+
+
+def _stage_timer(trainer, busy: list[float], schedule_time: list[float]) -> None:
+    """Time inside the stages' compute (``busy``: their forward/backward chunks and the loss, which the schedule
+    computes outside the last stage's forward chunk) and inside the schedule's step (``schedule_time``): the idle
+    share of the schedule is the bubble (and the sends it waits on), not the optimizer step after it."""
+    pipeline = trainer.pipeline
+    pipeline.step = _timed(pipeline.step, schedule_time)
+    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy)
     for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            original = getattr(stage, name, None)
-            if original is None:
-                continue
-
-            def timed(*args, _original=original, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    busy.append(time.perf_counter() - start)
-            setattr(stage, name, timed)
+            if hasattr(stage, name):
+                setattr(stage, name, _timed(getattr(stage, name), busy))
 
 
-def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, steps: int, store: str) -> None:
-    """Worker of ``mp.spawn``: each job (overrides) trained for ``steps`` steps; rank R writes out_dir/<job>.rankR.json."""
+def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, idle_steps: int, store: str) -> None:
+    """Worker of ``mp.spawn``: each job (overrides) trained for two steps (the first creates the optimizer state, the
+    second is measured), a pipeline's for ``idle_steps`` more to time its idle share; rank R writes
+    out_dir/<job>.rankR.json."""
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
     import torch.distributed as dist
     from hydra import compose, initialize_config_module
@@ -139,8 +137,8 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
             schedule_time: list[float] = []
             if trainer.pipeline is not None:
                 _stage_timer(trainer, busy, schedule_time)
-            idle, result = [], {}
-            for step in range(steps):
+            busy_s, schedule_s, result = [], [], {}
+            for step in range(2 + (idle_steps if trainer.pipeline is not None else 0)):
                 dist.barrier()
                 busy.clear()
                 schedule_time.clear()
@@ -155,20 +153,22 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                     result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
                 else:
                     trainer.train_step()
-                if step >= 2 and trainer.pipeline is not None:  # after the measured step, untimed by meters
-                    idle.append(1 - sum(busy) / sum(schedule_time))
+                if step >= 2:  # after the measured step, untimed by meters
+                    busy_s.append(sum(busy))
+                    schedule_s.append(sum(schedule_time))
                 trainer.zero_grad()
-            result["idle_fraction"] = sum(idle) / len(idle) if idle else None
+            if busy_s:
+                result["busy_s"], result["schedule_s"] = busy_s, schedule_s
             trainer.close()
             Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
             del trainer
     dist.destroy_process_group()
 
 
-def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, steps: int = 3) -> list[list[dict]]:
+def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, idle_steps: int = 0) -> list[list[dict]]:
     """Per job, per rank: what ``measure_layouts`` recorded."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), steps, str(out_dir / "store")), nprocs=nproc, join=True)
+    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), idle_steps, str(out_dir / "store")), nprocs=nproc, join=True)
     return [[json.loads((out_dir / f"{i}.rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(jobs))]
