@@ -9,8 +9,9 @@ second step: the optimizer state exists), three meters run:
   - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
     the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
   - pipeline time, in each of ``idle_steps`` steps after the measured one: inside the stages' compute (``busy_s``:
-    forward/backward chunks and the loss) and inside the schedule's step (``schedule_s``), on each rank; a step's
-    idle share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it.
+    forward/backward chunks and the loss; ``busy_cpu_s``: the CPU time the rank got meanwhile, which tells a step
+    where another job took its core) and inside the schedule's step (``schedule_s``), on each rank; a step's idle
+    share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it.
 The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
 """
 
@@ -87,27 +88,31 @@ def _peak_tracker():
     return PeakTracker()
 
 
-def _timed(method, into: list[float]):
+def _timed(method, into: list[float], cpu_into: list[float] | None = None):
+    """``method`` adding its wall time to ``into`` (and the CPU time of its thread to ``cpu_into``) per call."""
     def timed(*args, **kwargs):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         try:
             return method(*args, **kwargs)
         finally:
             into.append(time.perf_counter() - start)
+            if cpu_into is not None:
+                cpu_into.append(time.thread_time() - cpu_start)
     return timed
 
 
-def _stage_timer(trainer, busy: list[float], schedule_time: list[float]) -> None:
+def _stage_timer(trainer, busy: list[float], busy_cpu: list[float], schedule_time: list[float]) -> None:
     """Time inside the stages' compute (``busy``: their forward/backward chunks and the loss, which the schedule
-    computes outside the last stage's forward chunk) and inside the schedule's step (``schedule_time``): the idle
-    share of the schedule is the bubble (and the sends it waits on), not the optimizer step after it."""
+    computes outside the last stage's forward chunk; ``busy_cpu``: the CPU time the rank got meanwhile) and inside
+    the schedule's step (``schedule_time``): the idle share of the schedule is the bubble (and the sends it waits
+    on), not the optimizer step after it."""
     pipeline = trainer.pipeline
     pipeline.step = _timed(pipeline.step, schedule_time)
-    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy)
+    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy, busy_cpu)
     for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
         for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
             if hasattr(stage, name):
-                setattr(stage, name, _timed(getattr(stage, name), busy))
+                setattr(stage, name, _timed(getattr(stage, name), busy, busy_cpu))
 
 
 def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, idle_steps: int, store: str) -> None:
@@ -134,13 +139,15 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
             sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
             trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
             busy: list[float] = []
+            busy_cpu: list[float] = []
             schedule_time: list[float] = []
             if trainer.pipeline is not None:
-                _stage_timer(trainer, busy, schedule_time)
-            busy_s, schedule_s, result = [], [], {}
+                _stage_timer(trainer, busy, busy_cpu, schedule_time)
+            busy_s, busy_cpu_s, schedule_s, result = [], [], [], {}
             for step in range(2 + (idle_steps if trainer.pipeline is not None else 0)):
                 dist.barrier()
                 busy.clear()
+                busy_cpu.clear()
                 schedule_time.clear()
                 if step == 1:
                     comms, tracker = CollectiveBytes(), _peak_tracker()
@@ -155,10 +162,11 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                     trainer.train_step()
                 if step >= 2:  # after the measured step, untimed by meters
                     busy_s.append(sum(busy))
+                    busy_cpu_s.append(sum(busy_cpu))
                     schedule_s.append(sum(schedule_time))
                 trainer.zero_grad()
             if busy_s:
-                result["busy_s"], result["schedule_s"] = busy_s, schedule_s
+                result.update(busy_s=busy_s, busy_cpu_s=busy_cpu_s, schedule_s=schedule_s)
             trainer.close()
             Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
             del trainer

@@ -31,12 +31,12 @@ MODEL = ["model=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=8", "
          "model.vocab_size=512", "data=synthetic", "train.seq_len=64", "launch.device=cpu", "checkpoint.enabled=false",
          "logging.progress_bar=false"]
 BATCH = ["train.global_batch_size=8", "train.micro_batch_size=2"]
-PP_BATCH = ["train.global_batch_size=16", "train.micro_batch_size=1"]  # 8 micro-batches per dp rank at dp=2
+TP_BATCH = ["train.global_batch_size=4", "train.micro_batch_size=2"]  # few micro-batches: TP's collectives are many
 # The pipelines whose idle share is timed: enough compute per micro-batch (dim 256, seq 128) that the chunks, not
 # the sends and the schedule's own Python, fill the step; 8 micro-batches at dp=1.
 PP_TIMED = ["model.dim=256", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=1",
             "parallel.pp=2"]
-IDLE_STEPS = 5
+IDLE_STEPS = 7
 
 # Two ranks, one per core of this machine (the pipelines' timing needs each rank on a core of its own).
 LAYOUTS_2 = {
@@ -47,12 +47,12 @@ LAYOUTS_2 = {
     "ddp": [*BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2"],
     "ddp_accumulate": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp_shard=1",
                        "parallel.dp_replicate=2"],
-    "tp2": [*BATCH, "parallel.tp=2"],
-    "tp2_sp": [*BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2": [*TP_BATCH, "parallel.tp=2"],
+    "tp2_sp": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "fsdp_ac_full": [*BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=full"],
     "fsdp_ac_selective": [*BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
     "ddp_ac_full": [*BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2", "memory.activation_checkpointing=full"],
-    "tp_sp_ac_full": [*BATCH, "parallel.tp=2", "parallel.sequence_parallel=true",
+    "tp_sp_ac_full": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true",
                       "memory.activation_checkpointing=full"],
     "pp_1f1b": [*PP_TIMED, "parallel.pp_schedule=1f1b"],
     "pp_gpipe": [*PP_TIMED, "parallel.pp_schedule=gpipe"],
@@ -61,12 +61,15 @@ LAYOUTS_2 = {
 LAYOUTS_4 = {
     "hsdp_z3": [*BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2"],
     "hsdp_z2": [*BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero_stage=2"],
-    "fsdp_tp": [*BATCH, "parallel.tp=2"],
-    "fsdp_tp_sp": [*BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "tp4_sp": [*BATCH, "parallel.tp=4", "parallel.sequence_parallel=true"],
-    "zero1_tp": [*BATCH, "parallel.tp=2", "parallel.zero_stage=1"],
-    "pp_tp_sp": [*PP_BATCH, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "pp_ddp": [*PP_BATCH, "parallel.pp=2", "parallel.dp_shard=1", "parallel.dp_replicate=2"],
+    "fsdp_tp": [*TP_BATCH, "parallel.tp=2"],
+    "fsdp_tp_sp": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp4_sp": [*TP_BATCH, "parallel.tp=4", "parallel.sequence_parallel=true"],
+    "zero1_tp": [*TP_BATCH, "parallel.tp=2", "parallel.zero_stage=1"],
+    # 8 micro-batches per pipeline
+    "pp_tp_sp": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2", "parallel.tp=2",
+                 "parallel.sequence_parallel=true"],
+    "pp_ddp": ["train.global_batch_size=16", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=1",
+               "parallel.dp_replicate=2"],
 }
 
 
@@ -142,18 +145,21 @@ def test_collective_bytes_within_2_percent(measured):
 
 def test_pipeline_idle_fraction_within_20_percent(measured):
     """The pipeline's idle share of a step: 1 − the ranks' mean time inside stage compute over the step (the longest
-    rank's time inside the schedule), against the predicted bubble (P−1)/(v·M) as a share of the step. The median
-    of the timed steps counts: on this shared 2-core machine a rank descheduled by another job shows as idle time on
-    its neighbour, or hides its own wait, in single steps."""
+    rank's time inside the schedule), against the predicted bubble (P−1)/(v·M) as a share of the step; the median of
+    the timed steps, as a rank that another job on this shared 2-core machine deschedules shows as idle time on its
+    neighbour in single steps. The CPU share the ranks got inside their compute is reported with a failure: far
+    under 1, the machine was too busy to time a pipeline."""
     rows = []
     for name in ("pp_1f1b", "pp_gpipe"):
         ranks, est = measured[name]
         got = statistics.median(
             1 - sum(r["busy_s"][i] for r in ranks) / len(ranks) / max(r["schedule_s"][i] for r in ranks)
             for i in range(IDLE_STEPS))
-        rows.append((name, est.bubble_fraction, got, _rel(est.bubble_fraction, got)))
+        cpu_share = min(sum(r["busy_cpu_s"]) / sum(r["busy_s"]) for r in ranks)
+        rows.append((name, est.bubble_fraction, got, _rel(est.bubble_fraction, got), round(cpu_share, 2)))
     bad = [r for r in rows if r[3] > 0.2]
-    assert not bad, f"pipeline idle share off by more than 20% (layout, predicted, measured, error): {bad}"
+    assert not bad, ("pipeline idle share off by more than 20% (layout, predicted, measured, error, CPU share of the "
+                     f"ranks): {bad}")
 
 
 def _plan(*overrides: str) -> subprocess.CompletedProcess:
