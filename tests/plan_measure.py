@@ -11,7 +11,8 @@ second step: the optimizer state exists), three meters run:
   - pipeline time, in each of ``idle_steps`` steps after the measured one: inside the stages' compute (``busy_s``:
     forward/backward chunks and the loss; ``busy_cpu_s``: the CPU time the rank got meanwhile, which tells a step
     where another job took its core) and inside the schedule's step (``schedule_s``), on each rank; a step's idle
-    share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it.
+    share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it (the loss,
+    which the schedule computes outside the last stage's chunks, counted as compute here).
 The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
 """
 
@@ -122,6 +123,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
     import torch.distributed as dist
     from hydra import compose, initialize_config_module
+
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
     from composer3d.distributed import Env
