@@ -7,8 +7,9 @@ two process groups (tests/plan_measure.py): 15 layouts on 2 processes (one per c
 rank (within 2%; collectives under 1% of a rank's traffic — the gradient norm's scalars — are only required to stay
 under 1% together), and for pp=2 1F1B and GPipe (dim 256, seq 128, M=8: chunks long enough that compute, not the
 sends' latency, fills the step) the pipeline's idle share (within 20%, in the steps where each rank had a core
-of its own). pp=4 with one layer per stage is left out:
-its peak is predicted 25% (1F1B) and 16.5% (GPipe) low, not yet explained.
+of its own). pp=4 with one layer per stage is left out: its peak is predicted 25% (1F1B) and 16.5% (GPipe) low at
+16 micro-batches (9% and 10% at 8): the planner leaves out the pipeline's per-micro-batch receive buffers, the last
+stage's kept outputs and backward's temporaries (README).
 """
 
 from __future__ import annotations
