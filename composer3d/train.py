@@ -35,15 +35,23 @@ from composer3d.errors import Exit, StoppedBySignal, TrainingDiverged
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.metrics import MetricsSink, local_bytes
+from composer3d.plan.auto import choose_layout
 from composer3d.preflight import preflight
 from composer3d.trainer import Trainer, prepare_rank
 
 log = logging.getLogger("composer3d")
 
 
-def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
-    """Train in this process, as one rank of the job (or the only one)."""
+def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path, plan: dict | None = None) -> None:
+    """Train in this process, as one rank of the job (or the only one). ``plan``: parallel=auto's choice."""
     console.setup_logging(env.rank if env else 0)
+    if plan is not None:
+        log.info("parallel=auto chose %s (%s): %s; predicted %.0f tokens/s per device, %s per device; runner-up: %s",
+                 plan["chosen"], " ".join(plan["overrides"]), plan["why"],
+                 plan["prediction"]["tokens_per_s_per_gpu"],
+                 console.human_bytes(plan["prediction"]["memory_bytes_per_gpu"]),
+                 "none" if plan["runner_up"] is None else
+                 f"{plan['runner_up']['layout']} ({plan['runner_up']['why_slower']})")
     degrees, device = prepare_rank(cfg, env)
     # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
     if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
@@ -59,7 +67,7 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
     env = distributed.init_process_group(device, env, timeout, host_collectives=cfg.parallel.offload == "cpu")
     finished = False
     try:
-        _train_in_group(cfg, env, degrees, device, sequences, windows, timeout)
+        _train_in_group(cfg, env, degrees, device, sequences, windows, timeout, plan)
         finished = True
     except StoppedBySignal:
         finished = True  # every rank stopped at the same step: shut down as after the last one
@@ -69,7 +77,8 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path) -> None:
 
 
 def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device: torch.device,
-                    sequences: PackedSequences, windows: torch.Tensor | None, timeout: timedelta) -> None:
+                    sequences: PackedSequences, windows: torch.Tensor | None, timeout: timedelta,
+                    plan: dict | None = None) -> None:
     """The run once the process group exists; returning drops the trainer (and its pipeline's pending work)."""
     world_size = env.world_size
     run_dir = Path(distributed.agree_on(os.path.abspath(cfg.run.dir)))
@@ -81,6 +90,7 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
              console.resume_hint(cfg.run.name, run_dir))
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
+    trainer.run_info_extra = {"parallel_auto": plan} if plan else {}
     log.info("model: %s parameters (%s of them on this rank); %s tokens a step (%d sequences of %d); %d steps",
              f"{trainer.num_params:,}", console.human_bytes(sum(local_bytes(p) for p in trainer.model.parameters())),
              f"{cfg.train.global_batch_size * cfg.train.seq_len:,}", cfg.train.global_batch_size, cfg.train.seq_len,
@@ -105,6 +115,11 @@ def _main(cfg: DictConfig) -> None:
     run_dir = _run_dir(cfg)
     try:
         resolve_model_config(cfg.model)
+        plan = None
+        if cfg.parallel.auto:  # every process plans alike: the launcher (for preflight) and each worker
+            plan = choose_layout(cfg, env.world_size if env else cfg.launch.nproc_per_node,
+                                 int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc_per_node)),
+                                 distributed.device_type(cfg.launch.device))
         if env is not None and not ours and cfg.launch.max_restarts:
             raise ConfigError("launch.max_restarts: restarts are the local launcher's; this job was started by "
                               "torchrun, SLURM or submitit. Use torchrun's --max-restarts (or the scheduler's requeue) "
@@ -120,7 +135,7 @@ def _main(cfg: DictConfig) -> None:
         if env is None and (cfg.launch.nproc_per_node > 1 or cfg.launch.max_restarts):
             _launch(cfg, run_dir)
             return
-        run(cfg, env, run_dir)
+        run(cfg, env, run_dir, plan)
     except ConfigError as error:
         line = f"composer3d: invalid configuration: {error}"
         _tell(env, line, every_rank=error.rank_specific)

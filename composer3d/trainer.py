@@ -97,6 +97,7 @@ class Trainer:
             self.expert_load = ExpertLoad(self.model, cfg.model.moe, sum(
                 is_moe_layer(cfg.model, i) for i in range(cfg.model.n_layers)), t.global_batch_size, mesh, device)
         self.step = 0
+        self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
         self.dropped_in_a_row = 0  # consecutive updates dropped, for any reason (train.max_skipped_steps)
         # The hyperparameters this run asks for: a checkpoint restores its own, and the config's win (see resume).
@@ -296,7 +297,7 @@ class Trainer:
             "num_params": self.num_params, "device": self.device.type,
             **({"num_active_params": self.active_params} if self.active_params != self.num_params else {}),
             "accumulation_steps": self.accumulation_steps, "flops_per_token": self.throughput.flops_per_token,
-            "peak_flops_per_device": self.throughput.peak,
+            "peak_flops_per_device": self.throughput.peak, **self.run_info_extra,
         }
         pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
         window_start = time.perf_counter()

@@ -105,6 +105,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
     pp_stages_per_rank: int | None = None  # None: 1, or 2 for interleaved / looped / V-shaped schedules
+    # parallel=auto: composer3d-plan's model picks the layout (degrees, ZeRO stage, SP, schedule, micro-batch size,
+    # activation checkpointing) for this world size and cluster.*; the choice and why go to the log and run.json
+    auto: bool = False
 
 
 @dataclass
@@ -183,6 +186,27 @@ class OptimConfig:
 
 
 @dataclass
+class ClusterConfig:
+    # composer3d-plan and parallel=auto: the machines the layout is planned for (composer3d-train plans for its own
+    # world size; cluster.device=auto there means launch.device's: the CPU, or the table's entry for the GPU)
+    nodes: int = 1  # machines
+    gpus_per_node: int = 8  # devices per machine (composer3d-train: launch.nproc_per_node)
+    device: str = "h100"  # h100 | h200 | b200 | a100 | mi300x | l40s | cpu: memory, peak FLOP/s, link bandwidths
+    memory_gib: float | None = None  # usable memory per device; None: the table's (cpu: host memory / gpus_per_node)
+    peak_tflops: float | None = None  # dense peak for the compute dtype; None: composer3d.flops' table
+    intra_node_gbps: float | None = None  # GB/s per device within a node (NVLink...); None: the table's
+    inter_node_gbps: float | None = None  # GB/s per device across nodes (its network share); None: the table's
+    achievable_fraction: float = 0.6  # of peak FLOP/s a transformer step's compute reaches (one value, all layouts)
+
+
+@dataclass
+class PlanConfig:
+    format: str = "table"  # composer3d-plan: table (human) | json (one JSON object per layout, a line each)
+    top: int = 10  # composer3d-plan without a layout: how many of the ranked layouts to print
+    memory_headroom: float = 0.9  # a layout fits when its predicted peak is at most this share of the memory
+
+
+@dataclass
 class RunConfig:
     # conf/train.yaml: outputs/<run.name>, or outputs/<date>/<time> for an unnamed run; in a sweep (-m) the sweep's
     # directory, job N training in <run.dir>/N
@@ -247,3 +271,5 @@ class TrainConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)

@@ -1,0 +1,14 @@
+"""composer3d-plan: predict a layout's memory, communication, bubble and throughput; search every layout.
+
+One concern per module: ``hardware`` (devices and links), ``shapes`` (the model's parameters per layer and per
+pipeline stage), ``layouts`` (a candidate layout and the enumeration of all of them), ``memory``, ``comm``
+(bytes per collective), ``bubble`` (pipeline schedules), ``estimate`` (step time, throughput: the other modules
+put together), ``report`` (table / JSON), ``cli`` (the console script) and ``auto`` (``parallel=auto`` in
+composer3d-train). Each term is a function of its own, so a new parallelism (expert parallel's all-to-all and
+expert sharding) adds functions rather than changing the others.
+"""
+
+from composer3d.plan.estimate import Estimate, Workload, estimate
+from composer3d.plan.layouts import Candidate, candidate_from_config, enumerate_candidates
+
+__all__ = ["Candidate", "Estimate", "Workload", "candidate_from_config", "enumerate_candidates", "estimate"]

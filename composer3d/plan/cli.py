@@ -1,0 +1,54 @@
+"""``composer3d-plan``: the same config as composer3d-train, plus ``cluster.*`` and ``plan.*``.
+
+    composer3d-plan model=llama3_8b train.seq_len=8192 train.global_batch_size=64 cluster.nodes=8 cluster.device=h100
+    composer3d-plan model=llama3_8b ... parallel.tp=2 parallel.dp_shard=-1       # one layout, in detail
+    composer3d-plan ... plan.format=json                                            # one JSON object per layout
+
+With any ``parallel.*`` key on the command line it reports that layout; without one (or with ``parallel=auto``) it
+ranks every valid layout that fits. Nothing is started: it is arithmetic (composer3d/plan/*).
+"""
+
+from __future__ import annotations
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from composer3d import launcher
+from composer3d.config import register_configs, resolve_model_config, validate
+from composer3d.hydra_entry import hydra_entry_point
+from composer3d.plan import report
+from composer3d.plan.estimate import Workload, estimate
+from composer3d.plan.hardware import cluster_from_config
+from composer3d.plan.validation import validate_plan
+from composer3d.plan.layouts import candidate_from_config
+from composer3d.plan.search import ranked
+
+
+def layout_given(cfg: DictConfig) -> bool:
+    """A layout is given when the command line sets a ``parallel.*`` key (and parallel=auto is not asked for)."""
+    return not cfg.parallel.auto and any(o.lstrip("+~").startswith("parallel.")
+                                         for o in HydraConfig.get().overrides.task)
+
+
+def _main(cfg: DictConfig) -> None:
+    with launcher.exits_as_a_command("composer3d-plan", None):
+        resolve_model_config(cfg.model)
+        validate_plan(cfg)
+        cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+        if layout_given(cfg):
+            validate(cfg, cluster.world_size)
+            e = estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+            print(report.json_lines([e]) if cfg.plan.format == "json" else report.detail(e, cluster), flush=True)
+            return
+        fitting, tried = ranked(cfg, cluster)
+        shown = fitting[:cfg.plan.top]
+        print(report.json_lines(shown) if cfg.plan.format == "json" else report.table(fitting, tried, cfg.plan.top,
+                                                                                       cluster), flush=True)
+
+
+main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+
+register_configs()
+
+if __name__ == "__main__":
+    main()

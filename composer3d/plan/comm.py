@@ -1,0 +1,122 @@
+"""Bytes each collective moves per optimizer step, per mesh dimension, for one pipeline rank — and on which link.
+
+The counts are composer3d's (measured by tests/test_plan.py around the real training step), per micro-batch M:
+  FSDP (ZeRO-3): each block all-gathered in forward and again in backward, the root (embedding, norm, head) once,
+    gradients reduce-scattered once; ZeRO-2 gathers each block once. FSDP reshards after every micro-batch's
+    backward, so all of it repeats M times. Under PP composer3d keeps stages gathered, and the pipeline syncs
+    gradients at the last micro-batch only: one all-gather and one reduce-scatter a step.
+  HSDP: the reduce-scatter's output is then all-reduced over dp_replicate. Replicas (DDP; ZeRO-1's parameters):
+    gradients all-reduced per micro-batch. ZeRO-1: the updated fp32 slices all-gathered once a step.
+  TP (DTensor): forward all-reduces after o and down projections and the vocab-parallel embedding; backward one
+    all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
+    the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
+  SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
+  PP: each stage sends its activations forward and its input gradients back, per micro-batch.
+An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce and a
+send by their tensor. Gathered parameters travel in the compute dtype, gradients in precision.reduce_dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from composer3d.plan.hardware import Cluster
+from composer3d.plan.layouts import Candidate
+from composer3d.plan.memory import fsdp_shards, rank_sum, root_params
+from composer3d.plan.shapes import ModelShape, StageSet
+
+@dataclass(frozen=True)
+class Collective:
+    dim: str  # mesh dimension: dp_shard, dp_replicate, dp (ZeRO-1 and DDP over all data-parallel ranks), tp, pp
+    kind: str  # all_gather, reduce_scatter, all_reduce, send
+    group_size: int
+    bytes: float  # per step on this rank
+    overlapped: bool  # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
+
+
+def _gathered(s: tuple[int, ...], n: int) -> int:
+    """Elements an FSDP all-gather of this parameter produces: padded to a multiple of n rows."""
+    return math.ceil(s[0] / n) * n * math.prod(s[1:])
+
+
+def data_parallel(shape: ModelShape, c: Candidate, stages: StageSet, compute_bytes: int, reduce_bytes: int
+                  ) -> list[Collective]:
+    m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
+    out = []
+    if fsdp_shards(c):
+        n = c.dp_shard
+        reshard = c.zero_stage == 3 and c.pp == 1
+        if c.reshard_after_forward != "default":
+            reshard = c.reshard_after_forward == "always"
+        blocks = stages.n_layers * sum(_gathered(p, n) for p in shape.block_params(c.tp))
+        root = sum(_gathered(p, n) for p in root_params(shape, stages, c.tp))
+        gathers = (2 if reshard else 1) * blocks + root
+        grads = blocks + root
+        out.append(Collective("dp_shard", "all_gather", n, m * gathers * compute_bytes, True))
+        out.append(Collective("dp_shard", "reduce_scatter", n, m * grads * reduce_bytes, True))
+        if c.dp_replicate > 1:
+            out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True))
+        return out
+    if c.dp > 1:
+        whole = rank_sum(shape, stages, c.tp, math.prod)
+        dim, n = ("dp", c.dp) if c.zero_stage == 1 else ("dp_replicate", c.dp_replicate)
+        out.append(Collective(dim, "all_reduce", n, m * whole * reduce_bytes, True))
+        if c.zero_stage == 1:
+            slices = rank_sum(shape, stages, c.tp, lambda p: math.ceil(math.prod(p) / c.dp))
+            out.append(Collective("dp", "all_gather", c.dp, c.dp * slices * 4, False))  # fp32 master slices
+    return out
+
+
+def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+                    ) -> list[Collective]:
+    if c.tp == 1:
+        return []
+    act = c.micro_batch_size * seq_len * shape.dim * compute_bytes * c.microbatches  # one residual tensor, per step
+    layers, first, last = stages.n_layers, int(stages.first), int(stages.last)
+    loss = 3 * c.micro_batch_size * seq_len * 4 * c.microbatches * last
+    # Full checkpointing reruns a block's forward collectives up to the last one backward needs (torch stops the
+    # recomputation there): the gathers and the attention's reduce-scatter / all-reduce, not the MLP's.
+    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
+    if c.sequence_parallel:
+        return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * rerun + first + last) * act, False),
+                Collective("tp", "reduce_scatter", c.tp, (4 * layers + rerun + first + last) * act, False),
+                Collective("tp", "all_reduce", c.tp, loss, False)]
+    return [Collective("tp", "all_reduce", c.tp, (7 * layers + rerun + first + last) * act + loss, False)]
+
+
+def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int) -> list[Collective]:
+    if c.pp == 1:
+        return []
+    act = c.micro_batch_size * seq_len * shape.dim * compute_bytes / (c.tp if c.sequence_parallel else 1)
+    sends = c.microbatches * (2 * len(stages.layers) - int(stages.first) - int(stages.last))
+    return [Collective("pp", "send", c.pp, sends * act, False)]
+
+
+def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
+                reduce_bytes: int) -> list[Collective]:
+    """Every collective of one step on a rank of this pipeline stage set (expert parallel: not modelled yet)."""
+    return (data_parallel(shape, c, stages, compute_bytes, reduce_bytes)
+            + tensor_parallel(shape, c, stages, seq_len, compute_bytes)
+            + pipeline(shape, c, stages, seq_len, compute_bytes))
+
+
+def _stride(c: Candidate, dim: str) -> int:
+    """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
+    return {"tp": 1, "dp_shard": c.tp, "dp": c.tp, "dp_replicate": c.tp * c.dp_shard, "pp": c.tp * c.dp}[dim]
+
+
+def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
+    """Per-GPU bandwidth of the slowest link a group of ``dim`` crosses: within a node or across nodes."""
+    return cluster.intra_node_bw if _stride(c, dim) * group_size <= cluster.gpus_per_node else cluster.inter_node_bw
+
+
+def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
+    """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through each GPU's link,
+    an all-reduce twice that; a send its tensor once."""
+    bw = link_bandwidth(c, col.dim, col.group_size, cluster)
+    n = col.group_size
+    if col.kind == "send":
+        return col.bytes / bw
+    factor = 2 if col.kind == "all_reduce" else 1
+    return factor * col.bytes * (n - 1) / n / bw

@@ -1,0 +1,84 @@
+"""Accelerators and links: memory, dense peak FLOP/s (composer3d.flops' table) and the bandwidths collectives get.
+
+Bandwidths are per GPU, one direction, as NCCL's bus bandwidth reports them for large messages (roughly 80% of the
+link's rate): intra-node over NVLink / Infinity Fabric, inter-node over the GPU's share of the network
+(one 400 Gb/s NIC per GPU on H100/H200/B200/MI300X systems, 200 Gb/s on A100 ones). Every value can be overridden
+(``cluster.*``) for a machine that differs.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from composer3d.flops import PEAK_FLOPS
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Device:
+    memory_bytes: float  # what the framework can allocate (the card's memory less the driver's/context's share)
+    flops_key: str  # the row of composer3d.flops.PEAK_FLOPS
+    intra_node_bw: float  # bytes/s per GPU
+    inter_node_bw: float  # bytes/s per GPU
+
+
+DEVICES: dict[str, Device] = {
+    "h100": Device(79 * GIB, "H100", 360 * GB, 40 * GB),
+    "h200": Device(139 * GIB, "H200", 360 * GB, 40 * GB),
+    "b200": Device(178 * GIB, "B200", 720 * GB, 40 * GB),
+    "a100": Device(79 * GIB, "A100", 230 * GB, 20 * GB),
+    "mi300x": Device(190 * GIB, "MI300X", 300 * GB, 40 * GB),
+    "l40s": Device(45 * GIB, "L40S", 24 * GB, 20 * GB),  # PCIe only
+    # The CPU (gloo): nominal rates, enough to rank layouts for a development run; memory: this host's, shared by
+    # its local processes.
+    "cpu": Device(0, "", 5 * GB, 1 * GB),
+}
+CPU_PEAK_FLOPS = 1e11  # nominal: one core's fp32 matmul rate, for ranking only (MFU is not reported on the CPU)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    device: str
+    memory_bytes: float
+    peak_flops: float  # dense, for the compute dtype
+    intra_node_bw: float
+    inter_node_bw: float
+    achievable_fraction: float  # of peak that a transformer step's compute reaches (matmuls, attention, the rest)
+    compute_bytes: int  # bytes per element of the compute dtype (bf16 on accelerators, fp32 on the CPU)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def has_mfu(self) -> bool:
+        return self.device != "cpu"
+
+
+def host_memory_bytes() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
+    """``c``: the ``cluster`` config section (device names are checked by config/checks.py)."""
+    device = DEVICES[c.device]
+    dtype = ("float32" if c.device == "cpu" else "bfloat16") if param_dtype == "auto" else param_dtype
+    if c.peak_tflops:
+        peak = c.peak_tflops * 1e12
+    elif c.device == "cpu":
+        peak = CPU_PEAK_FLOPS
+    else:
+        peaks = dict(PEAK_FLOPS)[device.flops_key]
+        peak = peaks["bfloat16"] if dtype in ("bfloat16", "float16") else peaks.get("tf32", peaks["float32"])
+    memory = c.memory_gib * GIB if c.memory_gib else (
+        host_memory_bytes() / c.gpus_per_node if c.device == "cpu" else device.memory_bytes)
+    return Cluster(
+        nodes=c.nodes, gpus_per_node=c.gpus_per_node, device=c.device, memory_bytes=memory, peak_flops=peak,
+        intra_node_bw=(c.intra_node_gbps or device.intra_node_bw / GB) * GB,
+        inter_node_bw=(c.inter_node_gbps or device.inter_node_bw / GB) * GB,
+        achievable_fraction=c.achievable_fraction, compute_bytes=2 if dtype in ("bfloat16", "float16") else 4)

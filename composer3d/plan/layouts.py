@@ -1,0 +1,169 @@
+"""A candidate layout (every knob the planner weighs) and the enumeration of all valid ones for a world size.
+
+The knobs: degrees (pp, dp_replicate, dp_shard, tp), ZeRO stage, sequence parallel, pipeline schedule and stages per
+rank, micro-batch size (hence micro-batches per step), activation checkpointing. The global batch and sequence
+length are the run's (training hyperparameters, not layout). Validity follows config/checks.py; the chosen layouts
+are run through ``validate`` itself before they are used (``apply_to_config``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+from composer3d.config.checks import pipeline_microbatches, resolve_degrees
+from composer3d.errors import ConfigError
+from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.pipeline import SCHEDULES, default_stages_per_rank, schedule_problem
+
+ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    zero_stage: int
+    sequence_parallel: bool
+    pp_schedule: str
+    stages_per_rank: int
+    micro_batch_size: int
+    microbatches: int  # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
+    activation_checkpointing: str
+    ac_every: int = 0
+    offload: str = "none"
+    reshard_after_forward: str = "default"
+    ep: int = 1
+    cp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp * self.cp
+
+    def degrees(self) -> dict[str, int]:
+        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                "tp": self.tp, "ep": self.ep}
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that give this layout."""
+        sp = str(self.sequence_parallel).lower()
+        out = [f"parallel.pp={self.pp}", f"parallel.dp_replicate={self.dp_replicate}",
+               f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}", f"parallel.zero_stage={self.zero_stage}",
+               f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
+               f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        if self.pp > 1:
+            out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
+                    f"parallel.pp_microbatches={self.microbatches}"]
+        return out
+
+    def short(self) -> str:
+        parts = [f"pp{self.pp}"] if self.pp > 1 else []
+        parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1
+                     else f"dp{self.dp}")
+        parts.append(f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}")
+        parts.append(f"z{self.zero_stage}" if self.dp_shard > 1 or self.zero_stage == 1 and self.dp > 1 else
+                     ("ddp" if self.dp > 1 else "-"))
+        if self.pp > 1:
+            parts.append(f"{self.pp_schedule}/v{self.stages_per_rank}/M{self.microbatches}")
+        parts.append(f"mb{self.micro_batch_size}")
+        parts.append(f"ac:{self.activation_checkpointing}")
+        if self.offload != "none":
+            parts.append("offload")
+        return " ".join(parts)
+
+
+def candidate_from_config(cfg, world_size: int) -> Candidate:
+    """The layout a config asks for (``dp_shard=-1`` resolved)."""
+    p = cfg.parallel
+    d = resolve_degrees(p, world_size)
+    dp = d["dp_replicate"] * d["dp_shard"]
+    return Candidate(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=d["ep"],
+                     cp=d["cp"], zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                     pp_schedule=p.pp_schedule,
+                     stages_per_rank=(p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)) if d["pp"] > 1
+                     else 1,
+                     micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
+                     activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
+                     offload=p.offload, reshard_after_forward=p.reshard_after_forward)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
+    """Tensor-parallel degrees this model can split, within one node (TP's traffic needs its fastest links)."""
+    m = cfg.model
+    if MODEL_REGISTRY[m.name].tensor_parallel_problem(m) is not None:
+        return [1]
+    sizes = [v for _, v in MODEL_REGISTRY[m.name].tp_split_sizes(m)]
+    return [t for t in _divisors(world_size) if t <= gpus_per_node and all(v % t == 0 for v in sizes)]
+
+
+def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candidate]:
+    """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in arithmetic form)."""
+    m, t = cfg.model, cfg.train
+    found = []
+    for tp in _tp_degrees(cfg, world_size, gpus_per_node):
+        for pp in _divisors(world_size // tp):
+            if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
+                continue
+            dp = world_size // (tp * pp)
+            if t.global_batch_size % dp:
+                continue
+            local_batch = t.global_batch_size // dp
+            for dp_shard in _divisors(dp):
+                dp_replicate = dp // dp_shard
+                for zero in ((3, 2, 1) if dp_shard > 1 else (3, 1) if dp > 1 else (3,)):
+                    if zero == 1 and dp_replicate > 1 and dp_shard > 1:
+                        continue  # ZeRO-1 has no HSDP form
+                    for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
+                        for mbs in _divisors(local_batch):
+                            base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
+                                             local_batch // mbs, "none")
+                            found += _with_schedules_and_ac(base, m.n_layers)
+    return found
+
+
+def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
+    out = []
+    schedules = SCHEDULES if base.pp > 1 else ("1f1b",)
+    for schedule in schedules:
+        v = default_stages_per_rank(schedule) if base.pp > 1 else 1
+        if base.pp > 1 and (base.pp * v > n_layers or schedule_problem(schedule, base.pp, v, base.microbatches)):
+            continue
+        for ac in ("none", "selective", "full"):
+            if ac != "none" and base.pp > 1 and schedule in ZERO_BUBBLE:
+                continue  # refused by checks: the split backward re-enters the checkpointed region twice
+            out.append(replace(base, pp_schedule=schedule, stages_per_rank=v, activation_checkpointing=ac))
+    return out
+
+
+def apply_to_config(cfg, candidate: Candidate) -> None:
+    """Write ``candidate`` into ``cfg`` (the keys ``Candidate.overrides`` names)."""
+    p = cfg.parallel
+    p.pp, p.dp_replicate, p.dp_shard, p.tp = candidate.pp, candidate.dp_replicate, candidate.dp_shard, candidate.tp
+    p.zero_stage, p.sequence_parallel = candidate.zero_stage, candidate.sequence_parallel
+    p.pp_schedule, p.pp_stages_per_rank = candidate.pp_schedule, candidate.stages_per_rank
+    p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
+    cfg.train.micro_batch_size = candidate.micro_batch_size
+    cfg.memory.activation_checkpointing = candidate.activation_checkpointing
+
+
+def refuse_unmodelled(candidate: Candidate) -> None:
+    """Dimensions the model does not cover yet: one clear line rather than a wrong number."""
+    if candidate.ep > 1:
+        raise ConfigError(f"parallel.ep: expert parallel (ep={candidate.ep}) is not modelled by composer3d-plan yet "
+                          "(its all-to-all and expert sharding are not in the memory or communication model). Use "
+                          "parallel.ep=1")
+    if candidate.cp > 1:
+        raise ConfigError(f"parallel.cp: context parallel (cp={candidate.cp}) is not modelled by composer3d-plan. "
+                          "Use parallel.cp=1")

@@ -1,0 +1,64 @@
+"""What composer3d-plan prints: one layout in detail, or the ranked layouts as a table; JSON lines for machines."""
+
+from __future__ import annotations
+
+import json
+
+from composer3d.plan.comm import link_bandwidth
+from composer3d.plan.estimate import Estimate
+from composer3d.plan.hardware import Cluster
+from composer3d.plan.search import why_slower
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def _rate(e: Estimate) -> str:
+    mfu = f", MFU {e.mfu:.1%}" if e.mfu is not None else ""
+    return f"{e.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, {e.tflops_per_gpu:.1f} TFLOP/s per GPU{mfu}"
+
+
+def detail(e: Estimate, cluster: Cluster) -> str:
+    c = e.candidate
+    lines = [f"layout: {c.short()}   ({' '.join(c.overrides())})",
+             f"cluster: {cluster.nodes} node(s) × {cluster.gpus_per_node} {cluster.device}, "
+             f"{_gib(cluster.memory_bytes)} per device",
+             "memory per GPU (the pipeline rank with the most):"]
+    for part, value in e.memory.as_dict().items():
+        if part != "total" and (value or part != "host_offloaded"):
+            lines.append(f"  {part:<16}{_gib(value):>14}")
+    peak_note = "" if e.memory.grads_at_peak else " (gradients not at the peak: one micro-batch)"
+    lines.append(f"  {'total':<16}{_gib(e.memory.total):>14}  {'fits' if e.fits else 'DOES NOT FIT'}{peak_note}")
+    lines.append("bytes moved per step (the busiest pipeline rank), by dimension and link:")
+    for col in e.collectives:
+        link = "intra-node" if link_bandwidth(c, col.dim, col.group_size, cluster) == cluster.intra_node_bw \
+            else "inter-node"
+        lines.append(f"  {col.dim:<13}{col.kind:<15} group {col.group_size:<5}{_gib(col.bytes):>14}  {link}"
+                     f"{'' if col.overlapped else ', on the critical path'}")
+    if c.pp > 1:
+        lines.append(f"pipeline: {c.pp_schedule}, v={c.stages_per_rank}, M={c.microbatches}: bubble "
+                     f"{e.bubble_fraction:.1%} of the step")
+    exposed = ", ".join(f"{d} {t * 1e3:.1f} ms" for d, t in e.exposed_comm_s.items()) or "none"
+    lines.append(f"step: {e.step_time_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f} ms + bubble "
+                 f"{e.bubble_s * 1e3:.1f} ms + exposed communication ({exposed})")
+    lines.append(_rate(e))
+    return "\n".join(lines)
+
+
+def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str:
+    first = ranked[0]
+    head = (f"{len(ranked)} of {tried} valid layouts fit on {cluster.nodes} × {cluster.gpus_per_node} "
+            f"{cluster.device}; the {min(top, len(ranked))} fastest:")
+    rows = [f"{'#':>3}  {'layout':<58}{'mem/GPU':>12}{'step':>10}{'tok/s/GPU':>12}{'TFLOP/s':>9}{'MFU':>7}"
+            f"{'bubble':>8}  why slower than #1"]
+    for i, e in enumerate(ranked[:top], 1):
+        mfu = f"{e.mfu:.1%}" if e.mfu is not None else "-"
+        rows.append(f"{i:>3}  {e.candidate.short():<58}{_gib(e.memory.total):>12}{e.step_time_s * 1e3:>8.0f}ms"
+                    f"{e.tokens_per_s_per_gpu:>12,.0f}{e.tflops_per_gpu:>9.1f}{mfu:>7}{e.bubble_fraction:>8.1%}  "
+                    f"{why_slower(e, first)}")
+    return "\n".join([head, *rows, f"#1: {' '.join(first.candidate.overrides())}"])
+
+
+def json_lines(estimates: list[Estimate]) -> str:
+    return "\n".join(json.dumps(e.as_json()) for e in estimates)

@@ -1,0 +1,33 @@
+"""The keys composer3d-plan and parallel=auto read beyond a training config's (kept with the planner: config/checks.py
+sits below it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer3d.config.checks import _check_known_keys, _check_model, _require
+from composer3d.plan.hardware import DEVICES
+
+
+def validate_plan(cfg: Any) -> None:
+    """The keys composer3d-plan and parallel=auto read beyond a training config's: the cluster and the output."""
+    _check_known_keys(cfg)
+    _check_model(cfg.model)
+    c, p = cfg.cluster, cfg.plan
+    _require(c.device in DEVICES, "cluster.device", f"unknown device {c.device!r}", f"Choose one of {sorted(DEVICES)}, "
+             "or the closest one with cluster.memory_gib / cluster.peak_tflops / cluster.*_gbps set")
+    for key in ("nodes", "gpus_per_node"):
+        _require(getattr(c, key) >= 1, f"cluster.{key}", f"must be >= 1, got {getattr(c, key)}", "Use 1 or more")
+    for key in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps"):
+        value = getattr(c, key)
+        _require(value is None or value > 0, f"cluster.{key}", f"must be > 0, got {value}",
+                 "Use null for the device table's value")
+    _require(0 < c.achievable_fraction <= 1, "cluster.achievable_fraction", f"must be in (0, 1], got "
+             f"{c.achievable_fraction}", "Use e.g. 0.6")
+    _require(p.format in ("table", "json"), "plan.format", f"unknown format {p.format!r}", "Choose table or json")
+    _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
+    _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
+             "Use e.g. 0.9")
+    _require(cfg.parallel.ep == 1, "parallel.ep", f"expert parallel (ep={cfg.parallel.ep}) is not modelled by "
+             "composer3d-plan yet (its all-to-all and expert sharding are not in the memory or communication "
+             "model)", "Use parallel.ep=1")

@@ -1,0 +1,184 @@
+"""Measure what composer3d-plan predicts, on real multi-process gloo training steps (tests/test_plan.py).
+
+Every layout of a list is trained for a few steps in one group of ``nproc`` processes (one interpreter start-up for
+all of them, as ``harness.train_in_one_group``); on each rank, around one steady-state ``Trainer.train_step`` (the
+second step: the optimizer state exists), three meters run:
+  - collectives: a TorchDispatchMode sees every c10d op the step runs (FSDP's all-gathers and reduce-scatters, the
+    functional collectives of DTensor's TP/SP, pipeline send/recv, the gradient-norm all-reduce, ZeRO-1's all-gather)
+    and adds up the bytes each one carries, by kind and by the size of the group it runs on;
+  - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
+    the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
+  - pipeline time, in each of ``idle_steps`` steps after the measured one: inside the stages' compute (``busy_s``:
+    forward/backward chunks and the loss; ``busy_cpu_s``: the CPU time the rank got meanwhile, which tells a step
+    where another job took its core) and inside the schedule's step (``schedule_s``), on each rank; a step's idle
+    share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it (the loss,
+    which the schedule computes outside the last stage's chunks, counted as compute here).
+The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+c10d = torch.ops.c10d
+funcol = torch.ops._c10d_functional
+
+# c10d op → (kind, the argument whose bytes the collective carries: the gathered output, the reduced input)
+C10D_OPS = {
+    c10d._allgather_base_.default: ("all_gather", 0), c10d.allgather_into_tensor_coalesced_.default: ("all_gather", 0),
+    c10d._reduce_scatter_base_.default: ("reduce_scatter", 1),
+    c10d.reduce_scatter_tensor_coalesced_.default: ("reduce_scatter", 1),
+    c10d.allreduce_.default: ("all_reduce", 0), c10d.allreduce_coalesced_.default: ("all_reduce", 0),
+    c10d.broadcast_.default: ("broadcast", 0), c10d.send.default: ("send", 0),
+    c10d.alltoall_base_.default: ("all_to_all", 1),
+}
+FUNCOL_OPS = {funcol.all_gather_into_tensor.default: "all_gather", funcol.reduce_scatter_tensor.default: "reduce_scatter",
+              funcol.all_reduce.default: "all_reduce", funcol.all_to_all_single.default: "all_to_all"}
+
+
+def _nbytes(arg) -> int:
+    if isinstance(arg, torch.Tensor):
+        return arg.numel() * arg.element_size()
+    return sum(_nbytes(a) for a in arg) if isinstance(arg, (list, tuple)) else 0
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Bytes per (kind, group size) of every collective dispatched while active: an all-gather counts its gathered
+    output, a reduce-scatter its input, an all-reduce its tensor, a send what it sends (receives are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def _add(self, kind: str, group_size: int, nbytes: int) -> None:
+        key = f"{kind}/{group_size}"
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in C10D_OPS:
+            kind, index = C10D_OPS[func]
+            group = next(a for a in args if isinstance(a, torch.ScriptObject))
+            self._add(kind, torch.distributed.ProcessGroup.unbox(group).size(), _nbytes(args[index]))
+        elif func in FUNCOL_OPS:
+            kind = FUNCOL_OPS[func]
+            size = torch.distributed.distributed_c10d._resolve_process_group(args[-1]).size()
+            self._add(kind, size, _nbytes(args[0]) * (size if kind == "all_gather" else 1))
+        return func(*args, **kwargs)
+
+
+def _peak_tracker():
+    """torch's MemTracker, told that a root module run again is the next micro-batch (gradient accumulation, pipeline
+    schedules) rather than an error: only its whole-rank peak is read here, which the per-module reset keeps."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class PeakTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    return PeakTracker()
+
+
+def _timed(method, into: list[float], cpu_into: list[float] | None = None):
+    """``method`` adding its wall time to ``into`` (and the CPU time of its thread to ``cpu_into``) per call."""
+    def timed(*args, **kwargs):
+        start, cpu_start = time.perf_counter(), time.thread_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - start)
+            if cpu_into is not None:
+                cpu_into.append(time.thread_time() - cpu_start)
+    return timed
+
+
+def _stage_timer(trainer, busy: list[float], busy_cpu: list[float], schedule_time: list[float]) -> None:
+    """Time inside the stages' compute (``busy``: their forward/backward chunks and the loss, which the schedule
+    computes outside the last stage's forward chunk; ``busy_cpu``: the CPU time the rank got meanwhile) and inside
+    the schedule's step (``schedule_time``): the idle share of the schedule is the bubble (and the sends it waits
+    on), not the optimizer step after it."""
+    pipeline = trainer.pipeline
+    pipeline.step = _timed(pipeline.step, schedule_time)
+    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy, busy_cpu)
+    for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            if hasattr(stage, name):
+                setattr(stage, name, _timed(getattr(stage, name), busy, busy_cpu))
+
+
+def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, idle_steps: int, store: str) -> None:
+    """Worker of ``mp.spawn``: each job (overrides) trained for two steps (the first creates the optimizer state, the
+    second is measured), a pipeline's for ``idle_steps`` more to time its idle share; rank R writes
+    out_dir/<job>.rankR.json."""
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
+    import torch.distributed as dist
+    from hydra import compose, initialize_config_module
+
+    from composer3d.config import register_configs
+    from composer3d.data import build_sequences
+    from composer3d.distributed import Env
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.metrics import model_state_bytes
+    from composer3d.trainer import Trainer, prepare_rank
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        for index, overrides in enumerate(jobs):
+            cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", "run.dir=unused", *overrides])
+            degrees, device = prepare_rank(cfg, Env(rank, rank, nproc))
+            torch.manual_seed(cfg.train.seed)
+            sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+            trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+            busy: list[float] = []
+            busy_cpu: list[float] = []
+            schedule_time: list[float] = []
+            if trainer.pipeline is not None:
+                _stage_timer(trainer, busy, busy_cpu, schedule_time)
+            busy_s, busy_cpu_s, schedule_s, result = [], [], [], {}
+            for step in range(2 + (idle_steps if trainer.pipeline is not None else 0)):
+                dist.barrier()
+                busy.clear()
+                busy_cpu.clear()
+                schedule_time.clear()
+                if step == 1:
+                    comms, tracker = CollectiveBytes(), _peak_tracker()
+                    tracker.track_external(trainer.model, trainer.optimizer)
+                    with tracker, comms:
+                        trainer.train_step()
+                    result["collective_bytes"] = comms.bytes
+                    result["peak_bytes"] = int(max(stats["Total"] for stats in
+                                                   tracker.get_tracker_snapshot("peak").values()))
+                    result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
+                else:
+                    trainer.train_step()
+                if step >= 2:  # after the measured step, untimed by meters
+                    busy_s.append(sum(busy))
+                    busy_cpu_s.append(sum(busy_cpu))
+                    schedule_s.append(sum(schedule_time))
+                trainer.zero_grad()
+            if busy_s:
+                result.update(busy_s=busy_s, busy_cpu_s=busy_cpu_s, schedule_s=schedule_s)
+            trainer.close()
+            Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
+            del trainer
+    dist.destroy_process_group()
+
+
+def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, idle_steps: int = 0) -> list[list[dict]]:
+    """Per job, per rank: what ``measure_layouts`` recorded."""
+    import torch.multiprocessing as mp
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), idle_steps, str(out_dir / "store")), nprocs=nproc, join=True)
+    return [[json.loads((out_dir / f"{i}.rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(jobs))]

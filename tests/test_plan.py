@@ -1,0 +1,234 @@
+"""composer3d-plan: predictions measured on this machine, the console script, and parallel=auto.
+
+The measured-vs-predicted tests train 21 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
+two process groups (tests/plan_measure.py): 15 layouts on 2 processes (one per core of this machine), 6 that need
+4. Per layout they compare what the planner predicts with what the real training step did: model-state bytes
+(within 2%), the peak of live tensor bytes on the busiest rank (within 15%), bytes per collective kind and group per
+rank (within 2%; collectives under 1% of a rank's traffic — the gradient norm's scalars — are only required to stay
+under 1% together), and for pp=2 1F1B and GPipe (dim 256, seq 128, M=8: chunks long enough that compute, not the
+sends' latency, fills the step) the pipeline's idle share (within 20%, in the steps where each rank had a core
+of its own). pp=4 with one layer per stage is left out: its peak is predicted 25% (1F1B) and 16.5% (GPipe) low at
+16 micro-batches (9% and 10% at 8): the planner leaves out the pipeline's per-micro-batch receive buffers, the last
+stage's kept outputs and backward's temporaries (README).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import FAST, train
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+from plan_measure import run_measurements
+
+from composer3d.config import register_configs
+from composer3d.plan import Workload, candidate_from_config, estimate
+from composer3d.plan.hardware import cluster_from_config
+
+ROOT = Path(__file__).parents[1]
+MODEL = ["model=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
+         "model.vocab_size=512", "data=synthetic", "train.seq_len=64", "launch.device=cpu", "checkpoint.enabled=false",
+         "logging.progress_bar=false"]
+BATCH = ["train.global_batch_size=8", "train.micro_batch_size=2"]
+TP_BATCH = ["train.global_batch_size=4", "train.micro_batch_size=2"]  # few micro-batches: TP's collectives are many
+# The pipelines whose idle share is timed: enough compute per micro-batch (dim 256, seq 128) that the chunks, not
+# the sends and the schedule's own Python, fill the step; 8 micro-batches at dp=1.
+PP_TIMED = ["model.dim=256", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=1",
+            "parallel.pp=2"]
+IDLE_STEPS = 7
+
+# Two ranks, one per core of this machine (the pipelines' timing needs each rank on a core of its own).
+LAYOUTS_2 = {
+    "fsdp_z3": [*BATCH, "parallel.dp_shard=2"],
+    "fsdp_z2": [*BATCH, "parallel.dp_shard=2", "parallel.zero_stage=2"],
+    "fsdp_accumulate": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp_shard=2"],
+    "zero1": [*BATCH, "parallel.zero_stage=1"],
+    "zero1_accumulate": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.zero_stage=1"],
+    "ddp": [*BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2"],
+    "ddp_accumulate": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp_shard=1",
+                       "parallel.dp_replicate=2"],
+    "tp2": [*TP_BATCH, "parallel.tp=2"],
+    "tp2_sp": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "fsdp_ac_full": [*BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=full"],
+    "fsdp_ac_selective": [*BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
+    "ddp_ac_full": [*BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2", "memory.activation_checkpointing=full"],
+    "tp_sp_ac_full": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true",
+                      "memory.activation_checkpointing=full"],
+    "pp_1f1b": [*PP_TIMED, "parallel.pp_schedule=1f1b"],
+    "pp_gpipe": [*PP_TIMED, "parallel.pp_schedule=gpipe"],
+}
+# Layouts of four ranks (two dimensions of two).
+LAYOUTS_4 = {
+    "hsdp_z3": [*BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2"],
+    "hsdp_z2": [*BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero_stage=2"],
+    "fsdp_tp_sp": [*TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp4_sp": [*TP_BATCH, "parallel.tp=4", "parallel.sequence_parallel=true"],
+    # 8 micro-batches per pipeline
+    "pp_tp_sp": ["train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2", "parallel.tp=2",
+                 "parallel.sequence_parallel=true"],
+    "pp_ddp": ["train.global_batch_size=16", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=1",
+               "parallel.dp_replicate=2"],
+}
+
+
+def _predict(overrides: list[str], nproc: int):
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", "run.dir=unused", *overrides])
+    cluster = cluster_from_config(OmegaConf.create({**OmegaConf.to_container(cfg.cluster), "device": "cpu",
+                                                    "gpus_per_node": nproc}), "float32")
+    return estimate(Workload.from_config(cfg), candidate_from_config(cfg, nproc), cluster)
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, tuple[list[dict], object]]:
+    """Per layout: what each rank measured, and the planner's estimate (one process group per world size)."""
+    out = {}
+    for nproc, layouts, idle_steps in ((2, LAYOUTS_2, IDLE_STEPS), (4, LAYOUTS_4, 0)):
+        jobs = [MODEL + overrides for overrides in layouts.values()]
+        runs = run_measurements(jobs, nproc, tmp_path_factory.mktemp(f"plan{nproc}"), idle_steps)
+        out.update({n: (ranks, _predict(job, nproc)) for n, ranks, job in zip(layouts, runs, jobs)})
+    assert len(out) >= 20
+    return out
+
+
+def _pp_rank(rank: int, est) -> int:
+    c = est.candidate
+    return rank // (c.dp * c.tp)  # pp is the outermost mesh dim
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / b
+
+
+def test_model_state_bytes_within_2_percent(measured):
+    rows = []
+    for name, (ranks, est) in measured.items():
+        got = max(r["model_state_bytes"] for r in ranks)
+        want = max(m.model_state for m in est.memory_per_pp_rank)
+        rows.append((name, want, got, _rel(want, got)))
+    bad = [r for r in rows if r[3] > 0.02]
+    assert not bad, f"model state off by more than 2% (layout, predicted, measured, error): {bad}"
+
+
+def test_peak_memory_within_15_percent(measured):
+    rows = []
+    for name, (ranks, est) in measured.items():
+        got = max(r["peak_bytes"] for r in ranks)
+        rows.append((name, est.memory.total, got, _rel(est.memory.total, got)))
+    bad = [r for r in rows if r[3] > 0.15]
+    assert not bad, f"peak memory off by more than 15% (layout, predicted, measured, error): {bad}"
+
+
+def test_collective_bytes_within_2_percent(measured):
+    bad = []
+    for name, (ranks, est) in measured.items():
+        for rank, got in enumerate(ranks):
+            want: dict[str, float] = {}
+            for col in est.collectives_per_pp_rank[_pp_rank(rank, est)]:
+                if col.bytes:
+                    key = f"{col.kind}/{col.group_size}"
+                    want[key] = want.get(key, 0.0) + col.bytes
+            got = got["collective_bytes"]
+            total = sum(got.values())
+            big = {k for k in set(want) | set(got) if max(want.get(k, 0), got.get(k, 0)) >= 0.01 * total}
+            for key in big:
+                if key not in got or _rel(want.get(key, 0.0), got[key]) > 0.02:
+                    bad.append((name, rank, key, want.get(key), got.get(key)))
+            small = sum(v for k, v in got.items() if k not in big)
+            if small > 0.01 * total:
+                bad.append((name, rank, "unpredicted small collectives", small, total))
+    assert not bad, f"collective bytes off by more than 2% (layout, rank, kind/group, predicted, measured): {bad}"
+
+
+def test_pipeline_idle_fraction_within_20_percent(measured):
+    """The pipeline's idle share of a step: 1 − the ranks' mean time inside stage compute over the step (the longest
+    rank's time inside the schedule), against the predicted bubble (P−1)/(v·M) as a share of the step. A timing is
+    only a measurement when each rank runs on a core of its own: the steps that count are those where every rank got
+    at least 90% of a core inside its compute (thread CPU time over wall time), their median. On this shared 2-core
+    machine other jobs often hold the cores (ranks then got 26–46% of one, and the idle share read 0.10–0.185
+    against 0.11): with no such step the test skips and says what share the ranks got, rather than compare noise."""
+    rows, contended = [], []
+    for name in ("pp_1f1b", "pp_gpipe"):
+        ranks, est = measured[name]
+        share = [min(r["busy_cpu_s"][i] / r["busy_s"][i] for r in ranks) for i in range(IDLE_STEPS)]
+        idle = [1 - sum(r["busy_s"][i] for r in ranks) / len(ranks) / max(r["schedule_s"][i] for r in ranks)
+                for i in range(IDLE_STEPS) if share[i] >= 0.9]
+        if not idle:
+            contended.append(f"{name}: the ranks got {max(share):.0%} of a core at best")
+            continue
+        got = statistics.median(idle)
+        rows.append((name, est.bubble_fraction, got, _rel(est.bubble_fraction, got), len(idle)))
+    bad = [r for r in rows if r[3] > 0.2]
+    assert not bad, f"pipeline idle share off by more than 20% (layout, predicted, measured, error, steps): {bad}"
+    if contended:
+        pytest.skip("no step ran with a core per rank (other jobs held them), nothing to time: " + "; ".join(contended))
+
+
+def test_readme_table_is_what_the_planner_predicts():
+    """The README's comparison with published throughput: its predicted column is the planner's for the rows of
+    benchmarks/plan_published.py (the CLI's arithmetic, in process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_published import ROWS
+
+    table = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) > 4 and cells[1].isdigit() and cells[-3].replace(".", "").isdigit():
+            table[int(cells[1])] = float(cells[-3])
+    register_configs()
+    predicted = {}
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        for row, _, overrides, _, _ in ROWS:
+            cfg = compose("train", overrides=[*overrides, "cluster.device=h100"])
+            cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+            e = estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+            predicted[row] = round(e.tflops_per_gpu, 1)
+    assert table == predicted
+
+
+def _plan(*overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *overrides], check=False, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_plan_ranks_layouts_as_json_and_reports_one_layout():
+    search = _plan("model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=32", "cluster.nodes=4",
+                   "plan.format=json", "plan.top=5")
+    assert search.returncode == 0, search.stderr
+    rows = [json.loads(line) for line in search.stdout.splitlines()]
+    assert len(rows) == 5
+    for row in rows:
+        for key in ("layout", "memory_bytes_per_gpu", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
+                    "bubble_fraction"):
+            assert key in row, key
+        assert row["memory_bytes_per_gpu"] <= 79 * 2**30 * 0.9
+    assert [r["tokens_per_s_per_gpu"] for r in rows] == sorted((r["tokens_per_s_per_gpu"] for r in rows), reverse=True)
+    one = _plan("model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=32", "cluster.nodes=4",
+                "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b")
+    assert one.returncode == 0, one.stderr
+    for part in ("parameters", "optimizer", "activations", "logits", "comm_buffers", "dp_shard", "tp", "pp",
+                 "bubble", "MFU", "tokens/s per GPU"):
+        assert part in one.stdout, part
+
+
+@pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
+                                           ("plan.format=csv", "plan.format")])
+def test_plan_refuses_bad_input_in_one_line(override, key):
+    proc = _plan("model=llama3_8b", override)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and key in proc.stderr, proc.stderr
+
+
+def test_parallel_auto_trains_and_records_its_choice(tmp_path):
+    run = train(tmp_path, *FAST, "parallel=auto", "train.steps=2", nproc=2)
+    auto = run.run_info["parallel_auto"]
+    assert auto["overrides"] and auto["why"] and "prediction" in auto
+    assert "parallel=auto chose" in run.output
+    assert run.run_info["layout"]["pp"] * run.run_info["layout"]["tp"] * run.run_info["layout"]["dp_shard"] * \
+        run.run_info["layout"]["dp_replicate"] == 2
