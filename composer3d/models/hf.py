@@ -74,6 +74,11 @@ def load_hf_config(path: str, attn_implementation: str | None = None):
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+def expert_count(config) -> int:
+    """Routed experts per MoE layer of a transformers config; 0 for a dense model."""
+    return next((getattr(config, key) for key in _EXPERT_COUNT_KEYS if getattr(config, key, None)), 0)
+
+
 def fill_model_config(m) -> None:
     """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
     pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
@@ -85,7 +90,7 @@ def fill_model_config(m) -> None:
         raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
                           "composer3d trains decoder-only text models; a multimodal model's config nests its text "
                           "model (text_config). Use a text-only causal LM")
-    experts = next((getattr(c, key) for key in _EXPERT_COUNT_KEYS if getattr(c, key, None)), 0)
+    experts = expert_count(c)
     if experts and m.pretrained:
         raise ConfigError(f"model.path: {m.path} is a Hugging Face mixture-of-experts model ({c.model_type}, {experts} "
                           "experts a layer), whose checkpoint stores every expert as tensors of its own that "

@@ -4,8 +4,9 @@ One concern per module: ``hardware`` (devices and links), ``shapes`` (the model'
 pipeline stage), ``layouts`` (a candidate layout and the enumeration of all of them), ``memory``, ``comm``
 (bytes per collective), ``bubble`` (pipeline schedules), ``estimate`` (step time, throughput: the other modules
 put together), ``report`` (table / JSON), ``cli`` (the console script) and ``auto`` (``parallel=auto`` in
-composer3d-train). Each term is a function of its own, so a new parallelism (expert parallel's all-to-all and
-expert sharding) adds functions rather than changing the others.
+composer3d-train). Each term is a function of its own: expert parallel came as ``comm.expert_parallel`` (its
+all-to-all), an FSDP unit kind (``shapes.Unit``, the routed experts sharded over what ep leaves of dp_shard) and the
+MoE layer's activations, without changing the other terms. Context parallel is refused (``refuse_unmodelled``).
 """
 
 from composer3d.plan.estimate import Estimate, Workload, estimate

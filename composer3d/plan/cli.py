@@ -19,9 +19,9 @@ from composer3d.hydra_entry import hydra_entry_point
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate
 from composer3d.plan.hardware import cluster_from_config
-from composer3d.plan.validation import validate_plan
 from composer3d.plan.layouts import candidate_from_config
 from composer3d.plan.search import ranked
+from composer3d.plan.validation import validate_plan
 
 
 def layout_given(cfg: DictConfig) -> bool:

@@ -11,9 +11,15 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
     the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
   SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
+  MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of the input and a
+    reduce-scatter of the output under SP, the reduce-scatter's all-gather in backward), and in backward one
+    all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per
+    column-parallel projection. Under SP the norms' weight gradients are all-reduced too.
+  EP: per MoE layer the routed token copies go to their experts' ranks and back, forward and backward (all-to-all).
+    Routed experts are FSDP units of their own over what ep leaves of dp_shard (``expert_dp``).
   PP: each stage sends its activations forward and its input gradients back, per micro-batch.
-An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce and a
-send by their tensor. Gathered parameters travel in the compute dtype, gradients in precision.reduce_dtype.
+An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce, a send
+and an all-to-all by their tensor. Gathered parameters travel in the compute dtype, gradients in precision.reduce_dtype.
 """
 
 from __future__ import annotations
@@ -23,13 +29,16 @@ from dataclasses import dataclass
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, rank_sum, root_params
-from composer3d.plan.shapes import ModelShape, StageSet
+from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, whole
+from composer3d.plan.shapes import ModelShape, StageSet, Unit
+
 
 @dataclass(frozen=True)
 class Collective:
-    dim: str  # mesh dimension: dp_shard, dp_replicate, dp (ZeRO-1 and DDP over all data-parallel ranks), tp, pp
-    kind: str  # all_gather, reduce_scatter, all_reduce, send
+    # mesh dimension: dp_shard, dp_replicate, dp (ZeRO-1 and DDP over all data-parallel ranks), expert_dp (routed
+    # experts' FSDP), tp, pp, ep
+    dim: str
+    kind: str  # all_gather, reduce_scatter, all_reduce, send, all_to_all
     group_size: int
     bytes: float  # per step on this rank
     overlapped: bool  # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
@@ -40,30 +49,36 @@ def _gathered(s: tuple[int, ...], n: int) -> int:
     return math.ceil(s[0] / n) * n * math.prod(s[1:])
 
 
-def data_parallel(shape: ModelShape, c: Candidate, stages: StageSet, compute_bytes: int, reduce_bytes: int
-                  ) -> list[Collective]:
+def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int) -> list[Collective]:
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
     out = []
     if fsdp_shards(c):
-        n = c.dp_shard
         reshard = c.zero_stage == 3 and c.pp == 1
         if c.reshard_after_forward != "default":
             reshard = c.reshard_after_forward == "always"
-        blocks = stages.n_layers * sum(_gathered(p, n) for p in shape.block_params(c.tp))
-        root = sum(_gathered(p, n) for p in root_params(shape, stages, c.tp))
-        gathers = (2 if reshard else 1) * blocks + root
-        grads = blocks + root
-        out.append(Collective("dp_shard", "all_gather", n, m * gathers * compute_bytes, True))
-        out.append(Collective("dp_shard", "reduce_scatter", n, m * grads * reduce_bytes, True))
-        if c.dp_replicate > 1:
-            out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True))
+        # Routed experts are an FSDP group of their own under ep (over what it leaves of dp_shard).
+        groups = (("dp_shard", ("block", "root", "experts")),) if c.ep == 1 else (
+            ("dp_shard", ("block", "root")), ("expert_dp", ("experts",)))
+        for dim, kind in groups:
+            mine = [u for u in units if u.kind in kind]
+            if not mine:
+                continue
+            n = shard_degree(c, mine[0])
+            gathers = rank_sum(mine, lambda p, u: _gathered(p, shard_degree(c, u))
+                               * (2 if reshard and u.kind != "root" else 1))
+            grads = rank_sum(mine, lambda p, u: _gathered(p, shard_degree(c, u)))
+            if n > 1:  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
+                out.append(Collective(dim, "all_gather", n, m * gathers * compute_bytes, True))
+                out.append(Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True))
+            if c.dp_replicate > 1:
+                out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True))
         return out
     if c.dp > 1:
-        whole = rank_sum(shape, stages, c.tp, math.prod)
-        dim, n = ("dp", c.dp) if c.zero_stage == 1 else ("dp_replicate", c.dp_replicate)
-        out.append(Collective(dim, "all_reduce", n, m * whole * reduce_bytes, True))
+        n = whole(units)
+        dim, size = ("dp", c.dp) if c.zero_stage == 1 else ("dp_replicate", c.dp_replicate)
+        out.append(Collective(dim, "all_reduce", size, m * n * reduce_bytes, True))
         if c.zero_stage == 1:
-            slices = rank_sum(shape, stages, c.tp, lambda p: math.ceil(math.prod(p) / c.dp))
+            slices = rank_sum(units, lambda p, u: math.ceil(math.prod(p) / c.dp))
             out.append(Collective("dp", "all_gather", c.dp, c.dp * slices * 4, False))  # fp32 master slices
     return out
 
@@ -72,17 +87,40 @@ def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
                     ) -> list[Collective]:
     if c.tp == 1:
         return []
-    act = c.micro_batch_size * seq_len * shape.dim * compute_bytes * c.microbatches  # one residual tensor, per step
-    layers, first, last = stages.n_layers, int(stages.first), int(stages.last)
-    loss = 3 * c.micro_batch_size * seq_len * 4 * c.microbatches * last
+    tokens = c.micro_batch_size * seq_len * c.microbatches  # per step
+    act = tokens * shape.dim * compute_bytes  # one residual tensor, per step
+    dense, moe, first, last = stages.dense_layers, stages.moe_layers, int(stages.first), int(stages.last)
+    loss = 3 * tokens * 4 * last
+    # A MoE layer reduces its experts' partial outputs once in forward; backward sums the gradients into the
+    # tokens (and their fp32 mixing weights) over TP once, where a dense MLP has its up and gate projections'.
+    mixing = moe * tokens * shape.moe.top_k * 4 if moe else 0
     # Full checkpointing reruns a block's forward collectives up to the last one backward needs (torch stops the
     # recomputation there): the gathers and the attention's reduce-scatter / all-reduce, not the MLP's.
+    layers = dense + moe
     rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
     if c.sequence_parallel:
+        # The norms' weight gradients are partial sums over the sequence shards: all-reduced per micro-batch.
+        norms = (2 * layers + last) * shape.dim * compute_bytes * c.microbatches
         return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * rerun + first + last) * act, False),
-                Collective("tp", "reduce_scatter", c.tp, (4 * layers + rerun + first + last) * act, False),
-                Collective("tp", "all_reduce", c.tp, loss, False)]
-    return [Collective("tp", "all_reduce", c.tp, (7 * layers + rerun + first + last) * act + loss, False)]
+                Collective("tp", "reduce_scatter", c.tp, (4 * dense + 3 * moe + rerun + first + last) * act, False),
+                Collective("tp", "all_reduce", c.tp, moe * act + mixing + norms + loss, False)]
+    return [Collective("tp", "all_reduce", c.tp, (7 * dense + 6 * moe + rerun + first + last) * act + mixing + loss,
+                       False)]
+
+
+def expert_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+                    ) -> list[Collective]:
+    """Each MoE layer sends every routed copy of its tokens to the rank holding its expert and back (two all-to-alls
+    in forward, two in backward, after one of the per-expert counts); full checkpointing reruns forward's. A rank's
+    share depends on the routing: the group's mean is exact."""
+    if c.ep == 1 or not stages.moe_layers:
+        return []
+    rows = c.micro_batch_size * seq_len * shape.moe.top_k * c.microbatches  # per step
+    layers = stages.moe_layers
+    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
+    counts = shape.moe.experts * 8 * c.microbatches  # int64
+    nbytes = (4 * layers + 2 * rerun) * rows * shape.dim * compute_bytes + (layers + rerun) * counts
+    return [Collective("ep", "all_to_all", c.ep, nbytes, False)]
 
 
 def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int) -> list[Collective]:
@@ -95,15 +133,18 @@ def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, co
 
 def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
                 reduce_bytes: int) -> list[Collective]:
-    """Every collective of one step on a rank of this pipeline stage set (expert parallel: not modelled yet)."""
-    return (data_parallel(shape, c, stages, compute_bytes, reduce_bytes)
+    """Every collective of one step on a rank of this pipeline stage set."""
+    return (data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
             + tensor_parallel(shape, c, stages, seq_len, compute_bytes)
+            + expert_parallel(shape, c, stages, seq_len, compute_bytes)
             + pipeline(shape, c, stages, seq_len, compute_bytes))
 
 
 def _stride(c: Candidate, dim: str) -> int:
-    """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate, dp_shard, cp, tp)."""
-    return {"tp": 1, "dp_shard": c.tp, "dp": c.tp, "dp_replicate": c.tp * c.dp_shard, "pp": c.tp * c.dp}[dim]
+    """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp;
+    routed experts are sharded over dp_shard_mod_ep)."""
+    return {"tp": 1, "ep": c.tp, "dp_shard": c.tp, "dp": c.tp, "expert_dp": c.tp * c.ep, "dp_replicate": c.tp * c.dp_shard,
+            "pp": c.tp * c.dp}[dim]
 
 
 def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
@@ -113,7 +154,7 @@ def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) ->
 
 def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
     """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through each GPU's link,
-    an all-reduce twice that; a send its tensor once."""
+    an all-reduce twice that; an all-to-all (n−1)/n of what it sends; a send its tensor once."""
     bw = link_bandwidth(c, col.dim, col.group_size, cluster)
     n = col.group_size
     if col.kind == "send":

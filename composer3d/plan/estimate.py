@@ -32,7 +32,7 @@ class Workload:
     memory_headroom: float
 
     @classmethod
-    def from_config(cls, cfg) -> "Workload":
+    def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom)
 
@@ -74,10 +74,13 @@ class Estimate:
 
 
 def rank_flops_per_token(shape: ModelShape, stages: StageSet, seq_len: int) -> float:
-    """Model FLOPs per token of this pipeline rank's layers (and head, if it has it): its part of 6·N + 12·L·H·Q·T."""
-    per_layer = 6 * shape.block_numel + 12 * shape.n_heads * shape.head_dim * seq_len
+    """Model FLOPs per token of this pipeline rank's layers (and head, if it has it): its part of 6·N + 12·L·H·Q·T,
+    N the parameters a token goes through (a MoE layer's top_k experts)."""
+    attention = 12 * shape.n_heads * shape.head_dim * seq_len
+    dense = 6 * shape.block_numel + attention
+    moe = 6 * shape.layer_active_numel(shape.n_layers - 1) + attention if stages.moe_layers else 0
     head = 6 * (shape.dim + shape.vocab * shape.dim) if stages.last else 0
-    return stages.n_layers * per_layer + head
+    return stages.dense_layers * dense + stages.moe_layers * moe + head
 
 
 def recompute_factor(c: Candidate) -> float:

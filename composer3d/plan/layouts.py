@@ -1,8 +1,8 @@
 """A candidate layout (every knob the planner weighs) and the enumeration of all valid ones for a world size.
 
-The knobs: degrees (pp, dp_replicate, dp_shard, tp), ZeRO stage, sequence parallel, pipeline schedule and stages per
-rank, micro-batch size (hence micro-batches per step), activation checkpointing. The global batch and sequence
-length are the run's (training hyperparameters, not layout). Validity follows config/checks.py; the chosen layouts
+The knobs: degrees (pp, dp_replicate, dp_shard, tp; ep for mixture-of-experts models), ZeRO stage, sequence
+parallel, pipeline schedule and stages per rank, micro-batch size (hence micro-batches per step), activation
+checkpointing. The global batch and sequence length are the run's (training hyperparameters, not layout). Validity follows config/checks.py; the chosen layouts
 are run through ``validate`` itself before they are used (``apply_to_config``).
 """
 
@@ -56,7 +56,8 @@ class Candidate:
         """The command-line overrides that give this layout."""
         sp = str(self.sequence_parallel).lower()
         out = [f"parallel.pp={self.pp}", f"parallel.dp_replicate={self.dp_replicate}",
-               f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}", f"parallel.zero_stage={self.zero_stage}",
+               f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}", f"parallel.ep={self.ep}",
+               f"parallel.zero_stage={self.zero_stage}",
                f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
         if self.pp > 1:
@@ -69,6 +70,8 @@ class Candidate:
         parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1
                      else f"dp{self.dp}")
         parts.append(f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         parts.append(f"z{self.zero_stage}" if self.dp_shard > 1 or self.zero_stage == 1 and self.dp > 1 else
                      ("ddp" if self.dp > 1 else "-"))
         if self.pp > 1:
@@ -111,6 +114,7 @@ def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
 def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in arithmetic form)."""
     m, t = cfg.model, cfg.train
+    experts = m.moe.experts if m.name == "llama" else 0
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
         for pp in _divisors(world_size // tp):
@@ -122,15 +126,24 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
             local_batch = t.global_batch_size // dp
             for dp_shard in _divisors(dp):
                 dp_replicate = dp // dp_shard
-                for zero in ((3, 2, 1) if dp_shard > 1 else (3, 1) if dp > 1 else (3,)):
-                    if zero == 1 and dp_replicate > 1 and dp_shard > 1:
-                        continue  # ZeRO-1 has no HSDP form
+                for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard, experts):
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
-                                             local_batch // mbs, "none")
+                                             local_batch // mbs, "none", ep=ep)
                             found += _with_schedules_and_ac(base, m.n_layers)
     return found
+
+
+def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[tuple[int, int]]:
+    """ZeRO stages and expert-parallel degrees of a data-parallel split: ep divides dp_shard and the experts, and
+    needs FSDP (ZeRO-2/3); ZeRO-1 has no HSDP form."""
+    zeros = (3, 2, 1) if dp_shard > 1 else (3, 1) if dp_replicate > 1 else (3,)
+    out = [(z, 1) for z in zeros if not (z == 1 and dp_replicate > 1 and dp_shard > 1)]
+    for ep in _divisors(dp_shard)[1:] if experts else []:
+        if experts % ep == 0:
+            out += [(3, ep), (2, ep)]
+    return out
 
 
 def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
@@ -151,6 +164,7 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     """Write ``candidate`` into ``cfg`` (the keys ``Candidate.overrides`` names)."""
     p = cfg.parallel
     p.pp, p.dp_replicate, p.dp_shard, p.tp = candidate.pp, candidate.dp_replicate, candidate.dp_shard, candidate.tp
+    p.ep = candidate.ep
     p.zero_stage, p.sequence_parallel = candidate.zero_stage, candidate.sequence_parallel
     p.pp_schedule, p.pp_stages_per_rank = candidate.pp_schedule, candidate.stages_per_rank
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
@@ -160,10 +174,6 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
 
 def refuse_unmodelled(candidate: Candidate) -> None:
     """Dimensions the model does not cover yet: one clear line rather than a wrong number."""
-    if candidate.ep > 1:
-        raise ConfigError(f"parallel.ep: expert parallel (ep={candidate.ep}) is not modelled by composer3d-plan yet "
-                          "(its all-to-all and expert sharding are not in the memory or communication model). Use "
-                          "parallel.ep=1")
     if candidate.cp > 1:
         raise ConfigError(f"parallel.cp: context parallel (cp={candidate.cp}) is not modelled by composer3d-plan. "
                           "Use parallel.cp=1")

@@ -4,7 +4,8 @@ Model state (the ZeRO paper's 16 bytes per parameter for mixed-precision Adam �
 fp32 gradients + 8 fp32 Adam moments, which composer3d keeps in every precision): divided by tp (each rank holds
 its split) and by pp (its stages' layers), then per ZeRO stage: 3 and 2 shard all of it over dp_shard (FSDP2; each
 parameter's first dim rounded up per rank), 1 shards only the optimizer state over dp (slices of each flattened
-parameter), replicas (DDP, dp_replicate) hold it whole. Offload moves it to host memory.
+parameter), replicas (DDP, dp_replicate) hold it whole. Offload moves it to host memory. Routed experts are
+divided by ep and FSDP-sharded over dp_shard / ep.
 
 Activations follow Korthikanti et al. (2022) in form — saved tensors per token per layer, split by tp, the norm and
 residual part also by SP, a block input only under full checkpointing — with the terms read from composer3d's own
@@ -12,7 +13,8 @@ block (models/llama.py) and verified by tests/test_plan.py's measurements: per t
 input, the two norm outputs and the attention residual (4·h), q's projection and rotation, attention's output and
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
-2·f). Logits: the head's output and its gradient in the compute dtype, plus the loss's fp32 chunks (loss.py).
+2·f). A MoE layer's feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the
+compute dtype, plus the loss's fp32 chunks (loss.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from composer3d.plan.bubble import microbatches_in_flight
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.shapes import ModelShape, StageSet
+from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "adamw_4bit": 1, "adamw_fp8": 2}  # per parameter
 LOSS_CHUNK_ELEMENTS = 2**25  # composer3d.loss.CHUNK_ELEMENTS
@@ -55,14 +57,14 @@ class Memory:
                 "total": self.total, "host_offloaded": self.host}
 
 
-def root_params(shape: ModelShape, stages: StageSet, tp: int) -> list[tuple[int, ...]]:
-    """Shapes of this pipeline rank's embedding, final norm and head, on one tensor-parallel rank."""
-    return (shape.embedding_params(tp) if stages.first else []) + (shape.head_params(tp) if stages.last else [])
-
-
 def fsdp_shards(c: Candidate) -> bool:
     """FSDP shards parameters (ZeRO-2/3 over dp_shard > 1); otherwise they are whole (replicas, ZeRO-1, no dp)."""
     return c.dp_shard > 1 and c.zero_stage in (2, 3)
+
+
+def shard_degree(c: Candidate, unit: Unit) -> int:
+    """Ranks FSDP shards ``unit`` over: dp_shard, or for routed experts what ep leaves of it."""
+    return c.dp_shard // c.ep if unit.kind == "experts" else c.dp_shard
 
 
 def shard_numel(shape: tuple[int, ...], n: int) -> int:
@@ -70,43 +72,76 @@ def shard_numel(shape: tuple[int, ...], n: int) -> int:
     return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
-def rank_sum(shape: ModelShape, stages: StageSet, tp: int, per_param) -> float:
-    """``per_param(shape)`` summed over this rank's parameters: its blocks' (all alike) and its root modules'."""
-    return (stages.n_layers * sum(per_param(s) for s in shape.block_params(tp))
-            + sum(per_param(s) for s in root_params(shape, stages, tp)))
+def rank_sum(units: list[Unit], per_param) -> float:
+    """``per_param(shape, unit)`` summed over a rank's parameters."""
+    return sum(u.count * sum(per_param(s, u) for s in u.params) for u in units)
 
 
-def model_state(shape: ModelShape, stages: StageSet, c: Candidate, optimizer: str) -> tuple[float, float, float]:
+def whole(units: list[Unit]) -> float:
+    """Elements of a rank's parameters before FSDP (split by tp, pp and ep only)."""
+    return rank_sum(units, lambda s, u: math.prod(s))
+
+
+def model_state(units: list[Unit], c: Candidate, optimizer: str) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     if fsdp_shards(c):
-        local = rank_sum(shape, stages, c.tp, lambda s: shard_numel(s, c.dp_shard))
+        local = rank_sum(units, lambda s, u: shard_numel(s, shard_degree(c, u)))
         return 4 * local, 4 * local, opt * local
-    whole = rank_sum(shape, stages, c.tp, math.prod)
+    n = whole(units)
     if c.zero_stage == 1 and c.dp > 1:
-        return 4 * whole, 4 * whole, opt * rank_sum(shape, stages, c.tp, lambda s: math.ceil(math.prod(s) / c.dp))
-    return 4 * whole, 4 * whole, opt * whole
+        return 4 * n, 4 * n, opt * rank_sum(units, lambda s, u: math.ceil(math.prod(s) / c.dp))
+    return 4 * n, 4 * n, opt * n
 
 
-def layer_activation_elements(shape: ModelShape, c: Candidate, seq_len: int) -> tuple[float, float]:
-    """(saved, recomputed-transient) elements per token of one block, for the candidate's AC mode, TP and SP."""
+@dataclass(frozen=True)
+class LayerActivations:
+    """Per token of one block, in elements of the compute dtype: what forward keeps for backward, and what is alive
+    only while the block runs backward (its recomputation under checkpointing, the gradients it makes)."""
+    saved: float
+    transient: float
+
+
+def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> tuple[float, float, float]:
+    """(kept without checkpointing, kept by op-level selective checkpointing, backward temporaries) of a block's
+    feed-forward part, per token.
+
+    Dense: gate, up, SiLU and product (4·f), of which the gate and up matmul outputs under selective. MoE
+    (models/moe.py): the shared experts like a dense MLP; every routed copy of the token (top_k of them) keeps its
+    row into the experts and the row out of them (2·k·h, whole on every TP rank) and the SwiGLU's four (4·k·f);
+    the router keeps its fp32 scores (experts) and the int64 indices that sort and scatter the copies (3 per copy).
+    Selective keeps the grouped matmuls' outputs (2·k·f + k·h), all-to-all's (2·k·h under ep) and the router's."""
     t = c.tp
-    h, q, kv, f, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.ffn, shape.n_heads
+    if not moe:
+        f = shape.ffn
+        return 4 * f / t, 2 * f / t, 2 * f / t
+    m, h = shape.moe, shape.dim
+    k, f, shared = m.top_k, m.hidden, m.shared * m.hidden
+    router = (m.experts * 4 + 3 * k * 8) / compute_bytes
+    full = 4 * shared / t + 2 * k * h + 4 * k * f / t + router
+    selective = 2 * shared / t + 2 * k * f / t + k * h + (2 * k * h if c.ep > 1 else 0) + router
+    return full, selective, 2 * shared / t + 2 * k * f / t + k * h
+
+
+def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> LayerActivations:
+    """A block's activations per token, for the candidate's AC mode, TP and SP."""
+    t = c.tp
+    h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
+    mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
     residual = 4 * h / t if c.sequence_parallel else 4 * h
     gathered = 2 * h if c.sequence_parallel else 0  # SP: attention's and MLP's all-gathered inputs, kept by the matmuls
-    inner = (4 * q + 2 * kv + heads + 4 * f) / t
-    full = residual + gathered + inner
+    full = residual + gathered + (4 * q + 2 * kv + heads) / t + mlp
     block_input = h / t if c.sequence_parallel else h
-    backward_temporaries = 2 * f / t + h  # the MLP's two input gradients and the residual's, while a block runs backward
+    backward_temporaries = mlp_backward + h  # the MLP's input gradients and the residual's, while a block runs backward
     if c.activation_checkpointing == "full":
-        return block_input, full + backward_temporaries
+        return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
-        saved = block_input + 2 * h + (2 * q + 2 * kv + heads + 2 * f) / t  # + wo, w2 outputs (residual width)
-        return saved, full - saved + backward_temporaries
+        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective  # + wo, w2 outputs (residual width)
+        return LayerActivations(saved, full - saved + backward_temporaries)
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
-        return share * block_input + (1 - share) * full, full + backward_temporaries
-    return full, 0.0
+        return LayerActivations(share * block_input + (1 - share) * full, full + backward_temporaries)
+    return LayerActivations(full, 0.0)
 
 
 def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int) -> float:
@@ -117,19 +152,22 @@ def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: i
 
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
            optimizer: str = "adamw") -> Memory:
-    params, grads, opt = model_state(shape, stages, c, optimizer)
+    units = stages.units(shape, c.tp, c.ep)
+    params, grads, opt = model_state(units, c, optimizer)
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
     cb = cluster.compute_bytes
     tokens = c.micro_batch_size * seq_len
-    saved, transient = layer_activation_elements(shape, c, seq_len)
+    dense = layer_activations(shape, c, False, cb)
+    moe = layer_activations(shape, c, True, cb) if stages.moe_layers else None
     in_flight = microbatches_in_flight(c, stages.rank)
     logits = logits_bytes(shape, c, seq_len, cb) if stages.last else 0.0
     # The peak is the end of forward (every layer's saved tensors, the logits) or, under checkpointing, a block's
     # recomputation in backward (its whole activations, once the logits are gone).
-    acts = saved * tokens * stages.n_layers * in_flight * cb
-    recompute = transient * tokens * cb
+    saved = dense.saved * stages.dense_layers + (moe.saved * stages.moe_layers if moe else 0.0)
+    acts = saved * tokens * in_flight * cb
+    recompute = max(layer.transient for layer in (dense, moe) if layer) * tokens * cb
     in_backward = recompute > logits
     if in_backward:
         acts, logits = acts + recompute, 0.0
@@ -138,21 +176,26 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     # whole (replicas, ZeRO-1): FSDP's all-reduce copies them into a buffer of their size.
     grads_at_peak = c.microbatches > 1 or c.pp > 1
     buffers = 0.0
-    block = sum(math.prod(s) for s in shape.block_params(c.tp)) * cb
-    root = sum(math.prod(s) for s in root_params(shape, stages, c.tp)) * cb
+    layers = [u for u in units if u.kind != "root"]
+    root = sum(u.numel for u in units if u.kind == "root") * cb
+    # The most one layer gathers at once: a dense block, or a MoE block with its routed experts.
+    kinds = ([shape.block_params(c.tp)] if stages.dense_layers else []) + (
+        [shape.moe_block_params(c.tp) + shape.expert_params(c.tp, c.ep)] if stages.moe_layers else [])
+    layer = max(sum(math.prod(s) for s in params) for params in kinds) * cb
     if fsdp_shards(c):
         keeps_gathered = c.zero_stage == 2 or c.pp > 1 or c.reshard_after_forward == "never"
         if c.reshard_after_forward == "always":
             keeps_gathered = False
-        buffers = root + (stages.n_layers * block if keeps_gathered else 2 * block)
+        all_layers = sum(u.count * u.numel for u in layers) * cb
+        buffers = root + (all_layers if keeps_gathered else 2 * layer)
         if c.pp > 1:  # the pipeline syncs gradients at its last micro-batch: until then they are whole
-            buffers += stages.n_layers * block + root
+            buffers += all_layers + root
         elif in_backward:  # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
-            buffers += 2 * block / cb * 4
+            buffers += 2 * layer / cb * 4
     else:
-        whole = rank_sum(shape, stages, c.tp, math.prod)
+        n = whole(units)
         if c.dp > 1:  # replicas' all-reduce copies the whole gradients into a buffer of the reduce dtype
-            buffers += whole * 4
+            buffers += n * 4
         if cb != 4:
-            buffers += whole * cb  # low-precision copies of whole weights (casts)
+            buffers += n * cb  # low-precision copies of whole weights (casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak)

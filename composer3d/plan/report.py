@@ -22,8 +22,8 @@ def _rate(e: Estimate) -> str:
 def detail(e: Estimate, cluster: Cluster) -> str:
     c = e.candidate
     lines = [f"layout: {c.short()}   ({' '.join(c.overrides())})",
-             f"cluster: {cluster.nodes} node(s) × {cluster.gpus_per_node} {cluster.device}, "
-             f"{_gib(cluster.memory_bytes)} per device",
+             (f"cluster: {cluster.nodes} node(s) × {cluster.gpus_per_node} {cluster.device}, "
+              f"{_gib(cluster.memory_bytes)} per device"),
              "memory per GPU (the pipeline rank with the most):"]
     for part, value in e.memory.as_dict().items():
         if part != "total" and (value or part != "host_offloaded"):
@@ -50,8 +50,8 @@ def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str
     first = ranked[0]
     head = (f"{len(ranked)} of {tried} valid layouts fit on {cluster.nodes} × {cluster.gpus_per_node} "
             f"{cluster.device}; the {min(top, len(ranked))} fastest:")
-    rows = [f"{'#':>3}  {'layout':<58}{'mem/GPU':>12}{'step':>10}{'tok/s/GPU':>12}{'TFLOP/s':>9}{'MFU':>7}"
-            f"{'bubble':>8}  why slower than #1"]
+    rows = [(f"{'#':>3}  {'layout':<58}{'mem/GPU':>12}{'step':>10}{'tok/s/GPU':>12}{'TFLOP/s':>9}{'MFU':>7}"
+            f"{'bubble':>8}  why slower than #1")]
     for i, e in enumerate(ranked[:top], 1):
         mfu = f"{e.mfu:.1%}" if e.mfu is not None else "-"
         rows.append(f"{i:>3}  {e.candidate.short():<58}{_gib(e.memory.total):>12}{e.step_time_s * 1e3:>8.0f}ms"

@@ -4,6 +4,11 @@ and the pipeline split composer3d itself makes (``parallel.pipeline.split_layers
 Llama-shaped decoders (the native model and Hugging Face models laid out like Llama): q/k/v and gate/up projections
 split by output rows over tp (column-parallel), o and down projections by input columns (row-parallel), a
 vocab-parallel embedding and head, norms replicated. Biases are left out (a few thousandths of the parameters).
+
+Mixture-of-experts layers (the native model's ``model.moe``, models/moe.py): the router [experts, dim] whole on every
+rank, shared experts split like a dense MLP, and the routed experts' stacked weights [experts, hidden, dim] split by
+expert over ep and by hidden width over tp. The routed experts are an FSDP unit of their own (parallel/fsdp.py), so
+a rank's parameters come as ``Unit``s: what FSDP gathers and reduces together, over which ranks.
 """
 
 from __future__ import annotations
@@ -17,6 +22,37 @@ from composer3d.parallel.pipeline import split_layers, stage_ids_of_rank
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The mixture-of-experts part of a model (``model.moe``)."""
+    experts: int
+    top_k: int
+    shared: int  # shared experts (one SwiGLU of shared × hidden)
+    hidden: int  # each expert's SwiGLU width
+    dense_layers: int  # the first layers keep a dense MLP
+
+    @classmethod
+    def from_config(cls, moe, dense_hidden: int) -> ExpertShape | None:
+        if moe is None or not moe.experts:
+            return None
+        return cls(moe.experts, moe.top_k, moe.shared_experts, moe.expert_hidden_dim or dense_hidden,
+                   moe.dense_layers)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Parameters FSDP gathers and reduces together, as shapes on one tensor- and expert-parallel rank; ``count``
+    alike on the rank. ``kind``: a block (or its non-expert part), a MoE layer's routed experts (sharded over what
+    ep leaves of dp_shard), or the root (embedding, final norm, head: gathered once a step)."""
+    params: tuple[tuple[int, ...], ...]
+    count: int
+    kind: str  # block | experts | root
+
+    @property
+    def numel(self) -> int:
+        return sum(math.prod(s) for s in self.params)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     dim: int
     n_layers: int
@@ -26,21 +62,59 @@ class ModelShape:
     ffn: int
     vocab: int
     tied: bool
+    moe: ExpertShape | None = None
 
     @classmethod
-    def from_config(cls, m) -> "ModelShape":
+    def from_config(cls, m) -> ModelShape:
         heads = m.n_heads
+        ffn = ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier, m.ffn_hidden_dim)
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=heads, n_kv_heads=m.n_kv_heads or heads,
-                   head_dim=m.head_dim or m.dim // heads,
-                   ffn=ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier, m.ffn_hidden_dim),
-                   vocab=m.vocab_size, tied=bool(m.tie_embeddings))
+                   head_dim=m.head_dim or m.dim // heads, ffn=ffn, vocab=m.vocab_size, tied=bool(m.tie_embeddings),
+                   moe=ExpertShape.from_config(getattr(m, "moe", None), ffn))
+
+    def is_moe(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe.dense_layers
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(map(self.is_moe, range(self.n_layers)))
+
+    def _attention_params(self, tp: int) -> list[tuple[int, ...]]:
+        h, q, kv = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp),  # wq wk wv (column), wo (row)
+                (h,), (h,)]  # two norms
 
     @cache  # noqa: B019 (a few shapes per run; frozen, hashable)
     def block_params(self, tp: int) -> list[tuple[int, ...]]:
-        """Shapes of one block's parameters on one tensor-parallel rank."""
-        h, q, kv, f = self.dim, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.ffn
-        return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp),  # wq wk wv (column), wo (row)
-                (f // tp, h), (f // tp, h), (h, f // tp), (h,), (h,)]  # w1 w3 (column), w2 (row), two norms
+        """Shapes of one dense block's parameters on one tensor-parallel rank."""
+        h, f = self.dim, self.ffn
+        return self._attention_params(tp) + [(f // tp, h), (f // tp, h), (h, f // tp)]  # w1 w3 (column), w2 (row)
+
+    @cache  # noqa: B019
+    def moe_block_params(self, tp: int) -> list[tuple[int, ...]]:
+        """A MoE block's parameters but its routed experts: attention, router, shared experts."""
+        h, s = self.dim, self.moe.shared * self.moe.hidden
+        shared = [(s // tp, h), (s // tp, h), (h, s // tp)] if s else []
+        return self._attention_params(tp) + [(self.moe.experts, h)] + shared
+
+    def expert_params(self, tp: int, ep: int) -> list[tuple[int, ...]]:
+        """One MoE layer's routed experts on one (ep, tp) rank: w1, w3 [experts, hidden, dim], w2 [experts, dim,
+        hidden]."""
+        e, f, h = self.moe.experts // ep, self.moe.hidden // tp, self.dim
+        return [(e, f, h), (e, h, f), (e, f, h)]
+
+    def layer_numel(self, layer: int) -> int:
+        """All of a layer's parameters (every expert): the pipeline split's cost."""
+        if not self.is_moe(layer):
+            return self.block_numel
+        return sum(math.prod(s) for s in self.moe_block_params(1) + self.expert_params(1, 1))
+
+    def layer_active_numel(self, layer: int) -> int:
+        """The parameters a token goes through in a layer (top_k of the routed experts): its matmul FLOPs / 6."""
+        if not self.is_moe(layer):
+            return self.block_numel
+        per_expert = sum(math.prod(s) for s in self.expert_params(1, 1)) // self.moe.experts
+        return sum(math.prod(s) for s in self.moe_block_params(1)) + self.moe.top_k * per_expert
 
     def embedding_params(self, tp: int) -> list[tuple[int, ...]]:
         return [(math.ceil(self.vocab / tp), self.dim)]
@@ -55,32 +129,51 @@ class ModelShape:
 
     @cached_property
     def num_params(self) -> int:
-        return self.n_layers * self.block_numel + sum(
+        return sum(map(self.layer_numel, range(self.n_layers))) + sum(
             math.prod(s) for s in self.embedding_params(1) + self.head_params(1))
+
+    @cached_property
+    def num_active_params(self) -> int:
+        return self.num_params - sum(self.layer_numel(i) - self.layer_active_numel(i) for i in range(self.n_layers))
 
     @cached_property
     def embedding_numel(self) -> int:
         return self.vocab * self.dim
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6·N + 12·L·H·Q·T (composer3d.flops' convention, N without the embedding table)."""
+        """6·N + 12·L·H·Q·T (composer3d.flops' convention, N the active parameters without the embedding table)."""
         from composer3d.flops import flops_per_token
 
-        return flops_per_token(self.num_params, self.embedding_numel, self.n_layers, self.n_heads * self.head_dim,
+        return flops_per_token(self.num_active_params, self.embedding_numel, self.n_layers, self.n_heads * self.head_dim,
                                seq_len)
 
 
 @dataclass(frozen=True)
 class StageSet:
-    """What one pipeline rank holds: its stages' layer counts, and whether it runs the first/last stage."""
+    """What one pipeline rank holds: its stages' layer counts (and how many of its layers are MoE), and whether it
+    runs the first/last stage."""
     rank: int  # pipeline rank
     layers: tuple[int, ...]
     first: bool
     last: bool
+    moe_layers: int = 0
 
     @property
     def n_layers(self) -> int:
         return sum(self.layers)
+
+    @property
+    def dense_layers(self) -> int:
+        return self.n_layers - self.moe_layers
+
+    def units(self, shape: ModelShape, tp: int, ep: int) -> list[Unit]:
+        """This rank's parameters as FSDP units (those it has: a count of 0 is left out)."""
+        units = [Unit(tuple(shape.block_params(tp)), self.dense_layers, "block")]
+        if self.moe_layers:
+            units += [Unit(tuple(shape.moe_block_params(tp)), self.moe_layers, "block"),
+                      Unit(tuple(shape.expert_params(tp, ep)), self.moe_layers, "experts")]
+        root = (shape.embedding_params(tp) if self.first else []) + (shape.head_params(tp) if self.last else [])
+        return [u for u in units + [Unit(tuple(root), 1, "root")] if u.count and u.params]
 
 
 @cache
@@ -88,13 +181,14 @@ def stage_sets(shape: ModelShape, pp: int, stages_per_rank: int, schedule: str) 
     """Per pipeline rank, its stages (the split composer3d makes: cost = parameters, embedding on the first stage,
     norm and head on the last)."""
     if pp == 1:
-        return [StageSet(0, (shape.n_layers,), True, True)]
-    costs = [float(shape.block_numel)] * shape.n_layers
+        return [StageSet(0, (shape.n_layers,), True, True, shape.n_moe_layers)]
+    costs = [float(shape.layer_numel(i)) for i in range(shape.n_layers)]
     costs[0] += shape.embedding_numel
     costs[-1] += shape.dim + (0 if shape.tied else shape.embedding_numel)
     ranges = split_layers(costs, pp * stages_per_rank)
     sets = []
     for rank in range(pp):
         ids = stage_ids_of_rank(rank, pp, stages_per_rank, schedule)
-        sets.append(StageSet(rank, tuple(len(ranges[s]) for s in ids), 0 in ids, len(ranges) - 1 in ids))
+        moe = sum(shape.is_moe(i) for s in ids for i in ranges[s])
+        sets.append(StageSet(rank, tuple(len(ranges[s]) for s in ids), 0 in ids, len(ranges) - 1 in ids, moe))
     return sets

@@ -28,6 +28,11 @@ def validate_plan(cfg: Any) -> None:
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
     _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
              "Use e.g. 0.9")
-    _require(cfg.parallel.ep == 1, "parallel.ep", f"expert parallel (ep={cfg.parallel.ep}) is not modelled by "
-             "composer3d-plan yet (its all-to-all and expert sharding are not in the memory or communication "
-             "model)", "Use parallel.ep=1")
+    if cfg.model.name == "hf":
+        from composer3d.models.hf import expert_count, load_hf_config
+
+        experts = expert_count(load_hf_config(cfg.model.path))
+        _require(not experts, "model.path", f"{cfg.model.path} is a Hugging Face mixture-of-experts model ({experts} "
+                 "experts a layer); composer3d-plan models the native MoE layers (model.moe.*) only, and would "
+                 "count its experts as one dense MLP", "Plan the same shape as a native MoE (model=llama with "
+                 "model.moe.experts, model.moe.top_k, model.moe.expert_hidden_dim set to its config's)")
