@@ -1,17 +1,17 @@
 """composer3d-plan: predictions measured on this machine, the console script, and parallel=auto.
 
-The measured-vs-predicted tests train 29 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
-two process groups (tests/plan_measure.py): 19 layouts on 2 processes (one per core of this machine), 10 that need
+The measured-vs-predicted tests train 31 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
+two process groups (tests/plan_measure.py): 19 layouts on 2 processes (one per core of this machine), 12 that need
 4; 8 of them are the same width with mixture-of-experts layers (tiny_moe: FSDP, expert parallel alone, with FSDP
 over what it leaves, HSDP, TP+SP, PP and checkpointing). Per layout they compare what the planner predicts with
 what the real training step did: model-state bytes (within 2%), the peak of live tensor bytes on the busiest rank
 (within 15%), bytes per collective kind and group per rank (within 2%; all-to-all as its pipeline stage's mean,
 which the routing does not change; collectives under 1% of a rank's traffic — the gradient norm's scalars — are
-only required to stay under 1% together), and for pp=2 1F1B and GPipe (dim 256, seq 128, M=8: chunks long enough that compute, not the
-sends' latency, fills the step) the pipeline's idle share (within 20%, in the steps where each rank had a core
-of its own). pp=4 with one layer per stage is left out: its peak is predicted 25% (1F1B) and 16.5% (GPipe) low at
-16 micro-batches (9% and 10% at 8): the planner leaves out the pipeline's per-micro-batch receive buffers, the last
-stage's kept outputs and backward's temporaries (README).
+only required to stay under 1% together), and for pp=2 1F1B and GPipe (dim 256, seq 128, M=8: chunks long enough
+that compute, not the sends' latency, fills the step) the pipeline's idle share (within 20%, in the steps where
+each rank had a core of its own). pp=4 with one layer per stage is measured at 8 micro-batches (its peak predicted
+9% low under 1F1B, 1% under GPipe; at 16, 12.5% and 5%: the planner leaves out the pipeline's per-micro-batch
+receive buffers and backward's temporaries, README).
 """
 
 from __future__ import annotations
@@ -83,6 +83,11 @@ LAYOUTS_4 = {
                  "parallel.sequence_parallel=true"],
     "pp_ddp": [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=1",
                "parallel.dp_replicate=2"],
+    # one layer per stage, 8 micro-batches
+    "pp4_1f1b": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=4",
+                 "parallel.pp_schedule=1f1b"],
+    "pp4_gpipe": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=4",
+                  "parallel.pp_schedule=gpipe"],
     "moe_ep2_fsdp4": [*MOE, *BATCH, "parallel.dp_shard=4", "parallel.ep=2"],
     "moe_hsdp_ep2": [*MOE, *BATCH, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
     "moe_ep2_tp2_sp": [*MOE, *TP_BATCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",

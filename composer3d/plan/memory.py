@@ -144,10 +144,11 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     return LayerActivations(full, 0.0)
 
 
-def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int) -> float:
-    """The head's output and its gradient (compute dtype) and the loss's fp32 chunk and its exponentials."""
+def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int, in_flight: float = 1.0) -> float:
+    """The head's output (kept for backward by the loss, for every micro-batch in flight: GPipe runs every loss
+    before the first backward) and its gradient (compute dtype), and the loss's fp32 chunk and its exponentials."""
     elements = c.micro_batch_size * seq_len * math.ceil(shape.vocab / c.tp)
-    return elements * 2 * compute_bytes + min(elements, LOSS_CHUNK_ELEMENTS) * 4 * 2
+    return elements * (in_flight + 1) * compute_bytes + min(elements, LOSS_CHUNK_ELEMENTS) * 4 * 2
 
 
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
@@ -162,7 +163,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     dense = layer_activations(shape, c, False, cb)
     moe = layer_activations(shape, c, True, cb) if stages.moe_layers else None
     in_flight = microbatches_in_flight(c, stages.rank)
-    logits = logits_bytes(shape, c, seq_len, cb) if stages.last else 0.0
+    logits = logits_bytes(shape, c, seq_len, cb, in_flight) if stages.last else 0.0
     # The peak is the end of forward (every layer's saved tensors, the logits) or, under checkpointing, a block's
     # recomputation in backward (its whole activations, once the logits are gone).
     saved = dense.saved * stages.dense_layers + (moe.saved * stages.moe_layers if moe else 0.0)
