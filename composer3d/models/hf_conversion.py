@@ -115,3 +115,13 @@ def _expert_index(pattern: str, key: str) -> int:
                           "but names no expert by number there. Use the directory save_pretrained wrote, unmodified")
     return int(match.group(1))
 
+
+def to_checkpoint_names(config, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (a model's tensors by parameter name) under the names and in the form save_pretrained writes for a
+    model of ``config``: transformers' conversions reversed (fused experts split one by one, renamings undone)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        causal_lm = AutoModelForCausalLM.from_config(config)
+    return revert_weight_conversion(causal_lm, state)
