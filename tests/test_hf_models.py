@@ -308,12 +308,14 @@ def moe_references(moe_models) -> dict[str, torch.Tensor]:
     return {arch: reference_logits(path, _tokens()) for arch, path in moe_models.items()}
 
 
-MOE_LAYOUTS = [{"dp_shard": 2}, {"pp": 2, "pp_schedule": "gpipe"}]
+MOE_LAYOUTS = [{"dp_shard": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"dp_shard": 2, "ep": 2}]
 
 
 def _check_moe_forward_and_reads(rank, world_size, models, references):
     """Each MoE architecture under each layout in one process group: transformers' logits, and each rank read the
-    per-expert tensors of exactly the experts it holds (half of them: its FSDP shard's, or its stage's layers')."""
+    per-expert tensors of exactly the experts it holds (half of them: its FSDP shard's, its stage's layers', or
+    under expert parallel its experts, whose forward then is composer3d's all-to-all)."""
+    from composer3d.models.hf_experts import EXPERT_PARALLEL
     from composer3d.models.hf_weights import ExpertFiles
     from composer3d.models.moe import local
 
@@ -334,9 +336,10 @@ def _check_moe_forward_and_reads(rank, world_size, models, references):
             whole = sum(math.prod(shape) for name, shape in built.model.full_shapes.items() if ".experts." in name)
             assert read["elements"] == held == whole // world_size, \
                 f"rank {rank} read {read['elements']} expert weights under {parallel}, holds {held} of {whole}"
+            assert (built.model.config._experts_implementation == EXPERT_PARALLEL) == ("ep" in parallel)
 
 
-def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_and_pp(moe_models, moe_references, tmp_path):
+def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_and_ep(moe_models, moe_references, tmp_path):
     """transformers saves each expert's weights as tensors of their own and fuses them while loading: composer3d
     maps them by transformers' conversion mapping and gives transformers' logits, whole and split."""
     from composer3d.models import build_model
@@ -392,16 +395,37 @@ def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_model
         check_pretrained(build_model(train_config(fewer).model), str(fewer))
 
 
-def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp(moe_models, tmp_path):
-    """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains under FSDP on the one-process
-    curve; expert parallel is refused for Hugging Face MoE models."""
-    from harness import FAST, train
+def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused(models, moe_models, tmp_path):
+    """parallel.ep>1 with model=hf needs transformers' fused SwiGLU experts (gate_up_proj, down_proj, no biases):
+    a dense model, an expert count ep does not divide, and GPT-OSS's biased, transposed experts are refused."""
+    from transformers import AutoConfig
+
+    from composer3d.config import ConfigError
+
+    assert validate(train_config(moe_models["mixtral"], dp_shard=4, ep=4), 4)["ep"] == 4
+    with pytest.raises(ConfigError, match=r"parallel.ep: expert parallel \(ep=2\) needs a mixture-of-experts model, "
+                                          r"and .*llama is a dense model"):
+        validate(train_config(models["llama"], dp_shard=2, ep=2), 2)
+    with pytest.raises(ConfigError, match=r"parallel.ep: ep=3 does not divide the 8 routed experts .* among 1, 2, 4, 8"):
+        validate(train_config(moe_models["qwen3_moe"], dp_shard=3, ep=3), 3)
+    AutoConfig.for_model("gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4
+                         ).save_pretrained(tmp_path / "gpt_oss")
+    with pytest.raises(ConfigError, match=r"parallel.ep: .* GptOssExperts \(gpt_oss\) has weights .*gate_up_proj_bias"):
+        validate(train_config(tmp_path / "gpt_oss", dp_shard=2, ep=2), 2)
+
+
+def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
+    """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
+    FSDP and under expert parallel (its experts sharded over ep=2, tokens sent to them by all-to-all)."""
+    from harness import FAST, train, train_in_one_group
 
     path = moe_models["qwen3_moe"]
     args = [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}", "model.pretrained=false",
             "train.steps=3", "train.seq_len=32", "data.max_tokens=20000", "checkpoint.enabled=false"]
     one = train(tmp_path / "one", *args)
-    fsdp = train(tmp_path / "fsdp", *args, "parallel.dp_shard=2", nproc=2)
-    assert max(abs(a - b) for a, b in zip(one.losses, fsdp.losses)) < 1e-4, (one.losses, fsdp.losses)
-    refused = train(tmp_path / "ep", *args, "parallel.ep=2", nproc=2, check=False)
-    assert refused.returncode == 2 and "expert parallel of Hugging Face MoE models is not available yet" in refused.output
+    fsdp, ep = train_in_one_group([(tmp_path / "fsdp", [*args, "parallel.dp_shard=2"]),
+                                   (tmp_path / "ep", [*args, "parallel.dp_shard=2", "parallel.ep=2"])], nproc=2)
+    for run in (fsdp, ep):
+        assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
+            (one.losses, run.losses)
