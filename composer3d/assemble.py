@@ -11,6 +11,7 @@ from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
+from composer3d.models.hf_experts import inactive_params as hf_inactive_expert_params
 from composer3d.models.moe import inactive_expert_params
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
@@ -32,7 +33,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
-    active_params = num_params - inactive_expert_params(model)
+    active_params = num_params - inactive_expert_params(model) - hf_inactive_expert_params(model)
     m = cfg.model
     flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)

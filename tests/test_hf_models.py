@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("transformers")
 from harness import spawn
-from hf_models import ARCHITECTURES, make_model, reference_logits
+from hf_models import ARCHITECTURES, MOE_ARCHITECTURES, hf_config, make_model, reference_logits
 from omegaconf import OmegaConf
 
 from composer3d.config import TrainConfig, resolve_model_config, validate
@@ -81,19 +81,24 @@ def _forward(model, stages, mesh, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _check_forward(rank, world_size, models, references, parallel):
+    for arch, path in models.items():
+        _build_and_compare(world_size, arch, path, references[arch], parallel)
+
+
+def _build_and_compare(world_size, arch, path, reference, parallel):
     from composer3d.assemble import build_parallel_model
     from composer3d.layout import ParallelMesh, layout_from_degrees
 
-    for arch, path in models.items():
-        cfg = train_config(path, **parallel)
-        if parallel.get("sequence_parallel"):
-            cfg.parallel.sequence_parallel = True
-        mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
-        built = build_parallel_model(cfg, mesh, torch.device("cpu"))
-        built.model.eval()
-        logits = _forward(built.model, built.stages, mesh, _tokens())
-        error = (logits - references[arch]).abs().max().item()
-        assert error < ATOL, f"{arch} under {parallel}: max |Δlogits| = {error:.3g}"
+    cfg = train_config(path, **parallel)
+    if parallel.get("sequence_parallel"):
+        cfg.parallel.sequence_parallel = True
+    mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
+    built = build_parallel_model(cfg, mesh, torch.device("cpu"))
+    built.model.eval()
+    logits = _forward(built.model, built.stages, mesh, _tokens())
+    error = (logits - reference).abs().max().item()
+    assert error < ATOL, f"{arch} under {parallel}: max |Δlogits| = {error:.3g}"
+    return built
 
 
 LAYOUTS = {
@@ -292,21 +297,140 @@ def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_
     assert "failed first" not in run.output, "refused by the launcher, before any worker started"
 
 
-def test_a_mixture_of_experts_checkpoint_is_refused_and_from_scratch_trains_with_fsdp(tmp_path):
-    """transformers 5 keeps a MoE model's experts fused in memory but saves them one by one: loading those weights is
-    refused, naming the way that works; from scratch a tiny Qwen3-MoE trains under FSDP on the one-process curve."""
-    from harness import FAST, train
-    from hf_models import make_model
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf_moe")
+    return {arch: make_model(root / arch, arch, seed=i) for i, arch in enumerate(MOE_ARCHITECTURES)}
+
+
+@pytest.fixture(scope="module")
+def moe_references(moe_models) -> dict[str, torch.Tensor]:
+    return {arch: reference_logits(path, _tokens()) for arch, path in moe_models.items()}
+
+
+MOE_LAYOUTS = [{"dp_shard": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"dp_shard": 2, "ep": 2}]
+
+
+def _check_moe_forward_and_reads(rank, world_size, models, references):
+    """Each MoE architecture under each layout in one process group: transformers' logits, and each rank read the
+    per-expert tensors of exactly the experts it holds (half of them: its FSDP shard's, its stage's layers', or
+    under expert parallel its experts, whose forward then is composer3d's all-to-all)."""
+    from composer3d.models.hf_experts import EXPERT_PARALLEL
+    from composer3d.models.hf_weights import ExpertFiles
+    from composer3d.models.moe import local
+
+    read = {"elements": 0}
+    original = ExpertFiles.tensor
+
+    def counting(self, key):
+        tensor = original(self, key)
+        read["elements"] += tensor.numel()
+        return tensor
+
+    ExpertFiles.tensor = counting
+    for parallel in MOE_LAYOUTS:
+        for arch, path in models.items():
+            read["elements"] = 0
+            built = _build_and_compare(world_size, arch, path, references[arch], parallel)
+            held = sum(local(p).numel() for name, p in built.model.named_parameters() if ".experts." in name)
+            whole = sum(math.prod(shape) for name, shape in built.model.full_shapes.items() if ".experts." in name)
+            assert read["elements"] == held == whole // world_size, \
+                f"rank {rank} read {read['elements']} expert weights under {parallel}, holds {held} of {whole}"
+            assert (built.model.config._experts_implementation == EXPERT_PARALLEL) == ("ep" in parallel)
+
+
+def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_and_ep(moe_models, moe_references, tmp_path):
+    """transformers saves each expert's weights as tensors of their own and fuses them while loading: composer3d
+    maps them by transformers' conversion mapping and gives transformers' logits, whole and split."""
+    from composer3d.models import build_model
+    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.init import materialize
+
+    for arch, path in moe_models.items():
+        model = build_model(train_config(path).model)
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        load_pretrained(model, str(path))
+        with torch.no_grad():
+            error = (model.eval()(_tokens()) - moe_references[arch]).abs().max().item()
+        assert error < ATOL, f"{arch} on one process: max |Δlogits| = {error:.3g}"
+    spawn(_check_moe_forward_and_reads, 2, tmp_path, moe_models, moe_references)
+
+
+def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_models, tmp_path):
+    """A checkpoint transformers wrote with its experts already fused loads as it is; one missing an expert's
+    tensor, or with more experts than config.json, is refused naming model.path before any worker starts."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.config import ConfigError
+    from composer3d.models import build_model
+    from composer3d.models.hf_weights import check_pretrained, load_pretrained
+    from composer3d.models.init import materialize
+
+    fused = tmp_path / "fused"
+    AutoModelForCausalLM.from_pretrained(moe_models["mixtral"]).save_pretrained(fused, save_original_format=False)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
+    model = build_model(train_config(fused).model)
+    materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+    load_pretrained(model, str(fused))
+    with torch.no_grad():
+        assert (model.eval()(_tokens()) - reference_logits(moe_models["mixtral"], _tokens())).abs().max() < ATOL
+
+    gap = shutil.copytree(moe_models["qwen3_moe"], tmp_path / "gap")
+    weights = load_file(gap / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, gap / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"model.path: the weights in .*layers.1.mlp.experts.gate_up_proj is stacked from "
+                       r"mlp.experts.\*.up_proj.weight of experts 0..7, but the checkpoint has that tensor for "
+                       r"experts \[0, 1, 2, 4, 5, 6, 7\]"):
+        check_pretrained(build_model(train_config(gap).model), str(gap))
+    fewer = shutil.copytree(moe_models["mixtral"], tmp_path / "fewer")
+    config = json.loads((fewer / "config.json").read_text())
+    (fewer / "config.json").write_text(json.dumps({**config, "num_local_experts": 6}))
+    with pytest.raises(ConfigError, match=r"model.path: .* shape mismatches, e.g. \['model.layers.0.mlp.experts."
+                       r"down_proj: file \(8, 64, 128\) vs model \(6, 64, 128\)"):
+        check_pretrained(build_model(train_config(fewer).model), str(fewer))
+
+
+def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused(models, moe_models, tmp_path):
+    """parallel.ep>1 with model=hf needs transformers' fused SwiGLU experts (gate_up_proj, down_proj, no biases):
+    a dense model, an expert count ep does not divide, and GPT-OSS's biased, transposed experts are refused."""
+    from transformers import AutoConfig
 
     from composer3d.config import ConfigError
 
-    path = make_model(tmp_path / "qwen3_moe", "qwen3_moe")
-    with pytest.raises(ConfigError, match=r"mixture-of-experts model \(qwen3_moe, 8 experts a layer\).*pretrained=false"):
-        train_config(path)
+    assert validate(train_config(moe_models["mixtral"], dp_shard=4, ep=4), 4)["ep"] == 4
+    with pytest.raises(ConfigError, match=r"parallel.ep: expert parallel \(ep=2\) needs a mixture-of-experts model, "
+                                          r"and .*llama is a dense model"):
+        validate(train_config(models["llama"], dp_shard=2, ep=2), 2)
+    with pytest.raises(ConfigError, match=r"parallel.ep: ep=3 does not divide the 8 routed experts .* among 1, 2, 4, 8"):
+        validate(train_config(moe_models["qwen3_moe"], dp_shard=3, ep=3), 3)
+    AutoConfig.for_model("gpt_oss", vocab_size=512, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4
+                         ).save_pretrained(tmp_path / "gpt_oss")
+    with pytest.raises(ConfigError, match=r"parallel.ep: .* GptOssExperts \(gpt_oss\) has weights .*gate_up_proj_bias"):
+        validate(train_config(tmp_path / "gpt_oss", dp_shard=2, ep=2), 2)
+
+
+def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
+    """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
+    FSDP and under expert parallel (its experts sharded over ep=2, tokens sent to them by all-to-all)."""
+    from harness import FAST, train, train_in_one_group
+
+    path = moe_models["qwen3_moe"]
     args = [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}", "model.pretrained=false",
             "train.steps=3", "train.seq_len=32", "data.max_tokens=20000", "checkpoint.enabled=false"]
     one = train(tmp_path / "one", *args)
-    fsdp = train(tmp_path / "fsdp", *args, "parallel.dp_shard=2", nproc=2)
-    assert max(abs(a - b) for a, b in zip(one.losses, fsdp.losses)) < 1e-4, (one.losses, fsdp.losses)
-    refused = train(tmp_path / "ep", *args, "parallel.ep=2", nproc=2, check=False)
-    assert refused.returncode == 2 and "expert parallel of Hugging Face MoE models is not available yet" in refused.output
+    fsdp, ep = train_in_one_group([(tmp_path / "fsdp", [*args, "parallel.dp_shard=2"]),
+                                   (tmp_path / "ep", [*args, "parallel.dp_shard=2", "parallel.ep=2"])], nproc=2)
+    for run in (fsdp, ep):
+        assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
+            (one.losses, run.losses)
+    # FLOPs per token count the experts a token goes through: top_k of each layer's (tests/hf_models.py's shape)
+    c = hf_config("qwen3_moe")
+    per_expert = 3 * c.moe_intermediate_size * c.hidden_size
+    inactive = c.num_hidden_layers * (c.num_experts - c.num_experts_per_tok) * per_expert
+    assert one.run_info["num_params"] - one.run_info["num_active_params"] == inactive

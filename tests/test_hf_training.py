@@ -118,6 +118,39 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
     assert json.loads((tmp_path / "out" / "config.json").read_text())["model_type"] == "qwen3"
 
 
+def test_mixture_of_experts_load_then_export_is_identity_and_trained_export_loads(tmp_path):
+    """Mixtral, whose checkpoint holds every expert's weights one by one under ``block_sparse_moe`` (transformers
+    fuses and renames them while loading): loaded under FSDP and saved after a step that changes nothing, it exports
+    the same tensors under the same names; trained under PP, it exports what transformers loads with no missing or
+    unexpected key, into exactly the trained (fused) weights."""
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.convert.export import export, load_hf_model_state
+
+    source = make_model(tmp_path / "src", "mixtral")
+    frozen, trained = train_in_one_group([
+        (tmp_path / "frozen", [*HF_FAST, f"model.path={source}", "train.steps=1", *NO_UPDATE, "checkpoint.enabled=true",
+                               "parallel.dp_shard=2"]),
+        (tmp_path / "trained", [*HF_FAST, f"model.path={source}", "train.steps=2", "checkpoint.enabled=true",
+                                "parallel.pp=2"])], nproc=2)
+    export(frozen.run_dir / "checkpoints" / "step-00000001", tmp_path / "same", dtype="float32")
+    before, after = _tensors(source), _tensors(tmp_path / "same")
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in after and set(before) == set(after)
+    for name in before:
+        assert torch.equal(before[name], after[name]), name
+
+    checkpoint = trained.run_dir / "checkpoints" / "step-00000002"
+    export(checkpoint, tmp_path / "out", dtype="float32")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    trained_state = load_hf_model_state(checkpoint, {"tie_embeddings": False})
+    assert set(trained_state) == set(model.state_dict())
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    assert not torch.equal(trained_state[fused], AutoModelForCausalLM.from_pretrained(source).state_dict()[fused])
+    for name, param in model.state_dict().items():
+        assert torch.equal(param, trained_state[name]), name
+
+
 def test_bad_hf_inputs_fail_before_launch(tmp_path):
     good = make_model(tmp_path / "good", "llama")
     cases = []

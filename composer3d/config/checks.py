@@ -173,13 +173,15 @@ def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     ep, m, p = degrees["ep"], cfg.model, cfg.parallel
     if ep == 1:
         return
-    experts = m.moe.experts if m.name == "llama" else 0
-    dense = "model=hf: expert parallel of Hugging Face MoE models is not available yet" if m.name == "hf" \
-        else "the model is dense (model.moe.experts=0)"
-    _require(experts > 0, "parallel.ep", f"expert parallel (ep={ep}) needs a mixture-of-experts model, and {dense}",
-             "Use parallel.ep=1, or a native MoE model (model=tiny_moe, or model.moe.experts>0)")
-    _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide model.moe.experts={experts} "
-             "(each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
+    experts, problem = MODEL_REGISTRY[m.name].expert_parallel(m)
+    what = f"{m.path} is a dense model" if m.name == "hf" else "the model is dense (model.moe.experts=0)"
+    _require(experts > 0, "parallel.ep", f"expert parallel (ep={ep}) needs a mixture-of-experts model, and {what}",
+             "Use parallel.ep=1, or a mixture-of-experts model (model=tiny_moe, model.moe.experts>0, or model=hf with "
+             "a Hugging Face MoE model)")
+    _require(problem is None, "parallel.ep", f"expert parallel (ep={ep}) of {m.path}: {problem}",
+             "Use parallel.ep=1 (FSDP and pipeline parallel work)")
+    _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide the {experts} routed experts of each MoE "
+             "layer (each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
     _require(degrees["dp_shard"] % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={degrees['dp_shard']}: "
              "expert parallel takes its ranks from the data-parallel shard dimension",
              f"Choose parallel.ep among {_divisors(degrees['dp_shard'])}, or give dp_shard a multiple of {ep}")

@@ -124,8 +124,8 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
     model_fields = meta["config"]["model"]
     _prepare_out_dir(out, overwrite)
     if model_fields["name"] == "hf":
-        hf_state = {k: v.to(DTYPES[dtype]).contiguous() for k, v in load_hf_model_state(checkpoint, model_fields).items()}
         written = _copy_hf_model_files(model_fields.get("path"), out, dtype)
+        hf_state = _hf_state(checkpoint, model_fields, dtype)
     else:
         hf_state = _llama_hf_state(checkpoint, model_fields, dtype)
         written = []
@@ -143,6 +143,21 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
     if model_fields["name"] == "llama":
         eos_id, tokenizer_files = _write_run_tokenizer(meta, out)
         written += [*tokenizer_files, *_write_llama_config(meta, out, dtype, eos_id)]
+    return written
+
+
+def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """A ``model=hf`` checkpoint's tensors under the names and in the form transformers' save_pretrained writes them
+    (a mixture of experts' fused parameters split into one tensor per expert, by transformers' own mapping)."""
+    from composer3d.models.hf import load_hf_config
+    from composer3d.models.hf_conversion import to_checkpoint_names
+
+    state = to_checkpoint_names(load_hf_config(model_fields["path"]), load_hf_model_state(checkpoint, model_fields))
+    written = {}
+    for name in list(state):
+        tensor = state.pop(name).to(DTYPES[dtype]).contiguous()
+        # One expert's slice of a fused tensor is a view: safetensors writes no tensors that share memory.
+        written[name] = tensor.clone() if tensor.untyped_storage().nbytes() > tensor.nbytes else tensor
     return written
 
 

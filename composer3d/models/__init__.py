@@ -31,6 +31,9 @@ class ModelSpec:
     # (model config, tp degree): raises ConfigError where composer3d's forward of the model, or its tensor-parallel
     # split, would not compute what its reference computes; run before launch
     check_forward: Callable[[Any, int], None] = lambda cfg, tp: None
+    # (model config) -> routed experts of each MoE layer (0: dense) and why expert parallel cannot shard them (None:
+    # it can); checked before launch when parallel.ep > 1
+    expert_parallel: Callable[[Any], tuple[int, str | None]] = lambda cfg: (cfg.moe.experts, None)
 
 
 def _llama_split_sizes(cfg) -> list[tuple[str, int]]:
@@ -69,6 +72,12 @@ def _hf_check_forward(cfg, tp: int) -> None:
     check_forward_matches_transformers(cfg, tp)
 
 
+def _hf_expert_parallel(cfg) -> tuple[int, str | None]:
+    from composer3d.models.hf_experts import expert_parallel_support
+
+    return expert_parallel_support(cfg)
+
+
 def _hf_split_sizes(cfg):
     from composer3d.models.hf_tensor_parallel import tp_split_sizes
 
@@ -80,7 +89,7 @@ MODEL_REGISTRY: dict[str, ModelSpec] = {
     "llama": ModelSpec("llama", llama.Llama, llama.tensor_parallel_plan, _llama_split_sizes),
     "hf": ModelSpec("hf", _hf_build, _hf_plan, _hf_split_sizes, tensor_parallel_problem=_hf_tp_problem,
                     pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None,
-                    check_forward=_hf_check_forward),
+                    check_forward=_hf_check_forward, expert_parallel=_hf_expert_parallel),
 }
 
 

@@ -27,6 +27,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
+from composer3d.models.hf_conversion import model_conversions
 from composer3d.models.init import InitRule
 
 # --------------------------------------------------------------------------------------------- config
@@ -90,13 +91,6 @@ def fill_model_config(m) -> None:
         raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
                           "composer3d trains decoder-only text models; a multimodal model's config nests its text "
                           "model (text_config). Use a text-only causal LM")
-    experts = expert_count(c)
-    if experts and m.pretrained:
-        raise ConfigError(f"model.path: {m.path} is a Hugging Face mixture-of-experts model ({c.model_type}, {experts} "
-                          "experts a layer), whose checkpoint stores every expert as tensors of its own that "
-                          "transformers fuses while loading; composer3d cannot load those weights yet. Use "
-                          "model.pretrained=false to train it from scratch (FSDP, PP; no tensor or expert parallel), "
-                          "or a native mixture of experts (model=tiny_moe, model.moe.*)")
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads
@@ -153,6 +147,8 @@ class HFCausalLM(nn.Module):
             raise ConfigError(f"model.path: {config.model_type} has layers of type {unknown}; composer3d runs "
                               f"attention layers of the types {sorted(_MASKS)} (transformers' mask functions)")
         self.config = causal.config
+        # How checkpoint names map onto these parameters (per-expert tensors → fused ones): transformers' mapping.
+        self.weight_conversions = model_conversions(causal)
         self.model = causal.model
         self.lm_head = causal.lm_head
         # A dict keyed by layer index keeps names ("model.layers.3…") when a pipeline stage drops layers.

@@ -1,5 +1,6 @@
-"""Weights of Hugging Face models: safetensors read straight into each rank's shards, checked against the model
-first; the files that travel with exported weights.
+"""Weights of Hugging Face models: safetensors read straight into each rank's shards (per-expert tensors stacked
+into the fused parameters transformers builds, by ``hf_conversion``), checked against the model first; the files
+that travel with exported weights.
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
+from composer3d.models.hf_conversion import CheckpointMap, Fused, map_checkpoint
 
 if TYPE_CHECKING:
     from composer3d.models.hf import HFCausalLM
@@ -33,15 +37,18 @@ def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     return index
 
 
-def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, ...], str]], path: str) -> None:
-    """Missing, unexpected and mis-shaped tensors, against the whole model (every rank checks the same)."""
-    expected = model.full_shapes
+def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, ...], str]], path: str
+                          ) -> CheckpointMap:
+    """Missing, unexpected and mis-shaped tensors, against the whole model (every rank checks the same), after
+    transformers' conversions (per-expert tensors stacked into fused parameters); returns where each comes from."""
+    mapped = map_checkpoint(model.weight_conversions, index, path)
+    expected, given = model.full_shapes, mapped.shapes
     tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = sorted(set(expected) - set(index))
-    unexpected = sorted(set(index) - set(expected) - ({"lm_head.weight"} if tied else set()))
-    wrong = sorted(f"{k}: file {index[k][0]} vs model {expected[k]}" for k in set(expected) & set(index)
-                   if index[k][0] != expected[k])
-    problems = []
+    missing = sorted(set(expected) - set(given))
+    unexpected = sorted(mapped.plain.get(k, k) for k in set(given) - set(expected) - ({"lm_head.weight"} if tied else set()))
+    wrong = sorted(f"{k}: file {given[k]} vs model {expected[k]}" for k in set(expected) & set(given)
+                   if given[k] != expected[k])
+    problems = list(mapped.problems)
     if missing:
         hint = (" (config.json says tie_word_embeddings=false, but the file has no separate head)"
                 if missing == ["lm_head.weight"] else "")
@@ -50,10 +57,11 @@ def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, .
         problems.append(f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:4]}")
     if wrong:
         problems.append(f"{len(wrong)} shape mismatches, e.g. {wrong[:3]} (config.json does not match the weights: "
-                        "check num_key_value_heads, head_dim, intermediate_size, vocab_size)")
+                        "check num_key_value_heads, head_dim, intermediate_size, vocab_size, the expert count)")
     if problems:
         raise ConfigError(f"model.path: the weights in {path} do not fit the model its config.json describes: "
                           + "; ".join(problems) + ". Use the directory save_pretrained wrote, unmodified")
+    return mapped
 
 
 def check_pretrained(model: HFCausalLM, path: str) -> None:
@@ -63,13 +71,50 @@ def check_pretrained(model: HFCausalLM, path: str) -> None:
 
 
 def load_pretrained(model: HFCausalLM, path: str) -> None:
-    """Read each rank's shards of its parameters straight from the safetensors files (DCP's Hugging Face reader
-    reads only the slices a rank holds; no rank ever holds the whole model). Tied heads load with the embedding."""
+    """Read each rank's shards of its parameters straight from the safetensors files; no rank ever holds the whole
+    model. Tensors stored whole: DCP's Hugging Face reader reads only the slices a rank holds. Fused expert
+    parameters: the rank reads the per-expert tensors of the experts (rows) it holds and stacks them as transformers
+    does. Tied heads load with the embedding."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
-    check_pretrained(model, path)
-    state = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
-    load(state, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
+    index = safetensors_index(path)
+    mapped = check_checkpoint_keys(model, index, path)
+    params = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
+    whole = {mapped.plain[name]: param for name, param in params.items() if name not in mapped.fused}
+    load(whole, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
+    files = ExpertFiles(path, index)
+    for name, param in params.items():
+        if name in mapped.fused:
+            _load_fused(param, mapped.fused[name], files)
+
+
+class ExpertFiles:
+    """The safetensors files, opened once each (closed with this object), read a tensor (one expert's) at a time."""
+
+    def __init__(self, path: str, index: dict[str, tuple[tuple[int, ...], str]]):
+        self.path, self.index, self.handles = path, index, {}
+
+    def tensor(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.index[key][1]
+        if file not in self.handles:
+            self.handles[file] = safe_open(os.path.join(self.path, file), framework="pt")
+        return self.handles[file].get_tensor(key)
+
+
+@torch.no_grad()
+def _load_fused(param: torch.Tensor, fused: Fused, files: ExpertFiles) -> None:
+    """This rank's block of a fused expert parameter: the rows (experts) it holds, built from their tensors only."""
+    if isinstance(param, DTensor):
+        (chunk,) = param.__create_chunk_list__()  # the block's offsets and sizes in the whole parameter
+        offsets, sizes, local = chunk.offsets, chunk.sizes, param.to_local()
+    else:
+        offsets, sizes, local = [0] * param.dim(), param.shape, param
+    if local.numel() == 0:  # an FSDP shard past the last expert
+        return
+    block = fused.build(files.tensor, range(offsets[0], offsets[0] + sizes[0]))
+    local.copy_(block[(slice(None), *(slice(o, o + n) for o, n in zip(offsets[1:], sizes[1:])))])
 
 
 def export_files(path: str) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -196,24 +197,31 @@ class MoE(nn.Module):
 
     def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                 keep: torch.Tensor | None) -> torch.Tensor:
-        """Sum over each token's chosen experts of weight × expert(token), in fp32, cast back to the tokens' dtype."""
-        k = self.cfg.top_k
-        experts = chosen.flatten()
-        source = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
-        mix = weights.flatten()
-        if keep is not None:
-            kept = keep.flatten()
-            experts, source, mix = experts[kept], source[kept], mix[kept]
-        order = experts.argsort(stable=True)
-        counts = torch.bincount(experts, minlength=self.n_experts)
-        rows = tokens[source[order]]
-        if self.ep_group is None:
-            out_rows = self.experts(rows, counts)
-        else:
-            out_rows = _through_expert_parallel(self.experts, rows, counts, self.ep_group)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        out.index_add_(0, source[order], out_rows.float() * mix[order].unsqueeze(-1))
-        return out.to(tokens.dtype)
+        return mix_routed(tokens, weights, chosen, self.n_experts, self.experts, self.ep_group, keep)
+
+
+def mix_routed(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, num_experts: int,
+               experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], ep_group: dist.ProcessGroup | None = None,
+               keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over each token's chosen experts (``chosen``, weights ``weights``: tokens × top_k) of weight ×
+    expert(token), in fp32, cast back to the tokens' dtype; ``keep`` drops choices over capacity.
+
+    ``experts(rows, counts)`` runs rows sorted by (local) expert, ``counts[e]`` for expert e; under expert parallel
+    (``ep_group``) the rows travel to the ranks holding their experts and back (``_through_expert_parallel``)."""
+    k = chosen.shape[-1]
+    flat = chosen.flatten()
+    source = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
+    mix = weights.flatten()
+    if keep is not None:
+        kept = keep.flatten()
+        flat, source, mix = flat[kept], source[kept], mix[kept]
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    rows = tokens[source[order]]
+    out_rows = experts(rows, counts) if ep_group is None else _through_expert_parallel(experts, rows, counts, ep_group)
+    out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+    out.index_add_(0, source[order], out_rows.float() * mix[order].unsqueeze(-1))
+    return out.to(tokens.dtype)
 
 
 def _sum_grad_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -221,8 +229,8 @@ def _sum_grad_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
-def _through_expert_parallel(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor,
-                             group: dist.ProcessGroup) -> torch.Tensor:
+def _through_expert_parallel(experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: torch.Tensor,
+                             counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Send ``rows`` (sorted by global expert, ``counts`` per expert) to the ranks holding their experts, run them
     there and bring the outputs back in the same order. Rank r of the ep group holds experts
     [r·E/ep, (r+1)·E/ep). One all-to-all of counts (read back to the host: the splits), one of rows each way."""

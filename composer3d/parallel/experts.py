@@ -1,4 +1,5 @@
-"""Expert parallel and the tensor-parallel split of mixture-of-experts layers (``models.moe``).
+"""Expert parallel and the tensor-parallel split of mixture-of-experts layers (``models.moe``, and for model=hf
+transformers' experts modules, ``models.hf_experts``: expert parallel only).
 
 Routed experts are stacked tensors: expert parallel shards them by expert (dim 0) over the ``ep`` ranks, tensor
 parallel by hidden width (w1, w3 on dim 1, w2 on dim 2; shared experts as column/row-parallel linears); with
@@ -14,6 +15,7 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from composer3d.layout import ParallelMesh
+from composer3d.models.hf_experts import hf_expert_modules, use_expert_parallel
 from composer3d.models.moe import moe_layers
 
 # Stacked expert weights [experts, out, in]: the dim tensor parallel splits (the hidden width).
@@ -44,6 +46,16 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool)
             moe.tp_mesh, moe.sequence_parallel = mesh["tp"], sequence_parallel
         if ep > 1:
             moe.ep_group = mesh["ep"].get_group()
+    if ep > 1 and hf_expert_modules(model):  # transformers' experts (model=hf): by expert only (no tp, validated)
+        for module in hf_expert_modules(model):
+            for name in ("gate_up_proj", "down_proj"):
+                _distribute(module, name, mesh["ep"], [Shard(0)])
+        use_expert_parallel(model, mesh["ep"].get_group())
+
+
+def routed_experts(model: nn.Module) -> list[nn.Module]:
+    """Each MoE layer's routed-experts module (stacked weights, dim 0 = expert): native or transformers'."""
+    return [moe.experts for moe in moe_layers(model)] + hf_expert_modules(model)
 
 
 def _distribute(module: nn.Module, name: str, device_mesh, placements) -> None:
