@@ -417,18 +417,21 @@ def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused
 
 def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
     """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
-    FSDP and under expert parallel (its experts sharded over ep=2, tokens sent to them by all-to-all)."""
+    FSDP and expert parallel (its experts sharded over the ep ranks, tokens sent to them by all-to-all): ep 4, ep 2
+    with the experts FSDP-sharded over the 2 ranks it leaves, and ep 2 inside a pipeline stage."""
     from harness import FAST, train, train_in_one_group
 
     path = moe_models["qwen3_moe"]
     args = [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}", "model.pretrained=false",
             "train.steps=3", "train.seq_len=32", "data.max_tokens=20000", "checkpoint.enabled=false"]
     one = train(tmp_path / "one", *args)
-    fsdp, ep = train_in_one_group([(tmp_path / "fsdp", [*args, "parallel.dp_shard=2"]),
-                                   (tmp_path / "ep", [*args, "parallel.dp_shard=2", "parallel.ep=2"])], nproc=2)
-    for run in (fsdp, ep):
+    layouts = {"fsdp4": ["parallel.dp_shard=4"], "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
+               "fsdp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2"],
+               "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]}
+    runs = train_in_one_group([(tmp_path / name, [*args, *overrides]) for name, overrides in layouts.items()], nproc=4)
+    for name, run in zip(layouts, runs):
         assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
-            (one.losses, run.losses)
+            (name, one.losses, run.losses)
     # FLOPs per token count the experts a token goes through: top_k of each layer's (tests/hf_models.py's shape)
     c = hf_config("qwen3_moe")
     per_expert = 3 * c.moe_intermediate_size * c.hidden_size
