@@ -10,8 +10,8 @@ import torch.nn as nn
 from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
-from composer3d.models.init import materialize
 from composer3d.models.hf_experts import inactive_params as hf_inactive_expert_params
+from composer3d.models.init import materialize
 from composer3d.models.moe import inactive_expert_params
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
