@@ -25,10 +25,14 @@ ATOL = 1e-5
 SEQ = 32
 
 
+def _make_models(tmp_path_factory, name: str, architectures) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp(name)
+    return {arch: make_model(root / arch, arch, seed=i) for i, arch in enumerate(architectures)}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {arch: make_model(root / arch, arch, seed=i) for i, arch in enumerate(ARCHITECTURES)}
+    return _make_models(tmp_path_factory, "hf", ARCHITECTURES)
 
 
 @pytest.fixture(scope="module")
@@ -299,8 +303,7 @@ def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf_moe")
-    return {arch: make_model(root / arch, arch, seed=i) for i, arch in enumerate(MOE_ARCHITECTURES)}
+    return _make_models(tmp_path_factory, "hf_moe", MOE_ARCHITECTURES)
 
 
 @pytest.fixture(scope="module")

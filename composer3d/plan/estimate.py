@@ -78,7 +78,7 @@ def rank_flops_per_token(shape: ModelShape, stages: StageSet, seq_len: int) -> f
     N the parameters a token goes through (a MoE layer's top_k experts)."""
     attention = 12 * shape.n_heads * shape.head_dim * seq_len
     dense = 6 * shape.block_numel + attention
-    moe = 6 * shape.layer_active_numel(shape.n_layers - 1) + attention if stages.moe_layers else 0
+    moe = 6 * shape.moe_active_numel + attention if stages.moe_layers else 0
     head = 6 * (shape.dim + shape.vocab * shape.dim) if stages.last else 0
     return stages.dense_layers * dense + stages.moe_layers * moe + head
 

@@ -109,12 +109,14 @@ class ModelShape:
             return self.block_numel
         return sum(math.prod(s) for s in self.moe_block_params(1) + self.expert_params(1, 1))
 
-    def layer_active_numel(self, layer: int) -> int:
-        """The parameters a token goes through in a layer (top_k of the routed experts): its matmul FLOPs / 6."""
-        if not self.is_moe(layer):
-            return self.block_numel
+    @cached_property
+    def moe_active_numel(self) -> int:
+        """The parameters a token goes through in a MoE layer (top_k of its routed experts): its matmul FLOPs / 6."""
         per_expert = sum(math.prod(s) for s in self.expert_params(1, 1)) // self.moe.experts
         return sum(math.prod(s) for s in self.moe_block_params(1)) + self.moe.top_k * per_expert
+
+    def layer_active_numel(self, layer: int) -> int:
+        return self.moe_active_numel if self.is_moe(layer) else self.block_numel
 
     def embedding_params(self, tp: int) -> list[tuple[int, ...]]:
         return [(math.ceil(self.vocab / tp), self.dim)]
