@@ -37,6 +37,7 @@ from composer3d.console import human_bytes
 from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.expert_load import ExpertLoad
 from composer3d.flops import peak_flops
+from composer3d.garbage import StepGarbageCollection
 from composer3d.grad import clip_grad_norm_
 from composer3d.layout import ParallelMesh
 from composer3d.loss import cross_entropy_sum
@@ -285,11 +286,13 @@ class Trainer:
             log.info("already finished: step %d of train.steps=%d; nothing to train", self.step, self.step)
         signals = StopSignals(timedelta(minutes=self.cfg.launch.timeout_minutes))
         try:
-            self._fit(sink, checkpointer, signals)
+            with StepGarbageCollection(self.cfg.train.gc_every) as garbage:
+                self._fit(sink, checkpointer, signals, garbage)
         finally:
             signals.restore()
 
-    def _fit(self, sink: MetricsSink, checkpointer: Checkpointer | None, signals: StopSignals) -> None:
+    def _fit(self, sink: MetricsSink, checkpointer: Checkpointer | None, signals: StopSignals,
+             garbage: StepGarbageCollection) -> None:
         cfg = self.cfg
         run_info = {
             "layout": self.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
@@ -320,6 +323,7 @@ class Trainer:
                 log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
                          human_bytes(run_info["model_state_bytes_per_rank"]))
             self.zero_grad()
+            garbage.after_step(self.step)
             pending.append((self.step, metrics))
             last = self.step == cfg.train.steps
             stop = 0 if last else signals.agreed()  # the last step ends the run anyway

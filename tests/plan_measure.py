@@ -1,18 +1,24 @@
 """Measure what composer3d-plan predicts, on real multi-process gloo training steps (tests/test_plan.py).
 
 Every layout of a list is trained for a few steps in one group of ``nproc`` processes (one interpreter start-up for
-all of them, as ``harness.train_in_one_group``); on each rank, around one steady-state ``Trainer.train_step`` (the
-second step: the optimizer state exists), three meters run:
+all of them, as ``harness.train_in_one_group``). A metered group runs three meters on each rank around one
+steady-state ``Trainer.train_step`` (the second step: the optimizer state exists):
   - collectives: a TorchDispatchMode sees every c10d op the step runs (FSDP's all-gathers and reduce-scatters, the
     functional collectives of DTensor's TP/SP, pipeline send/recv, the gradient-norm all-reduce, ZeRO-1's all-gather)
     and adds up the bytes each one carries, by kind and by the size of the group it runs on;
   - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
-    the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included;
-  - pipeline time, in each of ``idle_steps`` steps after the measured one: inside the stages' compute (``busy_s``:
-    forward/backward chunks and the loss; ``busy_cpu_s``: the CPU time the rank got meanwhile, which tells a step
-    where another job took its core) and inside the schedule's step (``schedule_s``), on each rank; a step's idle
-    share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py measures it (the loss,
-    which the schedule computes outside the last stage's chunks, counted as compute here).
+    the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included.
+A timed group of pipelines measures, in each of ``timed_steps`` steps after two untimed ones, the time inside the
+stages' compute (``busy_s``: forward/backward chunks and the loss) and inside the schedule's step (``schedule_s``)
+on each rank; a step's idle share is 1 − busy / the longest rank's schedule time, as benchmarks/pipeline_bubble.py
+measures it (the loss, which the schedule computes outside the last stage's chunks, counted as compute here). Each
+chunk's compute is lengthened by a fixed wait (``pad_s`` per forward, twice that per backward, split between its
+input- and weight-gradient halves where a schedule splits them): on a shared 2-core machine the ranks' own compute
+runs at whatever share of a core the other processes leave it, so its length — and the idle share it leaves — is
+the machine scheduler's, not the pipeline schedule's; a wait costs no core, so every chunk takes the time the model
+gives it and what is left idle is the schedule's bubble and the sends it waits on. Both groups collect garbage
+between steps, as training does (``train.gc_every``): an automatic collection inside a chunk stalls one rank for
+0.1–0.2 s.
 The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
 """
 
@@ -89,36 +95,43 @@ def _peak_tracker():
     return PeakTracker()
 
 
-def _timed(method, into: list[float], cpu_into: list[float] | None = None):
-    """``method`` adding its wall time to ``into`` (and the CPU time of its thread to ``cpu_into``) per call."""
+def _timed(method, into: list[float], pad_s: float = 0.0):
+    """``method`` preceded by a wait of ``pad_s`` (simulated compute), adding its wall time to ``into`` per call."""
     def timed(*args, **kwargs):
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
+        time.sleep(pad_s)
         try:
             return method(*args, **kwargs)
         finally:
             into.append(time.perf_counter() - start)
-            if cpu_into is not None:
-                cpu_into.append(time.thread_time() - cpu_start)
     return timed
 
 
-def _stage_timer(trainer, busy: list[float], busy_cpu: list[float], schedule_time: list[float]) -> None:
-    """Time inside the stages' compute (``busy``: their forward/backward chunks and the loss, which the schedule
-    computes outside the last stage's forward chunk; ``busy_cpu``: the CPU time the rank got meanwhile) and inside
+def _stage_timer(trainer, busy: list[float], schedule_time: list[float], pad_s: float) -> None:
+    """Time inside the stages' compute (``busy``: their forward/backward chunks, each lengthened by its share of the
+    simulated compute, and the loss, which the schedule computes outside the last stage's forward chunk) and inside
     the schedule's step (``schedule_time``): the idle share of the schedule is the bubble (and the sends it waits
     on), not the optimizer step after it."""
     pipeline = trainer.pipeline
     pipeline.step = _timed(pipeline.step, schedule_time)
-    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy, busy_cpu)
+    pipeline._maybe_compute_loss = _timed(pipeline._maybe_compute_loss, busy)
     for stage in getattr(pipeline, "_stages", None) or [pipeline._stage]:
-        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            if hasattr(stage, name):
-                setattr(stage, name, _timed(getattr(stage, name), busy, busy_cpu))
+        stage.forward_one_chunk = _timed(stage.forward_one_chunk, busy, pad_s)
+        backward = stage.backward_one_chunk
+
+        def backward_one_chunk(*args, _backward=backward, **kwargs):
+            # the full backward (2× a forward) or, where the schedule runs the weight gradients apart, its half
+            full = kwargs.get("full_backward", True)
+            return _timed(_backward, busy, pad_s * (2 if full else 1))(*args, **kwargs)
+        stage.backward_one_chunk = backward_one_chunk
+        stage.backward_weight_one_chunk = _timed(stage.backward_weight_one_chunk, busy, pad_s)
 
 
-def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, idle_steps: int, store: str) -> None:
-    """Worker of ``mp.spawn``: each job (overrides) trained for two steps (the first creates the optimizer state, the
-    second is measured), a pipeline's for ``idle_steps`` more to time its idle share; rank R writes
+def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, timed_steps: int, pad_s: float,
+                    store: str) -> None:
+    """Worker of ``mp.spawn``: each job (overrides) trained for two steps (the first creates the optimizer state);
+    with ``timed_steps`` = 0 the second is metered (collectives, peak memory, model state), otherwise a pipeline is
+    timed for ``timed_steps`` more, with ``pad_s`` of simulated compute per forward chunk. Rank R writes
     out_dir/<job>.rankR.json."""
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc))
     import torch.distributed as dist
@@ -127,6 +140,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
     from composer3d.distributed import Env
+    from composer3d.garbage import StepGarbageCollection
     from composer3d.layout import ParallelMesh, layout_from_degrees
     from composer3d.metrics import model_state_bytes
     from composer3d.trainer import Trainer, prepare_rank
@@ -141,44 +155,43 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
             sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
             trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
             busy: list[float] = []
-            busy_cpu: list[float] = []
             schedule_time: list[float] = []
-            if trainer.pipeline is not None:
-                _stage_timer(trainer, busy, busy_cpu, schedule_time)
-            busy_s, busy_cpu_s, schedule_s, result = [], [], [], {}
-            for step in range(2 + (idle_steps if trainer.pipeline is not None else 0)):
-                dist.barrier()
-                busy.clear()
-                busy_cpu.clear()
-                schedule_time.clear()
-                if step == 1:
-                    comms, tracker = CollectiveBytes(), _peak_tracker()
-                    tracker.track_external(trainer.model, trainer.optimizer)
-                    with tracker, comms:
+            result: dict = {"busy_s": [], "schedule_s": []} if timed_steps else {}
+            with StepGarbageCollection(every=1) as garbage:  # as training collects: between steps
+                for step in range(2 + timed_steps):
+                    dist.barrier()
+                    if step == 2:
+                        _stage_timer(trainer, busy, schedule_time, pad_s)
+                    busy.clear()
+                    schedule_time.clear()
+                    if step == 1 and not timed_steps:
+                        comms, tracker = CollectiveBytes(), _peak_tracker()
+                        tracker.track_external(trainer.model, trainer.optimizer)
+                        with tracker, comms:
+                            trainer.train_step()
+                        result["collective_bytes"] = comms.bytes
+                        result["peak_bytes"] = int(max(stats["Total"] for stats in
+                                                       tracker.get_tracker_snapshot("peak").values()))
+                        result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
+                    else:
                         trainer.train_step()
-                    result["collective_bytes"] = comms.bytes
-                    result["peak_bytes"] = int(max(stats["Total"] for stats in
-                                                   tracker.get_tracker_snapshot("peak").values()))
-                    result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
-                else:
-                    trainer.train_step()
-                if step >= 2:  # after the measured step, untimed by meters
-                    busy_s.append(sum(busy))
-                    busy_cpu_s.append(sum(busy_cpu))
-                    schedule_s.append(sum(schedule_time))
-                trainer.zero_grad()
-            if busy_s:
-                result.update(busy_s=busy_s, busy_cpu_s=busy_cpu_s, schedule_s=schedule_s)
+                    if step >= 2:
+                        result["busy_s"].append(sum(busy))
+                        result["schedule_s"].append(sum(schedule_time))
+                    trainer.zero_grad()
+                    garbage.after_step(step)
             trainer.close()
             Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
             del trainer
     dist.destroy_process_group()
 
 
-def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, idle_steps: int = 0) -> list[list[dict]]:
-    """Per job, per rank: what ``measure_layouts`` recorded."""
+def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, timed_steps: int = 0,
+                     pad_s: float = 0.0) -> list[list[dict]]:
+    """Per job, per rank: what ``measure_layouts`` recorded (metered, or timed pipelines with ``timed_steps``)."""
     import torch.multiprocessing as mp
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), idle_steps, str(out_dir / "store")), nprocs=nproc, join=True)
+    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), timed_steps, pad_s, str(out_dir / "store")),
+             nprocs=nproc, join=True)
     return [[json.loads((out_dir / f"{i}.rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(jobs))]

@@ -163,6 +163,67 @@ def test_fsdp_only_where_a_data_parallel_dim_shards(tmp_path, overrides, world_s
     spawn(_fsdp_and_dtypes_worker, world_size, tmp_path, overrides, expect_fsdp, expected)
 
 
+def _garbage_collection_worker(rank, world_size, gc_every, steps, out):
+    import gc
+    import json
+    from pathlib import Path
+
+    from composer3d.data import build_sequences
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.metrics import MetricsSink
+    from composer3d.trainer import Trainer, prepare_rank
+
+    cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
+                       "parallel.dp_shard=2", f"train.steps={steps}", f"train.gc_every={gc_every}"])
+    degrees, device = prepare_rank(cfg, _env(rank, world_size))
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0)
+    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+    collections = []  # the step a collection ran after (the trainer's count of finished steps)
+    in_step = [False]
+    original_step = trainer.train_step
+
+    def train_step():
+        in_step[0] = True
+        try:
+            return original_step()
+        finally:
+            in_step[0] = False
+    trainer.train_step = train_step
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collections.append({"step": trainer.step, "in_step": in_step[0], "generation": info["generation"],
+                                "automatic": gc.isenabled()})
+    gc.set_threshold(50)  # frequent automatic collections, so one inside a step cannot go unseen
+    gc.callbacks.append(on_gc)
+    try:
+        trainer.fit(MetricsSink(Path(out), cfg, enabled=False, total_steps=steps), None)
+    finally:
+        gc.callbacks.remove(on_gc)
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"collections": collections, "enabled": gc.isenabled()}))
+    trainer.close()
+
+
+@pytest.mark.parametrize("gc_every", [2, 0])
+def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
+    """train.gc_every=2: no collection runs inside a step; training's own (full) collections run on every rank when
+    training starts (before freezing the setup) and after steps 2 and 4, and Python's collector is back on
+    afterwards; gc_every=0 leaves Python's automatic collections, which then strike inside steps."""
+    import json
+
+    spawn(_garbage_collection_worker, 2, tmp_path, gc_every, 4, str(tmp_path))
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        collections = result["collections"]
+        assert result["enabled"], "the automatic collector is restored after training"
+        if gc_every:
+            assert not any(c["in_step"] for c in collections), collections
+            assert [(c["step"], c["generation"]) for c in collections if not c["automatic"]] == \
+                [(0, 2), (2, 2), (4, 2)], collections
+        else:
+            assert sum(c["in_step"] for c in collections) > 10, collections
+
+
 def test_single_device_checkpoint_resumes_under_fsdp_and_tp(tmp_path):
     args = [*FAST, "train.steps=8", "checkpoint.interval=4"]
     single = train(tmp_path / "single", *args)

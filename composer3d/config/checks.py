@@ -302,6 +302,8 @@ def _check_loop(t: Any, eval_cfg: Any) -> None:
              "Choose stop (exit at the first non-finite step) or skip (drop that update)")
     _require(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}",
              "Use e.g. 10")
+    _require(t.gc_every >= 0, "train.gc_every", f"must be >= 0, got {t.gc_every}",
+             "Use e.g. 50 (collect every 50 steps), or 0 for Python's automatic collection")
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
 
 

@@ -151,6 +151,9 @@ class TrainLoopConfig:
     # sync — and drop that update)
     on_nonfinite: str = "stop"
     max_skipped_steps: int = 10  # updates dropped in a row (non-finite, or fp16 overflow) before the run stops
+    # Python's garbage collector: off while training, one collection on every rank at every N-th step boundary (an
+    # automatic one strikes mid-step on one rank, and the others wait on it at the next collective); 0: Python's own
+    gc_every: int = 50
 
 
 @dataclass

@@ -4,7 +4,9 @@
 schedules: v chunks per rank shorten each ramp v times). Zero-bubble schedules split backward into input- and
 weight-gradient halves and fill the ramps with weight-gradient work: the ZB-H1 schedule leaves about a third of
 1F1B's bubble (Qi et al., "Zero Bubble Pipeline Parallelism", 2023); that value is used for all three (torch's
-InterleavedZeroBubble, ZBVZeroBubble and DualPipeV), as an upper bound on their ideal.
+InterleavedZeroBubble, ZBVZeroBubble and DualPipeV). Measured with equal forward, input- and weight-gradient
+chunks at P=2, M=8 (tests/plan_measure.py's timing), torch's schedules leave 1.0–2.6× that (interleaved zero bubble
+1.4–1.9×, ZBV 1.0–1.5×, DualPipeV 2.2–2.6×): for them the bubble predicted is optimistic, and the report says so.
 """
 
 from __future__ import annotations
