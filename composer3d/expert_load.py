@@ -1,5 +1,6 @@
-"""Mixture-of-experts bookkeeping around the step: the auxiliary loss's gradient scale, the auxiliary-loss-free
-bias update, and the load metrics (``models.moe`` counts the routing; this module reduces and resets it).
+"""Mixture-of-experts bookkeeping around the step: the load metrics (the layers count their routing, this module
+reduces and resets it) and, for composer3d's own MoE layers, the auxiliary loss's gradient scale and the
+auxiliary-loss-free bias update.
 
 Counts are summed over the data-parallel ranks (the ``loss`` mesh: every rank there routed different sequences;
 tensor-parallel ranks routed the same ones), so the bias moves by the global batch's load, the same under every
@@ -12,21 +13,26 @@ import torch
 import torch.distributed as dist
 
 from composer3d.layout import ParallelMesh
-from composer3d.models.moe import moe_layers
+from composer3d.models.moe import routing_counters
 
 
 class ExpertLoad:
-    def __init__(self, model: torch.nn.Module, moe_cfg, total_moe_layers: int, global_batch_size: int,
-                 mesh: ParallelMesh, device: torch.device):
-        self.layers = moe_layers(model)  # this rank's (a pipeline stage holds some, or none)
-        self.cfg, self.total_moe_layers, self.global_batch_size = moe_cfg, total_moe_layers, global_batch_size
-        self.mesh = mesh
-        self.window = torch.zeros(len(self.layers), moe_cfg.experts, device=device)  # routed tokens, logging window
-        self.window_global = moe_cfg.bias_update_rate > 0  # already summed over ranks step by step
+    """``balancing``: composer3d's ``model.moe`` config and its number of MoE layers, whose layers also carry the
+    auxiliary loss and the balancing bias; None for transformers' experts, whose load is all that is read here."""
+
+    def __init__(self, model: torch.nn.Module, experts: int, global_batch_size: int, mesh: ParallelMesh,
+                 device: torch.device, balancing: tuple | None = None):
+        self.layers = routing_counters(model)  # this rank's (a pipeline stage holds some, or none)
+        self.cfg, self.total_moe_layers = balancing or (None, 0)
+        self.global_batch_size, self.mesh = global_batch_size, mesh
+        self.window = torch.zeros(len(self.layers), experts, device=device)  # routed tokens, logging window
+        self.window_global = self.cfg is not None and self.cfg.bias_update_rate > 0  # summed over ranks each step
 
     def before_step(self, loss_scale: float) -> None:
         """The auxiliary loss's gradient: coefficient over the global batch's sequences (it is a per-sequence mean,
         like the token loss is a per-token one), times the fp16 loss scale the token loss carries too."""
+        if self.cfg is None:
+            return
         for layer in self.layers:
             layer.aux_grad_scale = self.cfg.aux_loss_coef / self.global_batch_size * loss_scale
 
@@ -49,23 +55,28 @@ class ExpertLoad:
     def read(self, steps: int) -> dict:
         """The window's load metrics (a collective on every rank), and a new window.
 
-        ``moe_aux_loss``: the sequence-wise balance loss averaged over MoE layers and sequences (1.0 = balanced;
-        the coefficient not applied); ``expert_load_max``/``_min``: the most and least loaded expert of any layer,
-        as a multiple of that layer's mean load."""
+        ``expert_load_max``/``_min``: the most and least loaded expert of any layer, as a multiple of that layer's
+        mean load; ``moe_aux_loss`` (composer3d's MoE): the sequence-wise balance loss averaged over MoE layers and
+        sequences (1.0 = balanced; the coefficient not applied)."""
         window = self.window.clone()
         if not self.window_global:
             dist.all_reduce(window, group=self.mesh.loss.get_group())
-        aux = sum((layer.aux_loss_sum for layer in self.layers), torch.zeros((), device=window.device))
-        dist.all_reduce(aux, group=self.mesh.loss.get_group())
         ratios = window / window.mean(-1, keepdim=True).clamp_min(1)
-        # max load, -min load (so one MAX reduction serves both) and the aux sum, over the pipeline stages
+        # max load and -min load (so one MAX reduction over the pipeline stages serves both)
         stats = torch.stack([ratios.max() if len(ratios) else torch.tensor(0.0, device=window.device),
                              -ratios.min() if len(ratios) else torch.tensor(-float("inf"), device=window.device)])
-        if self.mesh.layout.pp > 1:
-            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.mesh["pp"].get_group())
-            dist.all_reduce(aux, group=self.mesh["pp"].get_group())
-        load_max, neg_load_min, aux_sum = torch.cat([stats, aux.view(1)]).tolist()
+        pp_group = self.mesh["pp"].get_group() if self.mesh.layout.pp > 1 else None
+        if pp_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=pp_group)
         self.window.zero_()
+        if self.cfg is None:
+            load_max, neg_load_min = stats.tolist()
+            return {"expert_load_max": load_max, "expert_load_min": -neg_load_min}
+        aux = sum((layer.aux_loss_sum for layer in self.layers), torch.zeros((), device=window.device))
+        dist.all_reduce(aux, group=self.mesh.loss.get_group())
+        if pp_group is not None:
+            dist.all_reduce(aux, group=pp_group)
+        load_max, neg_load_min, aux_sum = torch.cat([stats, aux.view(1)]).tolist()
         for layer in self.layers:
             layer.aux_loss_sum.zero_()
         return {"moe_aux_loss": aux_sum / (self.global_batch_size * steps * self.total_moe_layers),

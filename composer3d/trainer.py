@@ -49,6 +49,8 @@ from composer3d.metrics import (
     model_state_bytes,
     peak_memory_bytes,
 )
+from composer3d.models.hf import expert_count, load_hf_config
+from composer3d.models.hf_experts import count_routing, hf_expert_modules
 from composer3d.models.llama import is_moe_layer
 from composer3d.optim import build_optimizer, build_scheduler, configured_settings
 from composer3d.parallel.pipeline import build_schedule
@@ -93,10 +95,7 @@ class Trainer:
                                            device, self._loss)
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
-        self.expert_load = None
-        if cfg.model.name == "llama" and cfg.model.moe.experts > 0:
-            self.expert_load = ExpertLoad(self.model, cfg.model.moe, sum(
-                is_moe_layer(cfg.model, i) for i in range(cfg.model.n_layers)), t.global_batch_size, mesh, device)
+        self.expert_load = _expert_load(cfg, self.model, mesh, device)
         self.step = 0
         self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
@@ -371,6 +370,20 @@ class Trainer:
         message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued"
         log.info("%s (exit code %d)", message, StoppedBySignal.EXIT_CODE)
         raise StoppedBySignal(message)
+
+
+def _expert_load(cfg: DictConfig, model: torch.nn.Module, mesh: ParallelMesh, device: torch.device) -> ExpertLoad | None:
+    """The load metrics of a mixture-of-experts model (and, for composer3d's own, its balancing); None if dense."""
+    batch = cfg.train.global_batch_size
+    if cfg.model.name == "llama" and cfg.model.moe.experts > 0:
+        moe_layers = sum(is_moe_layer(cfg.model, i) for i in range(cfg.model.n_layers))
+        return ExpertLoad(model, cfg.model.moe.experts, batch, mesh, device, balancing=(cfg.model.moe, moe_layers))
+    if cfg.model.name == "hf":
+        experts = expert_count(load_hf_config(cfg.model.path))
+        if experts:
+            count_routing(hf_expert_modules(model), device)
+            return ExpertLoad(model, experts, batch, mesh, device)
+    return None
 
 
 def _finite_or_none(value: float) -> float | None:

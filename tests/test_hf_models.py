@@ -359,6 +359,53 @@ def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_an
     spawn(_check_moe_forward_and_reads, 2, tmp_path, moe_models, moe_references)
 
 
+def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_path):
+    """The expert-load metrics of a transformers MoE count, per layer and expert, the tokens transformers' own router
+    sends there (its router logits' top-k on the same tokens), in training forwards only: not in evaluation, nor
+    in a pipeline stage's shape inference. A config asking for transformers' router auxiliary loss, which
+    composer3d does not compute for these models, is refused."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.config import ConfigError
+    from composer3d.models import build_model
+    from composer3d.models.hf_experts import count_routing, hf_expert_modules
+    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.init import materialize
+    from composer3d.models.moe import routing_unrecorded
+
+    for arch, path in moe_models.items():
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            router_logits = reference(_tokens(), output_router_logits=True).router_logits
+        k, experts = reference.config.num_experts_per_tok, len(router_logits[0][0])
+        expected = [torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=experts).float()
+                    for logits in router_logits]
+        model = build_model(train_config(path).model)
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        load_pretrained(model, str(path))
+        modules = hf_expert_modules(model)
+        count_routing(modules, torch.device("cpu"))
+        with torch.no_grad():
+            model.eval()(_tokens())
+        with routing_unrecorded(model):
+            model.train()(_tokens())
+        assert all(m.routed_tokens.sum() == 0 for m in modules), "evaluation and shape inference are not counted"
+        model.train()(_tokens()).sum().backward()
+        assert len(modules) == len(expected) > 0
+        for layer, (module, want) in enumerate(zip(modules, expected)):
+            assert torch.equal(module.routed_tokens, want), (arch, layer, module.routed_tokens, want)
+            assert want.sum() == _tokens().numel() * k
+
+    asks = shutil.copytree(moe_models["qwen3_moe"], tmp_path / "aux")
+    config = json.loads((asks / "config.json").read_text())
+    (asks / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
+    with pytest.raises(ConfigError, match=r"model.path: .* sets output_router_logits: true.*router_aux_loss_coef"):
+        train_config(asks)
+
+
 def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_models, tmp_path):
     """A checkpoint transformers wrote with its experts already fused loads as it is; one missing an expert's
     tensor, or with more experts than config.json, is refused naming model.path before any worker starts."""
@@ -421,7 +468,8 @@ def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused
 def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
     """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
     FSDP and expert parallel (its experts sharded over the ep ranks, tokens sent to them by all-to-all): ep 4, ep 2
-    with the experts FSDP-sharded over the 2 ranks it leaves, and ep 2 inside a pipeline stage."""
+    with the experts FSDP-sharded over the 2 ranks it leaves, and ep 2 inside a pipeline stage; its expert-load
+    metrics are the one-process run's."""
     from harness import FAST, train, train_in_one_group
 
     path = moe_models["qwen3_moe"]
@@ -435,6 +483,13 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
     for name, run in zip(layouts, runs):
         assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
             (name, one.losses, run.losses)
+        # the global batch's expert load, whichever ranks routed which tokens (and no auxiliary loss is claimed)
+        for record, single in zip(run.metrics, one.metrics):
+            assert "moe_aux_loss" not in record
+            assert record["expert_load_max"] == pytest.approx(single["expert_load_max"], rel=1e-6), name
+            assert record["expert_load_min"] == pytest.approx(single["expert_load_min"], rel=1e-6), name
+    assert all(m["expert_load_max"] >= 1.0 >= m["expert_load_min"] >= 0.0 for m in one.metrics), one.metrics
+    assert any(m["expert_load_max"] > 1.0 for m in one.metrics), "a random router does not balance exactly"
     # FLOPs per token count the experts a token goes through: top_k of each layer's (tests/hf_models.py's shape)
     c = hf_config("qwen3_moe")
     per_expert = 3 * c.moe_intermediate_size * c.hidden_size

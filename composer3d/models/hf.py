@@ -91,6 +91,13 @@ def fill_model_config(m) -> None:
         raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
                           "composer3d trains decoder-only text models; a multimodal model's config nests its text "
                           "model (text_config). Use a text-only causal LM")
+    if getattr(c, "output_router_logits", False):
+        raise ConfigError(
+            f"model.path: {m.path}/config.json sets output_router_logits: true, with which transformers adds "
+            f"router_aux_loss_coef ({getattr(c, 'router_aux_loss_coef', None)}) × its router load-balancing loss to "
+            "the training loss; composer3d does not compute that loss for Hugging Face models, so training would "
+            f"leave it out without a word. Set output_router_logits to false in config.json ({c.model_type}'s "
+            "default) to train without it, or train composer3d's own MoE (model.moe.*, with aux_loss_coef)")
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads

@@ -64,6 +64,27 @@ def expert_parallel_support(cfg) -> tuple[int, str | None]:
     return modules[0].gate_up_proj.shape[0], None
 
 
+def count_routing(modules: list[nn.Module], device: torch.device) -> None:
+    """Give each of transformers' experts modules the per-expert count of the tokens routed to it in training
+    forwards (``routed_tokens``, the native MoE layer's own; ``expert_load`` reduces and reads it), taken from the
+    router's choices the module is called with, so it counts what transformers' router chose under any layout."""
+    for module in modules:
+        module.register_buffer("routed_tokens", torch.zeros(module.num_experts, device=device), persistent=False)
+        module.recording = True  # off while a pipeline stage infers its shapes (``moe.routing_unrecorded``)
+        module.register_forward_pre_hook(_count_routed_tokens, with_kwargs=True)
+
+
+def _count_routed_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Once per training forward: activation checkpointing reruns forwards inside backward (an autograd graph task
+    is then running), which must not count again."""
+    if not (module.training and torch.is_grad_enabled() and module.recording) \
+            or torch._C._current_graph_task_id() != -1:
+        return
+    chosen = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]  # (hidden_states, top_k_index, weights)
+    with torch.no_grad():
+        module.routed_tokens += torch.bincount(chosen.flatten(), minlength=module.num_experts).to(module.routed_tokens)
+
+
 def use_expert_parallel(model: nn.Module, ep_group) -> list[nn.Module]:
     """Route ``model``'s transformers experts through composer3d's all-to-all over ``ep_group``; their fused weights
     must already hold this rank's experts (dim 0). Returns the experts modules."""

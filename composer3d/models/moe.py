@@ -253,10 +253,16 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def routing_counters(model: nn.Module) -> list[nn.Module]:
+    """``model``'s modules that count the tokens routed to each expert (``routed_tokens``, while ``recording``): its
+    MoE layers, and transformers' experts modules once ``hf_experts.count_routing`` gave them the count."""
+    return [m for m in model.modules() if hasattr(m, "routed_tokens")]
+
+
 @contextlib.contextmanager
 def routing_unrecorded(model: nn.Module):
     """Forwards of ``model`` that are no training (a pipeline stage's shape inference) leave the counts alone."""
-    layers = moe_layers(model)
+    layers = routing_counters(model)
     for layer in layers:
         layer.recording = False
     try:
