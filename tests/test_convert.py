@@ -286,3 +286,47 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path):
     trained, _ = load_native(tmp_path / "run" / "checkpoints" / "step-00000001")
     for name, tensor in imported.state_dict().items():
         assert torch.equal(trained.state_dict()[name], tensor), name
+
+
+# tiny_moe with the settings Mixtral has: every layer MoE, no shared experts (softmax router, renormalized top-k)
+MIXTRAL_LIKE = ["model=tiny_moe", "model.moe.shared_experts=0", "model.moe.dense_layers=0",
+                "model.moe.bias_update_rate=0"]
+
+
+def test_mixture_of_experts_checkpoint_of_an_expert_parallel_run_exports_as_mixtral(tmp_path):
+    """A native MoE trained 2 steps under expert parallel × FSDP (ep 2 over dp_shard 2) exports as MixtralForCausalLM,
+    whose logits are composer3d's (each expert a tensor of its own, as Mixtral's checkpoints hold them; routing
+    differences would move the logits far above the tolerance); settings Mixtral cannot express, and a routing bias
+    that is not zero, are refused naming them."""
+    from transformers import MixtralForCausalLM
+
+    fast = [o for o in FAST if not o.startswith("model=")]
+    train(tmp_path / "run", *fast, *MIXTRAL_LIKE, "train.steps=2", "checkpoint.interval=2", "parallel.dp_shard=2",
+          "parallel.ep=2", nproc=2)
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    convert("export", ckpt, tmp_path / "hf", "--dtype", "float32")
+    native, cfg = load_native(ckpt)
+    names = set(safetensors_dtypes(tmp_path / "hf"))
+    assert "model.layers.3.block_sparse_moe.experts.7.w2.weight" in names
+    assert not any("gate_up_proj" in name for name in names)
+    hf = MixtralForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+    assert (hf.config.num_local_experts, hf.config.num_experts_per_tok) == (cfg.moe.experts, cfg.moe.top_k)
+    assert max_logit_diff(native, hf, cfg.vocab_size) <= ATOL
+    with torch.no_grad():  # the tolerance is meaningful: other mixing weights move the logits
+        hf.model.layers[0].mlp.gate.weight.mul_(2)
+    assert max_logit_diff(native, hf, cfg.vocab_size) > 1e-3
+
+    model_cfg = model_config({**dataclasses.asdict(cfg), "moe": {**dataclasses.asdict(cfg.moe), "shared_experts": 1,
+                                                                 "dense_layers": 1, "score_func": "sigmoid"}})
+    save_checkpoint(tmp_path / "shared", random_native(model_cfg), model_cfg, model_only=True)
+    refused = convert("export", tmp_path / "shared", tmp_path / "out", check=False)
+    assert refused.returncode != 0
+    for key in ("model.moe.shared_experts=1", "model.moe.dense_layers=1", "model.moe.score_func=sigmoid"):
+        assert key in refused.stderr + refused.stdout, refused.stderr
+
+    biased = random_native(cfg)
+    with torch.no_grad():
+        biased.layers["1"].moe.expert_bias[3] = 0.5
+    save_checkpoint(tmp_path / "biased", biased, cfg, model_only=True)
+    refused = convert("export", tmp_path / "biased", tmp_path / "out2", check=False)
+    assert refused.returncode != 0 and "layer 1's routing bias" in refused.stderr + refused.stdout, refused.stderr

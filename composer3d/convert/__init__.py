@@ -5,7 +5,8 @@
 
 ``export`` reads the model part of a checkpoint (saved under any layout and world size) in one process, with no
 process group, and writes safetensors shards plus a ``config.json`` that ``LlamaForCausalLM.from_pretrained``
-loads. A run of ``model=hf`` (any transformers causal LM) already uses the checkpoint's own names: its export
+loads (a native mixture of experts: ``MixtralForCausalLM``, when its settings are Mixtral's; ``convert.mixtral``).
+A run of ``model=hf`` (any transformers causal LM) already uses the checkpoint's own names: its export
 writes them unchanged, next to the source directory's config.json, tokenizer and generation config. ``import``
 (native Llama only) writes a model-only composer3d checkpoint (fp32) that training loads as pretrained weights with
 ``checkpoint.resume=<dir>``, and prints the overrides that reproduce the model config. The name mapping and the

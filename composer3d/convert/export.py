@@ -10,6 +10,12 @@ import torch
 
 from composer3d.dtypes import DTYPES
 from composer3d.convert.common import HF_INDEX, ConvertError, model_config
+from composer3d.convert.mixtral import (
+    mixtral_config_from_native,
+    mixtral_mismatches,
+    mixtral_state_from_native,
+    native_names,
+)
 
 
 def _read_checkpoint_meta(path: Path) -> dict:
@@ -37,8 +43,11 @@ def _read_checkpoint_meta(path: Path) -> dict:
     if model.get("name") not in ("llama", "hf"):
         raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; 'llama' and 'hf' export to Hugging Face")
     if model.get("name") == "llama" and (model.get("moe") or {}).get("experts", 0) > 0:
-        raise ConvertError(f"the checkpoint's model is a mixture of experts (model.moe.experts="
-                           f"{model['moe']['experts']}), which has no Hugging Face export yet; dense llama models export")
+        mismatches = mixtral_mismatches(model_config(model))
+        if mismatches:
+            raise ConvertError("the checkpoint's model is a mixture of experts, which exports as Hugging Face's "
+                               "Mixtral; Mixtral cannot express its " + "; ".join(mismatches) + ". Train with "
+                               "those settings as Mixtral has them to export")
     if not (path / ".metadata").exists():
         raise ConvertError(f"{path} has {META_FILE} but no DCP .metadata: the checkpoint is incomplete")
     return meta
@@ -162,11 +171,18 @@ def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, tor
 
 
 def _llama_hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """A native checkpoint's tensors as LlamaForCausalLM's, or a mixture of experts' as MixtralForCausalLM's."""
     from composer3d.models import llama
 
     cfg = model_config(model_fields)
-    native = load_native_state(checkpoint, cfg, list(llama.hf_names(cfg)))
-    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in llama.hf_state_dict_from_native(native, cfg).items()}
+    if cfg.moe.experts > 0:
+        try:
+            state = mixtral_state_from_native(load_native_state(checkpoint, cfg, native_names(cfg)), cfg)
+        except ValueError as error:
+            raise ConvertError(f"the checkpoint's model cannot be exported as Mixtral: {error}") from None
+    else:
+        state = llama.hf_state_dict_from_native(load_native_state(checkpoint, cfg, list(llama.hf_names(cfg))), cfg)
+    return {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()}
 
 
 def _write_run_tokenizer(meta: dict, out: Path) -> tuple[int, list[Path]]:
@@ -191,12 +207,13 @@ def _write_llama_config(meta: dict, out: Path, dtype: str, eos_id: int) -> list[
     from composer3d.models import llama
 
     try:
-        from transformers import GenerationConfig, LlamaConfig
+        from transformers import GenerationConfig, LlamaConfig, MixtralConfig
     except ImportError as error:
         raise ConvertError("export needs transformers (pip install 'composer3d[hf]')") from error
     cfg = model_config(meta["config"]["model"])
-    LlamaConfig(**llama.hf_config_from_native(cfg), dtype=dtype, bos_token_id=None,
-                eos_token_id=eos_id).save_pretrained(out)
+    config_class, fields = ((MixtralConfig, mixtral_config_from_native(cfg)) if cfg.moe.experts > 0
+                            else (LlamaConfig, llama.hf_config_from_native(cfg)))
+    config_class(**fields, dtype=dtype, bos_token_id=None, eos_token_id=eos_id).save_pretrained(out)
     GenerationConfig(eos_token_id=eos_id).save_pretrained(out)
     # Spell the RoPE base and dtype the transformers 4 way too: a 4.x reader ignores rope_parameters and would
     # silently fall back to theta 10000.

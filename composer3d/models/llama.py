@@ -322,13 +322,15 @@ def _rope_heads(native_name: str, cfg) -> int | None:
     return None
 
 
-def hf_state_dict_from_native(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def hf_state_dict_from_native(state: dict[str, torch.Tensor], cfg,
+                              names: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
     """A native model state dict (whole tensors) as LlamaForCausalLM's: renamed, q/k rows permuted for rotate_half.
 
     ``lm_head.weight`` is left out under tied embeddings (Hugging Face ties it to the embedding on load).
+    ``names`` (native → Hugging Face) maps a subset (another architecture's shared part), else ``hf_names(cfg)``.
     Raises KeyError naming any parameter ``state`` lacks; extra entries (such as a tied ``output.weight``) are ignored.
     """
-    names = hf_names(cfg)
+    names = hf_names(cfg) if names is None else names
     missing = [k for k in names if k not in state]
     if missing:
         raise KeyError(f"the model state lacks {len(missing)} parameters of the config, e.g. {missing[:3]}")
