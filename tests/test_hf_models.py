@@ -311,13 +311,17 @@ def moe_references(moe_models) -> dict[str, torch.Tensor]:
     return {arch: reference_logits(path, _tokens()) for arch, path in moe_models.items()}
 
 
-MOE_LAYOUTS = [{"dp_shard": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"dp_shard": 2, "ep": 2}]
+MOE_LAYOUTS = [{"dp_shard": 2}, {"pp": 2, "pp_schedule": "gpipe"}, {"dp_shard": 2, "ep": 2}, {"tp": 2},
+               {"tp": 2, "sequence_parallel": True}]
 
 
 def _check_moe_forward_and_reads(rank, world_size, models, references):
     """Each MoE architecture under each layout in one process group: transformers' logits, and each rank read the
     per-expert tensors of exactly the experts it holds (half of them: its FSDP shard's, its stage's layers', or
-    under expert parallel its experts, whose forward then is composer3d's all-to-all)."""
+    under expert parallel its experts, whose forward then is composer3d's all-to-all; under tensor parallel, which
+    splits attention and leaves the experts whole, all of them)."""
+    from torch.distributed.tensor import DTensor
+
     from composer3d.models.hf_experts import EXPERT_PARALLEL
     from composer3d.models.hf_weights import ExpertFiles
     from composer3d.models.moe import local
@@ -337,9 +341,12 @@ def _check_moe_forward_and_reads(rank, world_size, models, references):
             built = _build_and_compare(world_size, arch, path, references[arch], parallel)
             held = sum(local(p).numel() for name, p in built.model.named_parameters() if ".experts." in name)
             whole = sum(math.prod(shape) for name, shape in built.model.full_shapes.items() if ".experts." in name)
-            assert read["elements"] == held == whole // world_size, \
+            assert read["elements"] == held == whole // (world_size // parallel.get("tp", 1)), \
                 f"rank {rank} read {read['elements']} expert weights under {parallel}, holds {held} of {whole}"
             assert (built.model.config._experts_implementation == EXPERT_PARALLEL) == ("ep" in parallel)
+            tp_split = {name for name, p in built.model.named_parameters()
+                        if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names}
+            assert bool(tp_split) == ("tp" in parallel) and not any(".mlp." in name for name in tp_split), tp_split
 
 
 def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_and_ep(moe_models, moe_references, tmp_path):
@@ -465,29 +472,58 @@ def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused
         validate(train_config(tmp_path / "gpt_oss", dp_shard=2, ep=2), 2)
 
 
+def _moe_training_args(path: Path) -> list[str]:
+    from harness import FAST
+
+    return [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}",
+            "model.pretrained=false", "train.steps=3", "train.seq_len=32", "data.max_tokens=20000",
+            "checkpoint.enabled=false"]
+
+
+def _assert_same_training(name: str, run, one) -> None:
+    """``run``'s loss curve within 1e-4 of the one-process run's, its gradient norms (whose terms a replicated or
+    sharded parameter must each add once), and the same expert load: the global batch's, whichever ranks routed
+    which tokens (and no auxiliary loss is claimed)."""
+    assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
+        (name, one.losses, run.losses)
+    for record, single in zip(run.metrics, one.metrics):
+        assert "moe_aux_loss" not in record
+        assert record["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), (name, record, single)
+        assert record["expert_load_max"] == pytest.approx(single["expert_load_max"], rel=1e-6), name
+        assert record["expert_load_min"] == pytest.approx(single["expert_load_min"], rel=1e-6), name
+
+
+@pytest.mark.slow
+def test_mixture_of_experts_models_train_under_pp_fsdp_tp_sp_and_ep_on_8_processes(moe_models, tmp_path):
+    """Qwen3-MoE and Mixtral under PP 2 × FSDP 2 × TP 2 + SP × EP 2 (each composition is in the 4-process test)."""
+    from harness import train, train_in_one_group
+
+    layout = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
+              "parallel.sequence_parallel=true", "parallel.pp_schedule=1f1b"]
+    ones = {arch: train(tmp_path / arch / "one", *_moe_training_args(path)) for arch, path in moe_models.items()}
+    runs = train_in_one_group([(tmp_path / arch / "pp_fsdp_tp_ep", [*_moe_training_args(path), *layout])
+                               for arch, path in moe_models.items()], nproc=8)
+    for (arch, one), run in zip(ones.items(), runs):
+        _assert_same_training(arch, run, one)
+
+
 def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
     """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
     FSDP and expert parallel (its experts sharded over the ep ranks, tokens sent to them by all-to-all): ep 4, ep 2
-    with the experts FSDP-sharded over the 2 ranks it leaves, and ep 2 inside a pipeline stage; its expert-load
-    metrics are the one-process run's."""
-    from harness import FAST, train, train_in_one_group
+    with the experts FSDP-sharded over the 2 ranks it leaves, ep 2 inside a pipeline stage, and ep 2 × FSDP 2 with
+    attention tensor- and sequence-parallel over 2 more; its expert-load metrics are the one-process run's."""
+    from harness import train, train_in_one_group
 
-    path = moe_models["qwen3_moe"]
-    args = [*[o for o in FAST if not o.startswith("model=")], "model=hf", f"model.path={path}", "model.pretrained=false",
-            "train.steps=3", "train.seq_len=32", "data.max_tokens=20000", "checkpoint.enabled=false"]
+    args = _moe_training_args(moe_models["qwen3_moe"])
     one = train(tmp_path / "one", *args)
     layouts = {"fsdp4": ["parallel.dp_shard=4"], "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
                "fsdp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2"],
-               "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"]}
+               "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"],
+               "fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
+                                    "parallel.sequence_parallel=true"]}
     runs = train_in_one_group([(tmp_path / name, [*args, *overrides]) for name, overrides in layouts.items()], nproc=4)
     for name, run in zip(layouts, runs):
-        assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
-            (name, one.losses, run.losses)
-        # the global batch's expert load, whichever ranks routed which tokens (and no auxiliary loss is claimed)
-        for record, single in zip(run.metrics, one.metrics):
-            assert "moe_aux_loss" not in record
-            assert record["expert_load_max"] == pytest.approx(single["expert_load_max"], rel=1e-6), name
-            assert record["expert_load_min"] == pytest.approx(single["expert_load_min"], rel=1e-6), name
+        _assert_same_training(name, run, one)
     assert all(m["expert_load_max"] >= 1.0 >= m["expert_load_min"] >= 0.0 for m in one.metrics), one.metrics
     assert any(m["expert_load_max"] > 1.0 for m in one.metrics), "a random router does not balance exactly"
     # FLOPs per token count the experts a token goes through: top_k of each layer's (tests/hf_models.py's shape)

@@ -2,6 +2,12 @@
 (the one table), or for an architecture laid out like Llama that ships none, the Llama family's plan (checked
 against the layer's modules here and numerically before launch: ``hf_forward_check``); the embedding, final norm,
 head (vocab-parallel, loss on the shards) and sequence-parallel norms are ours.
+
+A mixture-of-experts block (the module holding transformers' experts: router, routed and shared experts) is not
+split: every tp rank holds it whole and runs it on the whole sequence, so its attention is tensor parallel and its
+experts are not (transformers' ``packed_colwise`` expert plans would split the fused gate/up weights into slices
+that no DTensor placement describes, and the checkpoint would no longer reshard across layouts). Its compute is
+repeated on the tp ranks; expert parallel is what divides it.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 
 from composer3d.errors import ConfigError
 from composer3d.models.hf import load_hf_config
+from composer3d.models.hf_experts import hf_expert_modules
 
 if TYPE_CHECKING:
     from composer3d.models.hf import HFCausalLM
@@ -91,15 +98,49 @@ def tensor_parallel_problem(m) -> str | None:
                     f"composer3d's plan for the Llama layout does not fit it: {problem}. It trains with FSDP and "
                     "pipeline parallel")
         return None
+    moe_layer = _moe_layer(_meta_layers(config))
     for pattern, style in plan.items():
-        if style not in TP_STYLES:
+        if style not in TP_STYLES and not _inside_moe_block(pattern, moe_layer):
             return (f"module {pattern} of {config.model_type} asks for tensor-parallel style {style!r}, which "
                     f"composer3d does not translate (known: {sorted(TP_STYLES)})")
     return None
 
 
+def _meta_layers(config) -> nn.ModuleList:
+    """The decoder layers of a tiny replica of ``config`` on the meta device (their module structure)."""
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.models.hf_forward_check import tiny_replica
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(tiny_replica(config)).model.layers
+
+
+def _moe_layer(layers) -> nn.Module | None:
+    """A decoder layer of ``layers`` that holds transformers' experts, if any."""
+    return next((layer for layer in layers if hf_expert_modules(layer)), None)
+
+
+def _inside_moe_block(pattern: str, moe_layer: nn.Module | None) -> bool:
+    """Whether plan entry ``pattern`` names a module or parameter inside a mixture-of-experts block (which is left
+    whole under tp). Dense layers' entries (``mlp.gate_proj`` of Qwen3-MoE's dense layers) name nothing there."""
+    if moe_layer is None or not pattern.startswith(_LAYER_PREFIX):
+        return False
+    path = pattern[len(_LAYER_PREFIX):]
+    block = next(name for name, child in moe_layer.named_children() if hf_expert_modules(child))
+    if not path.startswith(block + "."):
+        return False
+    owner, _, leaf = path.rpartition(".")
+    try:
+        return hasattr(moe_layer.get_submodule(owner), leaf)
+    except AttributeError:
+        return False
+
+
 class _GatherSequence(ParallelStyle):
-    """Sequence parallel: all-gather a sequence-sharded residual stream on entry to attention or the MLP.
+    """Sequence parallel: all-gather a sequence-sharded residual stream on entry to attention or the MLP; a
+    mixture-of-experts block, which runs whole on every rank (its output not reduce-scattered by a row-parallel
+    projection), hands back this rank's slice of the sequence (whose gradient the backward all-gathers).
 
     transformers passes the hidden states positionally to some modules and as ``hidden_states=`` to others, so
     this takes either (``PrepareModuleInput`` needs to know which)."""
@@ -117,7 +158,15 @@ class _GatherSequence(ParallelStyle):
                 args = (gather(args[0]), *args[1:])
             return args, kwargs
 
+        def own_slice(_module, _args, output):
+            whole = output[0] if isinstance(output, tuple) else output  # some blocks also return router logits
+            mine = DTensor.from_local(whole, device_mesh, [Replicate()], run_check=False).redistribute(
+                placements=[Shard(1)]).to_local()
+            return (mine, *output[1:]) if isinstance(output, tuple) else mine
+
         module.register_forward_pre_hook(hook, with_kwargs=True)
+        if hf_expert_modules(module):
+            module.register_forward_hook(own_slice)
         return module
 
 
@@ -190,7 +239,10 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
     residual = Shard(1) if sequence_parallel else Replicate()
     block: dict[str, ParallelStyle] = {}
     root: dict[str, ParallelStyle] = {}
+    moe_layer = _moe_layer(model.layers.values())
     for pattern, name in plan.items():
+        if _inside_moe_block(pattern, moe_layer):  # left whole: see the module docstring
+            continue
         if name not in TP_STYLES:
             raise ConfigError(f"parallel.tp: module {pattern} asks for tensor-parallel style {name!r}, which "
                               f"composer3d does not translate (known: {sorted(TP_STYLES)}). Use parallel.tp=1")
@@ -209,7 +261,7 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
         for child_name, child in layer.named_children():
             if "norm" in type(child).__name__.lower():
                 block[child_name] = SequenceParallel(use_local_output=True)
-            elif any(key.startswith(child_name + ".") for key in block):
+            elif any(key.startswith(child_name + ".") for key in block) or hf_expert_modules(child):
                 block[child_name] = _GatherSequence()  # attention, MLP: they hold the planned projections
     if plan_is_derived(model.config):
         block["self_attn"] = _LocalHeads(then=block.get("self_attn"))
