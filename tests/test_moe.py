@@ -82,7 +82,7 @@ def test_grouped_gemm_equals_the_expert_loop(monkeypatch):
     grouped_out.square().sum().backward()
     grouped_grads = [p.grad.clone() for p in moe.experts.parameters()]
     moe.zero_grad()
-    monkeypatch.setattr(moe_module, "_grouped_mm_fits", lambda x, w: False)
+    monkeypatch.setattr(moe_module, "grouped_mm_fits", lambda x, w: False)
     loop_out = moe(x)
     loop_out.square().sum().backward()
     torch.testing.assert_close(loop_out, grouped_out, atol=1e-6, rtol=1e-6)
@@ -156,3 +156,43 @@ def test_experts_compute_in_autocasts_dtype():
         y = moe(x)
     assert seen == [torch.bfloat16] and y.dtype == torch.float32  # mixed in fp32, back in the residual's dtype
     torch.testing.assert_close(y, moe(x), atol=0.1, rtol=0.05)
+
+
+def test_hugging_face_experts_under_expert_parallel_compute_as_transformers(monkeypatch):
+    """composer3d's local computation of transformers' fused experts (under expert parallel), by grouped GEMM and by
+    the loop, equals transformers' own experts forward on the same routing, forward and backward."""
+    pytest.importorskip("transformers")
+    from hf_models import hf_config
+    from transformers import AutoModelForCausalLM
+
+    import composer3d.models.hf_experts as hf_experts
+
+    torch.manual_seed(0)
+    experts = hf_experts.hf_expert_modules(AutoModelForCausalLM.from_config(hf_config("qwen3_moe")))[0]
+    tokens, k = torch.randn(24, experts.gate_up_proj.shape[-1]), 2
+    chosen = torch.randn(24, experts.num_experts).topk(k, dim=-1).indices
+    mixing = torch.rand(24, k)
+    expected = experts(tokens, chosen, mixing)  # transformers' default implementation
+
+    def ours():
+        order = chosen.flatten().argsort(stable=True)
+        counts = torch.bincount(chosen.flatten(), minlength=experts.num_experts)
+        rows = hf_experts._local_experts(experts, tokens.repeat_interleave(k, 0)[order], counts)
+        out = torch.empty_like(rows).index_copy_(0, order, rows)
+        return (out.view(24, k, -1) * mixing.unsqueeze(-1)).sum(1)
+
+    assert hf_experts.grouped_mm_fits(tokens, experts.gate_up_proj), "the grouped path runs on this shape"
+    results = {}
+    for path in ("grouped", "loop"):
+        if path == "loop":
+            monkeypatch.setattr(hf_experts, "grouped_mm_fits", lambda x, w: False)
+        experts.zero_grad()
+        out = ours()
+        out.square().sum().backward()
+        results[path] = (out.detach(), experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone())
+    experts.zero_grad()
+    expected.square().sum().backward()
+    for path, (out, gate_up_grad, down_grad) in results.items():
+        torch.testing.assert_close(out, expected.detach(), atol=1e-5, rtol=1e-5, msg=path)
+        torch.testing.assert_close(gate_up_grad, experts.gate_up_proj.grad, atol=1e-5, rtol=1e-5, msg=path)
+        torch.testing.assert_close(down_grad, experts.down_proj.grad, atol=1e-5, rtol=1e-5, msg=path)

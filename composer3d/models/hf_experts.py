@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composer3d.models.moe import local, mix_routed
+from composer3d.models.moe import grouped_mm_fits, local, mix_routed
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
 
@@ -106,8 +106,13 @@ def _expert_parallel_forward(self, hidden_states: torch.Tensor, top_k_index: tor
 
 
 def _local_experts(module: nn.Module, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Rows sorted by this rank's experts, ``counts[e]`` for its expert e, through those experts."""
-    gate_up, down = local(module.gate_up_proj), local(module.down_proj)
+    """Rows sorted by this rank's experts, ``counts[e]`` for its expert e, through those experts: one grouped GEMM
+    per projection where the device runs it (as the native experts), else a loop over the experts."""
+    gate_up, down = local(module.gate_up_proj).to(rows.dtype), local(module.down_proj).to(rows.dtype)
+    if grouped_mm_fits(rows, gate_up) and grouped_mm_fits(rows, down.transpose(-2, -1)):
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = module._apply_gate(F.grouped_mm(rows, gate_up.transpose(-2, -1), offs=offsets))
+        return F.grouped_mm(hidden, down.transpose(-2, -1), offs=offsets)
     outputs = [F.linear(module._apply_gate(F.linear(x, gate_up[e])), down[e])
                for e, x in enumerate(torch.split(rows, counts.tolist()))]  # a host sync: the loop needs the counts
     return torch.cat(outputs) if outputs else rows.new_zeros(0, down.shape[1])

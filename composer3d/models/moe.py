@@ -58,7 +58,7 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, ctx.scale), None
 
 
-def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``grouped_mm`` runs these operands: on the CPU (any float dtype eagerly; torch.compile's shape
     rules accept only bf16), on CUDA in bf16 from compute capability 8.0; rows 16-byte aligned (its kernels' rule)."""
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], weight.shape[-2]))
@@ -83,7 +83,7 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # one device, no FSDP: compute in autocast's dtype, as linears do
             x = x.to(torch.get_autocast_dtype(x.device.type))
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
-        if _grouped_mm_fits(x, w1) and _grouped_mm_fits(x, w2.transpose(-2, -1)):
+        if grouped_mm_fits(x, w1) and grouped_mm_fits(x, w2.transpose(-2, -1)):
             offsets = counts.cumsum(0).to(torch.int32)
             hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) \
                 * F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
