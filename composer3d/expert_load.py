@@ -18,19 +18,25 @@ from composer3d.models.moe import routing_counters
 
 class ExpertLoad:
     """``balancing``: composer3d's ``model.moe`` config and its number of MoE layers, whose layers also carry the
-    auxiliary loss and the balancing bias; None for transformers' experts, whose load is all that is read here."""
+    auxiliary loss and the balancing bias; None for transformers' experts, whose load is read here and, when
+    config.json asks for it, transformers' router loss (``router_loss``: one per micro-batch of
+    ``micro_batch_size`` sequences)."""
 
     def __init__(self, model: torch.nn.Module, experts: int, global_batch_size: int, mesh: ParallelMesh,
-                 device: torch.device, balancing: tuple | None = None):
+                 device: torch.device, balancing: tuple | None = None, router_loss=None, micro_batch_size: int = 1):
         self.layers = routing_counters(model)  # this rank's (a pipeline stage holds some, or none)
         self.cfg, self.total_moe_layers = balancing or (None, 0)
+        self.router_loss, self.microbatches = router_loss, global_batch_size // micro_batch_size
         self.global_batch_size, self.mesh = global_batch_size, mesh
         self.window = torch.zeros(len(self.layers), experts, device=device)  # routed tokens, logging window
         self.window_global = self.cfg is not None and self.cfg.bias_update_rate > 0  # summed over ranks each step
 
     def before_step(self, loss_scale: float) -> None:
         """The auxiliary loss's gradient: coefficient over the global batch's sequences (it is a per-sequence mean,
-        like the token loss is a per-token one), times the fp16 loss scale the token loss carries too."""
+        like the token loss is a per-token one), times the fp16 loss scale the token loss carries too. transformers'
+        router loss: its coefficient over the global batch's micro-batches (a per-micro-batch mean)."""
+        if self.router_loss is not None:
+            self.router_loss.grad_scale = self.router_loss.coef / self.microbatches * loss_scale
         if self.cfg is None:
             return
         for layer in self.layers:
@@ -56,8 +62,9 @@ class ExpertLoad:
         """The window's load metrics (a collective on every rank), and a new window.
 
         ``expert_load_max``/``_min``: the most and least loaded expert of any layer, as a multiple of that layer's
-        mean load; ``moe_aux_loss`` (composer3d's MoE): the sequence-wise balance loss averaged over MoE layers and
-        sequences (1.0 = balanced; the coefficient not applied)."""
+        mean load; ``moe_aux_loss``: composer3d's MoE: the sequence-wise balance loss averaged over MoE layers and
+        sequences (1.0 = balanced; the coefficient not applied); transformers' (with output_router_logits): its
+        router loss averaged over the micro-batches (top_k = balanced; the coefficient not applied)."""
         window = self.window.clone()
         if not self.window_global:
             dist.all_reduce(window, group=self.mesh.loss.get_group())
@@ -71,7 +78,13 @@ class ExpertLoad:
         self.window.zero_()
         if self.cfg is None:
             load_max, neg_load_min = stats.tolist()
-            return {"expert_load_max": load_max, "expert_load_min": -neg_load_min}
+            load = {"expert_load_max": load_max, "expert_load_min": -neg_load_min}
+            if self.router_loss is None:
+                return load
+            total = self.router_loss.take_total()
+            total = torch.zeros((), device=window.device) if total is None else total.float()
+            dist.all_reduce(total, group=self.mesh.loss.get_group())
+            return {"moe_aux_loss": total.item() / (self.microbatches * steps), **load}
         aux = sum((layer.aux_loss_sum for layer in self.layers), torch.zeros((), device=window.device))
         dist.all_reduce(aux, group=self.mesh.loss.get_group())
         if pp_group is not None:

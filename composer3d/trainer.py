@@ -382,7 +382,8 @@ def _expert_load(cfg: DictConfig, model: torch.nn.Module, mesh: ParallelMesh, de
         experts = expert_count(load_hf_config(cfg.model.path))
         if experts:
             count_routing(hf_expert_modules(model), device)
-            return ExpertLoad(model, experts, batch, mesh, device)
+            return ExpertLoad(model, experts, batch, mesh, device, router_loss=getattr(model, "router_loss", None),
+                              micro_batch_size=cfg.train.micro_batch_size)
     return None
 
 

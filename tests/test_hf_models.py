@@ -369,14 +369,9 @@ def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_an
 def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_path):
     """The expert-load metrics of a transformers MoE count, per layer and expert, the tokens transformers' own router
     sends there (its router logits' top-k on the same tokens), in training forwards only: not in evaluation, nor
-    in a pipeline stage's shape inference. A config asking for transformers' router auxiliary loss, which
-    composer3d does not compute for these models, is refused."""
-    import json
-    import shutil
-
+    in a pipeline stage's shape inference."""
     from transformers import AutoModelForCausalLM
 
-    from composer3d.config import ConfigError
     from composer3d.models import build_model
     from composer3d.models.hf_experts import count_routing, hf_expert_modules
     from composer3d.models.hf_weights import load_pretrained
@@ -406,11 +401,60 @@ def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_p
             assert torch.equal(module.routed_tokens, want), (arch, layer, module.routed_tokens, want)
             assert want.sum() == _tokens().numel() * k
 
-    asks = shutil.copytree(moe_models["qwen3_moe"], tmp_path / "aux")
-    config = json.loads((asks / "config.json").read_text())
-    (asks / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
-    with pytest.raises(ConfigError, match=r"model.path: .* sets output_router_logits: true.*router_aux_loss_coef"):
-        train_config(asks)
+
+def _with_router_loss(path: Path, out: Path, coef: float = 0.5) -> Path:
+    """A copy of model directory ``path`` whose config.json asks for transformers' router loss (a large
+    coefficient, so that its gradient shows)."""
+    import json
+    import shutil
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "output_router_logits": True,
+                                                 "router_aux_loss_coef": coef}))
+    return out
+
+
+def test_router_loss_is_transformers_own(moe_models, tmp_path):
+    """With output_router_logits: true, a training forward's gradients are those of transformers' own training loss
+    (token cross-entropy + router_aux_loss_coef × its load-balancing loss) on the same tokens, for every parameter,
+    and the loss it records is transformers' aux_loss; without the router loss the routers' gradients differ.
+    Pipeline parallel, whose stages hold only some of the layers that loss pools, is refused with it."""
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.config import ConfigError
+    from composer3d.models import build_model
+    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.init import materialize
+
+    tokens = _tokens()
+    for arch, source in moe_models.items():
+        path = _with_router_loss(source, tmp_path / arch)
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+        expected = reference(tokens, labels=tokens)
+        expected.loss.backward()
+        want = {name: p.grad for name, p in reference.named_parameters()}
+        model = build_model(train_config(path).model)
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        load_pretrained(model, str(path))
+        for grad_scale in (0.5, 0.0):  # one micro-batch: the coefficient; then none
+            model.zero_grad()
+            model.router_loss.grad_scale = grad_scale
+            logits = model.train()(tokens)
+            F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            got = {name: p.grad for name, p in model.named_parameters()}
+            routers = [name for name in got if ".mlp.gate." in name]
+            assert routers and set(got) == set(want), sorted(set(got) ^ set(want))
+            if grad_scale:
+                assert model.router_loss.take_total().item() == pytest.approx(expected.aux_loss.item(), rel=1e-6)
+                for name, grad in got.items():
+                    torch.testing.assert_close(grad, want[name], atol=1e-5, rtol=1e-4, msg=f"{arch} {name}")
+            else:
+                assert all((got[name] - want[name]).abs().max() > 1e-4 for name in routers), arch
+        cfg = train_config(path, pp=2, pp_schedule="gpipe")
+        with pytest.raises(ConfigError, match="parallel.pp: .* output_router_logits: true"):
+            validate(cfg, 2)
 
 
 def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_models, tmp_path):
@@ -483,11 +527,11 @@ def _moe_training_args(path: Path) -> list[str]:
 def _assert_same_training(name: str, run, one) -> None:
     """``run``'s loss curve within 1e-4 of the one-process run's, its gradient norms (whose terms a replicated or
     sharded parameter must each add once), and the same expert load: the global batch's, whichever ranks routed
-    which tokens (and no auxiliary loss is claimed)."""
+    which tokens (an auxiliary loss only where config.json asks for transformers')."""
     assert len(run.losses) == 3 and max(abs(a - b) for a, b in zip(one.losses, run.losses)) < 1e-4, \
         (name, one.losses, run.losses)
     for record, single in zip(run.metrics, one.metrics):
-        assert "moe_aux_loss" not in record
+        assert ("moe_aux_loss" in record) == ("moe_aux_loss" in single), name
         assert record["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), (name, record, single)
         assert record["expert_load_max"] == pytest.approx(single["expert_load_max"], rel=1e-6), name
         assert record["expert_load_min"] == pytest.approx(single["expert_load_min"], rel=1e-6), name
@@ -511,19 +555,37 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
     """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
     FSDP and expert parallel (its experts sharded over the ep ranks, tokens sent to them by all-to-all): ep 4, ep 2
     with the experts FSDP-sharded over the 2 ranks it leaves, ep 2 inside a pipeline stage, and ep 2 × FSDP 2 with
-    attention tensor- and sequence-parallel over 2 more; its expert-load metrics are the one-process run's."""
+    attention tensor- and sequence-parallel over 2 more; its expert-load metrics are the one-process run's. With
+    transformers' router loss asked for (output_router_logits), under EP 2 × FSDP 4 with full activation
+    checkpointing and EP 2 × FSDP 2 × TP 2 + SP, curve and router loss are the one-process run's too."""
     from harness import train, train_in_one_group
 
     args = _moe_training_args(moe_models["qwen3_moe"])
     one = train(tmp_path / "one", *args)
+    aux_args = _moe_training_args(_with_router_loss(moe_models["qwen3_moe"], tmp_path / "router_loss"))
+    aux_one = train(tmp_path / "aux_one", *aux_args)
+    aux_layouts = {"aux_fsdp4_ep2_full_ac": ["parallel.dp_shard=4", "parallel.ep=2",
+                                             "memory.activation_checkpointing=full"],
+                   "aux_fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
+                                            "parallel.sequence_parallel=true"]}
     layouts = {"fsdp4": ["parallel.dp_shard=4"], "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
                "fsdp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2"],
                "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"],
                "fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
                                     "parallel.sequence_parallel=true"]}
-    runs = train_in_one_group([(tmp_path / name, [*args, *overrides]) for name, overrides in layouts.items()], nproc=4)
+    runs = train_in_one_group([(tmp_path / name, [*args, *overrides]) for name, overrides in layouts.items()]
+                              + [(tmp_path / name, [*aux_args, *overrides]) for name, overrides in aux_layouts.items()],
+                              nproc=4)
     for name, run in zip(layouts, runs):
         _assert_same_training(name, run, one)
+    # transformers' router loss (output_router_logits): the same curve and loss under every layout (4 micro-batches
+    # of 2 sequences each: accumulated on one process, spread over ranks here), and it changes the training
+    for name, run in zip(aux_layouts, runs[len(layouts):]):
+        _assert_same_training(name, run, aux_one)
+        for record, single in zip(run.metrics, aux_one.metrics):
+            assert record["moe_aux_loss"] == pytest.approx(single["moe_aux_loss"], rel=1e-5), name
+    assert all(1.0 < m["moe_aux_loss"] < 8 for m in aux_one.metrics), aux_one.metrics  # top_k=2 when balanced
+    assert max(abs(a - b) for a, b in zip(aux_one.losses[1:], one.losses[1:])) > 1e-5, (aux_one.losses, one.losses)
     assert all(m["expert_load_max"] >= 1.0 >= m["expert_load_min"] >= 0.0 for m in one.metrics), one.metrics
     assert any(m["expert_load_max"] > 1.0 for m in one.metrics), "a random router does not balance exactly"
     # FLOPs per token count the experts a token goes through: top_k of each layer's (tests/hf_models.py's shape)

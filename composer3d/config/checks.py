@@ -203,9 +203,16 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
              f"but the model has {m.n_layers} layers (each stage needs at least one)",
              "Lower parallel.pp or parallel.pp_stages_per_rank")
     if m.name == "hf":
+        from composer3d.models.hf import load_hf_config
+        from composer3d.models.hf_router_loss import wants_router_loss
+
         _require(not m.tie_embeddings, "parallel.pp", f"{m.path}/config.json ties the head to the embedding "
                  "(tie_word_embeddings), and a tied head cannot be split from its embedding across pipeline stages",
                  "Use parallel.pp=1 (FSDP and TP/SP) for this model")
+        _require(not wants_router_loss(load_hf_config(m.path)), "parallel.pp", f"{m.path}/config.json sets "
+                 "output_router_logits: true, and transformers' router load-balancing loss pools every MoE layer of "
+                 "a forward, of which a pipeline stage holds only some", "Use parallel.pp=1 (FSDP, TP/SP and EP) "
+                 "for this model, or set output_router_logits to false in config.json to train without that loss")
     _require(not m.tie_embeddings, "model.tie_embeddings", "a tied head cannot be split from its embedding across "
              "pipeline stages", "Use model.tie_embeddings=false with parallel.pp>1")
     local_batch = t.global_batch_size // dp

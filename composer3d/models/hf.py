@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
 from composer3d.models.hf_conversion import model_conversions
+from composer3d.models.hf_router_loss import RouterLoss, wants_router_loss
 from composer3d.models.init import InitRule
 
 # --------------------------------------------------------------------------------------------- config
@@ -91,13 +92,6 @@ def fill_model_config(m) -> None:
         raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
                           "composer3d trains decoder-only text models; a multimodal model's config nests its text "
                           "model (text_config). Use a text-only causal LM")
-    if getattr(c, "output_router_logits", False):
-        raise ConfigError(
-            f"model.path: {m.path}/config.json sets output_router_logits: true, with which transformers adds "
-            f"router_aux_loss_coef ({getattr(c, 'router_aux_loss_coef', None)}) × its router load-balancing loss to "
-            "the training loss; composer3d does not compute that loss for Hugging Face models, so training would "
-            f"leave it out without a word. Set output_router_logits to false in config.json ({c.model_type}'s "
-            "default) to train without it, or train composer3d's own MoE (model.moe.*, with aux_loss_coef)")
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
     m.n_heads = c.num_attention_heads
@@ -158,6 +152,10 @@ class HFCausalLM(nn.Module):
         self.weight_conversions = model_conversions(causal)
         self.model = causal.model
         self.lm_head = causal.lm_head
+        # transformers' router load-balancing loss, when config.json asks for it (hf_router_loss)
+        self.router_loss = RouterLoss(causal, expert_count(config)) if wants_router_loss(config) else None
+        if self.router_loss is not None:
+            self.router_loss.install(self.model)
         # A dict keyed by layer index keeps names ("model.layers.3…") when a pipeline stage drops layers.
         self.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.model.layers)})
         self.sequence_shards = 1  # the residual stream is split over this many ranks (set by sequence parallel)
@@ -276,6 +274,8 @@ class HFCausalLM(nn.Module):
                 h = out[0] if isinstance(out, tuple) else out
         if not head:
             return h
+        if self.router_loss is not None:
+            h = self.router_loss.attach(h)
         logits = self.lm_head(self.norm(h))
         if self._logits_scale is not None:
             logits = logits / self._logits_scale if self._divide_logits else logits * self._logits_scale
