@@ -57,6 +57,7 @@ def _worker(rank: int, world: int, path: str, store: str, results) -> None:
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     from composer3d.assemble import build_parallel_model
+    from composer3d.distributed import shut_down
     from composer3d.config import TrainConfig, resolve_model_config, validate
     from composer3d.layout import ParallelMesh, layout_from_degrees
 
@@ -86,7 +87,7 @@ def _worker(rank: int, world: int, path: str, store: str, results) -> None:
     total = sum(math.prod(s) for s in built.model.full_shapes.values())
     grown = _peak_rss() - rss_before
     results.put((rank, read["elements"] / total, grown, seconds))
-    dist.destroy_process_group()
+    shut_down(finished=True)  # collect and wait first: gloo can abort at exit otherwise
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 def _worker(rank: int, ep: int, args, store: str, out: dict) -> None:
     import torch.distributed._functional_collectives as funcol
 
+    from composer3d.distributed import shut_down
     from composer3d.models.moe import MoE
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -90,7 +91,7 @@ def _worker(rank: int, ep: int, args, store: str, out: dict) -> None:
                    "step_time_s_median": statistics.median(times[1:]),
                    "load_max_init": loads[0][0], "load_min_init": loads[0][1],
                    "load_max_last": loads[-1][0], "load_min_last": loads[-1][1]}
-    dist.destroy_process_group()
+    shut_down(finished=True)  # collect and wait first: gloo can abort at exit otherwise
 
 
 def main() -> None:

@@ -85,7 +85,7 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
 
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
-    from composer3d.distributed import Env
+    from composer3d.distributed import Env, shut_down
     from composer3d.layout import ParallelMesh, layout_from_degrees
     from composer3d.trainer import Trainer, prepare_rank
 
@@ -118,7 +118,7 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
         if step > 0:  # warm-up: shape inference, lazy init
             idle.append(1 - sum(busy) / elapsed)
     results[(schedule, rank)] = (sum(idle) / len(idle), meter.peak, len(stages))
-    dist.destroy_process_group()
+    shut_down(finished=True)  # collect and wait first: gloo can abort at exit otherwise
 
 
 def main() -> None:

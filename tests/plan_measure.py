@@ -139,7 +139,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
 
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
-    from composer3d.distributed import Env
+    from composer3d.distributed import Env, shut_down
     from composer3d.garbage import StepGarbageCollection
     from composer3d.layout import ParallelMesh, layout_from_degrees
     from composer3d.metrics import model_state_bytes
@@ -183,7 +183,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
             trainer.close()
             Path(out_dir, f"{index}.rank{rank}.json").write_text(json.dumps(result))
             del trainer
-    dist.destroy_process_group()
+    shut_down(finished=True)
 
 
 def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, timed_steps: int = 0,
