@@ -37,6 +37,10 @@ ARCHITECTURES = {
 MOE_ARCHITECTURES = {
     "qwen3_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "mixtral": {"head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2},
+    # a shared expert behind a sigmoid gate; OLMoE: per-head q/k norms over the whole projection
+    "qwen2_moe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "shared_expert_intermediate_size": 32},
+    "olmoe": {"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2},
 }
 
 CHAT_TEMPLATE = (

@@ -539,7 +539,8 @@ def _assert_same_training(name: str, run, one) -> None:
 
 @pytest.mark.slow
 def test_mixture_of_experts_models_train_under_pp_fsdp_tp_sp_and_ep_on_8_processes(moe_models, tmp_path):
-    """Qwen3-MoE and Mixtral under PP 2 × FSDP 2 × TP 2 + SP × EP 2 (each composition is in the 4-process test)."""
+    """Every tested MoE architecture under PP 2 × FSDP 2 × TP 2 + SP × EP 2 (each composition is in the 4-process
+    test)."""
     from harness import train, train_in_one_group
 
     layout = ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
