@@ -11,6 +11,7 @@ collections only scan what training created since.
 from __future__ import annotations
 
 import gc
+from typing import Self
 
 
 class StepGarbageCollection:
@@ -20,7 +21,7 @@ class StepGarbageCollection:
     def __init__(self, every: int):
         self.every = every
 
-    def __enter__(self) -> StepGarbageCollection:
+    def __enter__(self) -> Self:
         if self.every:
             self._was_enabled = gc.isenabled()
             gc.disable()

@@ -49,8 +49,8 @@ from composer3d.metrics import (
     model_state_bytes,
     peak_memory_bytes,
 )
-from composer3d.models.hf import expert_count, load_hf_config
-from composer3d.models.hf_experts import count_routing, hf_expert_modules
+from composer3d.models.hf import expert_count, hf_expert_modules, load_hf_config
+from composer3d.models.hf_experts import count_routing
 from composer3d.models.llama import is_moe_layer
 from composer3d.optim import build_optimizer, build_scheduler, configured_settings
 from composer3d.parallel.pipeline import build_schedule

@@ -373,7 +373,8 @@ def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_p
     from transformers import AutoModelForCausalLM
 
     from composer3d.models import build_model
-    from composer3d.models.hf_experts import count_routing, hf_expert_modules
+    from composer3d.models.hf import hf_expert_modules
+    from composer3d.models.hf_experts import count_routing
     from composer3d.models.hf_weights import load_pretrained
     from composer3d.models.init import materialize
     from composer3d.models.moe import routing_unrecorded

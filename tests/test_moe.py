@@ -165,10 +165,11 @@ def test_hugging_face_experts_under_expert_parallel_compute_as_transformers(monk
     from hf_models import hf_config
     from transformers import AutoModelForCausalLM
 
-    import composer3d.models.hf_experts as hf_experts
+    from composer3d.models import hf_experts
+    from composer3d.models.hf import hf_expert_modules
 
     torch.manual_seed(0)
-    experts = hf_experts.hf_expert_modules(AutoModelForCausalLM.from_config(hf_config("qwen3_moe")))[0]
+    experts = hf_expert_modules(AutoModelForCausalLM.from_config(hf_config("qwen3_moe")))[0]
     tokens, k = torch.randn(24, experts.gate_up_proj.shape[-1]), 2
     chosen = torch.randn(24, experts.num_experts).topk(k, dim=-1).indices
     mixing = torch.rand(24, k)

@@ -20,12 +20,12 @@ def mixtral_mismatches(cfg) -> list[str]:
     moe = cfg.moe
     checks = [
         (moe.shared_experts == 0, f"model.moe.shared_experts={moe.shared_experts} (Mixtral has no shared experts)"),
-        (moe.dense_layers == 0, f"model.moe.dense_layers={moe.dense_layers} (every Mixtral layer is a mixture of "
-                                "experts)"),
+        (moe.dense_layers == 0, (f"model.moe.dense_layers={moe.dense_layers} (every Mixtral layer is a "
+                                 "mixture of experts)")),
         (moe.score_func == "softmax", f"model.moe.score_func={moe.score_func} (Mixtral's router is a softmax)"),
         (moe.normalize_top_k, "model.moe.normalize_top_k=false (Mixtral renormalizes the chosen experts' scores)"),
-        (moe.route_scale == 1.0, f"model.moe.route_scale={moe.route_scale} (Mixtral does not scale the mixing "
-                                 "weights)"),
+        (moe.route_scale == 1.0, (f"model.moe.route_scale={moe.route_scale} (Mixtral does not scale the "
+                                  "mixing weights)")),
         (moe.capacity_factor == 0, f"model.moe.capacity_factor={moe.capacity_factor} (Mixtral drops no token)"),
     ]
     return [reason for ok, reason in checks if not ok]

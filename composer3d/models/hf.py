@@ -81,6 +81,11 @@ def expert_count(config) -> int:
     return next((getattr(config, key) for key in _EXPERT_COUNT_KEYS if getattr(config, key, None)), 0)
 
 
+def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """transformers' routed-experts modules of ``model``: the classes its ``use_experts_implementation`` decorates."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
+
+
 def fill_model_config(m) -> None:
     """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
     pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""

@@ -16,14 +16,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from composer3d.models.hf import hf_expert_modules
 from composer3d.models.moe import grouped_mm_fits, local, mix_routed
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
-
-
-def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
-    """transformers' routed-experts modules of ``model``: the classes its ``use_experts_implementation`` decorates."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
 
 
 def inactive_params(model: nn.Module) -> int:

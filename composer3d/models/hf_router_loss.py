@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from composer3d.models.moe import AttachAuxLoss
 

@@ -25,8 +25,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf import load_hf_config
-from composer3d.models.hf_experts import hf_expert_modules
+from composer3d.models.hf import hf_expert_modules, load_hf_config
 
 if TYPE_CHECKING:
     from composer3d.models.hf import HFCausalLM
@@ -88,11 +87,7 @@ def tensor_parallel_problem(m) -> str | None:
     config = load_hf_config(m.path)
     plan = getattr(config, "base_model_tp_plan", None)
     if not plan:
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            layers = AutoModelForCausalLM.from_config(config).model.layers
-        problem = _derived_plan_problem(layers)
+        problem = _derived_plan_problem(_meta_layers(config))
         if problem:
             return (f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in transformers, and "
                     f"composer3d's plan for the Llama layout does not fit it: {problem}. It trains with FSDP and "
@@ -107,13 +102,11 @@ def tensor_parallel_problem(m) -> str | None:
 
 
 def _meta_layers(config) -> nn.ModuleList:
-    """The decoder layers of a tiny replica of ``config`` on the meta device (their module structure)."""
+    """The decoder layers of ``config``'s model on the meta device (their module structure, no memory)."""
     from transformers import AutoModelForCausalLM
 
-    from composer3d.models.hf_forward_check import tiny_replica
-
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(tiny_replica(config)).model.layers
+        return AutoModelForCausalLM.from_config(config).model.layers
 
 
 def _moe_layer(layers) -> nn.Module | None:

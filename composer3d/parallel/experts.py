@@ -15,7 +15,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from composer3d.layout import ParallelMesh
-from composer3d.models.hf_experts import hf_expert_modules, use_expert_parallel
+from composer3d.models.hf import hf_expert_modules
+from composer3d.models.hf_experts import use_expert_parallel
 from composer3d.models.moe import moe_layers
 
 # Stacked expert weights [experts, out, in]: the dim tensor parallel splits (the hidden width).
