@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from composer3d.models.hf import hf_expert_modules
-from composer3d.models.moe import grouped_mm_fits, local, mix_routed
+from composer3d.models.moe import grouped_mm_fits, local, mix_routed, recorded_forward
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
 
@@ -71,10 +71,7 @@ def count_routing(modules: list[nn.Module], device: torch.device) -> None:
 
 
 def _count_routed_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Once per training forward: activation checkpointing reruns forwards inside backward (an autograd graph task
-    is then running), which must not count again."""
-    if not (module.training and torch.is_grad_enabled() and module.recording) \
-            or torch._C._current_graph_task_id() != -1:
+    if not recorded_forward(module):
         return
     chosen = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]  # (hidden_states, top_k_index, weights)
     with torch.no_grad():

@@ -20,7 +20,7 @@ import sys
 import torch
 from torch import nn
 
-from composer3d.models.moe import AttachAuxLoss
+from composer3d.models.moe import AttachAuxLoss, recorded_forward
 
 
 def wants_router_loss(config) -> bool:
@@ -46,9 +46,7 @@ class RouterLoss:
                 module.register_forward_hook(self._capture)
 
     def _capture(self, module: nn.Module, _args, output) -> None:
-        """Training forwards only, once: activation checkpointing reruns forwards inside backward (an autograd
-        graph task is then running)."""
-        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if recorded_forward(module):  # training forwards, once
             self.logits.append(output[self.index] if isinstance(output, tuple) else output)
 
     def attach(self, hidden: torch.Tensor) -> torch.Tensor:

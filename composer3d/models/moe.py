@@ -177,9 +177,8 @@ class MoE(nn.Module):
         return (fraction * probs.mean(1)).sum(-1)
 
     def _record(self, chosen: torch.Tensor, aux: torch.Tensor) -> None:
-        """Count this forward's routing, once: activation checkpointing reruns forwards inside backward (an
-        autograd graph task is then running), which must not count again."""
-        if not self.recording or torch._C._current_graph_task_id() != -1:
+        """Count this forward's routing, once (``recorded_forward``)."""
+        if not recorded_forward(self):
             return
         with torch.no_grad():
             self.routed_tokens += torch.bincount(chosen.flatten(), minlength=self.n_experts).to(self.routed_tokens)
@@ -251,6 +250,14 @@ def _through_expert_parallel(experts: Callable[[torch.Tensor, torch.Tensor], tor
 
 def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def recorded_forward(module: nn.Module) -> bool:
+    """Whether this forward of ``module`` is one whose routing is recorded: a training forward, not a pipeline
+    stage's shape inference (``recording`` off), and not activation checkpointing's rerun inside backward (an
+    autograd graph task is then running), which must not count again."""
+    return (module.training and torch.is_grad_enabled() and getattr(module, "recording", True)
+            and torch._C._current_graph_task_id() == -1)
 
 
 def routing_counters(model: nn.Module) -> list[nn.Module]:
