@@ -8,12 +8,16 @@ logits (kept in their own dtype, bf16 in mixed precision) and the per-row log-su
 ``softmax - one_hot`` and needs nothing else. Under tensor parallel the logits are sharded on the vocabulary
 (the head's output, a DTensor ``Shard(-1)``); each chunk's max, sum of exponentials and target logit are then
 completed with one all-reduce each over the tensor-parallel group, as ``loss_parallel`` does, and no rank ever
-holds the full vocabulary.
+holds the full vocabulary. With ``compile.enabled`` the per-chunk math runs as torch.compile'd kernels, fused so that
+each reads the chunk once instead of passing fp32 temporaries through memory.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -24,9 +28,50 @@ from composer3d.data import IGNORE_INDEX
 CHUNK_ELEMENTS = 2**25  # fp32 elements of one chunk's temporaries (128 MiB)
 
 
+# A low-precision chunk minus an fp32 row vector computes in fp32 (type promotion), with no fp32 copy of the chunk.
+def _chunk_row_max(chunk: torch.Tensor) -> torch.Tensor:
+    return chunk.amax(dim=1).float()  # a max is exact in any dtype
+
+
+def _chunk_sum_exp(chunk: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    return (chunk - peak.unsqueeze(1)).exp_().sum(dim=1)
+
+
+def _chunk_logsumexp(chunk: torch.Tensor) -> torch.Tensor:
+    peak = _chunk_row_max(chunk)
+    return peak + _chunk_sum_exp(chunk, peak).log()
+
+
+def _write_chunk_grad(out: torch.Tensor, chunk: torch.Tensor, lse: torch.Tensor, index: torch.Tensor,
+                      here: torch.Tensor, weight: torch.Tensor) -> None:
+    """``out`` = (softmax(chunk) − one_hot(target)) · weight, in the logits' dtype."""
+    probs = (chunk - lse.unsqueeze(1)).exp_()
+    probs.scatter_add_(1, index, -here.float().unsqueeze(1))
+    out.copy_(probs.mul_(weight))
+
+
+class ChunkKernels(NamedTuple):
+    """The per-chunk math: eager, or compiled so each runs as one fused kernel that reads the (bf16) chunk once,
+    instead of an fp32 copy, a max, a subtraction, an exp and a sum that each go through memory."""
+    row_max: Callable
+    sum_exp: Callable
+    logsumexp: Callable
+    write_grad: Callable
+
+
+EAGER_KERNELS = ChunkKernels(_chunk_row_max, _chunk_sum_exp, _chunk_logsumexp, _write_chunk_grad)
+
+
+@functools.cache
+def compiled_kernels() -> ChunkKernels:
+    """torch.compile'd chunk kernels, made on first use (shapes: one compile for full chunks, one for the last)."""
+    return ChunkKernels(*(torch.compile(kernel) for kernel in EAGER_KERNELS))
+
+
 class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
+                kernels: ChunkKernels) -> torch.Tensor:
         rows, vocab = logits.shape
         local = targets - vocab_start
         here = (local >= 0) & (local < vocab) & (targets != IGNORE_INDEX)
@@ -34,20 +79,21 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         lse = torch.empty(rows, dtype=torch.float32, device=logits.device)
         step = max(1, CHUNK_ELEMENTS // max(1, vocab))
         for start in range(0, rows, step):
-            chunk = logits[start:start + step].float()
-            peak = chunk.amax(dim=1)
-            if group is not None:
-                dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            sum_exp = (chunk - peak.unsqueeze(1)).exp_().sum(dim=1)
-            if group is not None:
-                dist.all_reduce(sum_exp, group=group)
+            chunk = logits[start:start + step]
+            if group is None:
+                lse[start:start + step] = kernels.logsumexp(chunk)
+                continue
+            peak = kernels.row_max(chunk)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            sum_exp = kernels.sum_exp(chunk, peak)
+            dist.all_reduce(sum_exp, group=group)
             lse[start:start + step] = peak + sum_exp.log()
         target_logit = logits.gather(1, index).squeeze(1).float() * here
         if group is not None:
             dist.all_reduce(target_logit, group=group)
         trained = targets != IGNORE_INDEX
         ctx.save_for_backward(logits, lse, index, here, trained)
-        ctx.step = step
+        ctx.step, ctx.kernels = step, kernels
         return ((lse - target_logit) * trained).sum()
 
     @staticmethod
@@ -56,19 +102,18 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         grad = torch.empty_like(logits)
         weight = (trained * grad_loss).float().unsqueeze(1)
         for start in range(0, logits.shape[0], ctx.step):
-            end = start + ctx.step
-            probs = (logits[start:end].float() - lse[start:end].unsqueeze(1)).exp_()
-            probs.scatter_add_(1, index[start:end], -here[start:end].float().unsqueeze(1))
-            grad[start:end] = probs.mul_(weight[start:end])
-        return grad, None, None, None
+            rows = slice(start, start + ctx.step)
+            ctx.kernels.write_grad(grad[rows], logits[rows], lse[rows], index[rows], here[rows], weight[rows])
+        return grad, None, None, None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Σ −log softmax(logits)[target] over targets that are not IGNORE_INDEX, in fp32.
 
     ``logits`` (batch, seq, vocab): a plain tensor, a replicated DTensor, or a DTensor sharded on the vocabulary
     (its last dim) over a 1-D mesh, e.g. a tensor-parallel head's output; ``targets`` (batch, seq) hold global vocabulary ids. The
-    result is a plain scalar, the same on every rank of the vocabulary's group.
+    result is a plain scalar, the same on every rank of the vocabulary's group. ``compiled`` runs the per-chunk
+    math through torch.compile (``compile.enabled``).
     """
     group, vocab_start = None, 0
     if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
@@ -83,4 +128,5 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tens
         vocab_start = min(mesh.get_local_rank() * per_rank, logits.shape[-1])
         group = mesh.get_group()
         logits = logits.to_local()
-    return _ShardedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group)
+    kernels = compiled_kernels() if compiled else EAGER_KERNELS
+    return _ShardedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group, kernels)

@@ -107,9 +107,10 @@ class Trainer:
         """One microbatch's summed token loss over the global count of trained targets (so microbatches add up).
 
         Targets of IGNORE_INDEX (-100: document boundaries, chat prompts) take no loss and are not counted. Under
-        tensor parallel the logits stay sharded on the vocabulary (``loss``).
+        tensor parallel the logits stay sharded on the vocabulary (``loss``). ``compile.enabled`` compiles its
+        kernels as it does the blocks.
         """
-        loss = cross_entropy_sum(logits, targets)
+        loss = cross_entropy_sum(logits, targets, compiled=self.cfg.compile.enabled)
         if self.evaluating:
             return loss
         loss = loss / self.global_tokens

@@ -63,6 +63,8 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
         if settings.get("compile.enabled") == "true":
             # every block compiled, and dynamo did compile graphs for the block forward during the step
             assert rank["compiled_blocks"] == blocks and rank["block_forward_graphs"] > 0, rank["compiled_blocks"]
+            # the loss's chunk kernels too, forward and backward, where this rank computes the loss
+            assert all(rank["loss_graphs"]) == rank["computes_loss"], rank["loss_graphs"]
         if settings.get("precision.float8.enabled") == "true":
             linears = rank["linear_classes"]
             in_blocks = [fqn for fqn in linears if fqn.startswith("layers.")]

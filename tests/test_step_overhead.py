@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from harness import FAST, spawn, train
 from hydra import compose, initialize_config_module
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from composer3d import loss as loss_module
 from composer3d.config import ConfigError, register_configs, validate
@@ -33,19 +34,29 @@ def _reference(logits, targets):
     return loss.detach(), full.grad
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile made for the loss's chunk kernels (dynamo's cache on their code objects)."""
+    return sum(len(_debug_get_cache_entry_list(kernel.__code__))
+               for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance):
+def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, compiled):
     monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 515 * 5)  # 5 rows a chunk: several chunks, a ragged last one
     logits, targets = _logits_and_targets(dtype=dtype)
     expected_loss, expected_grad = _reference(logits, targets)
     logits.requires_grad_(True)
-    loss = cross_entropy_sum(logits, targets)
+    graphs = _compiled_graphs()
+    loss = cross_entropy_sum(logits, targets, compiled=compiled)
     (loss * 0.5).backward()  # a scaled loss, as the trainer divides by the token count
     assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
     assert torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4), (loss, expected_loss)
     assert torch.allclose(logits.grad.float(), 0.5 * expected_grad, atol=tolerance), \
         (logits.grad.float() - 0.5 * expected_grad).abs().max()
     assert logits.grad[0, :3].abs().max() == 0, "ignored targets take no gradient"
+    # compiled: the forward and backward kernels ran as compiled graphs (a new dtype compiles anew); eager: none
+    assert (_compiled_graphs() > graphs) == compiled
 
 
 def test_chunked_cross_entropy_keeps_no_full_vocabulary_fp32_tensor():
@@ -74,11 +85,13 @@ def _vocab_parallel_worker(rank, world_size):
     logits, targets = _logits_and_targets(vocab=515)  # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
     expected_loss, expected_grad = _reference(logits, targets)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_(True)
-    loss = cross_entropy_sum(sharded, targets)
-    loss.backward()
-    assert not isinstance(loss, type(sharded)) and torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4)
-    assert torch.allclose(sharded.grad.full_tensor(), expected_grad, atol=1e-5)
+    for compiled in (False, True):  # the row max and sum of exponentials all-reduced between compiled kernels
+        sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_(True)
+        loss = cross_entropy_sum(sharded, targets, compiled=compiled)
+        loss.backward()
+        assert not isinstance(loss, type(sharded)) and torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4)
+        assert torch.allclose(sharded.grad.full_tensor(), expected_grad, atol=1e-5)
+    assert len(_debug_get_cache_entry_list(loss_module._chunk_sum_exp.__code__)) > 0
 
 
 def test_vocab_sharded_cross_entropy_matches_torch(tmp_path):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from composer3d import loss as loss_module
 from composer3d.metrics import local_bytes
 from composer3d.trainer import Trainer
 
@@ -140,6 +141,10 @@ def _effects(trainer: Trainer) -> dict:
         "dynamo": {k: dict(counters[k]) for k in ("stats", "frames")},  # torchao's optimizer step compiles too
         # graphs dynamo compiled for the blocks' forward (its cache on that code object): the blocks', no one else's
         "block_forward_graphs": len(_debug_get_cache_entry_list(type(next(iter(model.layers.values()))).forward.__code__)),
+        # graphs compiled for the loss's forward and backward chunk kernels (on the ranks that compute the loss)
+        "loss_graphs": [len(_debug_get_cache_entry_list(kernel.__code__))
+                        for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad)],
+        "computes_loss": trainer.pipeline is None or trainer.runs_last_stage,
     }
 
 
