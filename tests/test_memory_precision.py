@@ -269,3 +269,47 @@ def test_activation_checkpointing_keeps_fewer_activations():
     # every 2nd block (block 0 of 2) fully recomputed: between none and full
     assert full < every_2nd < 0.8 * none, (none, every_2nd, full)
     assert full < 0.5 * none, (none, full)  # full keeps only each block's input (and what lies outside the blocks)
+
+
+def test_selective_checkpointing_under_compile_recomputes_only_cheap_ops():
+    """Compiled blocks under op-level selective checkpointing: the compiled graph keeps the matmuls' and attention's
+    outputs (fewer bytes than without checkpointing), and backward reruns neither (torch's hook-based checkpoint,
+    used before, hid the compiled ops from the policy: backward recomputed the whole block)."""
+    from composer3d.models.llama import TransformerBlock, rope_tables
+    from composer3d.parallel.activation import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 64, requires_grad=True)
+    cos, sin = rope_tables(16, 64, 10000.0)
+
+    def run(mode):
+        torch.manual_seed(1)  # the same weights for every mode
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleDict({"0": TransformerBlock(64, 4, 4, 256, 1e-5)})
+        apply_activation_checkpointing(model, mode, 0)
+        block = model.layers["0"]
+        block.compile()
+        block(x, cos, sin, None).sum().backward()  # compiles
+        saved = {}
+        inputs = {t.untyped_storage().data_ptr() for t in (x, cos, sin, *block.parameters())}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in inputs:
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = block(x, cos, sin, None)
+        x.grad = None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward:
+            out.sum().backward()
+        ops = {event.key: event.count for event in backward.key_averages()}
+        recomputed_attention = sum(n for op, n in ops.items() if op.startswith("aten::_scaled_dot_product")
+                                   and "backward" not in op)
+        return sum(saved.values()), ops.get("aten::mm", 0), recomputed_attention, x.grad.clone()
+
+    none, selective = run("none"), run("selective")
+    assert selective[0] < 0.8 * none[0], (selective[0], none[0])  # cheap ops' outputs dropped
+    # backward: the same matmuls as without checkpointing (2 per forward matmul), no attention forward rerun
+    assert selective[1:3] == none[1:3] == (14, 0), (selective[1:3], none[1:3])
+    assert torch.allclose(selective[3], none[3], atol=1e-5)

@@ -1,9 +1,15 @@
-"""Activation checkpointing per block, with the composable API (hooks; parameter names unchanged).
+"""Activation checkpointing per block: the block's own forward runs under ``torch.utils.checkpoint``
+(non-reentrant), set as the block's instance ``forward`` (no wrapper module: parameter names unchanged).
 
 ``full``: every block recomputes its forward in backward. ``selective`` with ``ac_every=k`` (k ≥ 1): layer-level,
 every k-th block fully recomputed, the others keep their activations. ``selective`` with ``ac_every=0``:
 op-level, every block keeps the outputs of the expensive ops (matmuls, attention, and the collectives TP
 runs) and recomputes the cheap elementwise ones (norms, activations, RoPE).
+
+Why not torch's composable ``checkpoint`` (forward hooks): under ``compile.enabled`` its selective policy never sees
+the compiled graph's ops, so backward recomputed every matmul and the attention, as full checkpointing does.
+Called inside the compiled forward, ``torch.utils.checkpoint`` is traced as one higher-order op and the policy
+decides what the compiled graph saves.
 """
 
 from __future__ import annotations
@@ -12,8 +18,7 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
 
@@ -50,17 +55,26 @@ def _op_level_context():
     return create_selective_checkpoint_contexts(_op_policy)
 
 
+def checkpointed_forward(forward, selective: bool, *args, **kwargs):
+    """``forward(*args, **kwargs)``, its activations recomputed in backward: all, or (``selective``) the cheap ops'.
+    (Full takes checkpoint's default context: dynamo cannot trace one passed in.)"""
+    context = {"context_fn": _op_level_context} if selective else {}
+    return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **context, **kwargs)
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
-    """Checkpoint the blocks per ``mode``; returns how many blocks were wrapped."""
+    """Checkpoint the blocks per ``mode`` (before compile, TP or FSDP are applied); returns how many blocks were
+    checkpointed."""
     if mode == "none":
         return 0
     wrapped = 0
     for layer_id, block in model.layers.items():
         if mode == "full" or (every >= 1 and int(layer_id) % every == 0):
-            checkpoint(block, preserve_rng_state=False)
+            selective = False
         elif every == 0:
-            checkpoint(block, preserve_rng_state=False, context_fn=partial(_op_level_context))
+            selective = True
         else:
             continue
+        block.forward = partial(checkpointed_forward, block.forward, selective)
         wrapped += 1
     return wrapped

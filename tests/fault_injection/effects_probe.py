@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from composer3d import loss as loss_module
 from composer3d.metrics import local_bytes
+from composer3d.parallel.activation import checkpointed_forward
 from composer3d.trainer import Trainer
 
 _DIR = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
@@ -109,9 +111,14 @@ def _fsdp(trainer: Trainer) -> list[dict]:
     return found
 
 
+def _checkpointed(block: torch.nn.Module) -> bool:
+    """Whether the block's forward runs under activation checkpointing (its instance forward, see activation.py)."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, partial) and forward.func is checkpointed_forward
+
+
 def _effects(trainer: Trainer) -> dict:
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
-    from torch.distributed._composable.contract import _get_registry
 
     model, optimizer = trainer.model, trainer.optimizer
     names = {id(p): n for n, p in model.named_parameters()}
@@ -137,10 +144,12 @@ def _effects(trainer: Trainer) -> dict:
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
         "loss_scaler": trainer.scaler is not None,
         "compiled_blocks": [i for i, b in model.layers.items() if getattr(b, "_compiled_call_impl", None) is not None],
-        "checkpointed_blocks": [i for i, b in model.layers.items() if "checkpoint" in (_get_registry(b) or {})],
+        "checkpointed_blocks": [i for i, b in model.layers.items() if _checkpointed(b)],
         "dynamo": {k: dict(counters[k]) for k in ("stats", "frames")},  # torchao's optimizer step compiles too
-        # graphs dynamo compiled for the blocks' forward (its cache on that code object): the blocks', no one else's
-        "block_forward_graphs": len(_debug_get_cache_entry_list(type(next(iter(model.layers.values()))).forward.__code__)),
+        # graphs dynamo compiled for the blocks (the caches of the frames it traces: the block's forward, or under
+        # activation checkpointing the checkpointed forward that runs it; the blocks', no one else's)
+        "block_forward_graphs": sum(len(_debug_get_cache_entry_list(code)) for code in (
+            type(next(iter(model.layers.values()))).forward.__code__, checkpointed_forward.__code__)),
         # graphs compiled for the loss's forward and backward chunk kernels (on the ranks that compute the loss)
         "loss_graphs": [len(_debug_get_cache_entry_list(kernel.__code__))
                         for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad)],
