@@ -65,10 +65,10 @@ def device_type(requested: str, local_processes: int = 1) -> str:
     (CUDA, XPU, …) when there is one, otherwise the CPU; an accelerator must exist and have a device for each of
     the ``local_processes`` on this node. Touches no device (the launcher calls it before starting workers)."""
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if requested == "auto":
-        return accelerator.type if accelerator is not None else "cpu"
-    if requested == "cpu":
+    if requested == "cpu" or (requested == "auto" and accelerator is None):
         return "cpu"
+    if requested == "auto":
+        requested = accelerator.type
     here = f"this machine's accelerator is {accelerator.type}" if accelerator is not None else "this machine has none"
     if accelerator is None or requested != accelerator.type:
         raise ConfigError(f"launch.device: {requested!r} is not an accelerator here ({here}). Use launch.device=auto "
@@ -77,13 +77,16 @@ def device_type(requested: str, local_processes: int = 1) -> str:
     count = torch.accelerator.device_count()
     if local_processes > count:
         raise ConfigError(f"launch.nproc_per_node: {local_processes} processes on this node but it has {count} "
-                          f"{requested} device(s). Use launch.nproc_per_node<={count}", rank_specific=True)
+                          f"{requested} device(s). Use launch.nproc_per_node<={count}, or launch.device=cpu to run "
+                          f"{local_processes} processes on the CPU", rank_specific=True)
     return requested
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
-    """This rank's device (see ``device_type``); an accelerator is made current for this process."""
-    kind = device_type(requested, local_processes=local_rank + 1)
+    """This rank's device (see ``device_type``); an accelerator is made current for this process. Checked against
+    the node's process count where the launcher says it (torchrun and the local launcher: every rank refuses alike),
+    else against this rank's index (srun)."""
+    kind = device_type(requested, local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
     if kind == "cpu":
         return torch.device("cpu")
     torch.accelerator.set_device_index(local_rank)

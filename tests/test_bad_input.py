@@ -124,6 +124,25 @@ def test_preflight_passes_what_can_run(compose_cfg, files, checkpoint):
     assert preflight(cfg, 1)["dp_shard"] == 1
 
 
+def test_auto_device_needs_an_accelerator_per_local_process(monkeypatch):
+    """launch.device=auto on a machine with one (simulated) CUDA device: one process takes it; four are refused
+    before any worker starts (before: the workers past the first failed on a device index that does not exist),
+    and so is a worker whose launcher says the node runs four (LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    from composer3d import distributed
+
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert distributed.device_type("auto", local_processes=1) == "cuda"
+    assert distributed.device_type("cpu", local_processes=4) == "cpu"
+    with pytest.raises(ConfigError, match=r"^launch.nproc_per_node: 4 processes on this node but it has 1 cuda "
+                                          r"device\(s\). Use launch.nproc_per_node<=1, or launch.device=cpu"):
+        distributed.device_type("auto", local_processes=4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ConfigError, match="launch.nproc_per_node: 4 processes"):
+        distributed.resolve_device("auto", local_rank=0)  # rank 0 refuses too, not only the ranks past the device
+
+
 def test_eval_refuses_random_weights(compose_cfg, checkpoint):
     with pytest.raises(ConfigError, match=r"^checkpoint\.resume: model=llama has no weights .* random"):
         check_weights_source(compose_cfg("model=tiny"))

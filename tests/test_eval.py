@@ -35,7 +35,7 @@ def reference(model_dir, text: str) -> dict:
 
 def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "composer3d.evaluate", f"launch.nproc_per_node={nproc}",
+    return subprocess.run([sys.executable, "-m", "composer3d.evaluate", f"launch.nproc_per_node={nproc}", "launch.device=cpu",
                            f"train.seq_len={SEQ}", "train.micro_batch_size=2", "train.global_batch_size=8",
                            "logging.progress_bar=false", *overrides],
                           capture_output=True, text=True, timeout=600, env=env)

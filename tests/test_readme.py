@@ -21,6 +21,9 @@ def test_readme_main_command_trains(tmp_path):
     command = main_command()
     assert command[0] == "composer3d-train" and "launch.nproc_per_node=4" in command
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # The README runs this job without a GPU: on a GPU machine launch.device=auto would take the accelerator, which
+    # needs 4 devices (and is refused with fewer), so the test pins the CPU by hiding them, as every test pins it.
+    env["CUDA_VISIBLE_DEVICES"] = ""
     proc = subprocess.run([*command, f"run.dir={tmp_path}"], capture_output=True, text=True, timeout=900, env=env)
     result = RunResult(proc.returncode, proc.stdout + proc.stderr, 0.0, tmp_path)
     assert proc.returncode == 0, result.output[-5000:]
