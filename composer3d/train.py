@@ -124,6 +124,10 @@ def _main(cfg: DictConfig) -> None:
             raise ConfigError("launch.max_restarts: restarts are the local launcher's; this job was started by "
                               "torchrun, SLURM or submitit. Use torchrun's --max-restarts (or the scheduler's requeue) "
                               "instead")
+        if not cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
+            raise ConfigError(f"checkpoint.resume: {cfg.checkpoint.resume} would not be read: checkpoint.enabled=false "
+                              "turns off loading as well as saving, so training would start from scratch. Use "
+                              "checkpoint.enabled=true to continue from it, or leave checkpoint.resume out")
         if env is None and distributed.in_submitit_job() and cfg.launch.nproc_per_node > 1:
             raise ConfigError(f"launch.nproc_per_node: {cfg.launch.nproc_per_node} processes asked for, but a submitit "
                               "job's ranks are its tasks, one per device, and this job has one. Use "

@@ -183,6 +183,14 @@ def test_resume_after_data_change_is_a_config_error_not_a_bad_checkpoint(tmp_pat
     assert "train.seq_len or train.seed changed" in message and "unreadable" not in run.output
 
 
+def test_resume_with_checkpointing_off_is_refused(tmp_path, checkpoint):
+    """checkpoint.resume=<step> with checkpoint.enabled=false: before, it trained from scratch without a word."""
+    run = train(tmp_path / "run", *FAST, "train.steps=4", "checkpoint.enabled=false", f"checkpoint.resume={checkpoint}",
+                check=False)
+    assert "would not be read" in _refused_once(run, "checkpoint.resume")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 @pytest.mark.parametrize("overrides, fragment", [(["model=nonexistent"], "model/nonexistent"),
                                                  (["train.steps=abc"], "train.steps")])
 def test_hydra_errors_exit_2(tmp_path, overrides, fragment):

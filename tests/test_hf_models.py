@@ -570,19 +570,32 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
                                              "memory.activation_checkpointing=full"],
                    "aux_fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
                                             "parallel.sequence_parallel=true"]}
-    layouts = {"fsdp4": ["parallel.dp_shard=4"], "ep4": ["parallel.dp_shard=4", "parallel.ep=4"],
+    # ep 4 also saves step 2, which ep 2 and ep 1 (FSDP 4) resume to train step 3 (jobs of a group run in turn)
+    step2 = tmp_path / "ep4" / "checkpoints" / "step-00000002"
+    resumed = {"resumed_ep2": ["parallel.dp_shard=4", "parallel.ep=2"], "resumed_ep1": ["parallel.dp_shard=4"]}
+    layouts = {"fsdp4": ["parallel.dp_shard=4"],
+               "ep4": ["parallel.dp_shard=4", "parallel.ep=4", "checkpoint.enabled=true", "checkpoint.interval=2"],
                "fsdp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2"],
                "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"],
                "fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
                                     "parallel.sequence_parallel=true"]}
     runs = train_in_one_group([(tmp_path / name, [*args, *overrides]) for name, overrides in layouts.items()]
-                              + [(tmp_path / name, [*aux_args, *overrides]) for name, overrides in aux_layouts.items()],
-                              nproc=4)
+                              + [(tmp_path / name, [*aux_args, *overrides]) for name, overrides in aux_layouts.items()]
+                              + [(tmp_path / name, [*args, "checkpoint.enabled=true", f"checkpoint.resume={step2}",
+                                                    *overrides])
+                                 for name, overrides in resumed.items()], nproc=4)
     for name, run in zip(layouts, runs):
         _assert_same_training(name, run, one)
+    # the experts' weights and Adam state, saved split over 4 ep ranks, resharded over 2 and over none
+    for name, run in zip(resumed, runs[len(layouts) + len(aux_layouts):]):
+        assert [m["step"] for m in run.metrics] == [3], (name, run.metrics)
+        (record,), single = run.metrics, one.metrics[2]
+        assert abs(record["loss"] - single["loss"]) < 1e-4, (name, record, single)
+        assert record["grad_norm"] == pytest.approx(single["grad_norm"], rel=1e-4), (name, record, single)
+        assert record["expert_load_max"] == pytest.approx(single["expert_load_max"], rel=1e-6), name
     # transformers' router loss (output_router_logits): the same curve and loss under every layout (4 micro-batches
     # of 2 sequences each: accumulated on one process, spread over ranks here), and it changes the training
-    for name, run in zip(aux_layouts, runs[len(layouts):]):
+    for name, run in zip(aux_layouts, runs[len(layouts):len(layouts) + len(aux_layouts)]):
         _assert_same_training(name, run, aux_one)
         for record, single in zip(run.metrics, aux_one.metrics):
             assert record["moe_aux_loss"] == pytest.approx(single["moe_aux_loss"], rel=1e-5), name
