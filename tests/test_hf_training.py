@@ -198,6 +198,7 @@ def test_bad_hf_inputs_fail_before_launch(tmp_path):
     ["parallel.dp_shard=2", "memory.activation_checkpointing=full"],
     ["parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
     ["compile.enabled=true"],
+    ["compile.enabled=true", "memory.activation_checkpointing=selective"],  # the policy traced into the graph
 ])
 def test_activation_checkpointing_and_compile_keep_the_curve(extra, model_dirs, single_process, tmp_path):
     run = train(tmp_path, *HF_FAST, f"model.path={model_dirs['qwen3']}", *extra, nproc=2 if "dp_shard=2" in extra[0] else 1)

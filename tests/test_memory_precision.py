@@ -116,6 +116,7 @@ def assert_effect_and_control(run, reference, switch, layout):
     (["parallel.offload=cpu"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true", "memory.activation_checkpointing=full"], ["parallel.dp_shard=2"], 2, 2),
+    (["compile.enabled=true", "memory.activation_checkpointing=selective"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true"], ["parallel.pp=2"], 2, 4),
 ], ids=_id)
 def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, nproc, layers):
