@@ -63,7 +63,7 @@ def checkpointed_forward(forward, selective: bool, *args, **kwargs):
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
-    """Checkpoint the blocks per ``mode`` (before compile, TP or FSDP are applied); returns how many blocks were
+    """Checkpoint the blocks per ``mode`` (after TP, before compile and FSDP); returns how many blocks were
     checkpointed."""
     if mode == "none":
         return 0
