@@ -23,10 +23,10 @@ from hydra import compose, initialize_config_module
 
 from composer3d.config import register_configs, validate
 from composer3d.data import build_sequences
-from composer3d.distributed import resolve_device
+from composer3d.launch.distributed import resolve_device
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.metrics import memory_breakdown, model_state_bytes
-from composer3d.trainer import Trainer
+from composer3d.training.metrics import memory_breakdown, model_state_bytes
+from composer3d.training.trainer import Trainer
 
 MODELS = {
     "tiny": ["model=tiny", "train.seq_len=128", "train.global_batch_size=8", "train.micro_batch_size=8"],

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 def _worker(rank: int, ep: int, args, store: str, out: dict) -> None:
     import torch.distributed._functional_collectives as funcol
 
-    from composer3d.distributed import shut_down
+    from composer3d.launch.distributed import shut_down
     from composer3d.models.moe import MoE
 
     os.environ["OMP_NUM_THREADS"] = "1"

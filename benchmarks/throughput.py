@@ -39,13 +39,13 @@ from hydra import compose, initialize_config_module
 from omegaconf import DictConfig
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-from composer3d import distributed
 from composer3d.config import register_configs
 from composer3d.data import build_sequences
-from composer3d.flops import embedding_params, flops_per_token, peak_flops
+from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models.llama import Llama
-from composer3d.trainer import Trainer, prepare_rank
+from composer3d.training.flops import embedding_params, flops_per_token, peak_flops
+from composer3d.training.trainer import Trainer, prepare_rank
 
 SHAPES = {
     "cpu": ["model=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
@@ -160,7 +160,7 @@ def measure(build: Callable[[], Callable[[], None]], device: torch.device, warmu
 
 
 def model_flops_per_token(cfg: DictConfig) -> int:
-    """composer3d's convention (``composer3d.flops``: 6·N + 12·L·H·Q·T) for the model both sides train."""
+    """composer3d's convention (``composer3d.training.flops``: 6·N + 12·L·H·Q·T) for the model both sides train."""
     with torch.device("meta"):
         model = Llama(cfg.model)
     attention_width = model.layers["0"].attention.wq.out_features  # H·Q, whatever the config spells out

@@ -1,3 +1,3 @@
-"""composer3d: FSDP2, tensor/sequence parallel and (soon) pipeline parallel composed on one DeviceMesh."""
+"""composer3d: FSDP2, tensor/sequence, pipeline and expert parallel composed on one DeviceMesh (docs/architecture.md)."""
 
 __version__ = "0.1.0"

@@ -22,14 +22,15 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from composer3d import console, distributed, launcher
 from composer3d.checkpoint import META_FILE, load_model_weights
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
+from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
-from composer3d.trainer import Trainer, prepare_rank
+from composer3d.training import console
+from composer3d.training.trainer import Trainer, prepare_rank
 
 
 def check_weights_source(cfg: DictConfig) -> None:

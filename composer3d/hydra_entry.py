@@ -21,8 +21,8 @@ from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from composer3d.distributed import in_submitit_job
 from composer3d.errors import StoppedBySignal
+from composer3d.launch.distributed import in_submitit_job
 
 
 class SweepJobFailed(CompactHydraException):

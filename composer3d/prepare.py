@@ -20,10 +20,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from composer3d import console
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate_data
 from composer3d.data import prepare_corpus
 from composer3d.hydra_entry import hydra_entry_point
+from composer3d.training import console
 
 
 def _main(cfg: DictConfig) -> None:

@@ -4,7 +4,7 @@ Run alone it trains in this process; with ``launch.nproc_per_node > 1`` (or ``la
 config and the data once, then starts that many workers (``launcher``; each runs this module under torchrun's
 environment variables). Under ``-m`` each job of the sweep does the same in its own run directory (Hydra's basic
 launcher: one job after another in this process; hydra/launcher=slurm: each a SLURM job whose tasks are its ranks).
-The step loop itself is the Trainer (``trainer.py``).
+The step and its loop are the Trainer (``training/``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from composer3d import console, distributed, launcher
 from composer3d.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -33,11 +32,13 @@ from composer3d.config import ConfigError, register_configs, resolve_model_confi
 from composer3d.data import PackedSequences, build_sequences, eval_windows
 from composer3d.errors import Exit, StoppedBySignal, TrainingDiverged
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
+from composer3d.launch import distributed, launcher
+from composer3d.launch.preflight import preflight
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.metrics import MetricsSink, local_bytes
 from composer3d.plan.auto import choose_layout
-from composer3d.preflight import preflight
-from composer3d.trainer import Trainer, prepare_rank
+from composer3d.training import console
+from composer3d.training.metrics import MetricsSink, local_bytes
+from composer3d.training.trainer import Trainer, prepare_rank
 
 log = logging.getLogger("composer3d")
 

@@ -121,8 +121,8 @@ def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[R
 def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int]) -> None:
     from hydra import compose, initialize_config_module
 
-    from composer3d import distributed
     from composer3d.config import register_configs, resolve_model_config
+    from composer3d.launch import distributed
     from composer3d.train import run
 
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -146,7 +146,7 @@ def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
 def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
     import torch.distributed as dist
 
-    from composer3d.distributed import shut_down
+    from composer3d.launch.distributed import shut_down
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)

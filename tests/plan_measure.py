@@ -139,11 +139,11 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
 
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
-    from composer3d.distributed import Env, shut_down
-    from composer3d.garbage import StepGarbageCollection
+    from composer3d.launch.distributed import Env, shut_down
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.metrics import model_state_bytes
-    from composer3d.trainer import Trainer, prepare_rank
+    from composer3d.training.garbage import StepGarbageCollection
+    from composer3d.training.metrics import model_state_bytes
+    from composer3d.training.trainer import Trainer, prepare_rank
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
     register_configs()

@@ -21,7 +21,7 @@ from hydra import compose, initialize_config_module
 
 from composer3d.config import ConfigError, register_configs, resolve_model_config
 from composer3d.evaluate import check_weights_source
-from composer3d.preflight import preflight
+from composer3d.launch.preflight import preflight
 
 PREFIX = "composer3d: invalid configuration: "
 
@@ -128,7 +128,7 @@ def test_auto_device_needs_an_accelerator_per_local_process(monkeypatch):
     """launch.device=auto on a machine with one (simulated) CUDA device: one process takes it; four are refused
     before any worker starts (before: the workers past the first failed on a device index that does not exist),
     and so is a worker whose launcher says the node runs four (LOCAL_WORLD_SIZE, as torchrun sets it)."""
-    from composer3d import distributed
+    from composer3d.launch import distributed
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))

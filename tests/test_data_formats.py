@@ -11,9 +11,21 @@ from hf_models import make_model, make_tokenizer
 from omegaconf import OmegaConf
 
 from composer3d.config import ConfigError
-from composer3d.data import (IGNORE_INDEX, ByteTokenizer, GlobalBatchLoader, HFTokenizer, PackedSequences,
-                             build_sequences, build_tokenizer, chat_conversations, check_sources,
-                             conversation_stream, document_positions, document_stream, text_file_documents)
+from composer3d.data import (
+    IGNORE_INDEX,
+    ByteTokenizer,
+    GlobalBatchLoader,
+    HFTokenizer,
+    PackedSequences,
+    build_sequences,
+    build_tokenizer,
+    chat_conversations,
+    check_sources,
+    conversation_stream,
+    document_positions,
+    document_stream,
+    text_file_documents,
+)
 
 DOCS = ["the quick brown fox", "jumps over", "the lazy dog!", "a", "pipeline parallel splits layers"]
 CHATS = [
@@ -315,7 +327,7 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
 
     from composer3d.config import register_configs, validate
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.trainer import Trainer
+    from composer3d.training.trainer import Trainer
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):

@@ -89,8 +89,8 @@ def test_flex_block_mask_gives_the_sdpa_mask_logits(models, monkeypatch):
     native, _ = models
     tokens, positions = _packed()
     fallback = native(tokens, position_ids=positions)
-    monkeypatch.setattr(llama, "_flex_fits", lambda device_type: True)
-    monkeypatch.setattr(llama, "_compiled_flex", (flex_attention, create_block_mask))  # eager: no CPU compile
+    monkeypatch.setattr(llama.attention, "_flex_fits", lambda device_type: True)
+    monkeypatch.setattr(llama.attention, "_compiled_flex", (flex_attention, create_block_mask))  # eager: no CPU compile
     assert isinstance(llama.document_mask(llama.document_ids(positions)), BlockMask)
     flex = native(tokens, position_ids=positions)
     assert (flex - fallback).abs().max() < ATOL

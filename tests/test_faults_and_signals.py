@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 
 from composer3d.checkpoint import META_FILE, committed_checkpoints
 from composer3d.errors import StoppedBySignal
-from composer3d.metrics import MetricsSink
+from composer3d.training.metrics import MetricsSink
 
 SLOW_RANK = "COMPOSER3D_TEST_SLOW_RANK"
 
@@ -101,7 +101,7 @@ def test_sigterm_saves_that_step_and_the_same_command_resumes_exactly_then_refus
 def _agree_on_stop(rank: int, world_size: int, out: Path) -> None:
     from datetime import timedelta
 
-    from composer3d.trainer import StopSignals
+    from composer3d.launch.stop_signals import StopSignals
 
     signals = StopSignals(timedelta(minutes=1))
     verdicts = []

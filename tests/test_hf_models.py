@@ -90,7 +90,7 @@ def _check_forward(rank, world_size, models, references, parallel):
 
 
 def _build_and_compare(world_size, arch, path, reference, parallel):
-    from composer3d.assemble import build_parallel_model
+    from composer3d.training.assemble import build_parallel_model
     from composer3d.layout import ParallelMesh, layout_from_degrees
 
     cfg = train_config(path, **parallel)
@@ -137,7 +137,7 @@ def test_tensor_parallel_with_an_unknown_style_is_refused_and_without_a_plan_tak
     from transformers import AutoConfig
 
     from composer3d.config import ConfigError
-    from composer3d.models.hf_tensor_parallel import LLAMA_LAYOUT_TP_PLAN, tp_plan
+    from composer3d.models.hf.tensor_parallel import LLAMA_LAYOUT_TP_PLAN, tp_plan
 
     no_plan = _with_plan(tmp_path / "none", {})
     validate(train_config(no_plan, dp_shard=2), 2)  # FSDP/PP need no plan
@@ -161,7 +161,7 @@ def test_model_without_a_plan_still_trains_with_fsdp_and_pp(tmp_path):
 def _count_reads(rank, world_size, path, parallel, results):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from composer3d.assemble import build_parallel_model
+    from composer3d.training.assemble import build_parallel_model
     from composer3d.layout import ParallelMesh, layout_from_degrees
 
     read = {"elements": 0}
@@ -215,7 +215,7 @@ def test_hub_id_resolves_from_the_local_cache_only(tmp_path):
 def test_the_forward_check_passes_every_tested_architecture(models):
     """The check the launcher runs before training (a tiny replica of config.json, composer3d's forward against
     transformers'): every architecture above passes it, and under tp=2 so does StableLM's derived plan."""
-    from composer3d.models.hf_forward_check import check_forward_matches_transformers
+    from composer3d.models.hf.forward_check import check_forward_matches_transformers
 
     for path in models.values():
         check_forward_matches_transformers(train_config(path).model, tensor_parallel=2)
@@ -242,8 +242,8 @@ def test_embedding_and_logit_scalings_are_applied_as_each_family_does(tmp_path, 
     """Granite divides its logits by logits_scaling, HyperCLOVA X multiplies by the same key, Cohere multiplies by
     logit_scale: composer3d applies each, and the check sees it — without the table every one of them fails."""
     from composer3d.errors import ConfigError
-    from composer3d.models import hf
-    from composer3d.models.hf_forward_check import check_forward_matches_transformers
+    from composer3d.models.hf import model as hf
+    from composer3d.models.hf.forward_check import check_forward_matches_transformers
 
     configs = {arch: train_config(_tiny_config_dir(tmp_path / arch, arch, **fields)).model
                for arch, fields in SCALED.items()}
@@ -264,8 +264,8 @@ def test_a_llama_layout_without_a_tp_plan_gets_the_llama_plan_checked_and_others
     from transformers import AutoConfig
 
     from composer3d.errors import ConfigError
-    from composer3d.models import hf_forward_check
-    from composer3d.models.hf_tensor_parallel import tensor_parallel_problem
+    from composer3d.models.hf import forward_check as hf_forward_check
+    from composer3d.models.hf.tensor_parallel import tensor_parallel_problem
 
     stablelm = train_config(models["stablelm"]).model
     assert not getattr(AutoConfig.from_pretrained(models["stablelm"]), "base_model_tp_plan", None)
@@ -322,8 +322,8 @@ def _check_moe_forward_and_reads(rank, world_size, models, references):
     splits attention and leaves the experts whole, all of them)."""
     from torch.distributed.tensor import DTensor
 
-    from composer3d.models.hf_experts import EXPERT_PARALLEL
-    from composer3d.models.hf_weights import ExpertFiles
+    from composer3d.models.hf.experts import EXPERT_PARALLEL
+    from composer3d.models.hf.weights import ExpertFiles
     from composer3d.models.moe import local
 
     read = {"elements": 0}
@@ -353,7 +353,7 @@ def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_an
     """transformers saves each expert's weights as tensors of their own and fuses them while loading: composer3d
     maps them by transformers' conversion mapping and gives transformers' logits, whole and split."""
     from composer3d.models import build_model
-    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.hf.weights import load_pretrained
     from composer3d.models.init import materialize
 
     for arch, path in moe_models.items():
@@ -373,9 +373,9 @@ def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_p
     from transformers import AutoModelForCausalLM
 
     from composer3d.models import build_model
-    from composer3d.models.hf import hf_expert_modules
-    from composer3d.models.hf_experts import count_routing
-    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.hf.experts import hf_expert_modules
+    from composer3d.models.hf.experts import count_routing
+    from composer3d.models.hf.weights import load_pretrained
     from composer3d.models.init import materialize
     from composer3d.models.moe import routing_unrecorded
 
@@ -426,7 +426,7 @@ def test_router_loss_is_transformers_own(moe_models, tmp_path):
 
     from composer3d.config import ConfigError
     from composer3d.models import build_model
-    from composer3d.models.hf_weights import load_pretrained
+    from composer3d.models.hf.weights import load_pretrained
     from composer3d.models.init import materialize
 
     tokens = _tokens()
@@ -469,7 +469,7 @@ def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_model
 
     from composer3d.config import ConfigError
     from composer3d.models import build_model
-    from composer3d.models.hf_weights import check_pretrained, load_pretrained
+    from composer3d.models.hf.weights import check_pretrained, load_pretrained
     from composer3d.models.init import materialize
 
     fused = tmp_path / "fused"

@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 
 from composer3d.checkpoint import committed_checkpoints
 from composer3d.config import ConfigError, register_configs, validate
-from composer3d.launcher import LOCK_FILE
+from composer3d.launch.launcher import LOCK_FILE
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
 

@@ -165,8 +165,8 @@ def test_hugging_face_experts_under_expert_parallel_compute_as_transformers(monk
     from hf_models import hf_config
     from transformers import AutoModelForCausalLM
 
-    from composer3d.models import hf_experts
-    from composer3d.models.hf import hf_expert_modules
+    from composer3d.models.hf import experts as hf_experts
+    from composer3d.models.hf.experts import hf_expert_modules
 
     torch.manual_seed(0)
     experts = hf_expert_modules(AutoModelForCausalLM.from_config(hf_config("qwen3_moe")))[0]

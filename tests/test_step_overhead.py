@@ -9,12 +9,12 @@ from harness import FAST, spawn, train
 from hydra import compose, initialize_config_module
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from composer3d import loss as loss_module
 from composer3d.config import ConfigError, register_configs, validate
 from composer3d.data import IGNORE_INDEX
-from composer3d.flops import flops_per_token, peak_flops
-from composer3d.loss import cross_entropy_sum
-from composer3d.optim import build_optimizer
+from composer3d.training import loss as loss_module
+from composer3d.training.flops import flops_per_token, peak_flops
+from composer3d.training.loss import cross_entropy_sum
+from composer3d.training.optim import build_optimizer
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
     from torch.distributed.tensor import DTensor
 
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.trainer import Trainer, prepare_rank
+    from composer3d.training.trainer import Trainer, prepare_rank
 
     cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
                        *overrides])
@@ -157,7 +157,7 @@ def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
 
 
 def _env(rank, world_size):
-    from composer3d.distributed import Env
+    from composer3d.launch.distributed import Env
 
     return Env(rank=rank, local_rank=rank, world_size=world_size)
 
@@ -183,8 +183,8 @@ def _garbage_collection_worker(rank, world_size, gc_every, steps, out):
 
     from composer3d.data import build_sequences
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.metrics import MetricsSink
-    from composer3d.trainer import Trainer, prepare_rank
+    from composer3d.training.metrics import MetricsSink
+    from composer3d.training.trainer import Trainer, prepare_rank
 
     cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
                        "parallel.dp_shard=2", f"train.steps={steps}", f"train.gc_every={gc_every}"])

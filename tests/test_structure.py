@@ -76,7 +76,7 @@ def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_package_has_no_import_cycle():
     graph = _import_graph()
-    assert "composer3d.trainer" in graph and "composer3d.config.checks" in graph, "the walk found the modules"
+    assert "composer3d.training.trainer" in graph and "composer3d.config.checks" in graph, "the walk found the modules"
     cycle = _find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -94,5 +94,101 @@ def test_errors_sit_at_the_bottom():
 
 def test_a_submodule_import_runs_its_package():
     """`from composer3d.parallel.pipeline import x` runs composer3d/parallel/__init__.py: a dependency too."""
-    assert "composer3d.parallel" in _import_graph()["composer3d.config.checks"]
+    assert "composer3d.parallel" in _import_graph()["composer3d.config.checks.layout"]
     assert "composer3d.data" not in _import_graph()["composer3d.data.corpus"], "its own package is not"
+
+
+# The house (issue 26): the rooms say what they hold, model families sit behind one door.
+MAX_MODULE_LINES = 350
+MAX_ROOT_MODULES = 12
+HF = "composer3d.models.hf"
+
+
+def _importers_of_inner_modules(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """Modules outside ``package`` that import one of its inner modules (not its ``__init__``)."""
+    found = {}
+    for module, imported in graph.items():
+        inner = {name for name in imported if name.startswith(package + ".")}
+        if inner and not module.startswith(package + ".") and module != package:
+            found[module] = inner
+    return found
+
+
+def test_no_module_is_over_350_lines():
+    long = {str(path.relative_to(PACKAGE_DIR)): n for path in PACKAGE_DIR.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
+
+
+def test_the_package_root_holds_at_most_a_dozen_modules():
+    root = sorted(path.name for path in PACKAGE_DIR.glob("*.py"))
+    assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules directly in composer3d/: {root}"
+
+
+def test_hugging_face_code_is_reached_only_through_its_package():
+    """Outside models/ and convert/ nothing imports composer3d.models.hf at all but through its ``__init__``, and
+    the trainer's and parallel/'s code imports none of it: the model interface (models.interface) is their door."""
+    graph = _import_graph()
+    assert HF in graph and f"{HF}.model" in graph, "models/hf/ is a package"
+    strays = {module: inner for module, inner in _importers_of_inner_modules(graph, HF).items()
+              if not module.startswith(("composer3d.models.", "composer3d.convert."))}
+    assert not strays, f"inner modules of {HF} imported from outside models/ and convert/: {strays}"
+    family_blind = [m for m in graph if m.startswith(("composer3d.training.", "composer3d.parallel"))]
+    knowing = {m: sorted(n for n in graph[m] if n == HF or n.startswith(HF + ".")) for m in family_blind}
+    assert not {m: n for m, n in knowing.items() if n}, "the trainer and parallel/ import Hugging Face code"
+
+
+def test_the_door_checks_can_fail():
+    """The inner-module finder reports an import that bypasses a package's ``__init__``."""
+    graph = {"a.x": {"p.inner"}, "p.inner": set(), "p": {"p.inner"}, "a.y": {"p"}}
+    assert _importers_of_inner_modules(graph, "p") == {"a.x": {"p.inner"}}
+
+
+ARCHITECTURE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
+
+
+def _mapped_modules(page: str) -> set[str]:
+    """The modules the page's package map names: the first code block after "## The package map", two spaces of
+    indent a level, ``name/`` a package (its ``__init__.py``), ``name.py`` a module."""
+    block = page.split("## The package map", 1)[1].split("```", 2)[1]
+    paths, folders = set(), []
+    for line in block.splitlines()[1:]:
+        if not line.strip():
+            continue
+        depth, name = (len(line) - len(line.lstrip())) // 2, line.split()[0]
+        folders = folders[:depth]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+            paths.add("/".join(folders[1:] + ["__init__.py"]))
+        else:
+            paths.add("/".join(folders[1:] + [name]))
+    return paths
+
+
+def test_the_architecture_page_maps_every_module():
+    """docs/architecture.md's package map is the package as it stands: a module added, moved or removed without the
+    page fails here (and so does a page naming a module that is not there)."""
+    mapped = _mapped_modules(ARCHITECTURE_PAGE.read_text())
+    actual = {str(path.relative_to(PACKAGE_DIR)) for path in PACKAGE_DIR.rglob("*.py")}
+    assert mapped == actual, (f"on the page, not in the package: {sorted(mapped - actual)}; "
+                              f"in the package, not on the page: {sorted(actual - mapped)}")
+
+
+def test_the_map_reader_follows_the_indentation():
+    page = "## The package map\n```\npkg/  root\n  a.py  x\n  sub/  y\n    b.py  z\n  c.py\n```\n"
+    assert _mapped_modules(page) == {"__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "c.py"}
+
+
+def _folder_of(module: str) -> str:
+    """``composer3d.training.loop`` → ``training``; a root module is a folder of its own."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_the_folders_are_layers():
+    """Between the package's folders (and root modules) no cycle either: each imports only those below it."""
+    graph: dict[str, set[str]] = {}
+    for module, imported in _import_graph().items():
+        folder = _folder_of(module)
+        graph.setdefault(folder, set()).update(_folder_of(name) for name in imported if _folder_of(name) != folder)
+    cycle = _find_cycle(graph)
+    assert cycle is None, "folders import each other: " + " -> ".join(cycle)

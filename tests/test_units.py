@@ -7,13 +7,13 @@ import torch
 from harness import spawn
 from omegaconf import OmegaConf
 
-from composer3d import distributed
 from composer3d.config import TrainConfig
+from composer3d.launch import distributed
 from composer3d.layout import Layout, ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.init import materialize
-from composer3d.optim import lr_multiplier
 from composer3d.parallel import parallelize
+from composer3d.training.optim import lr_multiplier
 
 # Uneven on purpose: vocab 514 and ffn 90 leave FSDP shards of different sizes (and empty-free but short last ranks).
 UNEVEN = dict(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=514, ffn_hidden_dim=90,

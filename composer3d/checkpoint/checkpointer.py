@@ -14,12 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-from composer3d.config import ConfigError
-from composer3d.dtypes import DTYPES
-from composer3d.optim import restore_configured_settings
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from composer3d.checkpoint.format import (
     FORMAT_VERSION,
@@ -37,6 +33,8 @@ from composer3d.checkpoint.format import (
     read_meta,
 )
 from composer3d.checkpoint.rng import rng_state, set_rng_state
+from composer3d.config import ConfigError
+from composer3d.dtypes import DTYPES
 
 log = logging.getLogger("composer3d")
 
@@ -216,7 +214,7 @@ class Checkpointer:
         if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
             scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
         t.scheduler.load_state_dict(scheduler_state)
-        changed = restore_configured_settings(t.optimizer, t.scheduler, t.optimizer_settings)
+        changed = t.restore_configured_settings()
         if changed:
             log.warning("resuming with other optimizer settings than the checkpoint's: %s; this run's values apply "
                         "from step %d on (as config.yaml says)", ", ".join(changed), meta["step"] + 1)

@@ -196,7 +196,7 @@ class ClusterConfig:
     gpus_per_node: int = 8  # devices per machine (composer3d-train: launch.nproc_per_node)
     device: str = "h100"  # h100 | h200 | b200 | a100 | mi300x | l40s | cpu: memory, peak FLOP/s, link bandwidths
     memory_gib: float | None = None  # usable memory per device; None: the table's (cpu: host memory / gpus_per_node)
-    peak_tflops: float | None = None  # dense peak for the compute dtype; None: composer3d.flops' table
+    peak_tflops: float | None = None  # dense peak for the compute dtype; None: composer3d.training.flops' table
     intra_node_gbps: float | None = None  # GB/s per device within a node (NVLink...); None: the table's
     inter_node_gbps: float | None = None  # GB/s per device across nodes (its network share); None: the table's
     achievable_fraction: float = 0.6  # of peak FLOP/s a transformer step's compute reaches (one value, all layouts)
@@ -227,7 +227,7 @@ class LoggingConfig:
     tensorboard: bool = False  # write TensorBoard events to <run.dir>/tensorboard
     progress_bar: bool = True  # on a terminal; off one (SLURM logs, pipes) each logged step is one plain line
     memory_breakdown: bool = False  # measure step 2's peak memory by category (activations, params, …) into run.json
-    # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.flops' table by device name (the CPU
+    # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.training.flops' table by device name (the CPU
     # and unlisted devices get TFLOP/s only)
     peak_tflops: float | None = None
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-from composer3d.dtypes import DTYPES
 from composer3d.convert.common import HF_INDEX, ConvertError, model_config
 from composer3d.convert.mixtral import (
     mixtral_config_from_native,
@@ -16,6 +15,7 @@ from composer3d.convert.mixtral import (
     mixtral_state_from_native,
     native_names,
 )
+from composer3d.dtypes import DTYPES
 
 
 def _read_checkpoint_meta(path: Path) -> dict:
@@ -108,7 +108,7 @@ def _copy_hf_model_files(source: str | None, out: Path, dtype: str) -> list[Path
     """config.json (dtype updated), tokenizer and generation config of the directory the run trained from."""
     import shutil
 
-    from composer3d.models.hf_weights import export_files
+    from composer3d.models.hf import export_files
 
     if not source or not Path(source, "config.json").is_file():
         raise ConvertError(f"the checkpoint was trained from {source!r}, which no longer holds config.json; its "
@@ -158,8 +158,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
 def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
     """A ``model=hf`` checkpoint's tensors under the names and in the form transformers' save_pretrained writes them
     (a mixture of experts' fused parameters split into one tensor per expert, by transformers' own mapping)."""
-    from composer3d.models.hf import load_hf_config
-    from composer3d.models.hf_conversion import to_checkpoint_names
+    from composer3d.models.hf import load_hf_config, to_checkpoint_names
 
     state = to_checkpoint_names(load_hf_config(model_fields["path"]), load_hf_model_state(checkpoint, model_fields))
     written = {}

@@ -72,6 +72,9 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 class GroupedExperts(nn.Module):
     """``experts`` SwiGLU experts as stacked weights: w1, w3 [experts, hidden, dim], w2 [experts, dim, hidden]."""
 
+    # The dim tensor parallel splits in each weight: the hidden width (``models.interface.ComposerModel``).
+    tp_dims = {"w1": 1, "w3": 1, "w2": 2}
+
     def __init__(self, experts: int, dim: int, hidden_dim: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(experts, hidden_dim, dim))
@@ -262,7 +265,7 @@ def recorded_forward(module: nn.Module) -> bool:
 
 def routing_counters(model: nn.Module) -> list[nn.Module]:
     """``model``'s modules that count the tokens routed to each expert (``routed_tokens``, while ``recording``): its
-    MoE layers, and transformers' experts modules once ``hf_experts.count_routing`` gave them the count."""
+    MoE layers, and transformers' experts modules once ``track_routing`` gave them the count."""
     return [m for m in model.modules() if hasattr(m, "routed_tokens")]
 
 

@@ -17,7 +17,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from composer3d.dtypes import DTYPES
 from composer3d.layout import ParallelMesh
-from composer3d.parallel.experts import routed_experts
 
 
 def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:
@@ -72,7 +71,7 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
         wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
             reshard_policy, zero_stage, mesh.layout.pp))
     if mesh.layout.ep > 1:
-        for experts in routed_experts(model):
+        for experts in model.routed_experts():
             wrap_block(experts, mesh=mesh.expert_dp)
     for block in model.layers.values():
         wrap_block(block)

@@ -1,7 +1,7 @@
 """A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put together.
 
 Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is the rank's
-model FLOPs (6·N + 12·L·H·Q·T per token, composer3d.flops' convention) plus recomputation (full checkpointing
+model FLOPs (6·N + 12·L·H·Q·T per token, composer3d.training.flops' convention) plus recomputation (full checkpointing
 reruns each block's forward: +1/3 of its FLOPs), at ``cluster.achievable_fraction`` of the device's dense peak —
 one number for all layouts and models, not a fit per row. Exposed communication: TP/SP, pipeline sends and
 ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus

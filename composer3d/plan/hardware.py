@@ -1,4 +1,4 @@
-"""Accelerators and links: memory, dense peak FLOP/s (composer3d.flops' table) and the bandwidths collectives get.
+"""Accelerators and links: memory, dense peak FLOP/s (composer3d.training.flops' table) and the bandwidths collectives get.
 
 Bandwidths are per GPU, one direction, as NCCL's bus bandwidth reports them for large messages (roughly 80% of the
 link's rate): intra-node over NVLink / Infinity Fabric, inter-node over the GPU's share of the network
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from composer3d.flops import PEAK_FLOPS
+from composer3d.training.flops import PEAK_FLOPS
 
 GB = 1e9
 GIB = 2**30
@@ -20,7 +20,7 @@ GIB = 2**30
 @dataclass(frozen=True)
 class Device:
     memory_bytes: float  # what the framework can allocate (the card's memory less the driver's/context's share)
-    flops_key: str  # the row of composer3d.flops.PEAK_FLOPS
+    flops_key: str  # the row of composer3d.training.flops.PEAK_FLOPS
     intra_node_bw: float  # bytes/s per GPU
     inter_node_bw: float  # bytes/s per GPU
 
@@ -65,7 +65,7 @@ def host_memory_bytes() -> float:
 
 
 def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
-    """``c``: the ``cluster`` config section (device names are checked by config/checks.py)."""
+    """``c``: the ``cluster`` config section (device names are checked by plan/validation.py)."""
     device = DEVICES[c.device]
     dtype = ("float32" if c.device == "cpu" else "bfloat16") if param_dtype == "auto" else param_dtype
     if c.peak_tflops:

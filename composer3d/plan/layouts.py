@@ -2,8 +2,9 @@
 
 The knobs: degrees (pp, dp_replicate, dp_shard, tp; ep for mixture-of-experts models), ZeRO stage, sequence
 parallel, pipeline schedule and stages per rank, micro-batch size (hence micro-batches per step), activation
-checkpointing. The global batch and sequence length are the run's (training hyperparameters, not layout). Validity follows config/checks.py; the chosen layouts
-are run through ``validate`` itself before they are used (``apply_to_config``).
+checkpointing. The global batch and sequence length are the run's (training hyperparameters, not layout). Validity
+follows config/checks/ (layout.py, and training.py for batches and activation checkpointing); the chosen layouts are
+run through ``validate`` itself before they are used (``apply_to_config``).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ divided by ep and FSDP-sharded over dp_shard / ep.
 
 Activations follow Korthikanti et al. (2022) in form — saved tensors per token per layer, split by tp, the norm and
 residual part also by SP, a block input only under full checkpointing — with the terms read from composer3d's own
-block (models/llama.py) and verified by tests/test_plan.py's measurements: per token and layer the block keeps its
+block (models/llama/) and verified by tests/test_plan.py's measurements: per token and layer the block keeps its
 input, the two norm outputs and the attention residual (4·h), q's projection and rotation, attention's output and
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
@@ -28,7 +28,7 @@ from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adamw_8bit": 2, "adamw_4bit": 1, "adamw_fp8": 2}  # per parameter
-LOSS_CHUNK_ELEMENTS = 2**25  # composer3d.loss.CHUNK_ELEMENTS
+LOSS_CHUNK_ELEMENTS = 2**25  # composer3d.training.loss.CHUNK_ELEMENTS
 
 
 @dataclass(frozen=True)

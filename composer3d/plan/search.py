@@ -1,5 +1,5 @@
 """Every valid layout for a world size, predicted, those that fit kept, ranked by throughput; the first validated by
-composer3d's own checks (config/checks.py) before it is used."""
+composer3d's own checks (config/checks/) before it is used."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The keys composer3d-plan and parallel=auto read beyond a training config's (kept with the planner: config/checks.py
+"""The keys composer3d-plan and parallel=auto read beyond a training config's (kept with the planner: config/checks/
 sits below it)."""
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from composer3d import loss as loss_module
-from composer3d.metrics import local_bytes
 from composer3d.parallel.activation import checkpointed_forward
-from composer3d.trainer import Trainer
+from composer3d.training import loss as loss_module
+from composer3d.training.metrics import local_bytes
+from composer3d.training.trainer import Trainer
 
 _DIR = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
 # dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through ``dist``)

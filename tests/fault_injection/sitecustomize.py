@@ -52,7 +52,7 @@ if _KILL_DURING_SAVE:
 if _SLOW_RANK:
     import time
 
-    from composer3d.trainer import Trainer
+    from composer3d.training.trainer import Trainer
 
     _slow_rank, _slow_from = (int(x) for x in _SLOW_RANK.split(":")[:2])
     _slow_seconds = float(_SLOW_RANK.split(":")[2])
@@ -66,7 +66,7 @@ if _SLOW_RANK:
     Trainer.train_step = _slow_train_step
 
 if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-    from composer3d.trainer import Trainer
+    from composer3d.training.trainer import Trainer
 
     _step_at, _rank_at = (int(x) for x in _KILL_AT_STEP.split(":"))
     _train_step = Trainer.train_step
@@ -80,7 +80,7 @@ if _KILL_AT_STEP and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
 
 if _DIVERGE_AT_STEP:
     from composer3d.errors import TrainingDiverged
-    from composer3d.trainer import Trainer
+    from composer3d.training.trainer import Trainer
 
     _diverge_step, _diverge_rank = (int(x) for x in _DIVERGE_AT_STEP.split(":"))
     _step_or_diverge = Trainer.train_step

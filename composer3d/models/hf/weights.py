@@ -1,5 +1,5 @@
 """Weights of Hugging Face models: safetensors read straight into each rank's shards (per-expert tensors stacked
-into the fused parameters transformers builds, by ``hf_conversion``), checked against the model first; the files
+into the fused parameters transformers builds, by ``conversion``), checked against the model first; the files
 that travel with exported weights.
 """
 
@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf_conversion import CheckpointMap, Fused, map_checkpoint
+from composer3d.models.hf.conversion import CheckpointMap, Fused, map_checkpoint
 
 if TYPE_CHECKING:
-    from composer3d.models.hf import HFCausalLM
+    from composer3d.models.hf.model import HFCausalLM
 
 
 def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:

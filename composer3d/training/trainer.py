@@ -1,4 +1,5 @@
-"""The Trainer: one rank's model, optimizer, data and step loop, under any layout (``train.py`` is the CLI).
+"""The Trainer: one rank's model, optimizer, data and step, under any layout (``train.py`` is the CLI; the loop
+around the step is ``loop``, its metrics' read-back ``readback``).
 
 One step: the global batch is fixed by the seed; this data-parallel rank takes its slice and runs it as
 micro-batches (gradient accumulation). Each micro-batch's summed token loss is divided by the count of targets
@@ -8,21 +9,14 @@ the logged loss — are the same under every layout. The batch's position_ids go
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import signal
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from composer3d import distributed
-from composer3d.assemble import build_parallel_model
-from composer3d.checkpoint import Checkpointer
+from composer3d.training.assemble import build_parallel_model
 from composer3d.config import pipeline_microbatches, validate, validate_for_device
 from composer3d.data import (
     IGNORE_INDEX,
@@ -33,29 +27,19 @@ from composer3d.data import (
     eval_result,
     window_batches,
 )
-from composer3d.console import human_bytes
-from composer3d.errors import StoppedBySignal, TrainingDiverged
-from composer3d.expert_load import ExpertLoad
-from composer3d.flops import peak_flops
-from composer3d.garbage import StepGarbageCollection
-from composer3d.grad import clip_grad_norm_
+from composer3d.errors import TrainingDiverged
+from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
-from composer3d.loss import cross_entropy_sum
-from composer3d.metrics import (
-    MetricsSink,
-    Throughput,
-    max_over_ranks,
-    memory_breakdown,
-    model_state_bytes,
-    peak_memory_bytes,
-)
-from composer3d.models.hf import expert_count, hf_expert_modules, load_hf_config
-from composer3d.models.hf_experts import count_routing
-from composer3d.models.llama import is_moe_layer
-from composer3d.optim import build_optimizer, build_scheduler, configured_settings
 from composer3d.parallel.pipeline import build_schedule
-from composer3d.precision import DynamicLossScaler
-from composer3d.stop_signals import StopSignals
+from composer3d.training.expert_load import ExpertLoad
+from composer3d.training.flops import peak_flops
+from composer3d.training.grad import clip_grad_norm_
+from composer3d.training.loop import train_loop
+from composer3d.training.loss import cross_entropy_sum
+from composer3d.training.metrics import MetricsSink, Throughput
+from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
+from composer3d.training.precision import DynamicLossScaler
+from composer3d.training.readback import window_records
 
 log = logging.getLogger("composer3d")
 
@@ -204,29 +188,9 @@ class Trainer:
         return metrics
 
     def read_back(self, pending: list[tuple[int, dict]], window_start: float) -> list[dict]:
-        """The logging window's records: the steps' losses summed over the mesh in one collective, then read
-        back with the gradient norms and peak memory in one host sync; times are the window's average."""
-        losses = torch.stack([metrics["loss"] for _, metrics in pending])
-        dist.all_reduce(losses, group=self.mesh.loss.get_group())
-        if self.pipeline is not None:  # only the last stage's ranks hold it; the others add zero
-            dist.all_reduce(losses, group=self.mesh["pp"].get_group())
-        peak = torch.tensor([peak_memory_bytes(self.device)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending])
-        values = torch.cat([losses.double(), norms.double(), peak]).tolist()
-        experts = self.expert_load.read(len(pending)) if self.expert_load is not None else {}
-        step_time = (time.perf_counter() - window_start) / len(pending)
-        records = []
-        for i, (step, metrics) in enumerate(pending):
-            tokens_per_s = metrics["tokens"] / step_time
-            records.append({
-                "step": step, "loss": _finite_or_none(values[i]),
-                "grad_norm": _finite_or_none(values[len(pending) + i]), "lr": metrics["lr"],
-                "tokens_per_s": tokens_per_s, "step_time_s": step_time, "peak_mem_bytes": int(values[-1]),
-                **self.throughput.of(tokens_per_s), **experts,
-                **{k: metrics[k] for k in ("loss_scale", "skipped_steps", "nonfinite_skipped_steps") if k in metrics},
-                **({"update_skipped": True} if metrics["update_skipped"] else {})})
-        return records
+        """The logging window's records, reduced over the mesh and read back in one host sync (``readback``)."""
+        return window_records(pending, window_start, self.mesh, self.device, self.pipeline is not None,
+                              self.expert_load, self.throughput)
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
@@ -279,118 +243,22 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
         return eval_result(loss_sum.item(), int(count.item()))
 
-    def fit(self, sink: MetricsSink, checkpointer: Checkpointer | None) -> None:
-        """Train from ``self.step`` to train.steps; SIGTERM/SIGUSR1 stop it early at a step boundary (``StopSignals``),
-        raising StoppedBySignal once that step's checkpoint is committed."""
-        if self.step == self.cfg.train.steps:
-            log.info("already finished: step %d of train.steps=%d; nothing to train", self.step, self.step)
-        signals = StopSignals(timedelta(minutes=self.cfg.launch.timeout_minutes))
-        try:
-            with StepGarbageCollection(self.cfg.train.gc_every) as garbage:
-                self._fit(sink, checkpointer, signals, garbage)
-        finally:
-            signals.restore()
+    def restore_configured_settings(self) -> list[str]:
+        """After a checkpoint load: this run's optimizer settings over the checkpoint's; returns what changed."""
+        return restore_configured_settings(self.optimizer, self.scheduler, self.optimizer_settings)
 
-    def _fit(self, sink: MetricsSink, checkpointer: Checkpointer | None, signals: StopSignals,
-             garbage: StepGarbageCollection) -> None:
-        cfg = self.cfg
-        run_info = {
-            "layout": self.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
-            "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
-            "num_params": self.num_params, "device": self.device.type,
-            **({"num_active_params": self.active_params} if self.active_params != self.num_params else {}),
-            "accumulation_steps": self.accumulation_steps, "flops_per_token": self.throughput.flops_per_token,
-            "peak_flops_per_device": self.throughput.peak, **self.run_info_extra,
-        }
-        pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
-        window_start = time.perf_counter()
-        while self.step < cfg.train.steps:
-            # The second step is the steady state (optimizer state exists): measure it when asked.
-            measure = cfg.logging.memory_breakdown and "model_state_bytes_per_rank" in run_info \
-                and "memory_breakdown_bytes_per_rank" not in run_info
-            with memory_breakdown(self.model, self.optimizer) if measure else contextlib.nullcontext(({}, None)) \
-                    as (breakdown, self.memory_tracker):
-                metrics = self.train_step()
-            self.memory_tracker = None
-            if measure:
-                run_info["memory_breakdown_bytes_per_rank"] = {
-                    k: int(max_over_ranks(v, self.device)) for k, v in sorted(breakdown.items())}
-                sink.write_run_info(run_info)
-            if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
-                run_info["model_state_bytes_per_rank"] = int(
-                    max_over_ranks(model_state_bytes(self.model, self.optimizer), self.device))
-                sink.write_run_info(run_info)
-                log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
-                         human_bytes(run_info["model_state_bytes_per_rank"]))
-            self.zero_grad()
-            garbage.after_step(self.step)
-            pending.append((self.step, metrics))
-            last = self.step == cfg.train.steps
-            stop = 0 if last else signals.agreed()  # the last step ends the run anyway
-            every = cfg.train.eval_every
-            evaluating = bool(every) and self.eval_windows is not None and (self.step % every == 0 or last)
-            saving = checkpointer is not None and (checkpointer.due(self.step) or bool(stop))
-            if checkpointer is not None:
-                checkpointer.poll()
-            if not (self.step % cfg.logging.log_every == 0 or last or evaluating or saving or stop):
-                continue
-            records = self.read_back(pending, window_start)
-            pending = []
-            diverged = next((r for r in records if "update_skipped" not in r
-                             and (r["loss"] is None or r["grad_norm"] is None)), None)
-            if diverged is not None:  # before any evaluation or checkpoint of this state
-                sink.log(records, to_console=True)
-                raise TrainingDiverged(
-                    f"step {diverged['step']}: the loss or gradient norm is not finite (NaN/inf) and "
-                    "train.on_nonfinite=stop: stopped without saving this state; the last checkpoint written "
-                    "before it is kept. Lower optim.lr or resume from that checkpoint, or set "
-                    "train.on_nonfinite=skip to drop such updates")
-            if evaluating:
-                evaluated = self.evaluate(self.eval_windows)
-                records[-1].update(eval_loss=evaluated["loss"], eval_perplexity=evaluated["perplexity"])
-            if saving:
-                started = time.perf_counter()
-                checkpointer.save(self.step)
-                records[-1]["checkpoint_blocked_s"] = time.perf_counter() - started  # training waited this long
-            sink.log(records, to_console=self.step % cfg.logging.log_every == 0 or last)
-            if stop:
-                self._stop(stop, checkpointer, signals)
-            window_start = time.perf_counter()
-        if checkpointer is not None:
-            checkpointer.wait()
-        signals.finish()
-
-    def _stop(self, signum: int, checkpointer: Checkpointer | None, signals: StopSignals) -> None:
-        """End the run at this step for a stop signal, its checkpoint (just started) committed first."""
-        if checkpointer is not None:
-            checkpointer.wait()
-            saved = f"checkpoint step-{self.step:08d} saved"
-        else:
-            saved = f"step {self.step}, nothing saved (checkpoint.enabled=false)"
-        signals.finish()
-        message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued"
-        log.info("%s (exit code %d)", message, StoppedBySignal.EXIT_CODE)
-        raise StoppedBySignal(message)
+    def fit(self, sink: MetricsSink, checkpointer) -> None:
+        """Train from ``self.step`` to train.steps, logging, evaluating, saving (``checkpointer``: a
+        ``checkpoint.Checkpointer``, or None) and stopping on signals (``loop``)."""
+        train_loop(self, sink, checkpointer)
 
 
 def _expert_load(cfg: DictConfig, model: torch.nn.Module, mesh: ParallelMesh, device: torch.device) -> ExpertLoad | None:
     """The load metrics of a mixture-of-experts model (and, for composer3d's own, its balancing); None if dense."""
-    batch = cfg.train.global_batch_size
-    if cfg.model.name == "llama" and cfg.model.moe.experts > 0:
-        moe_layers = sum(is_moe_layer(cfg.model, i) for i in range(cfg.model.n_layers))
-        return ExpertLoad(model, cfg.model.moe.experts, batch, mesh, device, balancing=(cfg.model.moe, moe_layers))
-    if cfg.model.name == "hf":
-        experts = expert_count(load_hf_config(cfg.model.path))
-        if experts:
-            count_routing(hf_expert_modules(model), device)
-            return ExpertLoad(model, experts, batch, mesh, device, router_loss=getattr(model, "router_loss", None),
-                              micro_batch_size=cfg.train.micro_batch_size)
-    return None
-
-
-def _finite_or_none(value: float) -> float | None:
-    """metrics.jsonl is strict JSON, which has no NaN or infinity: such values are written as null."""
-    return value if math.isfinite(value) else None
+    routing = model.track_routing(device)
+    if routing is None:
+        return None
+    return ExpertLoad(model, routing, cfg.train.global_batch_size, mesh, device, cfg.train.micro_batch_size)
 
 
 def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[dict, torch.device]:

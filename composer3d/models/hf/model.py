@@ -12,14 +12,13 @@ layers → norm → head), written once over the modules transformers built, so 
 layer. Attention masks come from transformers' own mask functions, per layer type (full or sliding window), and
 from ``position_ids``: positions that restart mark packed documents, which the mask functions keep apart.
 
-Tensor parallel: ``hf_tensor_parallel``; reading and exporting weights: ``hf_weights``.
+Tensor parallel: ``tensor_parallel``; reading and exporting weights: ``weights``; the config: ``config``.
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
-import os
 from typing import Any
 
 import torch
@@ -27,88 +26,12 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf_conversion import model_conversions
-from composer3d.models.hf_router_loss import RouterLoss, wants_router_loss
+from composer3d.models.hf.config import expert_count, load_hf_config, resolve_model_dir
+from composer3d.models.hf.conversion import model_conversions
+from composer3d.models.hf.experts import count_routing, hf_expert_modules, inactive_params, use_expert_parallel
+from composer3d.models.hf.router_loss import RouterLoss, wants_router_loss
 from composer3d.models.init import InitRule
-
-# --------------------------------------------------------------------------------------------- config
-
-
-def resolve_model_dir(path: str | None) -> str:
-    """A local directory for ``model.path``: the directory itself, or a hub id's snapshot in the local cache."""
-    if not path:
-        raise ConfigError("model.path: model=hf needs the Hugging Face model to train. Set model.path=<local "
-                          "directory with config.json and *.safetensors> (or a hub id already in the local cache)")
-    if os.path.isdir(path):
-        return os.path.abspath(path)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path, local_files_only=True)  # never downloads
-    except Exception:  # noqa: BLE001 — any failure means "not available locally"
-        raise ConfigError(f"model.path: {path!r} is neither a local directory nor a model in the local Hugging Face "
-                          "cache (nothing is downloaded at run time). Download it first (huggingface-cli download) "
-                          "or point model.path at a directory holding config.json; a run that resumes from its "
-                          "checkpoint (e.g. after the model directory moved) needs only config.json and the tokenizer "
-                          "there") from None
-
-
-def load_hf_config(path: str, attn_implementation: str | None = None):
-    from transformers import AutoConfig
-
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.path: {path} has no config.json. Point it at a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as error:  # an unknown model_type, or a config.json it cannot parse
-        import transformers
-
-        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise ConfigError(f"model.path: transformers {transformers.__version__} cannot read {path}/config.json "
-                          f"({reason}). Use a model type this transformers knows (upgrade transformers for a newer "
-                          "architecture), or fix config.json") from None
-    if attn_implementation:
-        config._attn_implementation = attn_implementation
-    return config
-
-
-# Where transformers' configs keep the number of routed experts (Qwen-MoE, Mixtral, DeepSeek, OLMoE/Granite-MoE).
-_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-def expert_count(config) -> int:
-    """Routed experts per MoE layer of a transformers config; 0 for a dense model."""
-    return next((getattr(config, key) for key in _EXPERT_COUNT_KEYS if getattr(config, key, None)), 0)
-
-
-def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
-    """transformers' routed-experts modules of ``model``: the classes its ``use_experts_implementation`` decorates."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
-
-
-def fill_model_config(m) -> None:
-    """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
-    pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
-    m.path = resolve_model_dir(m.path)
-    c = load_hf_config(m.path)
-    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
-               if not isinstance(getattr(c, key, None), int)]
-    if missing:
-        raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
-                          "composer3d trains decoder-only text models; a multimodal model's config nests its text "
-                          "model (text_config). Use a text-only causal LM")
-    m.dim = c.hidden_size
-    m.n_layers = c.num_hidden_layers
-    m.n_heads = c.num_attention_heads
-    m.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    m.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    m.vocab_size = c.vocab_size
-    m.ffn_hidden_dim = getattr(c, "intermediate_size", None)
-    m.max_seq_len = getattr(c, "max_position_embeddings", None) or m.max_seq_len
-    m.tie_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-
-
-# ---------------------------------------------------------------------------------------------- model
+from composer3d.models.interface import Routing
 
 # Layer type (config.layer_types) → transformers' function building its attention mask.
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
@@ -119,7 +42,7 @@ _REQUIRED = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_e
 # norm → head, by model type: (config key multiplying the embeddings, config key scaling the logits, whether the
 # logits are divided by it). The same key means opposite things in different families (Granite divides by
 # ``logits_scaling``, HyperCLOVA X multiplies), so this is per family. An architecture missing here that needs
-# it fails the forward check (hf_forward_check) before launch.
+# it fails the forward check (``forward_check``) before launch.
 _TOP_LEVEL_SCALING: dict[str, tuple[str | None, str | None, bool]] = {
     "granite": ("embedding_multiplier", "logits_scaling", True),
     "granite_swa": ("embedding_multiplier", "logits_scaling", True),
@@ -157,7 +80,7 @@ class HFCausalLM(nn.Module):
         self.weight_conversions = model_conversions(causal)
         self.model = causal.model
         self.lm_head = causal.lm_head
-        # transformers' router load-balancing loss, when config.json asks for it (hf_router_loss)
+        # transformers' router load-balancing loss, when config.json asks for it (``router_loss``)
         self.router_loss = RouterLoss(causal, expert_count(config)) if wants_router_loss(config) else None
         if self.router_loss is not None:
             self.router_loss.install(self.model)
@@ -236,6 +159,25 @@ class HFCausalLM(nn.Module):
         finally:
             for p in params:
                 del p._is_hf_initialized
+
+    # Mixture of experts (``models.interface.ComposerModel``): transformers' experts modules, by expert only.
+    def routed_experts(self) -> list[nn.Module]:
+        return hf_expert_modules(self)
+
+    def use_expert_parallel(self, ep_group) -> None:
+        use_expert_parallel(self, ep_group)
+
+    def inactive_params(self) -> int:
+        return inactive_params(self)
+
+    def track_routing(self, device: torch.device) -> Routing | None:
+        """Counted from the router's choices each experts module is called with (``experts.count_routing``); a
+        pipeline stage without MoE layers tracks none, but takes part in the counts' collectives alike."""
+        experts = expert_count(self.config)
+        if not experts:
+            return None
+        count_routing(hf_expert_modules(self), device)
+        return Routing(experts, router_loss=self.router_loss)
 
     def _layer_type(self, layer_id: str) -> str:
         types = getattr(self.config, "layer_types", None)

@@ -7,15 +7,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from composer3d.flops import embedding_params, flops_per_token
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
-from composer3d.models.hf_experts import inactive_params as hf_inactive_expert_params
 from composer3d.models.init import materialize
-from composer3d.models.moe import inactive_expert_params
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
+from composer3d.training.flops import embedding_params, flops_per_token
 
 
 @dataclass
@@ -33,7 +31,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
-    active_params = num_params - inactive_expert_params(model) - hf_inactive_expert_params(model)
+    active_params = num_params - model.inactive_params()
     m = cfg.model
     flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
@@ -44,9 +42,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     materialize(model, torch.device("cpu") if offload else device, cfg.train.seed, fsdp_roots=stages,
                 init_params=weights is None and not from_checkpoint, buffer_device=device)
     if weights is not None:
-        from composer3d.models.hf_weights import load_pretrained
-
-        load_pretrained(model, weights)
+        spec.load_pretrained(model, weights)
     if not shards_or_replicates(mesh, offload):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, active_params, flops)

@@ -1,6 +1,6 @@
 """Tensor parallel for Hugging Face models: the model's own ``base_model_tp_plan``, translated in ``TP_STYLES``
 (the one table), or for an architecture laid out like Llama that ships none, the Llama family's plan (checked
-against the layer's modules here and numerically before launch: ``hf_forward_check``); the embedding, final norm,
+against the layer's modules here and numerically before launch: ``forward_check``); the embedding, final norm,
 head (vocab-parallel, loss on the shards) and sequence-parallel norms are ours.
 
 A mixture-of-experts block (the module holding transformers' experts: router, routed and shared experts) is not
@@ -25,10 +25,11 @@ from torch.distributed.tensor.parallel import (
 )
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf import hf_expert_modules, load_hf_config
+from composer3d.models.hf.config import load_hf_config
+from composer3d.models.hf.experts import hf_expert_modules
 
 if TYPE_CHECKING:
-    from composer3d.models.hf import HFCausalLM
+    from composer3d.models.hf.model import HFCausalLM
 
 
 def tp_split_sizes(m) -> list[tuple[str, int]]:
@@ -224,9 +225,9 @@ def tensor_parallel_plan(model: HFCausalLM, sequence_parallel: bool, float8: boo
     """(root plan, per-layer plan) from the model's ``base_model_tp_plan``.
 
     Ours on top of transformers' plan: a vocab-parallel embedding, a head whose logits stay vocab-sharded (the loss
-    runs on the shards: ``composer3d.loss``), and with sequence parallel every norm on the residual stream (the decoder
-    layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP inputs
-    all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
+    runs on the shards: ``composer3d.training.loss``), and with sequence parallel every norm on the residual stream
+    (the decoder layer's own norm children and the final norm) on a slice of the sequence, with attention and MLP
+    inputs all-gathered on entry (their row-parallel outputs are reduce-scattered back by the plan).
     """
     plan = tp_plan(model.config)
     residual = Shard(1) if sequence_parallel else Replicate()

@@ -13,22 +13,22 @@ import torch
 import torch.distributed as dist
 
 from composer3d.layout import ParallelMesh
+from composer3d.models import Routing
 from composer3d.models.moe import routing_counters
 
 
 class ExpertLoad:
-    """``balancing``: composer3d's ``model.moe`` config and its number of MoE layers, whose layers also carry the
-    auxiliary loss and the balancing bias; None for transformers' experts, whose load is read here and, when
-    config.json asks for it, transformers' router loss (``router_loss``: one per micro-batch of
-    ``micro_batch_size`` sequences)."""
+    """``routing`` (the model's ``track_routing``): with ``balancing``, composer3d's MoE layers, which also carry
+    the auxiliary loss and the balancing bias; without, transformers' experts, whose load is read here and, when
+    config.json asks for it, transformers' router loss (one per micro-batch of ``micro_batch_size`` sequences)."""
 
-    def __init__(self, model: torch.nn.Module, experts: int, global_batch_size: int, mesh: ParallelMesh,
-                 device: torch.device, balancing: tuple | None = None, router_loss=None, micro_batch_size: int = 1):
+    def __init__(self, model: torch.nn.Module, routing: Routing, global_batch_size: int, mesh: ParallelMesh,
+                 device: torch.device, micro_batch_size: int = 1):
         self.layers = routing_counters(model)  # this rank's (a pipeline stage holds some, or none)
-        self.cfg, self.total_moe_layers = balancing or (None, 0)
-        self.router_loss, self.microbatches = router_loss, global_batch_size // micro_batch_size
+        self.cfg, self.total_moe_layers = routing.balancing or (None, 0)
+        self.router_loss, self.microbatches = routing.router_loss, global_batch_size // micro_batch_size
         self.global_batch_size, self.mesh = global_batch_size, mesh
-        self.window = torch.zeros(len(self.layers), experts, device=device)  # routed tokens, logging window
+        self.window = torch.zeros(len(self.layers), routing.experts, device=device)  # routed tokens, logging window
         self.window_global = self.cfg is not None and self.cfg.bias_update_rate > 0  # summed over ranks each step
 
     def before_step(self, loss_scale: float) -> None:

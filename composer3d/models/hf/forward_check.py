@@ -18,48 +18,12 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf_tensor_parallel import LLAMA_LAYOUT_TP_PLAN, plan_is_derived, use_local_head_counts
+from composer3d.models.hf.config import REPLICA_VOCAB, tiny_replica
+from composer3d.models.hf.tensor_parallel import LLAMA_LAYOUT_TP_PLAN, plan_is_derived, use_local_head_counts
 
-VOCAB = 256
 TOKENS = 48
-WINDOW = 16  # a sliding window shorter than the tokens, so that windowed attention is exercised
 ATOL = 1e-4
 TESTED = "llama, qwen2, qwen3, mistral, gemma2, gemma3, phi3 and stablelm are tested"
-
-
-def tiny_replica(config, tensor_parallel: int = 1):
-    """``config`` shrunk to a few million parameters, everything else kept. The head size stays (rotary scaling
-    tables are sized by it); widths follow from the number of heads, which ``tensor_parallel`` ranks can split."""
-    replica = copy.deepcopy(config)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    replica_kv = tensor_parallel if tensor_parallel > 1 else 1 if kv_heads == 1 else 2
-    replica.num_attention_heads = replica_kv * (2 if kv_heads < heads else 1)
-    if hasattr(config, "num_key_value_heads"):
-        replica.num_key_value_heads = replica_kv
-    replica.head_dim = head_dim
-    replica.hidden_size = replica.num_attention_heads * head_dim
-    if hasattr(config, "intermediate_size"):
-        replica.intermediate_size = 2 * replica.hidden_size
-    replica.vocab_size = VOCAB
-    for special in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        value = getattr(config, special, None)
-        if isinstance(value, int) and value >= VOCAB or isinstance(value, list):
-            setattr(replica, special, None)
-    layers = config.num_hidden_layers
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:  # the first layer of each type, in their order
-        kept = sorted({kind: i for i, kind in reversed(list(enumerate(layer_types)))}.values())
-    else:
-        kept = list(range(min(layers, 2)))
-    replica.num_hidden_layers = len(kept)
-    for key, value in vars(config).items():  # per-layer lists (layer_types, mlp_layer_types, …) follow the layers
-        if isinstance(value, list) and len(value) == layers and layers > 1:
-            setattr(replica, key, [value[i] for i in kept])
-    if getattr(config, "sliding_window", None):
-        replica.sliding_window = min(config.sliding_window, WINDOW)
-    return replica
 
 
 def _random_reference(replica):
@@ -90,7 +54,8 @@ def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> N
     or (with ``tensor_parallel`` > 1 and a plan composer3d derived) when that plan's split changes them."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from composer3d.models.hf import HFCausalLM, load_hf_config
+    from composer3d.models.hf.config import load_hf_config
+    from composer3d.models.hf.model import HFCausalLM
 
     config = load_hf_config(model_cfg.path, model_cfg.attn_implementation)
     kind = f"{config.model_type} ({MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, 'causal LM')})"
@@ -98,7 +63,7 @@ def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> N
     with torch.random.fork_rng(devices=[]):
         try:
             reference = _random_reference(replica)
-            tokens = torch.randint(0, VOCAB, (2, TOKENS))
+            tokens = torch.randint(0, REPLICA_VOCAB, (2, TOKENS))
             expected = reference(tokens).logits
         except Exception as error:  # noqa: BLE001 — whatever stops transformers itself on the replica
             raise ConfigError(f"model.path: cannot check composer3d's forward of {kind} against transformers': "
@@ -151,7 +116,7 @@ def _shard(block: nn.Module, styles: dict[str, str], rank: int, ranks: int, atte
 
 
 def _check_split(model, tokens, expected, ranks: int, kind: str) -> None:
-    """The derived plan (hf_tensor_parallel.LLAMA_LAYOUT_TP_PLAN) on ``ranks`` simulated ranks in this process:
+    """The derived plan (``tensor_parallel.LLAMA_LAYOUT_TP_PLAN``) on ``ranks`` simulated ranks in this process:
     each attention and MLP block replaced by its slices, summed. An architecture whose blocks mix heads or columns
     in a way the plan does not split changes the logits."""
     blocks: dict[str, dict[str, str]] = {}

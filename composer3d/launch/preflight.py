@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from composer3d import distributed
+from composer3d.launch import distributed
 from composer3d.checkpoint import (
     META_FILE,
     check_complete,
@@ -26,7 +26,6 @@ from composer3d.config import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.models.hf_weights import check_pretrained
 
 
 def preflight(cfg, world_size: int) -> dict[str, int]:
@@ -45,7 +44,7 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
     weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
-        check_pretrained(build_model(cfg.model), weights)
+        MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
     # Last: these create the directories, which a refused run should not leave behind.
     check_writable("run.dir", Path(cfg.run.dir))
     if cfg.checkpoint.enabled:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composer3d.console import is_terminal
+from composer3d.training.console import is_terminal
 
 log = logging.getLogger("composer3d")
 

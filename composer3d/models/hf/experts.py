@@ -16,10 +16,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from composer3d.models.hf import hf_expert_modules
+from composer3d.models.hf.config import load_hf_config, tiny_replica
 from composer3d.models.moe import grouped_mm_fits, local, mix_routed, recorded_forward
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
+
+
+def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """transformers' routed-experts modules of ``model``: the classes its ``use_experts_implementation`` decorates."""
+    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
 
 
 def inactive_params(model: nn.Module) -> int:
@@ -38,8 +43,6 @@ def expert_parallel_support(cfg) -> tuple[int, str | None]:
     None where it can), from a tiny replica of ``model.path``'s config built on meta."""
     from transformers import AutoModelForCausalLM
 
-    from composer3d.models.hf import load_hf_config
-    from composer3d.models.hf_forward_check import tiny_replica
 
     config = load_hf_config(cfg.path)
     with torch.device("meta"):

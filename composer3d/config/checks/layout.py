@@ -1,0 +1,135 @@
+"""The layout: parallel degrees that multiply to the world size, the sharding stage and offload, tensor/sequence
+parallel that the model can split, expert parallel, and the pipeline (schedule, stages, microbatches)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from composer3d.config.checks.common import _divisors, _require
+from composer3d.config.schema import ParallelConfig
+from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
+from composer3d.parallel.pipeline import default_stages_per_rank, schedule_problem
+
+
+def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Degrees with ``dp_shard=-1`` inferred; raises ConfigError naming the key when they cannot multiply to world."""
+    fixed = {"pp": p.pp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp}
+    for key, value in {**fixed, "ep": p.ep}.items():
+        _require(value >= 1, f"parallel.{key}", f"must be >= 1, got {value}", "Use 1 to disable this dimension")
+    _require(p.dp_shard == -1 or p.dp_shard >= 1, "parallel.dp_shard", f"must be >= 1 or -1, got {p.dp_shard}",
+             "Use -1 to take what the world size leaves after the other degrees")
+    others = math.prod(fixed.values())
+    if p.dp_shard == -1:
+        _require(world_size % others == 0, _culprit(fixed, world_size, max(fixed, key=fixed.get)),
+                 f"pp×dp_replicate×cp×tp = {others} does not divide the world size {world_size}",
+                 f"Choose degrees whose product divides {world_size} ({_divisors(world_size)})")
+        dp_shard = world_size // others
+    else:
+        dp_shard = p.dp_shard
+        _require(others * dp_shard == world_size, _culprit({**fixed, "dp_shard": dp_shard}, world_size, "dp_shard"),
+                 f"pp×dp_replicate×dp_shard×cp×tp = {others * dp_shard} but the world size is {world_size}",
+                 "Make the product equal the world size, or set parallel.dp_shard=-1 to infer it")
+    return {**fixed, "dp_shard": dp_shard, "ep": p.ep}
+
+
+def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
+    """The key to blame in a product error: the first degree that alone does not divide the world size."""
+    for key, value in degrees.items():
+        if value > 1 and world_size % value != 0:
+            return f"parallel.{key}"
+    return f"parallel.{default}"
+
+
+def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
+    """Dimensions and sharding stages that exist, and tensor/sequence parallel that this model can split."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    tp = degrees["tp"]
+    _require(degrees["cp"] == 1, "parallel.cp", f"context parallel (cp={degrees['cp']}) is not available yet",
+             "Use parallel.cp=1")
+    _check_expert_parallel(cfg, degrees)
+    _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", f"must be 1, 2 or 3, got {p.zero_stage}",
+             "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
+             "1 replicates params and shards only optimizer state")
+    if p.zero_stage == 1:
+        _require(degrees["dp_replicate"] == 1 or degrees["dp_shard"] == 1, "parallel.zero_stage",
+                 "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
+                 f"(dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']})",
+                 "Use zero_stage=2 or 3 for HSDP, or put all data-parallel ranks in one dimension")
+    _require(p.offload in ("none", "cpu"), "parallel.offload", f"unknown offload {p.offload!r}", "Choose none or cpu")
+    _require(p.offload == "none" or p.zero_stage != 1, "parallel.offload",
+             "CPU offload is FSDP's (it offloads the shards it owns); ZeRO-1 keeps replicated params",
+             "Use parallel.zero_stage=2 or 3 with parallel.offload=cpu")
+    if tp > 1:
+        problem = MODEL_REGISTRY[m.name].tensor_parallel_problem(m)
+        _require(problem is None, "parallel.tp", str(problem), "Use parallel.tp=1 (FSDP and pipeline parallel work)")
+    for key, value in MODEL_REGISTRY[m.name].tp_split_sizes(m):
+        _require(value % tp == 0, "parallel.tp", f"tp={tp} does not divide {key}={value}, which tensor parallel splits",
+                 f"Choose parallel.tp among the common divisors of the split sizes, or change {key}")
+    if p.sequence_parallel:
+        _require(tp > 1, "parallel.sequence_parallel", "needs tensor parallel (tp > 1) to shard the sequence over",
+                 "Set parallel.tp>1 or parallel.sequence_parallel=false")
+        _require(t.seq_len % tp == 0, "train.seq_len", f"seq_len={t.seq_len} is not divisible by tp={tp}, "
+                 "which sequence parallel shards it over", f"Use a multiple of {tp}")
+
+
+def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
+    """ep borrows its ranks from dp_shard and shards each MoE layer's experts: both must divide."""
+    ep, m, p = degrees["ep"], cfg.model, cfg.parallel
+    if ep == 1:
+        return
+    experts, problem = MODEL_REGISTRY[m.name].expert_parallel(m)
+    what = f"{m.path} is a dense model" if m.name == "hf" else "the model is dense (model.moe.experts=0)"
+    _require(experts > 0, "parallel.ep", f"expert parallel (ep={ep}) needs a mixture-of-experts model, and {what}",
+             "Use parallel.ep=1, or a mixture-of-experts model (model=tiny_moe, model.moe.experts>0, or model=hf with "
+             "a Hugging Face MoE model)")
+    _require(problem is None, "parallel.ep", f"expert parallel (ep={ep}) of {m.path}: {problem}",
+             "Use parallel.ep=1 (FSDP and pipeline parallel work)")
+    _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide the {experts} routed experts of each MoE "
+             "layer (each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
+    _require(degrees["dp_shard"] % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={degrees['dp_shard']}: "
+             "expert parallel takes its ranks from the data-parallel shard dimension",
+             f"Choose parallel.ep among {_divisors(degrees['dp_shard'])}, or give dp_shard a multiple of {ep}")
+    _require(p.zero_stage != 1, "parallel.zero_stage", "ZeRO-1 replicates every parameter over the data-parallel "
+             f"ranks, but under ep={ep} each rank holds only its experts", "Use parallel.zero_stage=2 or 3 with ep>1")
+
+
+def pipeline_microbatches(cfg: Any, dp: int) -> int:
+    t = cfg.train
+    return cfg.parallel.pp_microbatches or t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    _require(p.reshard_after_forward in ("default", "always", "never"), "parallel.reshard_after_forward",
+             f"unknown policy {p.reshard_after_forward!r}", "Choose default, always or never")
+    _require(p.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", f"unknown schedule {p.pp_schedule!r}",
+             f"Choose one of {list(PP_SCHEDULES)}")
+    if pp == 1:
+        return
+    stages_per_rank = p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)
+    stages = pp * stages_per_rank
+    _require(stages <= m.n_layers, "parallel.pp", f"pp={pp} × pp_stages_per_rank={stages_per_rank} = {stages} stages "
+             f"but the model has {m.n_layers} layers (each stage needs at least one)",
+             "Lower parallel.pp or parallel.pp_stages_per_rank")
+    if m.name == "hf":
+        from composer3d.models.hf import load_hf_config, wants_router_loss
+
+        _require(not m.tie_embeddings, "parallel.pp", f"{m.path}/config.json ties the head to the embedding "
+                 "(tie_word_embeddings), and a tied head cannot be split from its embedding across pipeline stages",
+                 "Use parallel.pp=1 (FSDP and TP/SP) for this model")
+        _require(not wants_router_loss(load_hf_config(m.path)), "parallel.pp", f"{m.path}/config.json sets "
+                 "output_router_logits: true, and transformers' router load-balancing loss pools every MoE layer of "
+                 "a forward, of which a pipeline stage holds only some", "Use parallel.pp=1 (FSDP, TP/SP and EP) "
+                 "for this model, or set output_router_logits to false in config.json to train without that loss")
+    _require(not m.tie_embeddings, "model.tie_embeddings", "a tied head cannot be split from its embedding across "
+             "pipeline stages", "Use model.tie_embeddings=false with parallel.pp>1")
+    local_batch = t.global_batch_size // dp
+    microbatches = pipeline_microbatches(cfg, dp)
+    _require(microbatches >= 1 and local_batch % microbatches == 0, "parallel.pp_microbatches",
+             f"{microbatches} microbatches do not divide the {local_batch} sequences each data-parallel rank gets "
+             f"(global_batch_size {t.global_batch_size} / dp {dp})", f"Use a divisor of {local_batch}")
+    problem = schedule_problem(p.pp_schedule, pp, stages_per_rank, microbatches)
+    _require(problem is None, "parallel.pp_microbatches" if "microbatches" in (problem or "") else "parallel.pp_schedule",
+             str(problem), "Raise train.global_batch_size or parallel.pp_microbatches, or pick another schedule")

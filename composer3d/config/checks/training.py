@@ -1,0 +1,97 @@
+"""The training step and loop: batch sizes that split over the data-parallel ranks, steps and evaluation, the
+optimizer, precision and memory (activation checkpointing), and composer3d-generate's decoding settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer3d.config.checks.common import DTYPE_NAMES, _require
+
+PARAM_DTYPES = ("auto", *DTYPE_NAMES)
+SCHEDULES = ("cosine", "linear", "constant")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
+def _check_batch(cfg: Any, degrees: dict[str, int]) -> None:
+    """Sequence length within the model's, and a global batch that splits evenly over dp ranks × micro-batches."""
+    m, t = cfg.model, cfg.train
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    _require(t.seq_len >= 1 and t.seq_len <= m.max_seq_len, "train.seq_len",
+             f"must be in [1, model.max_seq_len={m.max_seq_len}], got {t.seq_len}", "Lower train.seq_len")
+    _require(t.micro_batch_size >= 1, "train.micro_batch_size", f"must be >= 1, got {t.micro_batch_size}", "Use 1+")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size >= 1 and t.global_batch_size % per_step == 0, "train.global_batch_size",
+             f"{t.global_batch_size} is not divisible by micro_batch_size × dp = {t.micro_batch_size} × {dp} "
+             f"= {per_step}", f"Use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}")
+
+
+def _check_loop(t: Any, eval_cfg: Any) -> None:
+    """Steps, evaluation, non-finite handling and clipping."""
+    _require(t.eval_every >= 0, "train.eval_every", f"must be >= 0, got {t.eval_every}", "Use 0 to never evaluate")
+    _require(t.eval_every == 0 or bool(eval_cfg.path), "eval.path", "train.eval_every is set but there is no "
+             "evaluation file", "Set eval.path=<text file>, or train.eval_every=0")
+    _require(eval_cfg.max_windows >= 0, "eval.max_windows", f"must be >= 0, got {eval_cfg.max_windows}",
+             "Use 0 for all windows")
+    _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}", "Use 1 or more")
+    _require(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"unknown policy {t.on_nonfinite!r}",
+             "Choose stop (exit at the first non-finite step) or skip (drop that update)")
+    _require(t.max_skipped_steps >= 1, "train.max_skipped_steps", f"must be >= 1, got {t.max_skipped_steps}",
+             "Use e.g. 10")
+    _require(t.gc_every >= 0, "train.gc_every", f"must be >= 0, got {t.gc_every}",
+             "Use e.g. 50 (collect every 50 steps), or 0 for Python's automatic collection")
+    _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
+
+
+def _check_generate(g: Any) -> None:
+    """composer3d-generate's decoding settings (the prompt's length is checked once it is tokenized)."""
+    _require(g.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}", "Use e.g. 128")
+    _require(g.temperature >= 0, "generate.temperature", f"must be >= 0, got {g.temperature}",
+             "Use 0 for greedy decoding, or e.g. 0.8 to sample")
+    _require(0 < g.top_p <= 1, "generate.top_p", f"must be in (0, 1], got {g.top_p}", "Use 1 for no nucleus cut, or e.g. 0.9")
+    _require(g.output in ("text", "json"), "generate.output", f"unknown output {g.output!r}", "Choose text or json")
+
+
+def _check_optimizer(o: Any, p: Any) -> None:
+    _require(o.name in OPTIMIZERS, "optim.name", f"unknown optimizer {o.name!r}", f"Choose one of {OPTIMIZERS}")
+    _require(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}", "Use e.g. 3e-4")
+    _require(o.schedule in SCHEDULES, "optim.schedule", f"unknown schedule {o.schedule!r}", f"Choose one of {SCHEDULES}")
+    _require(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas",
+             f"must be two numbers in [0, 1), got {list(o.betas)}", "Use e.g. [0.9,0.95]")
+    _require(o.implementation in OPTIMIZER_IMPLEMENTATIONS, "optim.implementation",
+             f"unknown implementation {o.implementation!r}", f"Choose one of {OPTIMIZER_IMPLEMENTATIONS}")
+    _require(o.name == "adamw" or o.implementation == "auto", "optim.implementation", f"{o.name} is torchao's "
+             "compiled low-bit AdamW, which has no fused/foreach/for_loop variants", "Use optim.implementation=auto")
+    _require(0 <= o.warmup_steps, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}", "Use 0 for none")
+    _require(o.name == "adamw" or p.zero_stage != 1, "optim.name", f"{o.name} keeps quantized state that ZeRO-1's "
+             "slicing cannot cut", "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)")
+
+
+def _check_precision(precision: Any, tp: int) -> None:
+    for key, allowed in (("param_dtype", PARAM_DTYPES), ("reduce_dtype", DTYPE_NAMES)):
+        value = getattr(precision, key)
+        _require(value in allowed, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {allowed}")
+    _require(precision.float8.recipe in ("tensorwise", "rowwise"), "precision.float8.recipe",
+             f"unknown recipe {precision.float8.recipe!r}", "Choose tensorwise or rowwise")
+    _require(precision.loss_scale_init > 0 and precision.loss_scale_growth_interval >= 1,
+             "precision.loss_scale_init", "the loss scale must be > 0 and its growth interval >= 1",
+             "Use e.g. loss_scale_init=65536 loss_scale_growth_interval=2000")
+    _require(not (precision.float8.enabled and precision.float8.recipe == "rowwise" and tp > 1),
+             "precision.float8.recipe", "rowwise float8 has no tensor-parallel styles in torchao",
+             "Use precision.float8.recipe=tensorwise with parallel.tp>1")
+
+
+def _check_memory(cfg: Any, pp: int) -> None:
+    """Activation checkpointing and the memory tracker, against the pipeline schedule."""
+    mem, p = cfg.memory, cfg.parallel
+    _require(mem.activation_checkpointing in ("none", "full", "selective"), "memory.activation_checkpointing",
+             f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
+    _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
+             "0 = op-level selective; k = checkpoint every k-th block")
+    _require(not (cfg.logging.memory_breakdown and pp > 1), "logging.memory_breakdown", "the memory tracker follows "
+             "one FSDP root, and a pipeline rank has one per stage", "Use it with parallel.pp=1")
+    zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")
+    _require(not (mem.activation_checkpointing != "none" and pp > 1 and p.pp_schedule in zero_bubble),
+             "memory.activation_checkpointing", f"cannot be combined with {p.pp_schedule}, whose split backward "
+             "(input and weight gradients at different times) re-enters the checkpointed region twice",
+             "Use parallel.pp_schedule=1f1b or interleaved_1f1b with activation checkpointing")

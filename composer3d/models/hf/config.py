@@ -1,0 +1,121 @@
+"""A Hugging Face model's config.json: where it is, what transformers reads from it, the sizes composer3d copies
+into ``model.*``, and the tiny replica of it that the launch-time checks build (forward check, expert support)."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from composer3d.errors import ConfigError
+
+REPLICA_VOCAB = 256
+REPLICA_WINDOW = 16  # a sliding window shorter than the check's tokens, so that windowed attention is exercised
+
+
+def resolve_model_dir(path: str | None) -> str:
+    """A local directory for ``model.path``: the directory itself, or a hub id's snapshot in the local cache."""
+    if not path:
+        raise ConfigError("model.path: model=hf needs the Hugging Face model to train. Set model.path=<local "
+                          "directory with config.json and *.safetensors> (or a hub id already in the local cache)")
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True)  # never downloads
+    except Exception:  # noqa: BLE001 — any failure means "not available locally"
+        raise ConfigError(f"model.path: {path!r} is neither a local directory nor a model in the local Hugging Face "
+                          "cache (nothing is downloaded at run time). Download it first (huggingface-cli download) "
+                          "or point model.path at a directory holding config.json; a run that resumes from its "
+                          "checkpoint (e.g. after the model directory moved) needs only config.json and the tokenizer "
+                          "there") from None
+
+
+def load_hf_config(path: str, attn_implementation: str | None = None):
+    from transformers import AutoConfig
+
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.path: {path} has no config.json. Point it at a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as error:  # an unknown model_type, or a config.json it cannot parse
+        import transformers
+
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise ConfigError(f"model.path: transformers {transformers.__version__} cannot read {path}/config.json "
+                          f"({reason}). Use a model type this transformers knows (upgrade transformers for a newer "
+                          "architecture), or fix config.json") from None
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    return config
+
+
+# Where transformers' configs keep the number of routed experts (Qwen-MoE, Mixtral, DeepSeek, OLMoE/Granite-MoE).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def expert_count(config) -> int:
+    """Routed experts per MoE layer of a transformers config; 0 for a dense model."""
+    return next((getattr(config, key) for key in _EXPERT_COUNT_KEYS if getattr(config, key, None)), 0)
+
+
+
+
+def fill_model_config(m) -> None:
+    """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
+    pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
+    m.path = resolve_model_dir(m.path)
+    c = load_hf_config(m.path)
+    missing = [key for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+               if not isinstance(getattr(c, key, None), int)]
+    if missing:
+        raise ConfigError(f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
+                          "composer3d trains decoder-only text models; a multimodal model's config nests its text "
+                          "model (text_config). Use a text-only causal LM")
+    m.dim = c.hidden_size
+    m.n_layers = c.num_hidden_layers
+    m.n_heads = c.num_attention_heads
+    m.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    m.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    m.vocab_size = c.vocab_size
+    m.ffn_hidden_dim = getattr(c, "intermediate_size", None)
+    m.max_seq_len = getattr(c, "max_position_embeddings", None) or m.max_seq_len
+    m.tie_embeddings = bool(getattr(c, "tie_word_embeddings", False))
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def tiny_replica(config, tensor_parallel: int = 1):
+    """``config`` shrunk to a few million parameters, everything else kept. The head size stays (rotary scaling
+    tables are sized by it); widths follow from the number of heads, which ``tensor_parallel`` ranks can split."""
+    replica = copy.deepcopy(config)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    replica_kv = tensor_parallel if tensor_parallel > 1 else 1 if kv_heads == 1 else 2
+    replica.num_attention_heads = replica_kv * (2 if kv_heads < heads else 1)
+    if hasattr(config, "num_key_value_heads"):
+        replica.num_key_value_heads = replica_kv
+    replica.head_dim = head_dim
+    replica.hidden_size = replica.num_attention_heads * head_dim
+    if hasattr(config, "intermediate_size"):
+        replica.intermediate_size = 2 * replica.hidden_size
+    replica.vocab_size = REPLICA_VOCAB
+    for special in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, special, None)
+        if isinstance(value, int) and value >= REPLICA_VOCAB or isinstance(value, list):
+            setattr(replica, special, None)
+    layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:  # the first layer of each type, in their order
+        kept = sorted({kind: i for i, kind in reversed(list(enumerate(layer_types)))}.values())
+    else:
+        kept = list(range(min(layers, 2)))
+    replica.num_hidden_layers = len(kept)
+    for key, value in vars(config).items():  # per-layer lists (layer_types, mlp_layer_types, …) follow the layers
+        if isinstance(value, list) and len(value) == layers and layers > 1:
+            setattr(replica, key, [value[i] for i in kept])
+    if getattr(config, "sliding_window", None):
+        replica.sliding_window = min(config.sliding_window, REPLICA_WINDOW)
+    return replica
