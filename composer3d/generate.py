@@ -31,7 +31,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 
-from composer3d.training.assemble import build_parallel_model
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
@@ -41,6 +40,7 @@ from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
 from composer3d.training import console
+from composer3d.training.assemble import build_parallel_model
 from composer3d.training.trainer import prepare_rank
 
 log = logging.getLogger("composer3d")

@@ -71,8 +71,8 @@ class ParallelMesh:
 
     @property
     def hsdp(self) -> DeviceMesh:
-        """(dp_replicate, dp_shard) as a 2-D mesh for HSDP; with cp > 1 the shard dim will be dp_shard_cp."""
-        return DeviceMesh._concatenate([self.world["dp_replicate"], self.dp_shard])
+        """(dp_replicate, dp_shard_cp) as a 2-D mesh for HSDP: parameters are sharded over dp_shard × cp."""
+        return DeviceMesh._concatenate([self.world["dp_replicate"], self.dp_shard_cp])
 
     @property
     def expert_dp(self) -> DeviceMesh:

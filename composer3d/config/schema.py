@@ -91,7 +91,7 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
     tp: int = 1  # tensor parallel degree (Megatron column/row splits of each layer)
     pp: int = 1  # pipeline parallel degree (stages of consecutive layers)
-    cp: int = 1  # context parallel degree (not available yet: must be 1)
+    cp: int = 1  # context parallel: each of cp ranks holds 1/cp of every sequence (native model; with FSDP/HSDP)
     # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard)
     # holds experts/ep experts per MoE layer and exchanges tokens with all-to-all; experts are FSDP-sharded over
     # the dp_shard/ep ranks that remain

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from composer3d.launch import distributed
 from composer3d.checkpoint import (
     META_FILE,
     check_complete,
@@ -25,6 +24,7 @@ from composer3d.checkpoint import (
 from composer3d.config import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
+from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
 
 

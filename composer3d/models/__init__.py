@@ -14,7 +14,6 @@ import torch.nn as nn
 from composer3d.models import hf, llama
 from composer3d.models.interface import ComposerModel, ModelSpec, Routing
 
-
 MODEL_REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, hf.SPEC)}
 
 

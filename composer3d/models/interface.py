@@ -7,7 +7,8 @@ Two halves, so that neither ``parallel/`` nor the trainer ever names a family (n
   pretrained weights are and how they are read into the shards, its expert-parallel support.
 - ``ComposerModel``, what a built model offers: the block structure every parallelism walks (``layers`` and the
   embedding, norm and head a pipeline stage may drop), its initialization, and its mixture-of-experts parts
-  (routed experts, the expert-parallel dispatch, inactive parameters, the routing the trainer tracks).
+  (routed experts, the expert-parallel dispatch, inactive parameters, the routing the trainer tracks), and its
+  attention under context parallel.
 """
 
 from __future__ import annotations
@@ -95,3 +96,7 @@ class ComposerModel(Protocol):
 
     def track_routing(self, device: torch.device) -> Routing | None:
         """Start counting the tokens routed to each expert (``routed_tokens``); None for a dense model."""
+
+    def use_context_parallel(self, context) -> None:
+        """Hold ``context``'s share of each sequence (``parallel.context.ContextParallel``: token indices, the
+        gather of keys and values over cp, the mask); the native family so far (validation refuses others)."""

@@ -1,9 +1,10 @@
 """``parallelize``: the one function that knows the composition order.
 
 1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
-the experts of mixture-of-experts layers by expert (ep) and width (tp), 4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel
-dim has more than one rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision
-compute without FSDP's buffers and copies. TP comes before FSDP so
+the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
+the cp ranks' shares of the sequence, 4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then
+per root — only where a data-parallel dim (or cp) has more than one rank (or for CPU offload); otherwise autocast
+gives the same fp32-master, low-precision compute without FSDP's buffers and copies. TP comes before FSDP so
 FSDP shards the DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP
 because torchao's float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
@@ -17,6 +18,7 @@ from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
 from composer3d.parallel.activation import apply_activation_checkpointing
 from composer3d.parallel.autocast import autocast_forward
+from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
@@ -44,6 +46,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         apply_tensor_parallel(model, spec, mesh["tp"], parallel_cfg.sequence_parallel,
                               float8=float8 and precision_cfg.float8.recipe == "tensorwise" and device.type != "cpu")
     shard_experts(model, mesh, parallel_cfg.sequence_parallel)
+    if mesh.layout.cp > 1:  # attention over the whole sequence from each rank's share of it
+        model.use_context_parallel(ContextParallel(mesh["cp"]))
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every)
     if cfg.compile.enabled:
         for block in model.layers.values():

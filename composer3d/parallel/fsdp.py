@@ -29,7 +29,7 @@ def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:
 
 
 def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
-    return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.dp_replicate > 1)
+    return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.cp == 1 and mesh.layout.dp_replicate > 1)
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:

@@ -16,7 +16,6 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from composer3d.training.assemble import build_parallel_model
 from composer3d.config import pipeline_microbatches, validate, validate_for_device
 from composer3d.data import (
     IGNORE_INDEX,
@@ -30,7 +29,9 @@ from composer3d.data import (
 from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
+from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.pipeline import build_schedule
+from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
 from composer3d.training.grad import clip_grad_norm_
@@ -80,6 +81,8 @@ class Trainer:
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg, self.model, mesh, device)
+        # Context parallel: each cp rank takes its share of every sequence (the model attends over all of it).
+        self.context = ContextParallel(mesh["cp"]) if mesh.layout.cp > 1 else None
         self.step = 0
         self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
@@ -110,6 +113,8 @@ class Trainer:
         inputs, targets = batch.inputs, batch.targets
         documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
         positions = batch.position_ids if documents else None
+        if self.context is not None:
+            inputs, targets, positions = (self.context.shard(t) for t in (inputs, targets, positions))
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
             losses: list[torch.Tensor] = []
@@ -225,6 +230,8 @@ class Trainer:
         try:
             for inputs, targets in window_batches(windows, self.mesh.dp_rank, self.mesh.layout.dp, per_forward):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
+                if self.context is not None:
+                    inputs, targets = self.context.shard(inputs), self.context.shard(targets)
                 count += (targets != IGNORE_INDEX).sum()
                 if self.pipeline is None:
                     loss_sum += self._loss(self.model(inputs), targets).double()

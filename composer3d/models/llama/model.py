@@ -17,8 +17,8 @@ from torch.nn.attention.flex_attention import BlockMask
 
 import composer3d.models.llama.attention as attention_module
 from composer3d.models.init import InitRule, normal, ones
-from composer3d.models.llama.attention import Attention, document_ids, document_mask, rope_tables
 from composer3d.models.interface import Routing
+from composer3d.models.llama.attention import Attention, document_ids, document_mask, rope_tables
 from composer3d.models.moe import MoE, inactive_expert_params, moe_layers
 
 
@@ -87,6 +87,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, device="meta")
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.context_parallel = None  # this rank's share of each sequence under context parallel (parallel.context)
 
     def tie_weights(self) -> None:
         """Share the head with the embedding; re-run after tensor parallel replaced them (both shard the vocab dim)."""
@@ -128,6 +129,12 @@ class Llama(nn.Module):
             return None
         return Routing(moe.experts, balancing=(moe, sum(is_moe_layer(self.cfg, i) for i in range(self.cfg.n_layers))))
 
+    def use_context_parallel(self, context) -> None:
+        """Attend over the whole sequence while holding ``context``'s share of it (``parallel.context``)."""
+        self.context_parallel = context
+        for block in self.layers.values():
+            block.attention.context_parallel = context
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
                 head: bool = True, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head.
@@ -137,7 +144,9 @@ class Llama(nn.Module):
         """
         h = self.tok_embeddings(x) if embed else x
         rope, mask = (self.rope_cos, self.rope_sin), None
-        if position_ids is not None:
+        if self.context_parallel is not None:
+            rope, mask = self._context_parallel_rope_and_mask(h, position_ids)
+        elif position_ids is not None:
             documents = document_ids(position_ids)
             # Flex attention takes the mask whatever it holds: no read of the device (a host sync would stall the
             # step). The exact fallback runs where the device is the host or synchronous anyway; a batch without a
@@ -148,3 +157,16 @@ class Llama(nn.Module):
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
             h = self.layers[layer_id](h, *rope, mask)
         return self.output(self.norm(h)) if head else h
+
+    def _context_parallel_rope_and_mask(self, h: torch.Tensor, position_ids: torch.Tensor | None):
+        """This rank's tokens under context parallel: RoPE at their global positions, and the mask of their queries
+        over the gathered keys (causal by global index; within documents, from the whole sequence's positions)."""
+        context = self.context_parallel
+        seq_len = h.shape[1] * context.size
+        documents = None
+        if position_ids is None:
+            position_ids = context.token_index(seq_len, h.device).unsqueeze(0)
+        else:
+            documents = document_ids(context.whole(position_ids))
+        rope = self.rope_cos[position_ids], self.rope_sin[position_ids]
+        return rope, context.attention_mask(seq_len, documents, h.device)

@@ -1,0 +1,136 @@
+"""Context parallel (parallel.cp): each cp rank holds 1/cp of every sequence, attention spans all of it.
+What it cannot run yet is refused before launch (tests/test_config_errors.py).
+
+Checked against plain full attention (the same model on one process, per token and per gradient), and by loss
+parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp × FSDP with full activation checkpointing follow the
+single-process curve, with document masking on and off.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from harness import FAST, train, train_in_one_group
+
+STEPS = ["train.steps=10"]
+DOCUMENTS = {"documents": ["data.document_masking=true"], "causal": ["data.document_masking=false"]}
+LAYOUTS = {  # name: (world size, cp, overrides)
+    "cp2": (2, 2, ["parallel.dp_shard=1", "parallel.cp=2"]),
+    "cp4": (4, 4, ["parallel.dp_shard=1", "parallel.cp=4"]),
+    "cp2_fsdp2": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2"]),
+    "cp2_hsdp2": (4, 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2"]),
+    # recomputed in backward, the blocks gather keys and values again
+    "cp2_fsdp2_full_ac": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2", "memory.activation_checkpointing=full"]),
+}
+
+
+# ------------------------------------------------------------------------------------ against full attention
+
+def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool, errors) -> None:
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)  # served by the test's process
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from composer3d.config import ModelConfig
+        from composer3d.models import build_model
+        from composer3d.models.init import materialize
+        from composer3d.parallel.context import ContextParallel
+
+        cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
+                          init_std=0.1)  # sharp attention: a key of the wrong document or future moves logits
+        full, parted = build_model(cfg), build_model(cfg)
+        for model in (full, parted):  # the same weights: each generated from (seed, name)
+            materialize(model, torch.device("cpu"), seed=0)
+        context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"])
+        parted.use_context_parallel(context)
+        seq = 32
+        torch.manual_seed(1)
+        tokens = torch.randint(0, 128, (2, seq))
+        # two packed documents a row, restarting at different places (or plain causal rows)
+        positions = torch.cat([torch.arange(11), torch.arange(seq - 11)]).repeat(2, 1) if documents else None
+        if documents:
+            positions[1] = torch.cat([torch.arange(20), torch.arange(seq - 20)])
+        expected = full(tokens, position_ids=positions)
+        got = parted(context.shard(tokens), position_ids=context.shard(positions))
+        assert got.shape == (2, seq // world, 128), got.shape  # this rank computes only its tokens
+        logits_error = (got - context.shard(expected)).abs().max().item()
+        # gradients of the same scalar: each rank's share of the loss, summed over the cp ranks
+        weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2))
+        (expected * weights).sum().backward()
+        (got * context.shard(weights)).sum().backward()
+        grad_error = 0.0  # relative to the largest gradient entry of each parameter
+        for a, b in zip(full.parameters(), parted.parameters()):
+            dist.all_reduce(b.grad)
+            grad_error = max(grad_error, ((a.grad - b.grad).abs().max() / a.grad.abs().max()).item())
+        errors[rank] = (logits_error, grad_error)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_cp_logits_and_gradients_equal_full_attention(world, documents):
+    """Each rank's logits are full attention's at the tokens it holds; gradients summed over cp are full's."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    errors = mp.Manager().dict()
+    mp.spawn(_cp_against_full_attention, args=(world, store.port, documents, errors), nprocs=world, join=True)
+    for rank, (logits_error, grad_error) in errors.items():
+        assert logits_error < 1e-5 and grad_error < 1e-5, f"rank {rank}: logits {logits_error}, grads {grad_error}"
+
+
+def test_head_tail_chunks_balance_causal_work():
+    """Rank r holds chunks r and 2·cp−1−r: together every token once, and the same number of causal pairs each."""
+    from composer3d.parallel.context import ContextParallel
+
+    seq, cp = 64, 4
+    held = []
+    for rank in range(cp):
+        context = ContextParallel.__new__(ContextParallel)
+        context.size, context.rank = cp, rank
+        held.append(context.token_index(seq, torch.device("cpu")))
+    assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
+    assert held[1].tolist() == [*range(8, 16), *range(48, 56)]
+    work = {int((index + 1).sum()) for index in held}  # keys each query attends to under a causal mask
+    assert len(work) == 1, work
+
+
+# ------------------------------------------------------------------------------------------------ loss parity
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_ref")
+    return {kind: train(root / kind, *FAST, *STEPS, *overrides) for kind, overrides in DOCUMENTS.items()}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory):
+    """Every layout with document masking on and off, those of a world size in one process group."""
+    root = tmp_path_factory.mktemp("cp")
+    runs = {}
+    for world in sorted({w for w, _, _ in LAYOUTS.values()}):
+        jobs = [((name, kind), root / f"{name}_{kind}", [*FAST, *STEPS, *overrides, *DOCUMENTS[kind]])
+                for name, (w, _, overrides) in LAYOUTS.items() if w == world for kind in DOCUMENTS]
+        results = train_in_one_group([(run_dir, overrides) for _, run_dir, overrides in jobs], nproc=world)
+        runs.update(zip([key for key, _, _ in jobs], results))
+    return runs
+
+
+@pytest.mark.parametrize("kind", list(DOCUMENTS))
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cp_loss_matches_single_process(name, kind, references, cp_runs):
+    reference, run = references[kind], cp_runs[(name, kind)]
+    assert len(reference.losses) == len(run.losses) == 10
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"{name} ({kind}): per-step |Δloss| {diffs}"
+    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(grad_diffs) < 1e-3, f"{name} ({kind}): grad norms differ {grad_diffs}"
+    assert run.run_info["layout"]["cp"] == LAYOUTS[name][1]
+
+
+@pytest.mark.parametrize("name, sharding", [("cp2", 2), ("cp4", 4), ("cp2_fsdp2", 4), ("cp2_hsdp2", 2)])
+def test_parameters_are_sharded_over_cp_not_replicated(name, sharding, cp_runs):
+    """FSDP shards over dp_shard × cp: the model state per rank is 16 bytes a parameter over that many ranks."""
+    info = cp_runs[(name, "documents")].run_info
+    expected = 16 * info["num_params"] / sharding
+    assert abs(info["model_state_bytes_per_rank"] - expected) / expected < 0.05, (info, expected)
