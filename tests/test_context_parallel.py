@@ -6,6 +6,9 @@ parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp × FSDP with full activation c
 single-process curve, with document masking on and off.
 """
 
+import json
+import random
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +16,7 @@ import torch.multiprocessing as mp
 from harness import FAST, train, train_in_one_group
 
 STEPS = ["train.steps=10"]
-DOCUMENTS = {"documents": ["data.document_masking=true"], "causal": ["data.document_masking=false"]}
+MASKING = {"documents": ["data.document_masking=true"], "causal": ["data.document_masking=false"]}
 LAYOUTS = {  # name: (world size, cp, overrides)
     "cp2": (2, 2, ["parallel.dp_shard=1", "parallel.cp=2"]),
     "cp4": (4, 4, ["parallel.dp_shard=1", "parallel.cp=4"]),
@@ -98,25 +101,45 @@ def test_head_tail_chunks_balance_causal_work():
 # ------------------------------------------------------------------------------------------------ loss parity
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp_ref")
-    return {kind: train(root / kind, *FAST, *STEPS, *overrides) for kind, overrides in DOCUMENTS.items()}
+def corpus(tmp_path_factory) -> list[str]:
+    """Short documents (5 to 60 bytes: several in every 64-token window, so masks cut across the cp chunks)."""
+    rng = random.Random(0)
+    words = "the of ring attention keys values chunk rank token sequence mask document".split()
+    path = tmp_path_factory.mktemp("cp_corpus") / "docs.jsonl"
+    with path.open("w") as f:
+        for _ in range(3000):
+            text = " ".join(rng.choice(words) for _ in range(rng.randint(1, 8)))[:60]
+            f.write(json.dumps({"text": text}) + "\n")
+    return ["data=text_files", f"data.paths=['{path}']"]
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
+def documents(corpus):
+    return {kind: [*corpus, *overrides] for kind, overrides in MASKING.items()}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, documents):
+    root = tmp_path_factory.mktemp("cp_ref")
+    runs = {kind: train(root / kind, *FAST, *STEPS, *overrides) for kind, overrides in documents.items()}
+    assert runs["documents"].losses != runs["causal"].losses, "document masking changes this corpus's curve"
+    return runs
+
+
+@pytest.fixture(scope="module")
+def cp_runs(tmp_path_factory, documents):
     """Every layout with document masking on and off, those of a world size in one process group."""
     root = tmp_path_factory.mktemp("cp")
     runs = {}
     for world in sorted({w for w, _, _ in LAYOUTS.values()}):
-        jobs = [((name, kind), root / f"{name}_{kind}", [*FAST, *STEPS, *overrides, *DOCUMENTS[kind]])
-                for name, (w, _, overrides) in LAYOUTS.items() if w == world for kind in DOCUMENTS]
+        jobs = [((name, kind), root / f"{name}_{kind}", [*FAST, *STEPS, *overrides, *documents[kind]])
+                for name, (w, _, overrides) in LAYOUTS.items() if w == world for kind in MASKING]
         results = train_in_one_group([(run_dir, overrides) for _, run_dir, overrides in jobs], nproc=world)
         runs.update(zip([key for key, _, _ in jobs], results))
     return runs
 
 
-@pytest.mark.parametrize("kind", list(DOCUMENTS))
+@pytest.mark.parametrize("kind", list(MASKING))
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cp_loss_matches_single_process(name, kind, references, cp_runs):
     reference, run = references[kind], cp_runs[(name, kind)]
