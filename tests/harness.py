@@ -107,14 +107,12 @@ def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[R
     another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
     paid once. For numerics across many models; the command line itself is what ``train`` tests."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     # Each job's rendezvous store is served from here, as torchrun's agent serves its workers', on a port the OS
     # picks and this process holds throughout: a port found free and let go before use can be taken in between
     # (an earlier job's client sockets draw from the same range), and the job then fails to start.
     stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
-    mp.spawn(_train_jobs, args=(nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores]), nprocs=nproc,
-             join=True)
+    processes(_train_jobs, nproc, nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores])
     return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
 
 
@@ -138,9 +136,35 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
 
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback fails the test."""
+    processes(_worker, world_size, fn, world_size, str(tmp_path / "store"), args)
+
+
+# What every in-process worker imports: loaded once, in the server the workers are forked from.
+FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
+                      "torch.distributed.checkpoint", "transformers", "composer3d.train", "harness"]
+
+
+def processes(fn, nprocs: int, *args) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a process's traceback fails the test (``mp.spawn``).
+
+    The processes are forked from a server process that imported torch, transformers and composer3d once for the
+    session (multiprocessing's forkserver): a spawned process would spend ~6 s of CPU on its own imports first,
+    which is most of what a tiny run costs on 2 cores. The server is a fresh interpreter (no threads, no process
+    group), so its forks are as clean as spawned processes."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(fn, world_size, str(tmp_path / "store"), args), nprocs=world_size, join=True)
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    # OpenMP reads OMP_NUM_THREADS when torch loads, which is in the server: one thread per worker from there on.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(OMP_NUM_THREADS=saved)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _worker(rank: int, fn, world_size: int, store: str, args) -> None:

@@ -189,9 +189,8 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
 def run_measurements(jobs: list[list[str]], nproc: int, out_dir: Path, timed_steps: int = 0,
                      pad_s: float = 0.0) -> list[list[dict]]:
     """Per job, per rank: what ``measure_layouts`` recorded (metered, or timed pipelines with ``timed_steps``)."""
-    import torch.multiprocessing as mp
+    from harness import processes
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(measure_layouts, args=(nproc, jobs, str(out_dir), timed_steps, pad_s, str(out_dir / "store")),
-             nprocs=nproc, join=True)
+    processes(measure_layouts, nproc, nproc, jobs, str(out_dir), timed_steps, pad_s, str(out_dir / "store"))
     return [[json.loads((out_dir / f"{i}.rank{r}.json").read_text()) for r in range(nproc)] for i in range(len(jobs))]

@@ -92,11 +92,13 @@ def compose_cfg():
     (4, ["parallel.tp=4", "parallel.sequence_parallel=true"], {"dp_shard": 1, "tp": 4}),
     (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], {"dp_replicate": 2, "dp_shard": 1}),
     (1, [], {"dp_shard": 1, "tp": 1}),
+    # ring attention (the default cp style) takes any head count: 2 KV heads on 4 cp ranks
+    (4, ["parallel.cp=4", "model.n_kv_heads=2"], {"dp_shard": 1, "cp": 4}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
     assert {k: degrees[k] for k in expected} == expected
-    assert degrees["pp"] == degrees["cp"] == degrees["ep"] == 1
+    assert all(degrees[k] == 1 for k in ("pp", "cp", "ep") if k not in expected)
     product = degrees["pp"] * degrees["dp_replicate"] * degrees["dp_shard"] * degrees["cp"] * degrees["tp"]
     assert product == world
 
@@ -130,6 +132,10 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["model=tiny_moe", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor", "Use 0 to turn it off"),
     (2, ["model=tiny_moe", "parallel.tp=2", "model.moe.expert_hidden_dim=63"], "parallel.tp",
      "model.moe.expert_hidden_dim=63"),
+    # context parallel's attention styles; ulysses splits the (KV) heads over cp
+    (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
+    (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
+     "model.n_kv_heads=2 is not divisible by cp=4"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

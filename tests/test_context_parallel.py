@@ -1,9 +1,10 @@
 """Context parallel (parallel.cp): each cp rank holds 1/cp of every sequence, attention spans all of it.
 What it cannot run yet is refused before launch (tests/test_config_errors.py).
 
-Checked against plain full attention (the same model on one process, per token and per gradient), and by loss
-parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp × FSDP with full activation checkpointing follow the
-single-process curve, with document masking on and off.
+Checked against plain full attention (the same model on one process, per token and per gradient) in each style
+(ring, allgather, ulysses), and by loss parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp × FSDP with full activation
+checkpointing follow the single-process curve with ring attention, and cp 2 and cp × FSDP with the other two
+styles, with document masking on and off.
 """
 
 import json
@@ -13,23 +14,27 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import FAST, train, train_in_one_group
+from harness import FAST, processes, train, train_in_one_group
 
 STEPS = ["train.steps=10"]
 MASKING = {"documents": ["data.document_masking=true"], "causal": ["data.document_masking=false"]}
-LAYOUTS = {  # name: (world size, cp, overrides)
+LAYOUTS = {  # name: (world size, cp, overrides); ring attention, the default style
     "cp2": (2, 2, ["parallel.dp_shard=1", "parallel.cp=2"]),
     "cp4": (4, 4, ["parallel.dp_shard=1", "parallel.cp=4"]),
     "cp2_fsdp2": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2"]),
     "cp2_hsdp2": (4, 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2"]),
-    # recomputed in backward, the blocks gather keys and values again
+    # recomputed in backward, the blocks pass keys and values round the ring again
     "cp2_fsdp2_full_ac": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2", "memory.activation_checkpointing=full"]),
 }
+# the other styles in the cp 2 and cp × FSDP layouts
+LAYOUTS.update({f"{name}_{style}": (world, cp, [*overrides, f"parallel.cp_style={style}"])
+                for style in ("allgather", "ulysses") for name in ("cp2", "cp2_fsdp2")
+                for world, cp, overrides in [LAYOUTS[name]]})
 
 
 # ------------------------------------------------------------------------------------ against full attention
 
-def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool, errors) -> None:
+def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool, style: str, errors) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)  # served by the test's process
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
@@ -45,7 +50,7 @@ def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool
         full, parted = build_model(cfg), build_model(cfg)
         for model in (full, parted):  # the same weights: each generated from (seed, name)
             materialize(model, torch.device("cpu"), seed=0)
-        context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"])
+        context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], style)
         parted.use_context_parallel(context)
         seq = 32
         torch.manual_seed(1)
@@ -73,11 +78,12 @@ def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_cp_logits_and_gradients_equal_full_attention(world, documents):
+@pytest.mark.parametrize("style", ["ring", "allgather", "ulysses"])
+def test_cp_logits_and_gradients_equal_full_attention(style, world, documents):
     """Each rank's logits are full attention's at the tokens it holds; gradients summed over cp are full's."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = mp.Manager().dict()
-    mp.spawn(_cp_against_full_attention, args=(world, store.port, documents, errors), nprocs=world, join=True)
+    processes(_cp_against_full_attention, world, world, store.port, documents, style, errors)
     for rank, (logits_error, grad_error) in errors.items():
         assert logits_error < 1e-5 and grad_error < 1e-5, f"rank {rank}: logits {logits_error}, grads {grad_error}"
 

@@ -92,6 +92,9 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel degree (Megatron column/row splits of each layer)
     pp: int = 1  # pipeline parallel degree (stages of consecutive layers)
     cp: int = 1  # context parallel: each of cp ranks holds 1/cp of every sequence (native model; with FSDP/HSDP)
+    # how attention spans the cp ranks' shares: ring (keys/values passed round, memory 1/cp) | allgather (keys/values
+    # all-gathered: short sequences, few KV heads) | ulysses (all-to-all to a head split; heads divisible by cp)
+    cp_style: str = "ring"
     # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard)
     # holds experts/ep experts per MoE layer and exchanges tokens with all-to-all; experts are FSDP-sharded over
     # the dp_shard/ep ranks that remain

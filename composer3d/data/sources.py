@@ -22,15 +22,24 @@ from composer3d.errors import ConfigError
 
 
 def stdlib_documents() -> Iterator[str]:
-    """Source files of the running interpreter's standard library, in a fixed (sorted) order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "__pycache__" in path.parts:
-            continue
+    """Source files of the running interpreter's standard library, in a fixed (sorted by path) order."""
+    for path in _python_files(Path(sysconfig.get_paths()["stdlib"])):
         try:
             yield path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
             continue
+
+
+def _python_files(directory: Path) -> Iterator[Path]:
+    """The ``*.py`` files under ``directory`` in sorted path order, found as they are read: depth first, each
+    directory's entries by name. A run reads only the first few (``data.max_tokens``), and sorting every path first
+    walked all of site-packages too (23,000 files with torch installed: 2–4 s on every rank of every run)."""
+    for entry in sorted(os.scandir(directory), key=lambda entry: entry.name):
+        if entry.is_dir():
+            if entry.name not in ("site-packages", "__pycache__"):  # installed packages are not the stdlib
+                yield from _python_files(Path(entry.path))
+        elif entry.name.endswith(".py"):
+            yield Path(entry.path)
 
 
 # file suffix → kind of corpus file (the Hugging Face datasets builder that reads it)

@@ -3,11 +3,18 @@
 The sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r (head-tail, as Megatron and torchtitan
 balance causal attention): under a causal mask the early chunks attend to few keys and the late ones to many, so
 each rank gets one of each and the same work. Inputs, targets and positions are cut alike (``shard``); RoPE takes
-each token's global position. Attention takes its queries locally and the keys and values of the whole sequence,
-all-gathered over the cp ranks with autograd (the backward reduce-scatters their gradients) — the ``allgather``
-style: exact, cheapest for short sequences and few KV heads, and the same kernel as without cp (SDPA with a mask
-over global token indices and document ids). The token loss of each rank's targets is summed over dp × cp (the
-``loss`` mesh) and FSDP reduces gradients over ``dp_shard_cp``, so the curve is the single-process one.
+each token's global position. Attention takes its queries locally and spans the keys of the whole sequence, in one
+of three styles (``parallel.cp_style``), all exact, under a mask of global token indices and document ids:
+
+- ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by log-sum-exp
+  (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask leaves empty are skipped;
+- ``allgather``: keys and values of the whole sequence all-gathered with autograd (the backward reduce-scatters
+  their gradients), one SDPA call: cheapest for short sequences and few KV heads;
+- ``ulysses``: an all-to-all trades the sequence split for a head split (each rank attends over the whole
+  sequence with heads/cp of the heads), and back: needs the heads and KV heads divisible by cp.
+
+The token loss of each rank's targets is summed over dp × cp (the ``loss`` mesh) and FSDP reduces gradients over
+``dp_shard_cp``, so the curve is the single-process one.
 """
 
 from __future__ import annotations
@@ -15,7 +22,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
+
+from composer3d.parallel.ring_attention import ring_attention, ring_blocks
+
+STYLES = ("ring", "allgather", "ulysses")
 
 # torch 2.13 names it all_gather_single_autograd (the older all_gather_tensor_autograd warns there); older only so.
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
@@ -24,8 +36,10 @@ _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or fu
 class ContextParallel:
     """The cp group of this rank: which tokens it holds, and the collectives attention needs across the group."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
-        self.group = cp_mesh.get_group()
+    def __init__(self, cp_mesh: DeviceMesh, style: str = "ring"):
+        if style not in STYLES:
+            raise ValueError(f"context parallel style {style!r}: one of {STYLES}")
+        self.group, self.style = cp_mesh.get_group(), style
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
     def _held(self, rank: int, seq_len: int) -> torch.Tensor:
@@ -60,11 +74,46 @@ class ContextParallel:
         order = self.gathered_index(seq_len, tensor.device).argsort()
         return stacked.index_select(dim, order)
 
-    def attention_mask(self, seq_len: int, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-        """Which gathered keys each local query attends to, (batch or 1, 1, local tokens, seq_len): keys at or
-        before the query's global index and, with ``documents`` (batch, seq_len) in global order, in its document."""
-        queries, keys = self.token_index(seq_len, device), self.gathered_index(seq_len, device)
-        mask = (keys[None, :] <= queries[:, None]).unsqueeze(0)
-        if documents is not None:
-            mask = mask & (documents[:, queries, None] == documents[:, None, keys])
-        return mask.unsqueeze(1)
+    def attention_plan(self, seq_len: int, documents: torch.Tensor | None, device: torch.device):
+        """What every layer's attention of one forward needs (computed once): ``documents`` (batch, seq_len) are
+        the document ids in global order, or None for causal attention."""
+        if self.style == "ring":
+            return ring_blocks(self.rank, self.size, seq_len, documents)
+        queries = self.token_index(seq_len, device) if self.style == "allgather" else self.gathered_index(seq_len, device)
+        return _mask(queries, self.gathered_index(seq_len, device), documents)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
+        """Attention of this rank's queries (batch, heads, local tokens, head_dim) over the whole sequence's keys;
+        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim)."""
+        if self.style == "ring":
+            return ring_attention(q, k, v, plan, self.group, self.rank, self.size)
+        if self.style == "allgather":
+            k, v = self.gather(k, dim=2), self.gather(v, dim=2)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1])
+        q, k, v = (self._heads_to_sequence(t) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1])
+        return self._sequence_to_heads(out)
+
+    def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, local tokens, d) → (batch, heads/cp, all tokens in ``gathered_index`` order, d): rank j
+        keeps the j-th group of heads, of every rank's tokens."""
+        batch, heads, tokens, dim = x.shape
+        x = x.reshape(batch, self.size, heads // self.size, tokens, dim).transpose(0, 1).contiguous()
+        x = funcol.all_to_all_single_autograd(x, None, None, self.group)  # dim 0: to rank j / from rank j
+        return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * tokens, dim)
+
+    def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_heads_to_sequence``: this rank's tokens, all heads."""
+        batch, heads, tokens, dim = x.shape
+        x = x.reshape(batch, heads, self.size, tokens // self.size, dim).permute(2, 0, 1, 3, 4).contiguous()
+        x = funcol.all_to_all_single_autograd(x, None, None, self.group)
+        return x.transpose(0, 1).reshape(batch, self.size * heads, tokens // self.size, dim)
+
+
+def _mask(queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+    """Which keys each query attends to, (batch or 1, 1, queries, keys), both given by global token index: keys at
+    or before the query and, with ``documents`` (batch, seq_len) in global order, in its document."""
+    mask = (keys[None, :] <= queries[:, None]).unsqueeze(0)
+    if documents is not None:
+        mask = mask & (documents[:, queries, None] == documents[:, None, keys])
+    return mask.unsqueeze(1)

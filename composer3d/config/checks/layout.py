@@ -52,6 +52,15 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              f"cp={cp} cuts train.seq_len={seq_len} into 2·cp = {2 * cp} equal chunks, which does not divide it",
              f"Use a cp with 2·cp dividing {seq_len} ({_divisors(seq_len // 2)}), or a train.seq_len divisible by "
              f"{2 * cp}")
+    style = cfg.parallel.cp_style
+    _require(style in ("ring", "allgather", "ulysses"), "parallel.cp_style", f"got {style!r}",
+             "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
+    if style == "ulysses":
+        heads = {"model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads or cfg.model.n_heads}
+        for key, count in heads.items():
+            _require(count % cp == 0, "parallel.cp_style", f"ulysses splits the heads over the cp ranks, and {key}="
+                     f"{count} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
+                     f"dividing {count}")
     _require(cfg.model.name == "llama", "parallel.cp", f"context parallel runs the native model so far, not "
              f"model={cfg.model.name}", "Use parallel.cp=1 with this model")
     unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.tp": degrees["tp"] > 1, "parallel.ep": degrees["ep"] > 1,

@@ -83,19 +83,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-        # Under context parallel (``parallel.context``): keys and values of the whole sequence, gathered over cp.
+        # Under context parallel (``parallel.context``): attention over the keys and values of the whole sequence.
         self.context_parallel = None
 
     def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                 mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
-        """``mask``: None for causal attention, else ``document_mask``'s."""
+        """``mask``: None for causal attention, else ``document_mask``'s; under context parallel, its
+        ``attention_plan``."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallel each rank holds only its share of the heads (the mask has no head dim).
         q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
         k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
-        if self.context_parallel is not None:  # the mask then spans the gathered keys (Llama.forward)
-            k, v = self.context_parallel.gather(k, dim=2), self.context_parallel.gather(v, dim=2)
+        if self.context_parallel is not None:
+            out = self.context_parallel.attend(q, k, v, mask)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
         gqa = q.shape[1] != k.shape[1]
         if isinstance(mask, BlockMask):
             out = _compiled_flex[0](q, k, v, block_mask=mask, enable_gqa=gqa)

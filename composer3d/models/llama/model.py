@@ -159,8 +159,9 @@ class Llama(nn.Module):
         return self.output(self.norm(h)) if head else h
 
     def _context_parallel_rope_and_mask(self, h: torch.Tensor, position_ids: torch.Tensor | None):
-        """This rank's tokens under context parallel: RoPE at their global positions, and the mask of their queries
-        over the gathered keys (causal by global index; within documents, from the whole sequence's positions)."""
+        """This rank's tokens under context parallel: RoPE at their global positions, and the plan of their
+        attention over the whole sequence (causal by global index; within documents, from the whole sequence's
+        positions), made once for every layer."""
         context = self.context_parallel
         seq_len = h.shape[1] * context.size
         documents = None
@@ -169,4 +170,4 @@ class Llama(nn.Module):
         else:
             documents = document_ids(context.whole(position_ids))
         rope = self.rope_cos[position_ids], self.rope_sin[position_ids]
-        return rope, context.attention_mask(seq_len, documents, h.device)
+        return rope, context.attention_plan(seq_len, documents, h.device)

@@ -1,0 +1,217 @@
+"""Ring attention: exact attention of this rank's queries over the whole sequence, the keys and values of each cp
+rank passed round the ring of cp ranks, one block at a time, and merged by log-sum-exp.
+
+No rank ever holds more than two ranks' keys and values (the block it computes on and the one arriving), so
+attention memory per rank falls as 1/cp; the next block's send/receive is posted before the current block's compute.
+The work is cut at chunk granularity (``parallel.context``: rank r holds chunks r and 2·cp−1−r): a pair of chunks is
+either wholly before the query chunk (attended without a mask), the same chunk (causal), or after it (skipped). With
+packed documents a pair whose queries and keys share no document is skipped too, and the rest carry their mask.
+
+The backward is exact: it passes the keys and values round the ring again, each block's gradients computed against
+the merged output and log-sum-exp of the forward (flash attention's identity), and the key/value gradients travel
+with their block until they are back at its owner. The block kernel is the flash-attention-for-CPU kernel on the
+CPU (which returns the log-sum-exp and has a backward op); elsewhere the block's scores are materialized (exact, a
+block at a time) until a device kernel is measured on the accelerator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Block:
+    """One pair of (query chunk, key chunk) that attends: rows of the local queries, rows of the source's keys."""
+
+    queries: slice
+    keys: slice
+    causal: bool  # the same chunk: causal within it
+    mask: torch.Tensor | None  # (batch, 1, queries, keys) bool where documents cut the pair; None: all allowed
+
+
+def ring_blocks(rank: int, size: int, seq_len: int, documents: torch.Tensor | None) -> list[list[Block]]:
+    """For each source rank, the blocks of this rank's queries that attend to the source's keys (``documents``:
+    (batch, seq_len) document ids in global order, or None for causal attention)."""
+    chunk = seq_len // (2 * size)
+    held = lambda r: (r, 2 * size - 1 - r)  # noqa: E731  (the global chunk ids a rank holds, in its order)
+    lower = None if documents is None else torch.ones(chunk, chunk, dtype=torch.bool, device=documents.device).tril()
+    plan = []
+    for source in range(size):
+        blocks = []
+        for qi, q_chunk in enumerate(held(rank)):
+            for ki, k_chunk in enumerate(held(source)):
+                if k_chunk > q_chunk:
+                    continue  # keys after every query of the chunk
+                causal, mask = k_chunk == q_chunk, None
+                if documents is not None:
+                    allowed = (documents[:, q_chunk * chunk:(q_chunk + 1) * chunk, None]
+                               == documents[:, None, k_chunk * chunk:(k_chunk + 1) * chunk])
+                    unmasked = lower if causal else torch.ones_like(lower)
+                    allowed = allowed & unmasked
+                    if not allowed.any():
+                        continue  # no query of this chunk shares a document with these keys
+                    if not torch.equal(allowed, unmasked.expand_as(allowed)):  # a document starts inside the pair
+                        causal, mask = False, allowed.unsqueeze(1)
+                blocks.append(Block(slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk),
+                                    causal, mask))
+        plan.append(blocks)
+    return plan
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[list[Block]], group,
+                   rank: int, size: int) -> torch.Tensor:
+    """Attention of ``q`` (batch, heads, local tokens, head_dim) over the keys and values (batch, kv heads, local
+    tokens, head_dim) of every rank of ``group``, as ``ring_blocks`` plans it; differentiable."""
+    return _RingAttention.apply(q, k, v, _Ring(group, rank, size), blocks)
+
+
+class _Ring:
+    """This rank's neighbours: blocks go to the next rank and come from the previous one."""
+
+    def __init__(self, group, rank: int, size: int):
+        self.group, self.rank, self.size = group, rank, size
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.previous = dist.get_global_rank(group, (rank - 1) % size)
+
+    def source(self, step: int) -> int:
+        """Whose block this rank holds at ``step`` (its own at step 0)."""
+        return (self.rank - step) % self.size
+
+    def pass_on(self, tensor: torch.Tensor):
+        """Send ``tensor`` to the next rank and receive the previous rank's; returns (pending works, receive buffer)."""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
+                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
+        return works, received
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: _Ring, blocks: list[list[Block]]):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        scale = q.shape[-1] ** -0.5
+        out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:
+                works, arriving = ring.pass_on(kv)
+            for block in blocks[ring.source(step)]:
+                block_out, block_lse = _block_forward(q, kv[0], kv[1], block, scale)
+                _merge(out, lse, block.queries, block_out, block_lse)
+            if not last:
+                _wait(works)
+                kv = arriving
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.blocks, ctx.scale = ring, blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        ring, grad_out = ctx.ring, grad_out.contiguous()
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v])
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # of the block held, its owner's
+        for step in range(ring.size):
+            last = step == ring.size - 1
+            if not last:
+                works, arriving = ring.pass_on(kv)
+            for block in ctx.blocks[ring.source(step)]:
+                dq, dk, dv = _block_backward(grad_out, q, kv[0], kv[1], out, lse, block, ctx.scale)
+                grad_q[..., block.queries, :] += dq
+                grad_kv[0][..., block.keys, :] += dk
+                grad_kv[1][..., block.keys, :] += dv
+            if not last:
+                _wait(works)
+                kv = arriving
+            # on to the rank that holds this block next; after the last step, back to the block's owner
+            works, grad_kv = ring.pass_on(grad_kv)
+            _wait(works)
+        return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """Fold a block's normalized output into the running one (in place): weights by log-sum-exp."""
+    merged = torch.logaddexp(lse[..., rows], block_lse)
+    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
+                         + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    lse[..., rows] = merged
+
+
+def _masked(dtype: torch.dtype) -> float:
+    """The score of a masked pair: finite, so that a row a block masks entirely gets a log-sum-exp far below any
+    real one (its weight in the merge is then exactly 0) instead of NaN."""
+    return torch.finfo(dtype).min / 2
+
+
+def _block_inputs(q, k, v, block: Block):
+    """The block's queries, and its keys and values repeated to the query heads (grouped-query attention)."""
+    q_block, k_block, v_block = q[..., block.queries, :], k[..., block.keys, :], v[..., block.keys, :]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k_block, v_block = k_block.repeat_interleave(group, dim=1), v_block.repeat_interleave(group, dim=1)
+    return q_block, k_block, v_block, group
+
+
+def _bias(block: Block, dtype: torch.dtype) -> torch.Tensor | None:
+    if block.mask is None:
+        return None
+    return torch.zeros(block.mask.shape, dtype=dtype, device=block.mask.device).masked_fill(~block.mask, _masked(dtype))
+
+
+def _fold_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
+    """Gradients of repeated keys/values summed back onto their kv head."""
+    if group == 1:
+        return grad
+    batch, heads, tokens, dim = grad.shape
+    return grad.view(batch, heads // group, group, tokens, dim).sum(2)
+
+
+def _block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    q_block, k_block, v_block, _ = _block_inputs(q, k, v, block)
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_block, k_block, v_block, 0.0, block.causal, attn_mask=_bias(block, q.dtype), scale=scale)
+    scores = _scores(q_block, k_block, block, scale)
+    block_lse = scores.logsumexp(-1)
+    return torch.exp(scores - block_lse.unsqueeze(-1)) @ v_block.float(), block_lse
+
+
+def _block_backward(grad_out, q, k, v, out, lse, block: Block, scale: float):
+    """The block's share of the gradients, given the merged output and log-sum-exp of all blocks."""
+    q_block, k_block, v_block, group = _block_inputs(q, k, v, block)
+    rows = block.queries
+    if q.device.type == "cpu":
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out[..., rows, :], q_block, k_block, v_block, out[..., rows, :], lse[..., rows], 0.0, block.causal,
+            attn_mask=_bias(block, q.dtype), scale=scale)
+    else:
+        grad_block, out_block = grad_out[..., rows, :].float(), out[..., rows, :].float()
+        probs = torch.exp(_scores(q_block, k_block, block, scale) - lse[..., rows].unsqueeze(-1))
+        dv = probs.transpose(-1, -2) @ grad_block
+        d_probs = grad_block @ v_block.float().transpose(-1, -2)
+        d_scores = probs * (d_probs - (grad_block * out_block).sum(-1, keepdim=True))
+        dq, dk = d_scores @ k_block.float() * scale, d_scores.transpose(-1, -2) @ q_block.float() * scale
+    return dq, _fold_heads(dk, group), _fold_heads(dv, group)
+
+
+def _scores(q_block, k_block, block: Block, scale: float) -> torch.Tensor:
+    scores = (q_block.float() @ k_block.float().transpose(-1, -2)) * scale
+    if block.causal:
+        rows, cols = scores.shape[-2:]
+        scores = scores.masked_fill(~torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril(),
+                                    _masked(torch.float32))
+    if block.mask is not None:
+        scores = scores.masked_fill(~block.mask, _masked(torch.float32))
+    return scores
