@@ -118,6 +118,7 @@ def test_forward_matches_transformers(layout, models, references, tmp_path):
     spawn(_check_forward, world, tmp_path, models, references, parallel)
 
 
+@pytest.mark.slow  # PP × FSDP × TP+SP on 8 processes; FSDP × TP+SP and PP × FSDP are in the default run (above)
 def test_forward_pp_fsdp_tp_8_procs(models, references, tmp_path):
     spawn(_check_forward, 8, tmp_path, models, references,
           {"pp": 2, "dp_shard": 2, "tp": 2, "sequence_parallel": True, "pp_schedule": "gpipe"})

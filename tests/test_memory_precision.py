@@ -140,12 +140,18 @@ def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc,
     assert_effect_and_control(run, reference[2], switch, layout)
 
 
+# The precision switches' compositions with TP and PP run with `-m slow`: each switch is checked under FSDP (and
+# float8 under TP+SP) above, and TP and PP themselves by the parity tests; CPU offload's stay in the default run.
+_SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("switch, layout, tolerance", [
-    (["precision.param_dtype=float16"], ["parallel.tp=2", "parallel.sequence_parallel=true"], 0.05),
-    (["precision.param_dtype=float16"], ["parallel.pp=2"], 0.05),
-    (["precision.float8.enabled=true"], ["parallel.pp=2"], 0.02),
-    (["optim.name=adamw_8bit"], ["parallel.tp=2"], 0.02),
-    (["optim.name=adamw_8bit"], ["parallel.pp=2"], 0.02),
+    pytest.param(["precision.param_dtype=float16"], ["parallel.tp=2", "parallel.sequence_parallel=true"], 0.05,
+                 marks=_SLOW),
+    pytest.param(["precision.param_dtype=float16"], ["parallel.pp=2"], 0.05, marks=_SLOW),
+    pytest.param(["precision.float8.enabled=true"], ["parallel.pp=2"], 0.02, marks=_SLOW),
+    pytest.param(["optim.name=adamw_8bit"], ["parallel.tp=2"], 0.02, marks=_SLOW),
+    pytest.param(["optim.name=adamw_8bit"], ["parallel.pp=2"], 0.02, marks=_SLOW),
     (["parallel.offload=cpu"], ["parallel.pp=2"], 1e-4),
     (["parallel.offload=cpu"], ["parallel.tp=2"], 1e-4),
 ], ids=_id)
