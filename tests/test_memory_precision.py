@@ -131,8 +131,9 @@ def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, n
     (["precision.param_dtype=bfloat16"], ["parallel.dp_shard=2"], 2, 0.05),
     (["precision.param_dtype=float16"], ["parallel.dp_shard=2"], 2, 0.05),
     (["optim.name=adamw_8bit"], ["parallel.dp_shard=2"], 2, 0.02),
-    (["optim.name=adamw_4bit"], ["parallel.dp_shard=2"], 2, 0.05),
-    (["optim.name=adamw_fp8"], ["parallel.dp_shard=2"], 2, 0.02),
+    # torchao's other low-bit states run with -m slow; 8-bit, through the same torchao optimizer path, runs here
+    pytest.param(["optim.name=adamw_4bit"], ["parallel.dp_shard=2"], 2, 0.05, marks=pytest.mark.slow),
+    pytest.param(["optim.name=adamw_fp8"], ["parallel.dp_shard=2"], 2, 0.02, marks=pytest.mark.slow),
 ], ids=_id)
 def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc, tolerance):
     run = train(tmp_path, *FAST, *STEPS, *switch, *layout, nproc=nproc, probe_effects=True)
