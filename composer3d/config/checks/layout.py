@@ -9,6 +9,7 @@ from typing import Any
 from composer3d.config.checks.common import _divisors, _require
 from composer3d.config.schema import ParallelConfig
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from composer3d.parallel.pipeline import default_stages_per_rank, schedule_problem
 
@@ -53,7 +54,7 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              f"Use a cp with 2·cp dividing {seq_len} ({_divisors(seq_len // 2)}), or a train.seq_len divisible by "
              f"{2 * cp}")
     style = cfg.parallel.cp_style
-    _require(style in ("ring", "allgather", "ulysses"), "parallel.cp_style", f"got {style!r}",
+    _require(style in CP_STYLES, "parallel.cp_style", f"got {style!r}",
              "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
     if style == "ulysses":
         heads = {"model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads or cfg.model.n_heads}
