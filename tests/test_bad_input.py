@@ -161,7 +161,8 @@ def _refused_once(run, key: str) -> str:
 
 
 def test_launcher_refuses_bad_corpus_before_any_worker(tmp_path, files):
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{files}/nonstring.parquet]", nproc=2, check=False)
+    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{files}/nonstring.parquet]", "launch.device=cpu",
+                nproc=2, check=False)
     _refused_once(run, "data.text_field")
     assert "worker" not in run.output, "refused by the launcher, not by failing workers"
 
@@ -170,7 +171,8 @@ def test_late_corpus_error_in_workers_is_reported_once(tmp_path):
     """A malformed line past what the launcher reads up front fails in every worker alike: one message, exit 2."""
     corpus = tmp_path / "late.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(150)) + '{"text": "cut\n')
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{corpus}]", nproc=2, check=False)
+    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{corpus}]", "launch.device=cpu", nproc=2,
+                check=False)
     message = _refused_once(run, "data.paths")
     assert "reading" in message and "late.jsonl" in message
 

@@ -89,3 +89,11 @@ def test_moe_dispatch_benchmark_counts_rows_and_balances_load():
     for r in (one, two):
         assert r["load_max_init"] > 1.5, r  # tokens sharing a direction: an unbalanced router at first
         assert r["load_max_last"] < r["load_max_init"], r  # the bias update evens the load out
+
+
+def test_offload_optimizer_benchmark_times_each_host_step():
+    stdout = _run("offload_optimizer.py", "--params", "1e5", "--tensors", "2", "--steps", "1", "--device", "cpu")
+    rows = [line for line in stdout.splitlines() if " step " in line]
+    assert [row.split(" step ")[0].strip() for row in rows] == [
+        "host fused AdamW (offload=optimizer)", "host foreach AdamW", "host fused AdamW, state in files (offload_dir)"]
+    assert all(float(row.split()[-2]) > 0 for row in rows), stdout  # GB/s

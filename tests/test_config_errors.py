@@ -132,6 +132,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["model=tiny_moe", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor", "Use 0 to turn it off"),
     (2, ["model=tiny_moe", "parallel.tp=2", "model.moe.expert_hidden_dim=63"], "parallel.tp",
      "model.moe.expert_hidden_dim=63"),
+    # ZeRO-Offload: FSDP's or the optimizer's; the files need the optimizer's, whose host step is torch's AdamW
+    (1, ["parallel.offload=gpu"], "parallel.offload", "Choose none, cpu"),
+    (2, ["parallel.offload=optimizer", "parallel.zero_stage=1"], "parallel.offload", "zero_stage=2 or 3"),
+    (1, ["parallel.offload=optimizer", "optim.name=adamw_8bit"], "parallel.offload", "Use optim.name=adamw"),
+    (1, ["parallel.offload_dir=/nvme"], "parallel.offload_dir", "Add parallel.offload=optimizer"),
     # context parallel's attention styles; ulysses splits the (KV) heads over cp
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",

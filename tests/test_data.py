@@ -268,7 +268,8 @@ def test_text_files_missing_field_names_text_field(hf_cache, corpus):
 def test_text_files_trains_through_the_cli(tmp_path, hf_cache, bpe_dir, corpus):
     run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus / 'docs.jsonl'}']",
                 f"data.tokenizer='{bpe_dir}'", "train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
-                "train.micro_batch_size=2", "logging.progress_bar=false", nproc=2, env=hf_cache, timeout=300)
+                "train.micro_batch_size=2", "logging.progress_bar=false", "launch.device=cpu", nproc=2, env=hf_cache,
+                timeout=300)
     assert [m["step"] for m in run.metrics] == [1, 2, 3], run.output
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in run.metrics), run.metrics
     assert run.run_info["world_size"] == 2
@@ -290,7 +291,7 @@ def big_vocab_dir(tmp_path_factory):
 def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_vocab_dir, corpus):
     # Two workers asked for: the launcher checks the data sources first and starts none (exit 2, one message).
     run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus / 'docs.jsonl'}']",
-                f"data.tokenizer='{big_vocab_dir}'", "logging.progress_bar=false", nproc=2, check=False,
+                f"data.tokenizer='{big_vocab_dir}'", "logging.progress_bar=false", "launch.device=cpu", nproc=2, check=False,
                 env=hf_cache, timeout=60)
     assert run.returncode == 2, run.output
     assert run.output.count("invalid configuration") == 1, run.output
@@ -303,7 +304,7 @@ def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_v
 def test_cli_refuses_path_matching_no_file(tmp_path, hf_cache, corpus):
     missing = corpus / "no_such_dir" / "*.jsonl"
     run = train(tmp_path / "run", "data=text_files", f"data.paths=['{missing}']", "logging.progress_bar=false",
-                nproc=2, check=False, env=hf_cache, timeout=60)
+                "launch.device=cpu", nproc=2, check=False, env=hf_cache, timeout=60)
     assert run.returncode == 2, run.output
     assert f"invalid configuration: data.paths: '{missing}' matches no file" in run.output, run.output
     assert run.seconds < 60

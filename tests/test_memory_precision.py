@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from harness import FAST, train
+from harness import FAST, train, train_in_one_group
 
 STEPS = ["train.steps=6"]
 
@@ -60,6 +60,17 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             assert len(offloaded) == rank["num_params"] and all(offloaded), rank["fsdp"]  # every parameter
             # (trivial on the CPU; on an accelerator, where gradients and optimizer state must be found)
             assert set(rank["grad_devices"]) == {s["device"] for s in rank["optimizer_state"]} == {"cpu"}
+        if settings.get("parallel.offload") == "optimizer":
+            # The step runs on host copies: fp32 masters apart from the model's parameters (which stay on the
+            # compute device with their gradients), and AdamW's moments beside them on the host.
+            masters, moments = rank["host_masters"], rank["optimizer_state"]
+            assert rank["optimizer_class"] == "HostOffloadOptimizer" and len(masters) == rank["num_params"]
+            assert {m["device"] for m in masters} == {s["device"] for s in moments} == {"cpu"}, (masters, moments)
+            assert not any(m["shares_param_storage"] for m in masters + moments)
+            assert len(moments) == 2 * rank["num_params"]  # exp_avg and exp_avg_sq of every parameter
+            in_files = "parallel.offload_dir" in settings  # there, the masters and moments are mapped files
+            assert all(m["in_file"] == in_files for m in masters + moments), (masters, moments)
+            assert rank["host_file_bytes"] == (sum(s["bytes"] for s in moments) * 3 // 2 if in_files else 0)
         if settings.get("compile.enabled") == "true":
             # every block compiled, and dynamo did compile graphs for the block forward during the step
             assert rank["compiled_blocks"] == blocks and rank["block_forward_graphs"] > 0, rank["compiled_blocks"]
@@ -114,13 +125,17 @@ def assert_effect_and_control(run, reference, switch, layout):
     (["memory.activation_checkpointing=selective", "memory.ac_every=2"], ["parallel.pp=2"], 2, 4),
     (["memory.activation_checkpointing=full"], ["parallel.pp=2", "parallel.dp_shard=1"], 2, 4),
     (["parallel.offload=cpu"], ["parallel.dp_shard=2"], 2, 2),
+    (["parallel.offload=optimizer"], ["parallel.dp_shard=2"], 2, 2),
+    (["parallel.offload=optimizer", "parallel.offload_dir={tmp}/offload"], [], 1, 2),
     (["compile.enabled=true"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true", "memory.activation_checkpointing=full"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true", "memory.activation_checkpointing=selective"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true"], ["parallel.pp=2"], 2, 4),
 ], ids=_id)
 def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, nproc, layers):
-    run = train(tmp_path, *FAST, *STEPS, f"model.n_layers={layers}", *switch, *layout, nproc=nproc, probe_effects=True)
+    switch = [arg.format(tmp=tmp_path) for arg in switch]
+    run = train(tmp_path / "run", *FAST, *STEPS, f"model.n_layers={layers}", *switch, *layout, nproc=nproc,
+                probe_effects=True)
     assert _max_diff(reference[layers], run) < 1e-4
     assert_effect_and_control(run, reference[layers], switch, layout)
 
@@ -160,6 +175,52 @@ def test_switch_composes_with_tp_and_pp(tmp_path, reference, switch, layout, tol
     run = train(tmp_path, *FAST, *STEPS, "model.n_layers=4", *switch, *layout, nproc=2, probe_effects=True)
     assert _max_diff(reference[4], run) < tolerance
     assert_effect_and_control(run, reference[4], switch, layout)
+
+
+def test_offload_under_fsdp_and_tp_and_its_resume(tmp_path, reference):
+    """ZeRO-Offload (FSDP's, and the optimizer's alone, in host memory or files) under FSDP 2 × TP 2 + SP follows
+    the one-process curve; a checkpoint of an offloaded run resumes on the straight curve, offloaded or not."""
+    fsdp_tp = ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    runs = train_in_one_group([(tmp_path / mode, [*FAST, *STEPS, *fsdp_tp, f"parallel.offload={mode}"])
+                               for mode in ("cpu", "optimizer")], nproc=4)
+    for run in runs:
+        assert _max_diff(reference[2], run) < 1e-4, run.run_dir
+    in_files = ["parallel.offload=optimizer", f"parallel.offload_dir={tmp_path / 'nvme'}"]
+    straight = tmp_path / "straight"
+    step2 = f"checkpoint.resume={straight / 'checkpoints' / 'step-00000002'}"
+    args = [*FAST, "train.steps=4", "checkpoint.interval=2"]
+    runs = train_in_one_group([(straight, [*args, *in_files]), (tmp_path / "resumed", [*args, *in_files, step2]),
+                               (tmp_path / "resumed_on_device", [*args, step2])], nproc=1)
+    assert max(abs(a - b) for a, b in zip(runs[0].losses, reference[2].losses)) < 1e-5  # one process: as plain
+    assert runs[1].losses == runs[0].losses[2:], "host state in files saved and restored exactly"
+    assert runs[2].losses == runs[0].losses[2:], "an offloaded optimizer's checkpoint is an ordinary one"
+    assert not list((tmp_path / "nvme").iterdir()), "the mapped files are unlinked, their folders removed"
+
+
+ON_ACCELERATOR = [arg for arg in FAST if not arg.startswith("launch.device=")] + ["launch.device=auto"]
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.parametrize("mode", ["cpu", "optimizer"])
+def test_offload_on_the_accelerator(tmp_path, mode):
+    """On an accelerator the offloaded model state is in host memory (offload=cpu: parameter shards, gradients and
+    the optimizer; optimizer: its state alone), the device's peak falls by at least the optimizer's 8 bytes a
+    parameter, the curve is the device's own, and a checkpoint resumes on it (offload=cpu crashed at step 1)."""
+    args = [*ON_ACCELERATOR, "train.steps=4", "checkpoint.interval=2", "precision.param_dtype=float32"]
+    plain = train(tmp_path / "plain", *args)
+    run = train(tmp_path / mode, *args, f"parallel.offload={mode}", probe_effects=True)
+    step2 = tmp_path / mode / "checkpoints" / "step-00000002"
+    resumed = train(tmp_path / "resumed", *args, f"parallel.offload={mode}", f"checkpoint.resume={step2}")
+    rank = run.effects[0]
+    accelerator = {device for device in rank["param_devices"] if device != "cpu"}
+    assert set(rank["param_devices"]) == ({"cpu"} if mode == "cpu" else accelerator) and len(accelerator) <= 1
+    assert {s["device"] for s in rank["optimizer_state"]} == {"cpu"}
+    assert set(rank["grad_devices"]) == ({"cpu"} if mode == "cpu" else accelerator)
+    params = run.run_info["num_params"]
+    saved = max(m["peak_mem_bytes"] for m in plain.metrics) - max(m["peak_mem_bytes"] for m in run.metrics)
+    assert saved >= 8 * params, (saved, params)
+    assert max(abs(a - b) for a, b in zip(plain.losses, run.losses)) < 1e-4
+    assert resumed.losses == run.losses[2:]
 
 
 def test_low_bit_optimizer_state_is_smaller_and_checkpoints(tmp_path):

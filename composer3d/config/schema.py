@@ -104,7 +104,11 @@ class ParallelConfig:
     # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
     # each microbatch would gather them again in forward and once more in backward. always | never override.
     reshard_after_forward: str = "default"
-    offload: str = "none"  # none | cpu: FSDP keeps params, grads and the optimizer step on the CPU (ZeRO-Offload)
+    # ZeRO-Offload. none | cpu: FSDP keeps params, grads and the optimizer step in host memory | optimizer: only the
+    # optimizer state and step on the host (fp32 masters and moments; a fused CPU AdamW), params and grads on device
+    offload: str = "none"
+    # with offload=optimizer: keep the host masters and moments in memory-mapped files here (NVMe), not in host memory
+    offload_dir: str | None = None
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
     pp_stages_per_rank: int | None = None  # None: 1, or 2 for interleaved / looped / V-shaped schedules

@@ -158,6 +158,8 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
+    elif c.offload == "optimizer":  # the host keeps fp32 masters, moments and a gradient buffer (or files do)
+        host, opt = params + grads + opt, 0.0
     cb = cluster.compute_bytes
     tokens = c.micro_batch_size * seq_len
     dense = layer_activations(shape, c, False, cb)

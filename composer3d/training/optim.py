@@ -9,13 +9,16 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from composer3d.parallel.offload import HostOffloadOptimizer
 from composer3d.parallel.zero import OptimizerStateSharder
 
 
-def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None
+def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None, offload: str = "none",
+                    offload_dir: str | None = None, device: torch.device | None = None
                     ) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
     """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
-    and the sharder, which also saves and loads that state, is returned with it."""
+    and the sharder, which also saves and loads that state, is returned with it. ``offload="optimizer"``: its state
+    and step on the host (or in files under ``offload_dir``), parameters and gradients on ``device``."""
     params = list(model.parameters())
     decays = [p.ndim >= 2 for p in params]
     sharder = OptimizerStateSharder(params, zero1_mesh) if zero1_mesh is not None else None
@@ -24,9 +27,13 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None
         {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": cfg.weight_decay},
         {"params": [t for t, d in zip(targets, decays) if not d], "weight_decay": 0.0},
     ]
+    groups = [g for g in groups if g["params"]]
+    settings = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    if offload == "optimizer":  # the step runs on host copies: the kernels are the host's
+        kernels = adamw_kernels(cfg.implementation, [torch.empty(0)])
+        return HostOffloadOptimizer(groups, torch.optim.AdamW, device, offload_dir, **settings, **kernels), None
     kernels = adamw_kernels(cfg.implementation, targets) if cfg.name == "adamw" else {}
-    optimizer = optimizer_class(cfg.name)([g for g in groups if g["params"]], lr=cfg.lr, betas=tuple(cfg.betas),
-                                          eps=cfg.eps, **kernels)
+    optimizer = optimizer_class(cfg.name)(groups, **settings, **kernels)
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder

@@ -24,7 +24,8 @@ def window_records(pending: list[tuple[int, dict]], window_start: float, mesh: P
         dist.all_reduce(losses, group=mesh["pp"].get_group())
     peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending])
+    # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
+    norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
     values = torch.cat([losses.double(), norms.double(), peak]).tolist()
     experts = expert_load.read(len(pending)) if expert_load is not None else {}
     step_time = (time.perf_counter() - window_start) / len(pending)

@@ -60,7 +60,8 @@ class Trainer:
                                      mesh.layout.world_size)
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
-                                                       zero1_mesh=mesh.dp if p.zero_stage == 1 else None)
+                                                       zero1_mesh=mesh.dp if p.zero_stage == 1 else None,
+                                                       offload=p.offload, offload_dir=p.offload_dir, device=device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps
         self.loader = None if sequences is None else BatchPrefetcher(
@@ -210,9 +211,11 @@ class Trainer:
             set_optimizer_state_dict(self.model, self.optimizer, state)
 
     def close(self) -> None:
-        """Stop the data prefetch thread."""
+        """Stop the data prefetch thread; let go of the optimizer's host files (parallel.offload_dir)."""
         if self.loader is not None:
             self.loader.close()
+        if hasattr(self.optimizer, "close"):
+            self.optimizer.close()
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

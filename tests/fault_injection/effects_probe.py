@@ -123,6 +123,7 @@ def _effects(trainer: Trainer) -> dict:
     model, optimizer = trainer.model, trainer.optimizer
     names = {id(p): n for n, p in model.named_parameters()}
     counters = torch._dynamo.utils.counters
+    param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
     return {
         "rank": dist.get_rank(),
         "blocks": list(model.layers.keys()),  # this rank's (a pipeline stage keeps some)
@@ -138,9 +139,17 @@ def _effects(trainer: Trainer) -> dict:
         "optimizer_state": [
             {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
              "dtype": str(v.dtype), "device": str(_local(v).device), "numel": _local(v).numel(),
-             "bytes": local_bytes(v)}
+             "bytes": local_bytes(v), "in_file": _local(v).untyped_storage().filename is not None,
+             # the state lives apart from the parameters (offload=optimizer: host masters, not the model's tensors)
+             "shares_param_storage": _local(v).untyped_storage().data_ptr() in param_storages}
             for p, state in optimizer.state.items() for key, v in state.items()
             if isinstance(v, torch.Tensor) and v.ndim > 0],
+        "optimizer_class": type(optimizer).__name__,
+        # offload=optimizer: the host copies the step updates (masters), and the bytes this rank keeps in files
+        "host_masters": [{"device": str(_local(m).device), "in_file": _local(m).untyped_storage().filename is not None,
+                          "shares_param_storage": _local(m).untyped_storage().data_ptr() in param_storages}
+                         for _, m, _ in getattr(optimizer, "pairs", ())],
+        "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
         "loss_scaler": trainer.scaler is not None,
         "compiled_blocks": [i for i, b in model.layers.items() if getattr(b, "_compiled_call_impl", None) is not None],

@@ -85,10 +85,7 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
                  "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
                  f"(dp_replicate={degrees['dp_replicate']}, dp_shard={degrees['dp_shard']})",
                  "Use zero_stage=2 or 3 for HSDP, or put all data-parallel ranks in one dimension")
-    _require(p.offload in ("none", "cpu"), "parallel.offload", f"unknown offload {p.offload!r}", "Choose none or cpu")
-    _require(p.offload == "none" or p.zero_stage != 1, "parallel.offload",
-             "CPU offload is FSDP's (it offloads the shards it owns); ZeRO-1 keeps replicated params",
-             "Use parallel.zero_stage=2 or 3 with parallel.offload=cpu")
+    _check_offload(cfg)
     if tp > 1:
         problem = MODEL_REGISTRY[m.name].tensor_parallel_problem(m)
         _require(problem is None, "parallel.tp", str(problem), "Use parallel.tp=1 (FSDP and pipeline parallel work)")
@@ -161,3 +158,19 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
     problem = schedule_problem(p.pp_schedule, pp, stages_per_rank, microbatches)
     _require(problem is None, "parallel.pp_microbatches" if "microbatches" in (problem or "") else "parallel.pp_schedule",
              str(problem), "Raise train.global_batch_size or parallel.pp_microbatches, or pick another schedule")
+
+
+def _check_offload(cfg: Any) -> None:
+    """ZeRO-Offload: FSDP's (cpu) or the optimizer's alone (optimizer, in host memory or files under offload_dir)."""
+    p = cfg.parallel
+    _require(p.offload in ("none", "cpu", "optimizer"), "parallel.offload", f"unknown offload {p.offload!r}",
+             "Choose none, cpu (parameters, gradients and optimizer in host memory) or optimizer (its state only)")
+    _require(p.offload == "none" or p.zero_stage != 1, "parallel.offload",
+             f"offload={p.offload} offloads the shards FSDP owns; ZeRO-1 keeps replicated params and shards the "
+             "optimizer state itself", f"Use parallel.zero_stage=2 or 3 with parallel.offload={p.offload}")
+    _require(p.offload != "optimizer" or cfg.optim.name == "adamw", "parallel.offload",
+             f"the host optimizer step is torch's AdamW; optim.name={cfg.optim.name} keeps its low-bit state on the "
+             "device", "Use optim.name=adamw with parallel.offload=optimizer, or parallel.offload=none")
+    _require(not p.offload_dir or p.offload == "optimizer", "parallel.offload_dir",
+             f"keeps the optimizer's host state in files, which needs parallel.offload=optimizer (got {p.offload})",
+             "Add parallel.offload=optimizer, or drop parallel.offload_dir")

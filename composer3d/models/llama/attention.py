@@ -42,13 +42,17 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return F.pad((position_ids[:, 1:] != position_ids[:, :-1] + 1).cumsum(-1), (1, 0))
 
 
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex-attention kernels refuse smaller heads ("NYI: embedding dimension ...")
+
+
 @functools.cache
-def _flex_fits(device_type: str) -> bool:
+def _flex_fits(device_type: str, head_dim: int) -> bool:
     """Whether attention on this device type takes flex attention: where inductor compiles it to Triton kernels (the
-    accelerator, when Triton supports it). Elsewhere its kernels are slow or missing (torch 2.13's flex attention has
-    no backward on the CPU), and the exact SDPA mask is used."""
+    accelerator, when Triton supports it, for heads of at least 16 dims). Elsewhere its kernels are slow or missing
+    (torch 2.13's flex attention has no backward on the CPU), and the exact SDPA mask is used."""
     accelerator = torch.accelerator.current_accelerator()
-    return accelerator is not None and device_type == accelerator.type and has_triton()
+    return (accelerator is not None and device_type == accelerator.type and has_triton()
+            and head_dim >= FLEX_MIN_HEAD_DIM)
 
 
 # flex_attention and create_block_mask compiled, made on first use (torch.compile costs seconds to import): eager,
@@ -56,15 +60,15 @@ def _flex_fits(device_type: str) -> bool:
 _compiled_flex: tuple | None = None
 
 
-def document_mask(documents: torch.Tensor) -> BlockMask | torch.Tensor:
+def document_mask(documents: torch.Tensor, head_dim: int) -> BlockMask | torch.Tensor:
     """Block-causal attention over ``document_ids``: token i attends to token j iff j <= i in the same document.
 
-    A flex-attention BlockMask where flex fits the device (``_flex_fits``), else a boolean mask for SDPA,
-    (batch, 1, seq, seq): exact, with memory quadratic in the sequence.
+    A flex-attention BlockMask where flex fits the device and the heads (``_flex_fits``), else a boolean mask for
+    SDPA, (batch, 1, seq, seq): exact, with memory quadratic in the sequence.
     """
     global _compiled_flex
     batch, seq = documents.shape
-    if _flex_fits(documents.device.type):
+    if _flex_fits(documents.device.type, head_dim):
         if _compiled_flex is None:
             _compiled_flex = torch.compile(flex_attention), torch.compile(create_block_mask)
 

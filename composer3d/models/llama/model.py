@@ -152,8 +152,10 @@ class Llama(nn.Module):
             # step). The exact fallback runs where the device is the host or synchronous anyway; a batch without a
             # restart keeps the causal kernel and the tables from 0 there (RoPE sees only relative positions).
             # _flex_fits is read through its module, as document_mask reads it: patched there (tests), it decides both.
-            if attention_module._flex_fits(documents.device.type) or documents[:, -1].any():
-                rope, mask = (self.rope_cos[position_ids], self.rope_sin[position_ids]), document_mask(documents)
+            head_dim = 2 * self.rope_cos.shape[-1]
+            if attention_module._flex_fits(documents.device.type, head_dim) or documents[:, -1].any():
+                rope = self.rope_cos[position_ids], self.rope_sin[position_ids]
+                mask = document_mask(documents, head_dim)
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
             h = self.layers[layer_id](h, *rope, mask)
         return self.output(self.norm(h)) if head else h
