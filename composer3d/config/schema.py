@@ -207,6 +207,11 @@ class ClusterConfig:
     intra_node_gbps: float | None = None  # GB/s per device within a node (NVLink...); None: the table's
     inter_node_gbps: float | None = None  # GB/s per device across nodes (its network share); None: the table's
     achievable_fraction: float = 0.6  # of peak FLOP/s a transformer step's compute reaches (one value, all layouts)
+    # the memory options' host side: GB/s per device to and from host memory (all devices copying at once), the fp32
+    # parameter GB/s the host's AdamW updates per device (parallel.offload), host memory per node; None: the table's
+    host_link_gbps: float | None = None
+    host_optimizer_gbps: float | None = None
+    host_memory_gib: float | None = None
 
 
 @dataclass

@@ -23,19 +23,29 @@ class Device:
     flops_key: str  # the row of composer3d.training.flops.PEAK_FLOPS
     intra_node_bw: float  # bytes/s per GPU
     inter_node_bw: float  # bytes/s per GPU
+    # The host side of the memory options (ZeRO-Offload, activation offload): pinned copies between the device and
+    # host memory per GPU, one direction, with every GPU of the node copying at once (PCIe Gen5 x16 moves ~50 GB/s
+    # alone; the node's host links are shared), and the host memory of a node (DGX-class machines).
+    host_link_bw: float = 25 * GB
+    host_memory_bytes: float = 2048 * GIB
 
 
 DEVICES: dict[str, Device] = {
     "h100": Device(79 * GIB, "H100", 360 * GB, 40 * GB),
     "h200": Device(139 * GIB, "H200", 360 * GB, 40 * GB),
-    "b200": Device(178 * GIB, "B200", 720 * GB, 40 * GB),
-    "a100": Device(79 * GIB, "A100", 230 * GB, 20 * GB),
+    "b200": Device(178 * GIB, "B200", 720 * GB, 40 * GB, host_memory_bytes=4096 * GIB),
+    "a100": Device(79 * GIB, "A100", 230 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=1024 * GIB),
     "mi300x": Device(190 * GIB, "MI300X", 300 * GB, 40 * GB),
-    "l40s": Device(45 * GIB, "L40S", 24 * GB, 20 * GB),  # PCIe only
+    "l40s": Device(45 * GIB, "L40S", 24 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=512 * GIB),  # PCIe
     # The CPU (gloo): nominal rates, enough to rank layouts for a development run; memory: this host's, shared by
-    # its local processes.
-    "cpu": Device(0, "", 5 * GB, 1 * GB),
+    # its local processes ("host" memory is the same memory: offloading moves nothing across a link).
+    "cpu": Device(0, "", 5 * GB, 1 * GB, host_link_bw=float("inf"), host_memory_bytes=0),
 }
+# fp32 parameter bytes a second that the host's fused AdamW updates for one GPU (parallel.offload). Measured: 500M
+# parameters in 0.17 s, their gradients' and parameters' copies included (11.7 GB/s), on the 16 host cores an H100
+# had to itself (benchmarks/offload_optimizer.py). A node's 8 GPUs share their host: AdamW moves 28 bytes of host
+# memory per parameter, so 8 × 11.7 GB/s would need ~650 GB/s of it, about a 2-socket server's whole bandwidth.
+HOST_OPTIMIZER_BW = 5 * GB
 CPU_PEAK_FLOPS = 1e11  # nominal: one core's fp32 matmul rate, for ranking only (MFU is not reported on the CPU)
 
 
@@ -50,6 +60,9 @@ class Cluster:
     inter_node_bw: float
     achievable_fraction: float  # of peak that a transformer step's compute reaches (matmuls, attention, the rest)
     compute_bytes: int  # bytes per element of the compute dtype (bf16 on accelerators, fp32 on the CPU)
+    host_link_bw: float = float("inf")  # bytes/s per GPU between its memory and the host's
+    host_optimizer_bw: float = HOST_OPTIMIZER_BW  # fp32 parameter bytes/s the host's AdamW updates per GPU
+    host_memory_bytes: float = 0.0  # per node; 0: the host is the device (the CPU), nothing to check apart
 
     @property
     def world_size(self) -> int:
@@ -81,4 +94,7 @@ def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
         nodes=c.nodes, gpus_per_node=c.gpus_per_node, device=c.device, memory_bytes=memory, peak_flops=peak,
         intra_node_bw=(c.intra_node_gbps or device.intra_node_bw / GB) * GB,
         inter_node_bw=(c.inter_node_gbps or device.inter_node_bw / GB) * GB,
-        achievable_fraction=c.achievable_fraction, compute_bytes=2 if dtype in ("bfloat16", "float16") else 4)
+        achievable_fraction=c.achievable_fraction, compute_bytes=2 if dtype in ("bfloat16", "float16") else 4,
+        host_link_bw=(c.host_link_gbps or device.host_link_bw / GB) * GB,
+        host_optimizer_bw=(c.host_optimizer_gbps or HOST_OPTIMIZER_BW / GB) * GB,
+        host_memory_bytes=(c.host_memory_gib * GIB if c.host_memory_gib else device.host_memory_bytes))

@@ -1,0 +1,29 @@
+"""The host side of ZeRO-Offload (``parallel.offload``): the copies between device and host memory and the host's
+optimizer step, in seconds of a step.
+
+``optimizer``: the step copies the gradients to the host and the updated parameters back (4 bytes each per fp32
+parameter of the rank's shard) and runs AdamW there, after the backward and before the next forward: all of it is
+exposed. ``cpu`` (FSDP's CPUOffloadPolicy): each all-gather first copies the fp32 shard to the device (twice a step
+when parameters are resharded after forward: ZeRO-3 without PP) and each reduce-scatter's gradients go back; FSDP
+issues these beside its collectives, so they hide behind compute like its traffic, but the host step does not.
+"""
+
+from __future__ import annotations
+
+from composer3d.plan.hardware import Cluster
+from composer3d.plan.layouts import Candidate
+from composer3d.plan.memory import model_state
+from composer3d.plan.shapes import ModelShape, StageSet
+
+
+def offload_seconds(shape: ModelShape, c: Candidate, stages: StageSet, optimizer: str, cluster: Cluster
+                    ) -> tuple[float, float]:
+    """(exposed, overlapped) seconds of a step that ``c.offload`` adds on this pipeline rank."""
+    if c.offload == "none":
+        return 0.0, 0.0
+    param_bytes, grad_bytes, _ = model_state(stages.units(shape, c.tp, c.ep), c, optimizer)  # fp32 shard, grads
+    host_step = param_bytes / cluster.host_optimizer_bw
+    if c.offload == "optimizer":
+        return (param_bytes + grad_bytes) / cluster.host_link_bw + host_step, 0.0
+    gathers = 2 if c.zero_stage == 3 and c.pp == 1 else 1
+    return host_step, (gathers * param_bytes + grad_bytes) / cluster.host_link_bw
