@@ -110,6 +110,10 @@ def _check_tiling(cfg: Any, degrees: dict[str, int]) -> None:
         _require(tiles >= 0, f"memory.{key}", f"must be >= 0, got {tiles}", "Use 0 or 1 (off) or a number of tiles")
         _require(tiles <= 1 or held % tiles == 0, f"memory.{key}", f"{tiles} tiles do not divide the {held} tokens "
                  f"of a sequence each rank holds ({where})", f"Use one of {_divisors(held)}")
+    moe = cfg.model.moe
+    _require(cfg.memory.tile_mlp <= 1 or cfg.model.name != "llama" or moe.experts == 0 or moe.dense_layers > 0,
+             "memory.tile_mlp", "every layer of this model is a mixture of experts (model.moe.dense_layers=0), and "
+             "tiling runs only dense feed-forwards", "Use memory.tile_mlp=0, or dense layers (model.moe.dense_layers)")
     _require(cfg.memory.tile_loss <= 1 or degrees["pp"] == 1, "memory.tile_loss", "the pipeline schedule computes "
              "the loss from the last stage's logits, outside the model, so the head cannot run in tiles there",
              "Use memory.tile_loss=0 with parallel.pp>1")
