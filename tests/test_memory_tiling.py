@@ -71,6 +71,16 @@ def test_tiling_keeps_the_curve_under_fsdp_and_tp_sp(runs, name):
     assert layout["dp_shard"] == 2 and layout["tp"] == (2 if "tp2" in name else 1), layout
 
 
+@pytest.mark.slow  # compile and checkpointing are checked by the default run, tiling above: their composition here
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_tiling_under_compile_and_activation_checkpointing_keeps_the_curve(runs, tmp_path, ac):
+    """The tiled feed-forward's __call__ traced inside each compiled, checkpointed block; the loss's tiles under the
+    compiled loss kernels."""
+    run, = train_in_one_group([(tmp_path / ac, [*FAST, *STEPS, *MLP, *LOSS, "compile.enabled=true",
+                                                f"memory.activation_checkpointing={ac}"])], nproc=1)
+    assert _max_diff(run, runs["reference"]) < 1e-5
+
+
 def test_tiled_run_resumes_on_the_straight_curve(runs):
     resumed, straight = runs["resumed"], runs["both"]
     assert [m["step"] for m in resumed.metrics] == list(range(6, 11))
