@@ -38,6 +38,7 @@ VALIDATION_CASES = [
     ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
     ("expert_parallel_of_a_dense_model", 4, ["parallel.ep=2"], ["parallel.ep", "the model is dense",
                                                                  "model=tiny_moe"]),
+    ("tiles_not_dividing_the_sequence", 4, ["memory.tile_loss=3"], ["memory.tile_loss", "Use one of 1, 2, 4"]),
 ]
 
 
@@ -141,6 +142,16 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
      "model.n_kv_heads=2 is not divisible by cp=4"),
+    # sequence tiling: tiles of the tokens a rank holds (seq_len / cp, / tp under sequence parallel)
+    (1, ["memory.tile_mlp=-1"], "memory.tile_mlp", "must be >= 0, got -1"),
+    (1, ["train.seq_len=96", "memory.tile_mlp=64"], "memory.tile_mlp", "the 96 tokens"),
+    (2, ["parallel.cp=2", "train.seq_len=96", "memory.tile_loss=32"], "memory.tile_loss",
+     "the 48 tokens of a sequence each rank holds (train.seq_len=96 over cp=2)"),
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=96", "memory.tile_mlp=32"],
+     "memory.tile_mlp", "sequence parallel's tp=2"),
+    (2, ["parallel.pp=2", "memory.tile_loss=2"], "memory.tile_loss", "Use memory.tile_loss=0 with parallel.pp>1"),
+    (1, ["model=tiny_moe", "model.moe.dense_layers=0", "memory.tile_mlp=2"], "memory.tile_mlp",
+     "every layer of this model is a mixture of experts"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

@@ -136,6 +136,12 @@ class PrecisionConfig:
 class MemoryConfig:
     activation_checkpointing: str = "none"  # none | full | selective
     ac_every: int = 0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+    # N >= 2: each dense feed-forward runs over N tiles of the sequence, each recomputed in backward, so only one
+    # tile's hidden (seq/N x ffn) exists at a time; 0 or 1: off. N must divide the tokens a rank holds (seq_len / cp)
+    tile_mlp: int = 0
+    # N >= 2: the final norm, head and cross-entropy run over N sequence tiles, each recomputed in backward: the
+    # full-length logits never exist (seq/N x vocab at a time); 0 or 1: off. Not with pipeline parallel
+    tile_loss: int = 0
 
 
 @dataclass

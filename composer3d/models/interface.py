@@ -71,8 +71,18 @@ class ComposerModel(Protocol):
     output: nn.Module | None
 
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True, head: bool = True,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens (or a previous stage's hidden states) → logits (or hidden states), through ``layer_ids``."""
+                position_ids: torch.Tensor | None = None, head_loss: Callable | None = None) -> torch.Tensor:
+        """Tokens (or a previous stage's hidden states) → logits (or hidden states), through ``layer_ids``.
+        ``head_loss(h, logits)``, where given, takes the head's place: the final hidden states and ``logits`` (this
+        model's) give the loss, e.g. over sequence tiles (``parallel.tiling``)."""
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head over final hidden states ``h`` (any slice of the sequence): final norm, output layer and what
+        the family adds to them (logit scaling)."""
+
+    def feed_forwards(self) -> list[nn.Module]:
+        """The blocks' dense feed-forward modules, per token (any cut of the sequence gives the same output);
+        mixture-of-experts layers are not among them."""
 
     def init_rule(self, name: str) -> InitRule:
         """How parameter ``name`` is initialized, whole and layout-independent (``models.init``)."""

@@ -2,11 +2,12 @@
 
 1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
 the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
-the cp ranks' shares of the sequence, 4. activation checkpointing, 5. compile per block, 6. FSDP2 per block, then
-per root — only where a data-parallel dim (or cp) has more than one rank (or for CPU offload); otherwise autocast
-gives the same fp32-master, low-precision compute without FSDP's buffers and copies. TP comes before FSDP so
-FSDP shards the DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP
-because torchao's float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
+the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
+checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp)
+has more than one rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision compute
+without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP produced over the
+data-parallel dims (2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard Float8Linear
+modules (the design card's order had it after TP).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
+from composer3d.parallel.tiling import tile_feed_forwards
 
 
 def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, device: torch.device
@@ -48,6 +50,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     shard_experts(model, mesh, parallel_cfg.sequence_parallel)
     if mesh.layout.cp > 1:  # attention over the whole sequence from each rank's share of it
         model.use_context_parallel(ContextParallel(mesh["cp"], parallel_cfg.cp_style))
+    # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks run per tile
+    tile_feed_forwards(model, cfg.memory.tile_mlp)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every)
     if cfg.compile.enabled:
         for block in model.layers.values():

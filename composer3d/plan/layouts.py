@@ -37,6 +37,8 @@ class Candidate:
     reshard_after_forward: str = "default"
     ep: int = 1
     cp: int = 1
+    tile_mlp: int = 0  # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
+    tile_loss: int = 0
 
     @property
     def dp(self) -> int:
@@ -61,6 +63,8 @@ class Candidate:
                f"parallel.zero_stage={self.zero_stage}",
                f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
+                if tiles > 1]
         if self.pp > 1:
             out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
                     f"parallel.pp_microbatches={self.microbatches}"]
@@ -81,6 +85,8 @@ class Candidate:
         parts.append(f"ac:{self.activation_checkpointing}")
         if self.offload != "none":
             parts.append("offload")
+        if self.tile_mlp > 1 or self.tile_loss > 1:
+            parts.append(f"tiles:{max(self.tile_mlp, 1)}/{max(self.tile_loss, 1)}")
         return " ".join(parts)
 
 
@@ -96,7 +102,8 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      else 1,
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-                     offload=p.offload, reshard_after_forward=p.reshard_after_forward)
+                     offload=p.offload, reshard_after_forward=p.reshard_after_forward,
+                     tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss)
 
 
 def _divisors(n: int) -> list[int]:
@@ -129,11 +136,20 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                 dp_replicate = dp // dp_shard
                 for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard, experts):
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
+                        if not _tiles_fit(cfg, t.seq_len // (tp if sp else 1), pp):
+                            continue
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
-                                             local_batch // mbs, "none", ep=ep)
+                                             local_batch // mbs, "none", ep=ep, tile_mlp=cfg.memory.tile_mlp,
+                                             tile_loss=cfg.memory.tile_loss)
                             found += _with_schedules_and_ac(base, m.n_layers)
     return found
+
+
+def _tiles_fit(cfg, held: int, pp: int) -> bool:
+    """The config's sequence tiles divide the tokens a rank holds; the loss's only without a pipeline (checks)."""
+    mlp, loss = cfg.memory.tile_mlp, cfg.memory.tile_loss
+    return (mlp <= 1 or held % mlp == 0) and (loss <= 1 or (held % loss == 0 and pp == 1))
 
 
 def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[tuple[int, int]]:

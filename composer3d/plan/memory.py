@@ -14,7 +14,8 @@ input, the two norm outputs and the attention residual (4·h), q's projection an
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
 2·f). A MoE layer's feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the
-compute dtype, plus the loss's fp32 chunks (loss.py).
+compute dtype, plus the loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``)
+leaves one tile's MLP hidden and one tile's logits, recomputed in backward: those terms over the tile count.
 """
 
 from __future__ import annotations
@@ -124,15 +125,23 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
 
 
 def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> LayerActivations:
-    """A block's activations per token, for the candidate's AC mode, TP and SP."""
+    """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling."""
     t = c.tp
     h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
-    residual = 4 * h / t if c.sequence_parallel else 4 * h
     gathered = 2 * h if c.sequence_parallel else 0  # SP: attention's and MLP's all-gathered inputs, kept by the matmuls
+    mlp_tile = 0.0
+    if c.tile_mlp > 1 and not moe:
+        # parallel/tiling.py: the feed-forward keeps only its tiles' inputs (the norm's output, counted in the
+        # residual part; SP gathers inside the tile); one tile's hidden and gradients exist at a time, in backward.
+        mlp_tile = (mlp + mlp_backward) / c.tile_mlp
+        mlp = mlp_selective = mlp_backward = 0.0
+        gathered = h if c.sequence_parallel else 0
+    residual = 4 * h / t if c.sequence_parallel else 4 * h
     full = residual + gathered + (4 * q + 2 * kv + heads) / t + mlp
     block_input = h / t if c.sequence_parallel else h
-    backward_temporaries = mlp_backward + h  # the MLP's input gradients and the residual's, while a block runs backward
+    # the MLP's input gradients and the residual's, while a block runs backward (a tile's under tiling)
+    backward_temporaries = mlp_backward + h + mlp_tile
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
@@ -141,13 +150,16 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
         return LayerActivations(share * block_input + (1 - share) * full, full + backward_temporaries)
-    return LayerActivations(full, 0.0)
+    return LayerActivations(full, mlp_tile)
 
 
 def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int, in_flight: float = 1.0) -> float:
     """The head's output (kept for backward by the loss, for every micro-batch in flight: GPipe runs every loss
-    before the first backward) and its gradient (compute dtype), and the loss's fp32 chunk and its exponentials."""
+    before the first backward) and its gradient (compute dtype), and the loss's fp32 chunk and its exponentials.
+    Under ``tile_loss`` (no pipeline) one tile's logits and gradient, recomputed in backward, are all there is."""
     elements = c.micro_batch_size * seq_len * math.ceil(shape.vocab / c.tp)
+    if c.tile_loss > 1:
+        elements, in_flight = elements / c.tile_loss, 1.0
     return elements * (in_flight + 1) * compute_bytes + min(elements, LOSS_CHUNK_ELEMENTS) * 4 * 2
 
 

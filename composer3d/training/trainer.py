@@ -10,6 +10,7 @@ the logged loss — are the same under every layout. The batch's position_ids go
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
 from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.pipeline import build_schedule
+from composer3d.parallel.tiling import tiled_head_loss
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
@@ -98,11 +100,26 @@ class Trainer:
         tensor parallel the logits stay sharded on the vocabulary (``loss``). ``compile.enabled`` compiles its
         kernels as it does the blocks.
         """
-        loss = cross_entropy_sum(logits, targets, compiled=self.cfg.compile.enabled)
+        return self._normalized(self._loss_sum(logits, targets))
+
+    def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return cross_entropy_sum(logits, targets, compiled=self.cfg.compile.enabled)
+
+    def _normalized(self, loss: torch.Tensor) -> torch.Tensor:
         if self.evaluating:
             return loss
         loss = loss / self.global_tokens
         return self.scaler.scale_loss(loss) if self.scaler else loss
+
+    def _model_loss(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+        """``_loss`` of the model's logits; with memory.tile_loss the model computes it from its final hidden
+        states in sequence tiles (``parallel.tiling``), inside its forward (FSDP's and autocast's scope)."""
+        tiles = self.cfg.memory.tile_loss
+        if tiles <= 1:
+            return self._loss(self.model(inputs, position_ids=positions), targets)
+        head_loss = partial(tiled_head_loss, targets=targets, tiles=tiles, loss_fn=self._loss_sum)
+        return self._normalized(self.model(inputs, position_ids=positions, head_loss=head_loss))
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
@@ -131,7 +148,7 @@ class Trainer:
                                                 targets.chunk(self.accumulation_steps), position_chunks)):
             if i and self.memory_tracker is not None:
                 self.memory_tracker.reset_mod_stats()
-            loss = self._loss(self.model(inp, position_ids=pos), tgt)
+            loss = self._model_loss(inp, tgt, pos)
             loss.backward()
             total += loss.detach()
         return total
@@ -237,7 +254,7 @@ class Trainer:
                     inputs, targets = self.context.shard(inputs), self.context.shard(targets)
                 count += (targets != IGNORE_INDEX).sum()
                 if self.pipeline is None:
-                    loss_sum += self._loss(self.model(inputs), targets).double()
+                    loss_sum += self._model_loss(inputs, targets).double()
                     continue
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.runs_first_stage else ()

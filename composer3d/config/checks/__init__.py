@@ -49,7 +49,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_generate(cfg.generate)
     _check_optimizer(cfg.optim, cfg.parallel)
     _check_precision(cfg.precision, degrees["tp"])
-    _check_memory(cfg, degrees["pp"])
+    _check_memory(cfg, degrees)
     _check_data(cfg.data, cfg.model)
     _check_checkpoint(cfg.checkpoint)
     _check_launch_and_logging(cfg.launch, cfg.logging, cfg.checkpoint)

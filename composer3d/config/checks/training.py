@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer3d.config.checks.common import DTYPE_NAMES, _require
+from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 SCHEDULES = ("cosine", "linear", "constant")
@@ -81,9 +81,9 @@ def _check_precision(precision: Any, tp: int) -> None:
              "Use precision.float8.recipe=tensorwise with parallel.tp>1")
 
 
-def _check_memory(cfg: Any, pp: int) -> None:
-    """Activation checkpointing and the memory tracker, against the pipeline schedule."""
-    mem, p = cfg.memory, cfg.parallel
+def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
+    """Activation checkpointing and the memory tracker, against the pipeline schedule; sequence tiling."""
+    mem, p, pp = cfg.memory, cfg.parallel, degrees["pp"]
     _require(mem.activation_checkpointing in ("none", "full", "selective"), "memory.activation_checkpointing",
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
     _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
@@ -95,3 +95,25 @@ def _check_memory(cfg: Any, pp: int) -> None:
              "memory.activation_checkpointing", f"cannot be combined with {p.pp_schedule}, whose split backward "
              "(input and weight gradients at different times) re-enters the checkpointed region twice",
              "Use parallel.pp_schedule=1f1b or interleaved_1f1b with activation checkpointing")
+    _check_tiling(cfg, degrees)
+
+
+def _check_tiling(cfg: Any, degrees: dict[str, int]) -> None:
+    """memory.tile_mlp and memory.tile_loss: tiles of the sequence a rank holds (seq_len / cp, and / tp where
+    sequence parallel slices it); the loss's tiles only where the model computes the loss (no pipeline)."""
+    seq_len = cfg.train.seq_len
+    held = seq_len // degrees["cp"] // (degrees["tp"] if cfg.parallel.sequence_parallel else 1)
+    where = f"train.seq_len={seq_len} over cp={degrees['cp']}" + (
+        f" and sequence parallel's tp={degrees['tp']}" if cfg.parallel.sequence_parallel else "")
+    for key in ("tile_mlp", "tile_loss"):
+        tiles = getattr(cfg.memory, key)
+        _require(tiles >= 0, f"memory.{key}", f"must be >= 0, got {tiles}", "Use 0 or 1 (off) or a number of tiles")
+        _require(tiles <= 1 or held % tiles == 0, f"memory.{key}", f"{tiles} tiles do not divide the {held} tokens "
+                 f"of a sequence each rank holds ({where})", f"Use one of {_divisors(held)}")
+    moe = cfg.model.moe
+    _require(cfg.memory.tile_mlp <= 1 or cfg.model.name != "llama" or moe.experts == 0 or moe.dense_layers > 0,
+             "memory.tile_mlp", "every layer of this model is a mixture of experts (model.moe.dense_layers=0), and "
+             "tiling runs only dense feed-forwards", "Use memory.tile_mlp=0, or dense layers (model.moe.dense_layers)")
+    _require(cfg.memory.tile_loss <= 1 or degrees["pp"] == 1, "memory.tile_loss", "the pipeline schedule computes "
+             "the loss from the last stage's logits, outside the model, so the head cannot run in tiles there",
+             "Use memory.tile_loss=0 with parallel.pp>1")

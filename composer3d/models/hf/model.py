@@ -192,9 +192,26 @@ class HFCausalLM(nn.Module):
             config=self.config, inputs_embeds=reference, attention_mask=None, past_key_values=None,
             position_ids=position_ids) for kind in kinds}
 
+    def feed_forwards(self) -> list[nn.Module]:
+        """Each decoder layer's ``mlp`` that holds no routed experts (a sparse MoE block routes per tile)."""
+        experts = {id(module) for module in self.routed_experts()}
+        return [layer.mlp for layer in self.layers.values() if isinstance(getattr(layer, "mlp", None), nn.Module)
+                and not any(id(module) in experts for module in layer.mlp.modules())]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, the head and the family's logit scaling (``_TOP_LEVEL_SCALING``, soft-capping)."""
+        logits = self.lm_head(self.norm(h))
+        if self._logits_scale is not None:
+            logits = logits / self._logits_scale if self._divide_logits else logits * self._logits_scale
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True, head: bool = True,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Tokens (or a previous stage's hidden states) → logits (or hidden states) over ``layer_ids``."""
+                position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
+        """Tokens (or a previous stage's hidden states) → logits (or hidden states) over ``layer_ids``;
+        ``head_loss(h, self.logits)``, where given, takes the head's place (``models.interface``)."""
         h = self.tok_embeddings(x) if embed else x
         if embed and self._embedding_multiplier is not None:
             h = h * self._embedding_multiplier
@@ -223,13 +240,7 @@ class HFCausalLM(nn.Module):
             return h
         if self.router_loss is not None:
             h = self.router_loss.attach(h)
-        logits = self.lm_head(self.norm(h))
-        if self._logits_scale is not None:
-            logits = logits / self._logits_scale if self._divide_logits else logits * self._logits_scale
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return self.logits(h) if head_loss is None else head_loss(h, self.logits)
 
 
 def _has_submodule(module: nn.Module, name: str) -> bool:

@@ -135,9 +135,16 @@ class Llama(nn.Module):
         for block in self.layers.values():
             block.attention.context_parallel = context
 
+    def feed_forwards(self) -> list[nn.Module]:
+        return [block.feed_forward for block in self.layers.values() if hasattr(block, "feed_forward")]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
-                head: bool = True, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                head: bool = True, position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
         """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head.
+        ``head_loss(h, self.logits)``, where given, takes the head's place (``models.interface``).
 
         ``position_ids`` (batch, seq) that restart mark packed documents: each attends only within itself, with RoPE
         at its positions. Without a restart (or without position_ids) attention is causal over the whole row.
@@ -158,7 +165,9 @@ class Llama(nn.Module):
                 mask = document_mask(documents, head_dim)
         for layer_id in self.layers.keys() if layer_ids is None else layer_ids:
             h = self.layers[layer_id](h, *rope, mask)
-        return self.output(self.norm(h)) if head else h
+        if not head:
+            return h
+        return self.logits(h) if head_loss is None else head_loss(h, self.logits)
 
     def _context_parallel_rope_and_mask(self, h: torch.Tensor, position_ids: torch.Tensor | None):
         """This rank's tokens under context parallel: RoPE at their global positions, and the plan of their
