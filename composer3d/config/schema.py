@@ -132,6 +132,9 @@ class PrecisionConfig:
 class MemoryConfig:
     activation_checkpointing: str = "none"  # none | full | selective
     ac_every: int = 0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+    # the tensors autograd saves in each block's forward (under checkpointing: what it keeps) go to pinned host
+    # memory and come back ahead of their backward, the next block's prefetched (side stream on an accelerator)
+    activation_offload: bool = False
 
 
 @dataclass
