@@ -38,6 +38,10 @@ VALIDATION_CASES = [
     ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
     ("expert_parallel_of_a_dense_model", 4, ["parallel.ep=2"], ["parallel.ep", "the model is dense",
                                                                  "model=tiny_moe"]),
+    # its policy's tensors stay in checkpoint's own cache, which saved-tensor hooks never see: nothing would move
+    ("activation_offload_with_eager_op_level_selective", 2,
+     ["memory.activation_offload=true", "memory.activation_checkpointing=selective"],
+     ["memory.activation_offload", "checkpoint's own cache", "compile.enabled=true", "memory.ac_every>=1"]),
 ]
 
 
