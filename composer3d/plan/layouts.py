@@ -34,6 +34,7 @@ class Candidate:
     activation_checkpointing: str
     ac_every: int = 0
     offload: str = "none"
+    activation_offload: bool = False
     reshard_after_forward: str = "default"
     ep: int = 1
     cp: int = 1
@@ -61,6 +62,8 @@ class Candidate:
                f"parallel.zero_stage={self.zero_stage}",
                f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        if self.activation_offload:
+            out.append("memory.activation_offload=true")
         if self.pp > 1:
             out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
                     f"parallel.pp_microbatches={self.microbatches}"]
@@ -81,6 +84,8 @@ class Candidate:
         parts.append(f"ac:{self.activation_checkpointing}")
         if self.offload != "none":
             parts.append("offload")
+        if self.activation_offload:
+            parts.append("act-offload")
         return " ".join(parts)
 
 
@@ -96,7 +101,8 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      else 1,
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-                     offload=p.offload, reshard_after_forward=p.reshard_after_forward)
+                     offload=p.offload, reshard_after_forward=p.reshard_after_forward,
+                     activation_offload=cfg.memory.activation_offload)
 
 
 def _divisors(n: int) -> list[int]:
@@ -131,8 +137,9 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
-                                             local_batch // mbs, "none", ep=ep)
-                            found += _with_schedules_and_ac(base, m.n_layers)
+                                             local_batch // mbs, "none", ep=ep,
+                                             activation_offload=cfg.memory.activation_offload)
+                            found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled)
     return found
 
 
@@ -147,7 +154,7 @@ def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[
     return out
 
 
-def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
+def _with_schedules_and_ac(base: Candidate, n_layers: int, compiled: bool) -> list[Candidate]:
     out = []
     schedules = SCHEDULES if base.pp > 1 else ("1f1b",)
     for schedule in schedules:
@@ -157,6 +164,8 @@ def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
         for ac in ("none", "selective", "full"):
             if ac != "none" and base.pp > 1 and schedule in ZERO_BUBBLE:
                 continue  # refused by checks: the split backward re-enters the checkpointed region twice
+            if ac == "selective" and base.activation_offload and not compiled:
+                continue  # refused by checks: eager op-level selective hides its saved tensors from the offload
             out.append(replace(base, pp_schedule=schedule, stages_per_rank=v, activation_checkpointing=ac))
     return out
 
@@ -171,6 +180,7 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
     cfg.train.micro_batch_size = candidate.micro_batch_size
     cfg.memory.activation_checkpointing = candidate.activation_checkpointing
+    cfg.memory.activation_offload = candidate.activation_offload
 
 
 def refuse_unmodelled(candidate: Candidate) -> None:
