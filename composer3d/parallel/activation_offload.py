@@ -37,7 +37,8 @@ MIN_OFFLOAD_BYTES = 1024  # smaller saved tensors (norm statistics of a short se
 
 @dataclass
 class OffloadCounters:
-    """Since the last ``reset``: saved tensors (and their bytes) that went through a host copy, and those kept."""
+    """Since the last ``reset``: saved tensors (and their bytes) that went through a host copy, those kept on the
+    device, and the bytes copied back (a tensor unpacked twice, or saved twice by one block, comes back twice)."""
     tensors_offloaded: int = 0
     bytes_offloaded: int = 0
     tensors_kept: int = 0
@@ -90,11 +91,12 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 class _Saved:
     """One saved tensor in host memory (what the pack hook returns); ``on_device`` once brought back."""
-    __slots__ = ("group", "host", "ready", "on_device", "brought", "__weakref__")
+    __slots__ = ("group", "host", "on_device", "brought", "__weakref__")
 
-    def __init__(self, group: _Group, host: torch.Tensor, ready):
-        self.group, self.host, self.ready = group, host, ready  # ready: the event after the copy to the host
-        self.on_device, self.brought = None, None  # brought: the event after the copy back
+    def __init__(self, group: _Group, host: torch.Tensor):
+        # the copy back follows the copy to the host on the side stream; ``brought``: the event after it
+        self.group, self.host = group, host
+        self.on_device, self.brought = None, None
 
 
 class _Group:
@@ -106,7 +108,7 @@ class _Group:
         self.not_offloaded: set[int] | None = None  # storages of parameters and buffers, read at the first pack
         self.saved: list[weakref.ref] = []
         self.by_id: dict[int, tuple[torch.Tensor, _Saved]] = {}  # while the block runs forward: each tensor once
-        self.brought_back = False
+        self.brought_back = self.in_backward = False
 
 
 class ActivationOffload:
@@ -160,7 +162,7 @@ class ActivationOffload:
         host = _empty(t, torch.device("cpu"), pin=self.accelerator)
         with self._on_side_stream():
             _copy_into(host, t)
-        saved = _Saved(group, host, self._event())
+        saved = _Saved(group, host)
         group.by_id[id(saved_tensor)] = (saved_tensor, saved)
         group.saved.append(weakref.ref(saved))
         self.counters.tensors_offloaded += 1
@@ -173,10 +175,11 @@ class ActivationOffload:
         if not isinstance(packed, _Saved):
             return packed
         group = packed.group
-        if not group.brought_back:
-            self._bring_back(group)
+        if not group.in_backward:  # this block's backward begins
+            group.in_backward = True
+            self._bring_back(group)  # at once, unless it came as the block after's prefetch
             previous = group.previous() if group.previous is not None else None
-            if previous is not None and not previous.brought_back:
+            if previous is not None:
                 self._bring_back(previous)  # the next block's backward: its copies overlap this one's
         if packed.on_device is None:  # unpacked again (a split backward), or saved after the group came back
             self._bring_back_one(packed)
@@ -186,6 +189,8 @@ class ActivationOffload:
         return out
 
     def _bring_back(self, group: _Group) -> None:
+        if group.brought_back:
+            return
         group.brought_back = True
         for ref in group.saved:
             saved = ref()
