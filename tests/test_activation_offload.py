@@ -1,6 +1,7 @@
 """Activation offload (memory.activation_offload): what autograd saves per block goes through a host copy and comes
 back equal, the next block's prefetched; the training curve is the one-process curve without offload, with
-activation checkpointing off and full, on one process, FSDP 2 and FSDP 2 × TP 2 (SP), and across a resume. Its
+activation checkpointing off and full, on one process, FSDP 2 and FSDP 2 × TP 2 (SP), and across a resume; a Hugging
+Face model's layers, checkpointed and offloaded, keep its curve. Its
 composition with compile and op-level selective checkpointing (and that switch's effect in a run) is in
 test_memory_precision.py."""
 
@@ -26,12 +27,16 @@ DIM, SEQ, BATCH = 64, 64, 2
 def runs(tmp_path_factory):
     """Per world size one process group: offload with checkpointing off and full; on 1 process the reference
     without offload too; on 2 a resume from the checkpoint offload wrote at step 5, with offload on."""
+    from hf_models import make_model
+
     root = tmp_path_factory.mktemp("offload")
+    hf = [*FAST, *STEPS, "model=hf", f"model.path={make_model(root / 'hf_llama', 'llama')}",
+          "train.seq_len=32", "data.max_tokens=30000", "checkpoint.enabled=false"]
     out = {}
     for world, layout in LAYOUTS.items():
         jobs = {f"{name}_{world}": [*FAST, *STEPS, *layout, *OFFLOAD, *ac] for name, ac in AC.items()}
-        if world == 1:
-            jobs = {"reference": [*FAST, *STEPS], **jobs}
+        if world == 1:  # and a Hugging Face model's decoder layers, checkpointed and offloaded
+            jobs = {"reference": [*FAST, *STEPS], **jobs, "hf_reference": hf, "hf_ac_full": [*hf, *OFFLOAD, *AC["ac_full"]]}
         if world == 2:
             jobs["ac_none_2"] += ["checkpoint.interval=5", "checkpoint.keep_last=0"]
             step5 = root / "ac_none_2" / "checkpoints" / "step-00000005"
@@ -47,6 +52,12 @@ def test_offload_keeps_the_one_process_curve(runs, world, ac):
     assert len(reference) == len(run) == 10
     diffs = [abs(a - b) for a, b in zip(reference, run)]
     assert max(diffs) < TOLERANCE[world], diffs
+
+
+def test_offload_of_hugging_face_layers_keeps_their_curve(runs):
+    reference, run = runs["hf_reference"].losses, runs["hf_ac_full"].losses
+    assert len(reference) == len(run) == 10
+    assert max(abs(a - b) for a, b in zip(reference, run)) < 1e-5, (reference, run)
 
 
 def test_offload_resumes_on_the_straight_curve(runs):
