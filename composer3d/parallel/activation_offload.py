@@ -177,6 +177,7 @@ class ActivationOffload:
         group = packed.group
         if not group.in_backward:  # this block's backward begins
             group.in_backward = True
+            self._release_copied()  # the last blocks' device tensors, held until their copies were done
             self._bring_back(group)  # at once, unless it came as the block after's prefetch
             previous = group.previous() if group.previous is not None else None
             if previous is not None:
