@@ -17,8 +17,9 @@ config/checks refuses that combination.
 The hooks are entered around the block's whole call — outside its compiled graph (dynamo graph-breaks on
 ``saved_tensors_hooks``; entered outside, the compiled graph's saved tensors still pass through them, with no
 recompilation) and outside FSDP's hooks — by taking the slot ``nn.Module.compile`` fills (``_compiled_call_impl``).
-The device comes from the tensors; streams and events are torch's device-generic ones, and where the device is the
-CPU there are none: the same lines copy to a host buffer and back synchronously, and the counters show it.
+The device is the run's (launch/distributed, through parallelize); streams and events are torch's device-generic
+ones, and where the device is the CPU there are none: the same lines copy to a host buffer and back synchronously,
+and the counters show it.
 """
 
 from __future__ import annotations
