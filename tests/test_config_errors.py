@@ -39,6 +39,10 @@ VALIDATION_CASES = [
     ("expert_parallel_of_a_dense_model", 4, ["parallel.ep=2"], ["parallel.ep", "the model is dense",
                                                                  "model=tiny_moe"]),
     ("tiles_not_dividing_the_sequence", 4, ["memory.tile_loss=3"], ["memory.tile_loss", "Use one of 1, 2, 4"]),
+    # its policy's tensors stay in checkpoint's own cache, which saved-tensor hooks never see: nothing would move
+    ("activation_offload_with_eager_op_level_selective", 2,
+     ["memory.activation_offload=true", "memory.activation_checkpointing=selective"],
+     ["memory.activation_offload", "checkpoint's own cache", "compile.enabled=true", "memory.ac_every>=1"]),
 ]
 
 

@@ -51,6 +51,13 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             wanted = [b for b in blocks if mode == "full" or every == 0 or int(b) % every == 0]
             # the blocks the mode names (by global layer id, also in a pipeline stage) run under checkpoint
             assert wanted and rank["checkpointed_blocks"] == wanted, (rank["checkpointed_blocks"], wanted)
+        if settings.get("memory.activation_offload") == "true":
+            # every block's call runs under the offload's hooks, and the first step's saved activations went
+            # through the host copy and came back (each at least once); parameters stayed (kept)
+            moved = rank["activation_offload"] or {}
+            assert rank["offloaded_blocks"] == blocks, rank["offloaded_blocks"]
+            assert moved["tensors_offloaded"] > 0 and moved["tensors_kept"] > 0, moved
+            assert moved["bytes_brought_back"] >= moved["bytes_offloaded"] > 0, moved
         if settings.get("parallel.offload") == "cpu":
             # On a CPU-only machine every tensor is on the CPU with or without offload, so devices cannot tell;
             # what offload changes is FSDP itself: it wraps even where no dim shards, and every parameter it
@@ -131,6 +138,9 @@ def assert_effect_and_control(run, reference, switch, layout):
     (["compile.enabled=true", "memory.activation_checkpointing=full"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true", "memory.activation_checkpointing=selective"], ["parallel.dp_shard=2"], 2, 2),
     (["compile.enabled=true"], ["parallel.pp=2"], 2, 4),
+    # the compiled graph saves the policy's tensors through autograd, which the offload's hooks see
+    (["compile.enabled=true", "memory.activation_checkpointing=selective", "memory.activation_offload=true"],
+     ["parallel.dp_shard=2"], 2, 2),
 ], ids=_id)
 def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, nproc, layers):
     switch = [arg.format(tmp=tmp_path) for arg in switch]

@@ -294,3 +294,32 @@ def test_parallel_auto_trains_and_records_its_choice(tmp_path):
     assert "parallel=auto chose" in run.output
     assert run.run_info["layout"]["pp"] * run.run_info["layout"]["tp"] * run.run_info["layout"]["dp_shard"] * \
         run.run_info["layout"]["dp_replicate"] == 2
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_activation_offload_keeps_two_blocks_on_the_device(ac):
+    """memory.activation_offload: the device keeps the saved tensors of the block in backward and the one
+    prefetched (2 of Llama 3 8B's 32), the other 30 are host memory; nothing else moves, and the search keeps the
+    option in the layouts it proposes."""
+    from composer3d.plan.layouts import enumerate_candidates
+
+    register_configs()
+    args = ["model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=8", "train.micro_batch_size=1",
+            "parallel.dp_shard=8", "cluster.device=h100", f"memory.activation_checkpointing={ac}"]
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        plain_cfg, offload_cfg = (compose("train", overrides=[*args, *extra])
+                                  for extra in ([], ["memory.activation_offload=true"]))
+    cluster = cluster_from_config(plain_cfg.cluster, plain_cfg.precision.param_dtype)
+    plain, offload = (estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+                      for cfg in (plain_cfg, offload_cfg))
+    before, after = plain.memory.as_dict(), offload.memory.as_dict()
+    # full checkpointing keeps each block's input (8192 tokens × 4096, bf16); without it, every block the same
+    # share of what the forward keeps; a block's recomputation in backward stays on the device
+    moved = 30 * 8192 * 4096 * 2 if ac == "full" else before["activations"] * 30 / 32
+    assert after["host_activations"] == pytest.approx(moved, rel=1e-9)
+    assert after["activations"] + after["host_activations"] == pytest.approx(before["activations"], rel=1e-9)
+    assert before["host_activations"] == 0 and after["total"] < before["total"]
+    assert {k: v for k, v in after.items() if "activations" not in k and k != "total"} == \
+        {k: v for k, v in before.items() if "activations" not in k and k != "total"}
+    assert "memory.activation_offload=true" in offload.candidate.overrides()
+    assert all(c.activation_offload for c in enumerate_candidates(offload_cfg, 8, 8))

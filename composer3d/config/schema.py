@@ -142,6 +142,9 @@ class MemoryConfig:
     # N >= 2: the final norm, head and cross-entropy run over N sequence tiles, each recomputed in backward: the
     # full-length logits never exist (seq/N x vocab at a time); 0 or 1: off. Not with pipeline parallel
     tile_loss: int = 0
+    # the tensors autograd saves in each block's forward (under checkpointing: what it keeps) go to pinned host
+    # memory and come back ahead of their backward, the next block's prefetched (side stream on an accelerator)
+    activation_offload: bool = False
 
 
 @dataclass

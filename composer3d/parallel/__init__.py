@@ -3,11 +3,12 @@
 1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
 the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
 the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
-checkpointing, 5. compile per block, 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp)
-has more than one rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision compute
-without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP produced over the
-data-parallel dims (2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard Float8Linear
-modules (the design card's order had it after TP).
+checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
+and FSDP's hooks), 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one
+rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision compute without FSDP's
+buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP produced over the data-parallel dims
+(2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard Float8Linear modules (the design
+card's order had it after TP).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch.nn as nn
 from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
 from composer3d.parallel.activation import apply_activation_checkpointing
+from composer3d.parallel.activation_offload import apply_activation_offload
 from composer3d.parallel.autocast import autocast_forward
 from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
@@ -56,6 +58,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     if cfg.compile.enabled:
         for block in model.layers.values():
             block.compile()  # in place: parameter names unchanged
+    if cfg.memory.activation_offload:  # around each block's call: outside its compiled graph and FSDP's hooks
+        apply_activation_offload(model, device)
     offload = parallel_cfg.offload == "cpu"
     if shards_or_replicates(mesh, offload):
         apply_data_parallel(model, mesh, parallel_cfg.zero_stage,

@@ -34,6 +34,7 @@ class Candidate:
     activation_checkpointing: str
     ac_every: int = 0
     offload: str = "none"
+    activation_offload: bool = False
     reshard_after_forward: str = "default"
     ep: int = 1
     cp: int = 1
@@ -65,6 +66,8 @@ class Candidate:
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
         out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
                 if tiles > 1]
+        if self.activation_offload:
+            out.append("memory.activation_offload=true")
         if self.pp > 1:
             out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
                     f"parallel.pp_microbatches={self.microbatches}"]
@@ -87,6 +90,8 @@ class Candidate:
             parts.append("offload")
         if self.tile_mlp > 1 or self.tile_loss > 1:
             parts.append(f"tiles:{max(self.tile_mlp, 1)}/{max(self.tile_loss, 1)}")
+        if self.activation_offload:
+            parts.append("act-offload")
         return " ".join(parts)
 
 
@@ -103,7 +108,8 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
                      offload=p.offload, reshard_after_forward=p.reshard_after_forward,
-                     tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss)
+                     tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
+                     activation_offload=cfg.memory.activation_offload)
 
 
 def _divisors(n: int) -> list[int]:
@@ -141,8 +147,9 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
                                              local_batch // mbs, "none", ep=ep, tile_mlp=cfg.memory.tile_mlp,
-                                             tile_loss=cfg.memory.tile_loss)
-                            found += _with_schedules_and_ac(base, m.n_layers)
+                                             tile_loss=cfg.memory.tile_loss,
+                                             activation_offload=cfg.memory.activation_offload)
+                            found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled)
     return found
 
 
@@ -163,7 +170,7 @@ def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[
     return out
 
 
-def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
+def _with_schedules_and_ac(base: Candidate, n_layers: int, compiled: bool) -> list[Candidate]:
     out = []
     schedules = SCHEDULES if base.pp > 1 else ("1f1b",)
     for schedule in schedules:
@@ -173,6 +180,8 @@ def _with_schedules_and_ac(base: Candidate, n_layers: int) -> list[Candidate]:
         for ac in ("none", "selective", "full"):
             if ac != "none" and base.pp > 1 and schedule in ZERO_BUBBLE:
                 continue  # refused by checks: the split backward re-enters the checkpointed region twice
+            if ac == "selective" and base.activation_offload and not compiled:
+                continue  # refused by checks: eager op-level selective hides its saved tensors from the offload
             out.append(replace(base, pp_schedule=schedule, stages_per_rank=v, activation_checkpointing=ac))
     return out
 
@@ -187,6 +196,7 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
     cfg.train.micro_batch_size = candidate.micro_batch_size
     cfg.memory.activation_checkpointing = candidate.activation_checkpointing
+    cfg.memory.activation_offload = candidate.activation_offload
 
 
 def refuse_unmodelled(candidate: Candidate) -> None:

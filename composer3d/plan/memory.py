@@ -16,6 +16,8 @@ product (4·f). Op-level selective checkpointing keeps only matmul and attention
 2·f). A MoE layer's feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the
 compute dtype, plus the loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``)
 leaves one tile's MLP hidden and one tile's logits, recomputed in backward: those terms over the tile count.
+Activation offload keeps on the device the saved tensors of two blocks (the one in
+backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class Memory:
     comm_buffers: float  # FSDP's gathered parameters; replicas' gradient all-reduce buffer and low-precision copies
     host: float  # offloaded model state (in host memory, not the GPU's)
     grads_at_peak: bool = True
+    host_activations: float = 0.0  # activation offload: the saved tensors of the blocks not on the device
 
     @property
     def model_state(self) -> float:
@@ -55,7 +58,7 @@ class Memory:
     def as_dict(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "logits": self.logits, "comm_buffers": self.comm_buffers,
-                "total": self.total, "host_offloaded": self.host}
+                "total": self.total, "host_offloaded": self.host, "host_activations": self.host_activations}
 
 
 def fsdp_shards(c: Candidate) -> bool:
@@ -182,6 +185,11 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     # recomputation in backward (its whole activations, once the logits are gone).
     saved = dense.saved * stages.dense_layers + (moe.saved * stages.moe_layers if moe else 0.0)
     acts = saved * tokens * in_flight * cb
+    host_acts = 0.0
+    if c.activation_offload:  # on the device: the block being computed and the one prefetched; the rest on the host
+        per_block = sorted([dense.saved] * stages.dense_layers + ([moe.saved] * stages.moe_layers if moe else []))
+        on_device = sum(per_block[-2:]) * tokens * cb
+        acts, host_acts = on_device, acts - on_device
     recompute = max(layer.transient for layer in (dense, moe) if layer) * tokens * cb
     in_backward = recompute > logits
     if in_backward:
@@ -213,4 +221,4 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
             buffers += n * 4
         if cb != 4:
             buffers += n * cb  # low-precision copies of whole weights (casts)
-    return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak)
+    return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts)

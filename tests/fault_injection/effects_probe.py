@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from composer3d.parallel.activation import checkpointed_forward
+from composer3d.parallel.activation_offload import OffloadedCall
 from composer3d.training import loss as loss_module
 from composer3d.training.metrics import local_bytes
 from composer3d.training.trainer import Trainer
@@ -111,6 +113,17 @@ def _fsdp(trainer: Trainer) -> list[dict]:
     return found
 
 
+def _compiled(block: torch.nn.Module) -> bool:
+    call = getattr(block, "_compiled_call_impl", None)
+    if isinstance(call, OffloadedCall):  # activation offload sits around the block's call, compiled or not
+        call = call.call if call.call != block._call_impl else None
+    return call is not None
+
+
+def _offloaded(block: torch.nn.Module) -> bool:
+    return isinstance(getattr(block, "_compiled_call_impl", None), OffloadedCall)
+
+
 def _checkpointed(block: torch.nn.Module) -> bool:
     """Whether the block's forward runs under activation checkpointing (its instance forward, see activation.py)."""
     forward = block.__dict__.get("forward")
@@ -152,7 +165,11 @@ def _effects(trainer: Trainer) -> dict:
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
         "loss_scaler": trainer.scaler is not None,
-        "compiled_blocks": [i for i, b in model.layers.items() if getattr(b, "_compiled_call_impl", None) is not None],
+        "compiled_blocks": [i for i, b in model.layers.items() if _compiled(b)],
+        "offloaded_blocks": [i for i, b in model.layers.items() if _offloaded(b)],
+        # the first step's saved tensors that went through the host copy (and back), and those kept on the device
+        "activation_offload": asdict(model.activation_offload.counters) if hasattr(model, "activation_offload")
+        else None,
         "checkpointed_blocks": [i for i, b in model.layers.items() if _checkpointed(b)],
         "dynamo": {k: dict(counters[k]) for k in ("stats", "frames")},  # torchao's optimizer step compiles too
         # graphs dynamo compiled for the blocks (the caches of the frames it traces: the block's forward, or under

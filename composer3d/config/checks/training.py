@@ -82,7 +82,8 @@ def _check_precision(precision: Any, tp: int) -> None:
 
 
 def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
-    """Activation checkpointing and the memory tracker, against the pipeline schedule; sequence tiling."""
+    """Activation checkpointing and offload and the memory tracker, against the pipeline schedule and compile;
+    sequence tiling."""
     mem, p, pp = cfg.memory, cfg.parallel, degrees["pp"]
     _require(mem.activation_checkpointing in ("none", "full", "selective"), "memory.activation_checkpointing",
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
@@ -95,6 +96,11 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              "memory.activation_checkpointing", f"cannot be combined with {p.pp_schedule}, whose split backward "
              "(input and weight gradients at different times) re-enters the checkpointed region twice",
              "Use parallel.pp_schedule=1f1b or interleaved_1f1b with activation checkpointing")
+    _require(not (mem.activation_offload and mem.activation_checkpointing == "selective" and mem.ac_every == 0
+                  and not cfg.compile.enabled), "memory.activation_offload", "eager op-level selective "
+             "checkpointing keeps the tensors its policy saves in checkpoint's own cache, which the offload's "
+             "saved-tensor hooks never see (compiled, the graph saves them through autograd)",
+             "Add compile.enabled=true, or use memory.activation_checkpointing=full or memory.ac_every>=1")
     _check_tiling(cfg, degrees)
 
 
