@@ -16,6 +16,7 @@ receive buffers and backward's temporaries, README).
 
 from __future__ import annotations
 
+import copy
 import json
 import statistics
 import subprocess
@@ -25,7 +26,8 @@ from pathlib import Path
 import pytest
 from harness import FAST, train
 from hydra import compose, initialize_config_module
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
+from yaml import safe_load as yaml_value
 from plan_measure import run_measurements
 
 from composer3d.config import register_configs
@@ -323,3 +325,71 @@ def test_activation_offload_keeps_two_blocks_on_the_device(ac):
         {k: v for k, v in before.items() if "activations" not in k and k != "total"}
     assert "memory.activation_offload=true" in offload.candidate.overrides()
     assert all(c.activation_offload for c in enumerate_candidates(offload_cfg, 8, 8))
+
+
+def _estimate(*overrides: str):
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+    return estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster), cluster
+
+
+ONE_H100_8B = ["model=llama3_8b", "train.seq_len=4096", "train.global_batch_size=1", "train.micro_batch_size=1",
+               "cluster.gpus_per_node=1", "parallel.dp_shard=1", "memory.activation_checkpointing=full"]
+
+
+def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_step():
+    """Llama 3 8B on one H100: it fits only with ZeRO-Offload (its fp32 parameters and gradients alone are 64 GB);
+    offload=optimizer moves the optimizer's state (masters, moments, a gradient buffer) and pays its copies and
+    host step on the critical path; a node with too little host memory for what moved does not fit."""
+    plain, cluster = _estimate(*ONE_H100_8B)
+    opt, _ = _estimate(*ONE_H100_8B, "parallel.offload=optimizer")
+    cpu, _ = _estimate(*ONE_H100_8B, "parallel.offload=cpu")
+    params, grads, state = plain.memory.parameters, plain.memory.gradients, plain.memory.optimizer
+    assert opt.memory.optimizer == 0 and opt.memory.parameters == params and opt.memory.host == params + grads + state
+    assert cpu.memory.parameters == cpu.memory.gradients == cpu.memory.optimizer == 0
+    assert cpu.memory.host == params + grads + state
+    assert not plain.fits and opt.fits and cpu.fits, (plain.memory.total, opt.memory.total, cpu.memory.total)
+    assert cpu.memory.total < opt.memory.total < plain.memory.total
+    assert "host" not in plain.exposed_comm_s
+    assert opt.exposed_comm_s["host"] == pytest.approx((params + grads) / cluster.host_link_bw
+                                                       + params / cluster.host_optimizer_bw)
+    assert cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw  # the host step; its copies overlap
+    assert cpu.step_time_s > plain.step_time_s
+    small, _ = _estimate(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
+    assert not small.fits  # 8B's ~120 GiB of model state does not fit a 64 GiB host
+
+
+def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
+    """plan.what_fits: every memory option lengthens the sequence that fits, or leaves it; offloading the model
+    state holds a larger model; what the longest sequence takes is a configuration training accepts."""
+    from composer3d.config import validate
+    from composer3d.plan.fits import what_fits
+
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=[*ONE_H100_8B, "memory.activation_checkpointing=none"])
+    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+    sequences, models = what_fits(Workload.from_config(cfg), candidate_from_config(cfg, 1), cluster, False)
+    longest = {f.options.label(): f.amount for f in sequences}
+    assert longest["ac:none"] == 0  # 8B's model state alone does not fit one H100
+    assert 0 < longest["ac:none offload:cpu"] <= longest["ac:selective offload:cpu"] <= longest["ac:full offload:cpu"]
+    assert longest["ac:full offload:cpu"] <= longest["ac:full tiled mlp+loss offload:cpu"]
+    assert longest["ac:full tiled mlp+loss offload:cpu"] <= longest["ac:full tiled mlp+loss act-offload offload:cpu"]
+    assert sequences[0].amount == max(longest.values()) >= 128 * 1024
+    layers = {f.options.label(): f.amount for f in models}
+    assert 0 < layers["ac:full"] < layers["ac:full offload:optimizer"] < layers["ac:full offload:cpu"]
+    assert layers["ac:none offload:cpu"] <= layers["ac:full offload:cpu"]
+    out = _plan(*ONE_H100_8B, "plan.what_fits=true")
+    assert out.returncode == 0, out.stderr
+    assert "longest sequence on 1 × 1 h100" in out.stdout and "largest model at dim 4096" in out.stdout
+    assert f"{sequences[0].amount:,}" in out.stdout.splitlines()[2], out.stdout
+    for line in out.stdout.splitlines():  # what each answer takes passes training's own checks
+        if " takes: " in line:
+            trial = copy.deepcopy(cfg)
+            with open_dict(trial):
+                for override in line.split(" takes: ")[1].split():
+                    key, value = override.split("=", 1)
+                    OmegaConf.update(trial, key, yaml_value(value))
+            validate(trial, 1)

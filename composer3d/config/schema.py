@@ -227,6 +227,9 @@ class ClusterConfig:
 class PlanConfig:
     format: str = "table"  # composer3d-plan: table (human) | json (one JSON object per layout, a line each)
     top: int = 10  # composer3d-plan without a layout: how many of the ranked layouts to print
+    # composer3d-plan: for the config's layout (parallel.*, default FSDP over every device), the longest sequence
+    # each combination of memory options trains and the largest model (layers at model.dim) each offload holds
+    what_fits: bool = False
     memory_headroom: float = 0.9  # a layout fits when its predicted peak is at most this share of the memory
 
 

@@ -3,6 +3,8 @@
     composer3d-plan model=llama3_8b train.seq_len=8192 train.global_batch_size=64 cluster.nodes=8 cluster.device=h100
     composer3d-plan model=llama3_8b ... parallel.tp=2 parallel.dp_shard=-1       # one layout, in detail
     composer3d-plan ... plan.format=json                                            # one JSON object per layout
+    composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true     # the longest sequence, the
+                                                                                    # largest model, what they take
 
 With any ``parallel.*`` key on the command line it reports that layout; without one (or with ``parallel=auto``) it
 ranks every valid layout that fits. Nothing is started: it is arithmetic (composer3d/plan/*).
@@ -18,6 +20,7 @@ from composer3d.hydra_entry import hydra_entry_point
 from composer3d.launch import launcher
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate
+from composer3d.plan.fits import what_fits
 from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.layouts import candidate_from_config
 from composer3d.plan.search import ranked
@@ -35,6 +38,13 @@ def _main(cfg: DictConfig) -> None:
         resolve_model_config(cfg.model)
         validate_plan(cfg)
         cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+        if cfg.plan.what_fits:  # for the config's layout: the longest sequence, the largest model
+            validate(cfg, cluster.world_size)
+            candidate = candidate_from_config(cfg, cluster.world_size)
+            sequences, models = what_fits(Workload.from_config(cfg), candidate, cluster, cfg.compile.enabled)
+            print(report.what_fits(sequences, models, cluster, candidate.short(), cfg.train.seq_len, cfg.model.dim,
+                                   cfg.model.max_seq_len), flush=True)
+            return
         if layout_given(cfg):
             validate(cfg, cluster.world_size)
             e = estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)

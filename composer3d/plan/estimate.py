@@ -5,7 +5,8 @@ model FLOPs (6·N + 12·L·H·Q·T per token, composer3d.training.flops' convent
 reruns each block's forward: +1/3 of its FLOPs), at ``cluster.achievable_fraction`` of the device's dense peak —
 one number for all layouts and models, not a fit per row. Exposed communication: TP/SP, pipeline sends and
 ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus
-the first block's gather, which nothing precedes; ZeRO-Offload's host step and copies (``host``) as plan/host.py says.
+the first block's gather, which nothing precedes; the memory options' host step and copies (``host``) as
+plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory hold it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from composer3d.dtypes import DTYPES
 from composer3d.plan import comm
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
 from composer3d.plan.hardware import Cluster
-from composer3d.plan.host import offload_seconds
+from composer3d.plan.host import host_fits, host_seconds
 from composer3d.plan.layouts import Candidate, refuse_unmodelled
 from composer3d.plan.memory import Memory, memory
 from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
@@ -120,9 +121,9 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         if hidden_pool:
             first_gather = hidden_pool / max(1, 2 * sets[i].n_layers)  # about one block's traffic, never hidden
             mine["dp"] = max(0.0, hidden_pool - compute[i]) + first_gather
-        host_exposed, host_overlapped = offload_seconds(shape, c, sets[i], work.optimizer, cluster)
-        if host_exposed or host_overlapped:  # the copies beside FSDP's compete with its traffic for the same compute
-            mine["host"] = host_exposed + max(0.0, host_overlapped - max(0.0, compute[i] - hidden_pool))
+        host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])
+        if host_exposed or host_overlapped:  # the copies over the host link hide behind compute, not the host step
+            mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)
     step = compute[busiest] + bubble + sum(exposed.values())
@@ -135,4 +136,5 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         collectives_per_pp_rank=cols, compute_s=compute[busiest], bubble_s=bubble, exposed_comm_s=exposed,
         step_time_s=step, tokens_per_s_per_gpu=tokens_per_step / world / step, tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None, bubble_fraction=bubble_fraction(c),
-        fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom)
+        fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom
+        and host_fits(mems, cluster, work.memory_headroom))

@@ -6,6 +6,7 @@ import json
 
 from composer3d.plan.comm import link_bandwidth
 from composer3d.plan.estimate import Estimate
+from composer3d.plan.fits import Fit
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import ZERO_BUBBLE
 from composer3d.plan.search import why_slower
@@ -65,3 +66,34 @@ def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str
 
 def json_lines(estimates: list[Estimate]) -> str:
     return "\n".join(json.dumps(e.as_json()) for e in estimates)
+
+
+def what_fits(sequences: list[Fit], models: list[Fit], cluster: Cluster, layout: str, seq_len: int,
+              width: int, max_seq_len: int) -> str:
+    """``plan.what_fits``: the longest sequence per option set, then the largest model per offload and
+    checkpointing, each with its memory (device, host) and speed; what the first row of each needs, as overrides."""
+    where = (f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.device} ({_gib(cluster.memory_bytes)} each"
+             f"{f', host {_gib(cluster.host_memory_bytes)} a node' if cluster.host_memory_bytes else ''}), {layout}")
+    head = f"  {'options':<52}{{:>14}}{'device':>12}{'host/GPU':>12}{'tok/s/GPU':>11}"
+    lines = [f"longest sequence on {where}, per memory option set:", head.format("tokens")]
+    lines += [_fits_row(f, f"{f.amount:,}") for f in sequences]
+    lines += [f"largest model at dim {width} and sequence {seq_len:,}, per offload and checkpointing:",
+              head.format("layers")]
+    lines += [_fits_row(f, f"{f.amount} ({f.params / 1e9:.1f}B)") for f in models]
+    if sequences and sequences[0].estimate:
+        seq = sequences[0].amount
+        longer = [f"model.max_seq_len={seq}"] if seq > max_seq_len else []  # RoPE's tables must reach it
+        lines.append("longest sequence takes: " + " ".join(
+            [*sequences[0].estimate.candidate.overrides(), f"train.seq_len={seq}", *longer]))
+    if models and models[0].estimate:
+        lines.append("largest model takes: " + " ".join(
+            [*models[0].estimate.candidate.overrides(), f"model.n_layers={models[0].amount}"]))
+    return "\n".join(lines)
+
+
+def _fits_row(f: Fit, amount: str) -> str:
+    if f.estimate is None:
+        return f"  {f.options.label():<52}{'nothing fits':>14}"
+    m = f.estimate.memory
+    return (f"  {f.options.label():<52}{amount:>14}{_gib(m.total):>12}{_gib(m.host + m.host_activations):>12}"
+            f"{f.estimate.tokens_per_s_per_gpu:>11,.0f}")
