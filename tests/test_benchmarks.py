@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
@@ -107,3 +109,15 @@ def test_activation_offload_benchmark_moves_activations():
     # fp32 = 0.25 MiB a block, 2 blocks); no accelerator: no device memory to report
     assert moved["full"] == 0.5 and moved["none"] > 10 * moved["full"], stdout
     assert "held for backward - -> -" in stdout, stdout
+
+
+def test_memory_options_benchmark_shows_each_option_taking_its_bytes():
+    stdout = _run("memory_options.py", "--model", "tiny", "--steps", "1", "--same-process", "--options", "none",
+                  "offload=optimizer", "tile_loss=4", "full ckpt + activation offload")
+    rows = {line[:34].strip(): [float(x) for x in line[34:].split()[:7]] for line in stdout.splitlines()[1:]
+            if line[:34].strip()}
+    params, grads, optim, act, temp, host, step = zip(*rows.values())
+    plain, offloaded, tiled, act_offload = rows.values()
+    assert plain[5] == 0 and offloaded[5] == pytest.approx(1.5 * plain[2], rel=0.01), rows  # masters + moments
+    assert tiled[4] < plain[4], rows  # the loss's logits, in tiles
+    assert act_offload[3] < plain[3] and act_offload[5] > 0, rows  # checkpointed, its block inputs moved

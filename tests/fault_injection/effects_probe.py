@@ -93,6 +93,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _storage(t: torch.Tensor):
+    """A plain tensor's storage; None for a subclass's (float8 weights, torchao's low-bit state), which has none of
+    its own to compare."""
+    t = _local(t)
+    return t.untyped_storage() if type(t) in (torch.Tensor, torch.nn.Parameter) else None
+
+
+def _in_file(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a memory-mapped file's (parallel.offload_dir)."""
+    storage = _storage(t)
+    return storage is not None and storage.filename is not None
+
+
 def _fsdp(trainer: Trainer) -> list[dict]:
     """The FSDP groups of this rank: the model's, and under PP its stage modules' (the roots of the embedding,
     final norm and head), which the model does not register."""
@@ -136,7 +149,7 @@ def _effects(trainer: Trainer) -> dict:
     model, optimizer = trainer.model, trainer.optimizer
     names = {id(p): n for n, p in model.named_parameters()}
     counters = torch._dynamo.utils.counters
-    param_storages = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
+    param_storages = {_storage(p).data_ptr() for p in model.parameters() if _storage(p) is not None}
     return {
         "rank": dist.get_rank(),
         "blocks": list(model.layers.keys()),  # this rank's (a pipeline stage keeps some)
@@ -152,15 +165,15 @@ def _effects(trainer: Trainer) -> dict:
         "optimizer_state": [
             {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
              "dtype": str(v.dtype), "device": str(_local(v).device), "numel": _local(v).numel(),
-             "bytes": local_bytes(v), "in_file": _local(v).untyped_storage().filename is not None,
+             "bytes": local_bytes(v), "in_file": _in_file(v),
              # the state lives apart from the parameters (offload=optimizer: host masters, not the model's tensors)
-             "shares_param_storage": _local(v).untyped_storage().data_ptr() in param_storages}
+             "shares_param_storage": _storage(v) is not None and _storage(v).data_ptr() in param_storages}
             for p, state in optimizer.state.items() for key, v in state.items()
             if isinstance(v, torch.Tensor) and v.ndim > 0],
         "optimizer_class": type(optimizer).__name__,
         # offload=optimizer: the host copies the step updates (masters), and the bytes this rank keeps in files
-        "host_masters": [{"device": str(_local(m).device), "in_file": _local(m).untyped_storage().filename is not None,
-                          "shares_param_storage": _local(m).untyped_storage().data_ptr() in param_storages}
+        "host_masters": [{"device": str(_local(m).device), "in_file": _in_file(m),
+                          "shares_param_storage": _storage(m).data_ptr() in param_storages}
                          for _, m, _ in getattr(optimizer, "pairs", ())],
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
