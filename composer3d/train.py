@@ -88,7 +88,7 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
     log.info("layout %s on %d %s rank(s); run dir %s (%s)", mesh.layout.as_dict(), world_size, device.type, run_dir,
-             console.resume_hint(cfg.run.name, run_dir))
+             _resume_hint(cfg, run_dir))
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     trainer.run_info_extra = {"parallel_auto": plan} if plan else {}
@@ -155,7 +155,7 @@ def _main(cfg: DictConfig) -> None:
         raise Exit(3, line) from None
     except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
         if env is None or env.rank == 0:
-            log.info("%s", console.resume_hint(cfg.run.name, run_dir))
+            log.info("%s", _resume_hint(cfg, run_dir))
         sys.exit(StoppedBySignal.EXIT_CODE)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
@@ -165,7 +165,7 @@ def _main(cfg: DictConfig) -> None:
         if env is None or env.rank == 0:
             how = f"stopped by {signal.Signals(signum).name}" if signum != signal.SIGINT else "interrupted (Ctrl-C)"
             print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
-                  f"{console.resume_hint(cfg.run.name, run_dir)}", file=sys.stderr)
+                  f"{_resume_hint(cfg, run_dir)}", file=sys.stderr)
         sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
 
 
@@ -194,7 +194,18 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
     overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
     launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
                                  max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs",
-                                 resume_hint=console.resume_hint(cfg.run.name, run_dir))
+                                 resume_hint=_resume_hint(cfg, run_dir))
+
+
+def _resume_hint(cfg: DictConfig, run_dir: Path) -> str:
+    """What resumes this run; for a job of a sweep, the job alone in its own directory."""
+    if os.environ.get(launcher.RESUME_HINT):  # a local launcher's worker: the launcher knows the sweep
+        return os.environ[launcher.RESUME_HINT]
+    sweep = None
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        hydra_cfg = HydraConfig.get()
+        sweep = (list(hydra_cfg.overrides.task), os.path.abspath(hydra_cfg.sweep.dir))
+    return console.resume_hint(cfg.run.name, run_dir, sweep)
 
 
 def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:

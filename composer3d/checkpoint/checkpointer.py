@@ -31,6 +31,7 @@ from composer3d.checkpoint.format import (
     failure_reason,
     load_model_weights,
     read_meta,
+    verified_checkpoints,
 )
 from composer3d.checkpoint.rng import rng_state, set_rng_state
 from composer3d.config import ConfigError
@@ -49,6 +50,7 @@ class Checkpointer:
         self.config_dict = config_dict
         self.rank = dist.get_rank()
         self.pending: tuple | None = None  # (future, partial dir, final dir) of an async save in flight
+        self.unreadable: set[Path] = set()  # checkpoints whose load failed here: never kept, never chosen
         self.async_group = None
         if ckpt_cfg.async_mode != "none":
             # Background writes run collectives; on their own gloo group they never interleave with training's.
@@ -137,14 +139,21 @@ class Checkpointer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         log.info("checkpoint saved: %s", final)
-        self._prune(keep_newer_than=int(STEP_DIR.match(final.name).group(1)))
+        self._prune(keep_newer_than=_step(final))
 
     def _prune(self, keep_newer_than: int) -> None:
         for stale in self.dir.glob("step-*.partial"):
             if int(stale.name[5:13]) < keep_newer_than:  # leftovers of crashed saves
                 shutil.rmtree(stale, ignore_errors=True)
-        if self.cfg.keep_last > 0:
-            for old in committed_checkpoints(self.dir)[self.cfg.keep_last:]:
+        if self.cfg.keep_last <= 0:
+            return
+        # Only checkpoints that pass verification count as kept: a corrupt one newer than the good ones must not
+        # take the place of the newest good one. A corrupt one older than the last one kept goes like any old one.
+        good = [p for p in verified_checkpoints(self.dir) if p not in self.unreadable]
+        kept = good[:self.cfg.keep_last]
+        oldest_kept = _step(kept[-1]) if kept else keep_newer_than
+        for old in committed_checkpoints(self.dir):
+            if old not in kept and (old in good or _step(old) < oldest_kept):
                 shutil.rmtree(old, ignore_errors=True)
 
     # -- resuming
@@ -158,17 +167,18 @@ class Checkpointer:
             committed = committed_checkpoints(self.dir)
             if committed and read_meta(committed[0])["model_only"]:
                 return self._finished(committed[0])
-            candidates = [p for p in committed if not read_meta(p)["model_only"]]
+            candidates = [p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]]
             for path in candidates:
                 try:
                     return self._load(path)
                 except ConfigError:
                     raise
                 except LOAD_FAILURES as error:
+                    self.unreadable.add(path)
                     log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path, failure_reason(error))
-            if candidates:
-                raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in candidates]}); "
-                                      "fix or remove them, or start afresh with checkpoint.resume=none")
+            if any(not read_meta(p)["model_only"] for p in committed):
+                raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in committed]}); "
+                                      "fix or remove them, or start afresh in a new run.dir with checkpoint.resume=none")
             return 0
         path = Path(mode)
         if not (path / META_FILE).exists():
@@ -225,6 +235,10 @@ class Checkpointer:
             set_rng_state(json.loads(rng_file.read_text()), t.device)
         log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
         return meta["step"]
+
+
+def _step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def _jsonable(value: Any) -> Any:

@@ -88,11 +88,19 @@ def read_meta(path: Path) -> dict:
 def check_complete(path: Path) -> None:
     """Refuse (ConfigError) a checkpoint whose DCP index or data files are missing or shorter than the index says:
     a copy cut short, or a disk that filled up. Reads only the index and file sizes."""
+    problem = incomplete(path)
+    if problem is not None:
+        raise ConfigError(f"checkpoint.resume: {path} {problem}. Give another step-N directory, or start afresh in a "
+                          "new run.dir with checkpoint.resume=none")
+
+
+def incomplete(path: Path) -> str | None:
+    """What makes a checkpoint fail verification (its index unreadable, a data file missing or shorter than the
+    index says), or None where it is whole. Reads only the index and file sizes."""
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
     except Exception as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
-        raise ConfigError(f"checkpoint.resume: {path} has no readable DCP index (.metadata: {failure_reason(error)}). Give "
-                          "another step-N directory, or start afresh with checkpoint.resume=none") from None
+        return f"has no readable DCP index (.metadata: {failure_reason(error)})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -100,8 +108,21 @@ def check_complete(path: Path) -> None:
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             state = "is missing" if have is None else f"has {have} bytes"
-            raise ConfigError(f"checkpoint.resume: {path} is incomplete: {name} {state}, its index needs {size}. "
-                              "Give another step-N directory, or start afresh with checkpoint.resume=none")
+            return f"is incomplete: {name} {state}, its index needs {size}"
+    return None
+
+
+def verified_checkpoints(directory: Path) -> list[Path]:
+    """The committed checkpoints in ``directory`` that pass verification (``incomplete``), newest first; each that
+    fails is logged. What resume=auto may choose, and what checkpoint.keep_last counts."""
+    verified = []
+    for path in committed_checkpoints(directory):
+        problem = incomplete(path)
+        if problem is None:
+            verified.append(path)
+        else:
+            log.error("checkpoint %s %s: it is never resumed from nor counted by checkpoint.keep_last", path, problem)
+    return verified
 
 
 def committed_checkpoints(directory: Path) -> list[Path]:

@@ -40,6 +40,7 @@ from torch.distributed.launcher.api import LaunchConfig
 from composer3d.errors import ConfigError, Exit, StoppedBySignal
 
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
+RESUME_HINT = "COMPOSER3D_RESUME_HINT"  # the launcher's resume hint, which its workers repeat (they run no sweep)
 # exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
 NOT_RETRIED = {2: "a bad config", 3: "divergence", StoppedBySignal.EXIT_CODE: "a stop signal"}
 # The agent forwards these to the workers; SIGUSR1 (SLURM's --signal time-limit notice) is not among its defaults,
@@ -101,13 +102,14 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     agent = _agent(config, ("-m", module, *args))
     # The workers inherit the launcher's environment; set for them only (a sweep's next job runs in this process).
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    os.environ[RESUME_HINT] = resume_hint or ""
     try:
         result = agent.run()
     except SignalException as error:
         raise Interrupted(error.sigval) from None
     finally:
         agent.get_worker_group().spec.rdzv_handler.shutdown()
-        del os.environ[LAUNCHER_PID]
+        del os.environ[LAUNCHER_PID], os.environ[RESUME_HINT]
     if result.is_failed():
         rank, failure = agent.first_failure(result)
         if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
