@@ -145,10 +145,10 @@ def _main(cfg: DictConfig) -> None:
         line = f"composer3d: invalid configuration: {error}"
         _tell(env, line, every_rank=error.rank_specific)
         raise Exit(2, line) from None
-    except CheckpointError as error:
+    except CheckpointError as error:  # every rank alike (a save's verdict is rank 0's, a load's fails everywhere)
         line = f"composer3d: {error}"
-        print(line, file=sys.stderr)
-        raise Exit(1, line) from None
+        _tell(env, line)
+        raise Exit(error.EXIT_CODE, line) from None
     except TrainingDiverged as error:  # every rank sees the same values and exits alike
         line = f"composer3d: training stopped: {error}"
         _tell(env, line)

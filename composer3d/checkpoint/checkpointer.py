@@ -17,12 +17,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from composer3d.checkpoint import space
 from composer3d.checkpoint.format import (
     FORMAT_VERSION,
     LOAD_FAILURES,
     META_FILE,
     STEP_DIR,
     CheckpointError,
+    CheckpointNotSaved,
     SafeFileSystemReader,
     check_same_model,
     check_steps_left,
@@ -38,6 +40,7 @@ from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
 
 log = logging.getLogger("composer3d")
+SAVE_FAILURES = LOAD_FAILURES  # any Exception, and DCP's CheckpointException (a BaseException) raised on every rank
 
 
 class Checkpointer:
@@ -51,6 +54,7 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.pending: tuple | None = None  # (future, partial dir, final dir) of an async save in flight
         self.unreadable: set[Path] = set()  # checkpoints whose load failed here: never kept, never chosen
+        self._expected_bytes: dict[bool, int] = {}  # a save's state bytes, full (False) and model-only (True)
         self.async_group = None
         if ckpt_cfg.async_mode != "none":
             # Background writes run collectives; on their own gloo group they never interleave with training's.
@@ -92,29 +96,73 @@ class Checkpointer:
         final = self.dir / f"step-{step:08d}"
         partial = final.with_name(final.name + ".partial")
         model_only = self.cfg.model_only_final and step == self.trainer.total_steps
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            (partial / "rng").mkdir(parents=True)
-        dist.barrier()
-        if not model_only:
-            (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
         state = self._state_dict(model_only)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = DTYPES[self.cfg.export_dtype]
             state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
         if self.rank == 0:
-            (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
-        writer = self._storage_writer(partial, step)
+            shutil.rmtree(partial, ignore_errors=True)
+        self._check_room(final, state, model_only)
+        if self.rank == 0:
+            (partial / "rng").mkdir(parents=True)
+        dist.barrier()
+        try:
+            if not model_only:
+                (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
+            if self.rank == 0:
+                (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
+            writer = self._storage_writer(partial, step)
+            if self.async_group is None:
+                dcp.save(state, storage_writer=writer)
+            else:
+                response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
+                                          async_stager=self.stager)
+        except SAVE_FAILURES as error:
+            self._discard(partial, final, error)
         if self.async_group is None:
-            dcp.save(state, storage_writer=writer)
             self._commit(partial, final)
         else:
-            response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
-                                      async_stager=self.stager)
             if not _can_stage_again(self.stager):
                 self.stager = self._new_stager()
             future = getattr(response, "upload_completion", response)
             self.pending = (future, partial, final)
+
+    def _check_room(self, final: Path, state: dict, model_only: bool) -> None:
+        """Refuse the save (on every rank alike: rank 0 decides) when checkpoint.dir lacks the room it needs. Nothing
+        is pruned to make room: pruning follows a committed save, so the last good checkpoint stays until then."""
+        estimate = self._expected_bytes.get(model_only)
+        if estimate is None:  # the state's shapes do not change between saves: gathered once per kind
+            estimate = self._expected_bytes[model_only] = space.state_bytes(state)
+        verdict = [None]
+        if self.rank == 0:
+            same_kind = [p for p in verified_checkpoints(self.dir) if read_meta(p)["model_only"] == model_only]
+            needed = max(estimate, space.bytes_on_disk(same_kind[0]) if same_kind else 0)
+            free = space.free_bytes(self.dir)
+            if free < needed:
+                basis = f"the size of {same_kind[0].name}" if same_kind else "the model and optimizer state"
+                verdict[0] = (f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs about "
+                              f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. Free space there, "
+                              f"keep fewer checkpoints (checkpoint.keep_last={self.cfg.keep_last} now; older ones are "
+                              "pruned only after a save), or set checkpoint.dir to a disk with room"
+                              f"{self._last_good()}")
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointNotSaved(verdict[0])
+
+    def _discard(self, partial: Path, final: Path, error: BaseException) -> None:
+        """A save that failed anyway (the disk filled up while writing): its partial directory is removed, so no
+        half checkpoint is left taking space, and the run stops with one line."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointNotSaved(f"checkpoint.dir: checkpoint {final.name} could not be written to {self.dir} "
+                                 f"({failure_reason(error)}); its partial directory was removed{self._last_good()}. "
+                                 "Free space there, lower checkpoint.keep_last, or set checkpoint.dir to a disk with "
+                                 "room") from None
+
+    def _last_good(self) -> str:
+        good = verified_checkpoints(self.dir)
+        return f"; the last good checkpoint, {good[0]}, is kept" if good else ""
 
     def _storage_writer(self, path: Path, step: int) -> FileSystemWriter:
         """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save: tests/fault_injection)."""
@@ -129,7 +177,10 @@ class Checkpointer:
         if self.pending is not None:
             future, partial, final = self.pending
             self.pending = None
-            future.result()  # re-raises a failed write
+            try:
+                future.result()  # re-raises a failed write
+            except SAVE_FAILURES as error:
+                self._discard(partial, final, error)
             self._commit(partial, final)
 
     def _commit(self, partial: Path, final: Path) -> None:

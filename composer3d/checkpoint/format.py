@@ -24,7 +24,16 @@ from composer3d.models import build_model
 log = logging.getLogger("composer3d")
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
+    """A checkpoint that cannot be used; the message says which and why. Exit code 1."""
+
+    EXIT_CODE = 1
+
+
+class CheckpointNotSaved(CheckpointError):
+    """A save found no room for the checkpoint, or failed writing it (its partial directory removed; the last good
+    checkpoint kept). Exit code 74 (sysexits' EX_IOERR), not retried by a restart: it would fail the same way."""
+
+    EXIT_CODE = 74
 
 
 # DCP gathers every rank's failure into one CheckpointException, raised on all ranks alike (a BaseException).

@@ -37,12 +37,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
+from composer3d.checkpoint import CheckpointNotSaved
 from composer3d.errors import ConfigError, Exit, StoppedBySignal
 
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
 RESUME_HINT = "COMPOSER3D_RESUME_HINT"  # the launcher's resume hint, which its workers repeat (they run no sweep)
 # exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
-NOT_RETRIED = {2: "a bad config", 3: "divergence", StoppedBySignal.EXIT_CODE: "a stop signal"}
+NOT_RETRIED = {2: "a bad config", 3: "divergence", CheckpointNotSaved.EXIT_CODE: "a checkpoint with no room",
+               StoppedBySignal.EXIT_CODE: "a stop signal"}
 # The agent forwards these to the workers; SIGUSR1 (SLURM's --signal time-limit notice) is not among its defaults,
 # and unhandled it would kill the launcher and orphan workers that then save and stop unseen.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
