@@ -41,6 +41,8 @@ from composer3d.training.metrics import MetricsSink, local_bytes
 from composer3d.training.trainer import Trainer, prepare_rank
 
 log = logging.getLogger("composer3d")
+# signals the workers stop for after saving (StopSignals), which the local launcher passes on to them
+STOPPING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path, plan: dict | None = None) -> None:
@@ -153,20 +155,20 @@ def _main(cfg: DictConfig) -> None:
         line = f"composer3d: training stopped: {error}"
         _tell(env, line)
         raise Exit(3, line) from None
-    except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
+    except StoppedBySignal as stop:  # rank 0 has logged it; all ranks stopped at the same step
         if env is None or env.rank == 0:
             log.info("%s", _resume_hint(cfg, run_dir))
-        sys.exit(StoppedBySignal.EXIT_CODE)
+        sys.exit(stop.exit_code)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
-        # SIGTERM/SIGUSR1 reached the workers too: they saved at their next step boundary (within the agent's
-        # shutdown grace period), and the job is to be requeued, as when the workers got the signal themselves.
-        stop = signum in (signal.SIGTERM, signal.SIGUSR1)
-        if env is None or env.rank == 0:
-            how = f"stopped by {signal.Signals(signum).name}" if signum != signal.SIGINT else "interrupted (Ctrl-C)"
-            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
-                  f"{_resume_hint(cfg, run_dir)}", file=sys.stderr)
-        sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
+        # The launcher passed the signal on to its workers: they saved at their next step boundary (within the
+        # agent's shutdown grace period) and exited as the signal asks (75: requeue; SIGINT 130), as this does.
+        code = StoppedBySignal.exit_code_for(signum) if signum in STOPPING else 128 + signum
+        if env is None or (env.rank == 0 and not ours):  # a worker's launcher tells
+            how = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+            print(f"composer3d: stopped by {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
+                  f"{_resume_hint(cfg, run_dir)}; exit code {code}", file=sys.stderr)
+        sys.exit(code)
 
 
 def _run_dir(cfg: DictConfig) -> Path:

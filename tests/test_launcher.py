@@ -129,9 +129,17 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     _, stderr = first.communicate(timeout=120)
     assert first.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    # The workers got the SIGINT too, and saved the step they stopped at, as for SIGTERM; every line names SIGINT
+    # and the code the command exits with.
+    stopped = RunResult(0, "", 0.0, tmp_path).metrics[-1]["step"]
     newest = committed_checkpoints(tmp_path / "checkpoints")[0]
-    assert stderr.strip().splitlines() == [f"composer3d: interrupted (Ctrl-C); the last checkpoint is {newest}; "
-                                           f"to resume it, run the same command with run.dir={tmp_path}"], stderr[-3000:]
+    assert newest.name == f"step-{stopped:08d}", "the step the workers stopped at is saved"
+    assert stderr.strip().splitlines() == [f"composer3d: stopped by SIGINT (Ctrl-C); the last checkpoint is {newest}; "
+                                           f"to resume it, run the same command with run.dir={tmp_path}; "
+                                           "exit code 130"], stderr[-3000:]
+    assert f"received SIGINT (Ctrl-C): checkpoint {newest.name} saved; exiting with code 130" in \
+        (tmp_path / "logs" / "rank0.log").read_text()
+    assert "SIGTERM" not in (tmp_path / "logs" / "rank0.log").read_text()
     assert _all_gone(workers, 5)
     steps = [m["step"] for m in RunResult(0, "", 0.0, tmp_path).metrics]
     assert steps == list(range(1, len(steps) + 1)), "one job's steps, each once"

@@ -4,7 +4,8 @@ agent torchrun runs), and owes its user what torchrun's users get from torchrun 
 - restarts (``launch.max_restarts``): elastic's own restart loop stops the whole group and starts it again, and the
   workers resume from the last checkpoint; a bad config (exit 2) or divergence (exit 3) is not retried;
 - one line naming the rank that failed first, measured to the millisecond, after that rank's own message;
-- Ctrl-C: the workers stop quietly, the CLI prints one line and exits 130;
+- Ctrl-C: passed on to the workers, which save at the next step boundary as for SIGTERM; the CLI prints one line and
+  exits 130;
 - workers that die with their launcher, even when it is SIGKILLed (Linux);
 - one job per run directory (a lock the kernel releases when its holder dies).
 """
@@ -43,8 +44,9 @@ from composer3d.errors import ConfigError, Exit, StoppedBySignal
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
 RESUME_HINT = "COMPOSER3D_RESUME_HINT"  # the launcher's resume hint, which its workers repeat (they run no sweep)
 # exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
+STOPPED = {StoppedBySignal.EXIT_CODE: "a stop signal", StoppedBySignal.INTERRUPT_EXIT_CODE: "Ctrl-C (SIGINT)"}
 NOT_RETRIED = {2: "a bad config", 3: "divergence", CheckpointNotSaved.EXIT_CODE: "a checkpoint with no room",
-               StoppedBySignal.EXIT_CODE: "a stop signal"}
+               **STOPPED}
 # The agent forwards these to the workers; SIGUSR1 (SLURM's --signal time-limit notice) is not among its defaults,
 # and unhandled it would kill the launcher and orphan workers that then save and stop unseen.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -114,10 +116,10 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
         del os.environ[LAUNCHER_PID], os.environ[RESUME_HINT]
     if result.is_failed():
         rank, failure = agent.first_failure(result)
-        if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
-            log.info("composer3d: the workers stopped for a stop signal after saving%s",
-                     f"; {resume_hint}" if resume_hint else "")
-            sys.exit(StoppedBySignal.EXIT_CODE)
+        if all(f.exitcode in STOPPED for f in result.failures.values()):
+            log.info("composer3d: the workers stopped for %s after saving%s; exit code %d", STOPPED[failure.exitcode],
+                     f"; {resume_hint}" if resume_hint else "", failure.exitcode)
+            sys.exit(failure.exitcode)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
         reported = failure.error_file_data.get(_REPORTED)
         if reported:
@@ -140,7 +142,7 @@ def exits_as_a_command(command: str, env):
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
-        if env is None or env.rank == 0:
+        if env is None or (env.rank == 0 and not started_by_local_launcher()):  # a worker's launcher tells
             print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         sys.exit(128 + signum)
 
@@ -160,7 +162,7 @@ def _agent(config: LaunchConfig, args: tuple) -> _Agent:
 
 class _Agent(LocalElasticAgent):
     """torch's local agent and its restart loop, plus: exit times per worker, no restart for a failure that would
-    only repeat, a line per restart, and SIGTERM instead of SIGINT to stop the workers."""
+    only repeat, a line per restart, and a short grace for the survivors of a failed worker."""
 
     exits: _ExitClock | None = None
     _peer_failed = False  # a worker failed: the group is stopped next
@@ -174,7 +176,7 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank, failure = self.first_failure(result)
-            self._peer_failed = failure.exitcode != StoppedBySignal.EXIT_CODE  # stopped workers are saving
+            self._peer_failed = failure.exitcode not in STOPPED  # stopped workers are saving
             if failure.exitcode in NOT_RETRIED:
                 self._remaining_restarts = 0  # as elastic itself does for a worker it cannot recover
             elif self._remaining_restarts > 0:
@@ -185,14 +187,14 @@ class _Agent(LocalElasticAgent):
         return result
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        # Ctrl-C reaches only the launcher (workers run in their own sessions), and elastic passes the SIGINT on:
-        # every worker would print a KeyboardInterrupt traceback. SIGTERM ends them without a word.
+        # The signal the launcher got goes on to the workers (Ctrl-C reaches only the launcher: workers run in their
+        # own sessions). They stop for SIGTERM, SIGUSR1 and SIGINT at the next step boundary, after saving.
         if self._peer_failed:
             # The survivors of a failed rank cannot save (a checkpoint needs every rank) and wait in a collective
             # that never completes, where SIGTERM only marks a stop: the full grace would be spent for nothing.
             timeout = min(timeout, FAILED_GROUP_GRACE_S)
             self._peer_failed = False
-        death_sig = signal.SIGTERM if death_sig == signal.SIGINT else death_sig
+            death_sig = signal.SIGTERM
         if _SHUTDOWN_TAKES_GRACE:
             super()._shutdown(death_sig, timeout)
         else:
