@@ -6,6 +6,7 @@ second job on a busy run.dir is refused before any worker starts."""
 import fcntl
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -155,3 +156,29 @@ def test_workers_die_with_a_sigkilled_launcher_and_its_lock_goes_with_it(tmp_pat
     assert _all_gone(workers, 5), "orphaned workers still training into run.dir"
     with open(tmp_path / LOCK_FILE) as lock:  # the kernel dropped the dead launcher's flock
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+ORPHAN = """
+import os, sys, time
+from composer3d.launch.launcher import watch_parent
+watch_parent(os.getppid())
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+def test_where_no_parent_death_signal_exists_a_watchdog_ends_the_orphan(tmp_path):
+    """The watchdog a worker runs off Linux (no PR_SET_PDEATHSIG), exercised here: its parent SIGKILLed, the
+    worker is gone within 5 s."""
+    ready = tmp_path / "ready"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
+                               sys.executable, "-c", ORPHAN, str(ready)])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert parent.poll() is None and time.monotonic() < deadline, "the worker never started its watchdog"
+        time.sleep(0.1)
+    (worker,) = _children(parent.pid)
+    assert _alive(worker)
+    parent.kill()
+    parent.wait()
+    assert _all_gone([worker], 5), "an orphan outlived its parent by 5 s"

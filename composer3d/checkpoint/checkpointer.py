@@ -226,7 +226,8 @@ class Checkpointer:
                     raise
                 except LOAD_FAILURES as error:
                     self.unreadable.add(path)
-                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path, failure_reason(error))
+                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path,
+                              failure_reason(error))
             if any(not read_meta(p)["model_only"] for p in committed):
                 raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in committed]}); "
                                       "fix or remove them, or start afresh in a new run.dir with checkpoint.resume=none")

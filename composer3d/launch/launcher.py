@@ -58,6 +58,7 @@ FAILED_GROUP_GRACE_S = 5
 _SHUTDOWN_TAKES_GRACE = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 _REPORTED = "composer3d"  # marks an error file written by report_to_launcher
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ORPHAN_POLL_S = 0.5  # how often a worker without the parent-death signal checks that its launcher lives
 _held: list[IO] = []  # run-directory locks of this process
 
 log = logging.getLogger("composer3d.launcher")
@@ -267,16 +268,30 @@ def _log_to_console_and(log_dir: Path | None) -> None:
 
 
 def die_with_launcher() -> None:
-    """In a worker of this launcher: have the kernel SIGKILL it when the launcher dies, even by SIGKILL, so no
-    orphan keeps training into run.dir. The death signal follows the thread that forked the worker: the
-    launcher's main thread, which runs the agent and lives as long as the launcher."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != int(os.environ[LAUNCHER_PID]):  # the launcher died before the line above
+    """In a worker of this launcher: end it when the launcher dies, even by SIGKILL, so no orphan keeps training
+    into run.dir. On Linux the kernel SIGKILLs it (the parent-death signal; it follows the thread that forked the
+    worker: the launcher's main thread, which runs the agent and lives as long as the launcher); elsewhere a
+    watchdog thread does, within ORPHAN_POLL_S."""
+    launcher_pid = int(os.environ[LAUNCHER_PID])
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        watch_parent(launcher_pid)
+    if os.getppid() != launcher_pid:  # the launcher died before the lines above
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """SIGKILL this process once its parent is no longer ``parent_pid`` (it died: the orphan was re-parented), from
+    a daemon thread that polls: the parent-death signal where the kernel has none."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(ORPHAN_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="composer3d-parent-watchdog", daemon=True).start()
 
 
 def lock_run_dir(run_dir: Path) -> None:

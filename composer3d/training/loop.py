@@ -24,9 +24,10 @@ log = logging.getLogger("composer3d")
 
 
 def train_loop(trainer, sink: MetricsSink, checkpointer) -> None:
-    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop it early at a step boundary (``StopSignals``),
-    raising StoppedBySignal once that step's checkpoint is committed. ``checkpointer``: a ``checkpoint.Checkpointer``
-    (which holds the trainer; neither package imports the other), or None: nothing is saved."""
+    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop it early at a step boundary
+    (``StopSignals``), raising StoppedBySignal once that step's checkpoint is committed. ``checkpointer``: a
+    ``checkpoint.Checkpointer`` (which holds the trainer; neither package imports the other), or None: nothing is
+    saved."""
     if trainer.step == trainer.cfg.train.steps:
         log.info("already finished: step %d of train.steps=%d; nothing to train", trainer.step, trainer.step)
     signals = StopSignals(timedelta(minutes=trainer.cfg.launch.timeout_minutes))
