@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -40,7 +41,10 @@ from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
 
 log = logging.getLogger("composer3d")
-SAVE_FAILURES = LOAD_FAILURES  # any Exception, and DCP's CheckpointException (a BaseException) raised on every rank
+# A save that failed writing: DCP gathers every rank's write failure (the disk full: ENOSPC, or torch's "unexpected
+# pos" from its zip writer) into one CheckpointException raised on every rank alike; our own files fail with OSError.
+# (A peer that died mid-save surfaces as the process group's RuntimeError instead: a crash, handled as one.)
+WRITE_FAILURES = (CheckpointException, OSError)
 
 
 class Checkpointer:
@@ -101,6 +105,7 @@ class Checkpointer:
             dtype = DTYPES[self.cfg.export_dtype]
             state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
         if self.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
         self._check_room(final, state, model_only)
         if self.rank == 0:
@@ -117,7 +122,7 @@ class Checkpointer:
             else:
                 response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
                                           async_stager=self.stager)
-        except SAVE_FAILURES as error:
+        except WRITE_FAILURES as error:
             self._discard(partial, final, error)
         if self.async_group is None:
             self._commit(partial, final)
@@ -135,15 +140,16 @@ class Checkpointer:
             estimate = self._expected_bytes[model_only] = space.state_bytes(state)
         verdict = [None]
         if self.rank == 0:
-            same_kind = [p for p in verified_checkpoints(self.dir) if read_meta(p)["model_only"] == model_only]
-            needed = max(estimate, space.bytes_on_disk(same_kind[0]) if same_kind else 0)
+            last = next((p for p in verified_checkpoints(self.dir) if read_meta(p)["model_only"] == model_only), None)
+            needed = max(estimate, space.bytes_on_disk(last) if last else 0)
             free = space.free_bytes(self.dir)
             if free < needed:
-                basis = f"the size of {same_kind[0].name}" if same_kind else "the model and optimizer state"
+                basis = f"the size of {last.name}" if last else "the model and optimizer state"
                 verdict[0] = (f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs about "
-                              f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. Free space there, "
-                              f"keep fewer checkpoints (checkpoint.keep_last={self.cfg.keep_last} now; older ones are "
-                              "pruned only after a save), or set checkpoint.dir to a disk with room"
+                              f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. Free space "
+                              "there, keep fewer checkpoints (checkpoint.keep_last="
+                              f"{self.cfg.keep_last} now; older ones are pruned only after a save), or set "
+                              "checkpoint.dir to a disk with room"
                               f"{self._last_good()}")
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
@@ -161,8 +167,8 @@ class Checkpointer:
                                  "room") from None
 
     def _last_good(self) -> str:
-        good = verified_checkpoints(self.dir)
-        return f"; the last good checkpoint, {good[0]}, is kept" if good else ""
+        good = next((p for p in verified_checkpoints(self.dir) if p not in self.unreadable), None)
+        return f"; the last good checkpoint, {good}, is kept" if good else ""
 
     def _storage_writer(self, path: Path, step: int) -> FileSystemWriter:
         """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save: tests/fault_injection)."""
@@ -179,7 +185,7 @@ class Checkpointer:
             self.pending = None
             try:
                 future.result()  # re-raises a failed write
-            except SAVE_FAILURES as error:
+            except WRITE_FAILURES as error:
                 self._discard(partial, final, error)
             self._commit(partial, final)
 
@@ -200,7 +206,7 @@ class Checkpointer:
             return
         # Only checkpoints that pass verification count as kept: a corrupt one newer than the good ones must not
         # take the place of the newest good one. A corrupt one older than the last one kept goes like any old one.
-        good = [p for p in verified_checkpoints(self.dir) if p not in self.unreadable]
+        good = [p for p in verified_checkpoints(self.dir) if p not in self.unreadable]  # keep_last + 1, or few more
         kept = good[:self.cfg.keep_last]
         oldest_kept = _step(kept[-1]) if kept else keep_newer_than
         for old in committed_checkpoints(self.dir):
@@ -218,8 +224,7 @@ class Checkpointer:
             committed = committed_checkpoints(self.dir)
             if committed and read_meta(committed[0])["model_only"]:
                 return self._finished(committed[0])
-            candidates = [p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]]
-            for path in candidates:
+            for path in (p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]):
                 try:
                     return self._load(path)
                 except ConfigError:

@@ -9,7 +9,7 @@ import logging
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -121,17 +121,16 @@ def incomplete(path: Path) -> str | None:
     return None
 
 
-def verified_checkpoints(directory: Path) -> list[Path]:
-    """The committed checkpoints in ``directory`` that pass verification (``incomplete``), newest first; each that
-    fails is logged. What resume=auto may choose, and what checkpoint.keep_last counts."""
-    verified = []
+def verified_checkpoints(directory: Path) -> Iterator[Path]:
+    """The committed checkpoints in ``directory`` that pass verification (``incomplete``), newest first, verified
+    as they are asked for; each that fails is logged. What resume=auto may choose, and what checkpoint.keep_last
+    counts."""
     for path in committed_checkpoints(directory):
         problem = incomplete(path)
         if problem is None:
-            verified.append(path)
+            yield path
         else:
             log.error("checkpoint %s %s: it is never resumed from nor counted by checkpoint.keep_last", path, problem)
-    return verified
 
 
 def committed_checkpoints(directory: Path) -> list[Path]:

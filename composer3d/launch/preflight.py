@@ -92,10 +92,9 @@ def check_resumable(cfg, directory: Path) -> Path | None:
     if mode == "none":
         return None
     if mode == "auto":  # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
-        found = [p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]]
-        if not found:
+        path = next((p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]), None)
+        if path is None:
             return None
-        path = found[0]
     else:
         path = Path(mode)
         if not (path / META_FILE).is_file():
