@@ -121,6 +121,12 @@ def test_a_full_disk_stops_the_save_in_one_line_leaving_no_partial_and_the_last_
     assert "OSError: [Errno 28] No space left on device" in filled.output, filled.output[-3000:]
     assert f"its partial directory was removed; the last good checkpoint, {good}, is kept" in filled.output
 
+    # An async save's failure surfaces when the run waits for it (here, at the end): the same line and cleanup.
+    background = train(tmp_path, *args, "checkpoint.async_mode=async", check=False,
+                       faults={"COMPOSER3D_TEST_DISK_FULL_AT_STEP": "6"})
+    assert background.returncode == 74, background.output[-3000:]
+    assert "checkpoint step-00000006 could not be written to" in background.output
+
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004"], "no .partial left"
     assert _files(good) == kept, "the last good checkpoint is untouched: nothing pruned to make room"
     resumed = train(tmp_path, *args)
