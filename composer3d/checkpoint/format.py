@@ -129,8 +129,12 @@ def verified_checkpoints(directory: Path) -> Iterator[Path]:
         problem = incomplete(path)
         if problem is None:
             yield path
-        else:
+        elif path not in _reported:  # once, not at every save that prunes around it
+            _reported.add(path)
             log.error("checkpoint %s %s: it is never resumed from nor counted by checkpoint.keep_last", path, problem)
+
+
+_reported: set[Path] = set()  # checkpoints this process has said fail verification
 
 
 def committed_checkpoints(directory: Path) -> list[Path]:
