@@ -1,5 +1,7 @@
 """The errors a run reports to its user, at the bottom of the import graph (every module may raise them)."""
 
+import signal
+
 
 class ConfigError(ValueError):
     """A configuration value that cannot work; the message names the key and what would. Exit code 2.
@@ -19,10 +21,25 @@ class TrainingDiverged(RuntimeError):
 
 
 class StoppedBySignal(Exception):
-    """SIGTERM, SIGUSR1 or SIGUSR2 (a preemption or time-limit notice) stopped the run at a step boundary, after
-    saving that step's checkpoint. Exit code 75 (sysexits' EX_TEMPFAIL: "try again later"): requeue the same command."""
+    """A signal stopped the run at a step boundary, after saving that step's checkpoint. SIGTERM, SIGUSR1 or SIGUSR2
+    (a preemption or time-limit notice): exit code 75 (sysexits' EX_TEMPFAIL: "try again later"), requeue the same
+    command. SIGINT (Ctrl-C, a user's stop, not the scheduler's): 130, the shell's code for it, which no requeue
+    rule takes for "run again"."""
 
     EXIT_CODE = 75
+    INTERRUPT_EXIT_CODE = 128 + signal.SIGINT
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signum = signum
+
+    @staticmethod
+    def exit_code_for(signum: int) -> int:
+        return StoppedBySignal.INTERRUPT_EXIT_CODE if signum == signal.SIGINT else StoppedBySignal.EXIT_CODE
+
+    @property
+    def exit_code(self) -> int:
+        return self.exit_code_for(self.signum)
 
 
 class Exit(SystemExit):

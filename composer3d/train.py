@@ -41,6 +41,8 @@ from composer3d.training.metrics import MetricsSink, local_bytes
 from composer3d.training.trainer import Trainer, prepare_rank
 
 log = logging.getLogger("composer3d")
+# signals the workers stop for after saving (StopSignals), which the local launcher passes on to them
+STOPPING = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path, plan: dict | None = None) -> None:
@@ -88,7 +90,7 @@ def _train_in_group(cfg: DictConfig, env: distributed.Env, degrees: dict, device
         OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
     log.info("layout %s on %d %s rank(s); run dir %s (%s)", mesh.layout.as_dict(), world_size, device.type, run_dir,
-             console.resume_hint(cfg.run.name, run_dir))
+             _resume_hint(cfg, run_dir))
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     trainer.run_info_extra = {"parallel_auto": plan} if plan else {}
@@ -145,28 +147,28 @@ def _main(cfg: DictConfig) -> None:
         line = f"composer3d: invalid configuration: {error}"
         _tell(env, line, every_rank=error.rank_specific)
         raise Exit(2, line) from None
-    except CheckpointError as error:
+    except CheckpointError as error:  # every rank alike (a save's verdict is rank 0's, a load's fails everywhere)
         line = f"composer3d: {error}"
-        print(line, file=sys.stderr)
-        raise Exit(1, line) from None
+        _tell(env, line)
+        raise Exit(error.EXIT_CODE, line) from None
     except TrainingDiverged as error:  # every rank sees the same values and exits alike
         line = f"composer3d: training stopped: {error}"
         _tell(env, line)
         raise Exit(3, line) from None
-    except StoppedBySignal:  # rank 0 has logged it; all ranks stopped at the same step
+    except StoppedBySignal as stop:  # rank 0 has logged it; all ranks stopped at the same step
         if env is None or env.rank == 0:
-            log.info("%s", console.resume_hint(cfg.run.name, run_dir))
-        sys.exit(StoppedBySignal.EXIT_CODE)
+            log.info("%s", _resume_hint(cfg, run_dir))
+        sys.exit(stop.exit_code)
     except (KeyboardInterrupt, launcher.Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
-        # SIGTERM/SIGUSR1 reached the workers too: they saved at their next step boundary (within the agent's
-        # shutdown grace period), and the job is to be requeued, as when the workers got the signal themselves.
-        stop = signum in (signal.SIGTERM, signal.SIGUSR1)
-        if env is None or env.rank == 0:
-            how = f"stopped by {signal.Signals(signum).name}" if signum != signal.SIGINT else "interrupted (Ctrl-C)"
-            print(f"composer3d: {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
-                  f"{console.resume_hint(cfg.run.name, run_dir)}", file=sys.stderr)
-        sys.exit(StoppedBySignal.EXIT_CODE if stop else 128 + signum)
+        # The launcher passed the signal on to its workers: they saved at their next step boundary (within the
+        # agent's shutdown grace period) and exited as the signal asks (75: requeue; SIGINT 130), as this does.
+        code = StoppedBySignal.exit_code_for(signum) if signum in STOPPING else 128 + signum
+        if env is None or (env.rank == 0 and not ours):  # a worker's launcher tells
+            how = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
+            print(f"composer3d: stopped by {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
+                  f"{_resume_hint(cfg, run_dir)}; exit code {code}", file=sys.stderr)
+        sys.exit(code)
 
 
 def _run_dir(cfg: DictConfig) -> Path:
@@ -194,7 +196,18 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
     overrides.append(f"run.dir={run_dir}")  # one run directory for all workers
     launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.train", overrides,
                                  max_restarts=cfg.launch.max_restarts, log_dir=run_dir / "logs",
-                                 resume_hint=console.resume_hint(cfg.run.name, run_dir))
+                                 resume_hint=_resume_hint(cfg, run_dir))
+
+
+def _resume_hint(cfg: DictConfig, run_dir: Path) -> str:
+    """What resumes this run; for a job of a sweep, the job alone in its own directory."""
+    if os.environ.get(launcher.RESUME_HINT):  # a local launcher's worker: the launcher knows the sweep
+        return os.environ[launcher.RESUME_HINT]
+    sweep = None
+    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        hydra_cfg = HydraConfig.get()
+        sweep = (list(hydra_cfg.overrides.task), os.path.abspath(hydra_cfg.sweep.dir))
+    return console.resume_hint(cfg.run.name, run_dir, sweep)
 
 
 def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:

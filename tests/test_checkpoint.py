@@ -79,11 +79,18 @@ def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
     assert f"{data_file.name} has 100 bytes" in explicit.output, "refused before training, naming the short file"
     assert not (tmp_path / "other" / "metrics.jsonl").exists()
 
-    again = train(tmp_path, *args)  # resume=auto: the newest is corrupt, the one before is used
-    assert "step-00000006 is unreadable" in again.output and "falling back" in again.output
-    assert "resumed from" in again.output and "step-00000003" in again.output
-    assert _steps(again) == [1, 2, 3, 4, 5, 6], "metrics.jsonl rewound to the checkpoint, then continued"
-    assert again.losses == first_losses
+    # resume=auto: the newest fails verification, is never chosen, and never counts as one keep_last keeps. The run
+    # resumes from step 3 and saves step 5: keep_last=1 keeps it, not the corrupt (newer by step) step 6.
+    again = train(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
+    assert f"checkpoint {newest} is incomplete: {data_file.name} has 100 bytes" in again.output
+    assert "never resumed from nor counted by checkpoint.keep_last" in again.output
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in again.output
+    assert _steps(again) == [1, 2, 3, 4, 5], "metrics.jsonl rewound to the checkpoint, then continued"
+    assert again.losses == first_losses[:5]
+    assert [p.name for p in committed_checkpoints(tmp_path / "checkpoints")] == ["step-00000006", "step-00000005"]
+    finished = train(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")  # the same command again
+    assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000005'} at step 5" in finished.output
+    assert "already finished" in finished.output
 
 
 def test_keep_last_prunes_and_model_only_final(tmp_path):

@@ -64,6 +64,25 @@ def test_bad_config_fails_in_parent_naming_key(tmp_path, nproc, overrides, expec
     assert run.seconds < HANG_GUARD_S
 
 
+def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(tmp_path):
+    """checkpoint.resume=none where an earlier run lives would overwrite its metrics and config, and keep_last would
+    prune the new run's checkpoints for the old run's (newer by step): refused, naming the way out."""
+    run_dir = tmp_path / "run"
+    old_checkpoint = run_dir / "checkpoints" / "step-00000040"
+    old_checkpoint.mkdir(parents=True)
+    (old_checkpoint / "composer3d.json").write_text("{}")
+    (run_dir / "metrics.jsonl").write_text("".join(f'{{"step": {s}, "loss": 5.0}}\n' for s in range(1, 41)))
+    (run_dir / "config.yaml").write_text("the earlier run's config\n")
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
+    run = train(run_dir, "model=tiny", "launch.device=cpu", "train.steps=1", "checkpoint.resume=none", check=False,
+                timeout=HANG_GUARD_S)
+    assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output[-3000:]
+    assert f"{PREFIX}checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier run " \
+        f"(metrics.jsonl with 40 records, checkpoints step-00000040 in {run_dir / 'checkpoints'})" in run.output
+    assert "Give this run a new run.name (or run.dir), or resume that run with checkpoint.resume=auto" in run.output
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()} == before
+
+
 # Errors Hydra/OmegaConf raise while composing, before composer3d's code runs.
 HYDRA_CASES = [
     ("missing_model_group", ["model=nonexistent"], ["model/nonexistent", "tiny"]),  # lists the available options

@@ -87,3 +87,48 @@ def test_a_checkpoint_past_train_steps_is_refused(tmp_path):
     run = train(tmp_path / "short", *FAST, "train.steps=2",
                 f"checkpoint.resume={base.run_dir / 'checkpoints' / 'step-00000004'}", check=False)
     assert run.returncode == 2 and "train.steps: the checkpoint" in run.output and "past train.steps=2" in run.output
+
+
+def _files(directory) -> dict[str, tuple[int, int]]:
+    """Every file under ``directory`` with its inode and modification time: any rewrite changes one."""
+    return {str(p.relative_to(directory)): (p.stat().st_ino, p.stat().st_mtime_ns)
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_full_disk_stops_the_save_in_one_line_leaving_no_partial_and_the_last_checkpoint_resumable(tmp_path):
+    args = [*FAST, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1"]
+    train(tmp_path, *args, "train.steps=4")
+    good = tmp_path / "checkpoints" / "step-00000004"
+    kept = _files(good)
+    size = sum(p.stat().st_size for p in good.rglob("*") if p.is_file())
+    two_ranks = ["parallel.dp_shard=2", "launch.timeout_minutes=2"]  # rank 0's verdict reaches rank 1
+
+    # Too little free space for step 6: refused before writing a byte, on both ranks alike, in one line.
+    full = train(tmp_path, *args, *two_ranks, nproc=2, check=False, faults={"COMPOSER3D_TEST_DISK_FREE_BYTES": "1000"})
+    assert full.returncode == 74, full.output[-3000:]
+    line = (f"composer3d: checkpoint.dir: no room for checkpoint step-00000006 in {tmp_path / 'checkpoints'}: it "
+            f"needs about {size / 2**20:.2f} MiB ({size:,} bytes) (the size of step-00000004), and 0.00 MiB (1,000 "
+            "bytes) are free. Free space there, keep fewer checkpoints (checkpoint.keep_last=1 now; older ones are "
+            "pruned only after a save), or set checkpoint.dir to a disk with room; the last good checkpoint, "
+            f"{good}, is kept")
+    assert full.output.count(line) == 1, full.output[-3000:]
+    assert "Traceback" not in full.output and "restarting" not in full.output
+
+    # The disk fills up while writing: DCP fails on every rank; the partial directory is removed.
+    filled = train(tmp_path, *args, *two_ranks, nproc=2, check=False, faults={"COMPOSER3D_TEST_DISK_FULL_AT_STEP": "6"})
+    assert filled.returncode == 74, filled.output[-3000:]
+    assert filled.output.count("composer3d: checkpoint.dir: checkpoint step-00000006 could not be written to") == 1
+    assert "OSError: [Errno 28] No space left on device" in filled.output, filled.output[-3000:]
+    assert f"its partial directory was removed; the last good checkpoint, {good}, is kept" in filled.output
+
+    # An async save's failure surfaces when the run waits for it (here, at the end): the same line and cleanup.
+    background = train(tmp_path, *args, "checkpoint.async_mode=async", check=False,
+                       faults={"COMPOSER3D_TEST_DISK_FULL_AT_STEP": "6"})
+    assert background.returncode == 74, background.output[-3000:]
+    assert "checkpoint step-00000006 could not be written to" in background.output
+
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004"], "no .partial left"
+    assert _files(good) == kept, "the last good checkpoint is untouched: nothing pruned to make room"
+    resumed = train(tmp_path, *args)
+    assert f"resumed from {good} at step 4" in resumed.output
+    assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import FAST, spawn, train, train_in_background
+from harness import FAST, spawn, start, train, train_in_background
 from omegaconf import OmegaConf
 
 from composer3d.checkpoint import META_FILE, committed_checkpoints
@@ -200,3 +200,19 @@ def test_sigusr1_to_the_launcher_reaches_the_workers_which_save_and_exit_75(tmp_
     assert "stopped by SIGUSR1; the last checkpoint is" in output, output
     assert f"to resume it, run the same command with run.dir={run_dir}" in output, output
     assert "Traceback" not in output, output[-3000:]
+
+
+def test_ctrl_c_in_one_process_saves_like_sigterm_and_says_sigint_and_exit_130(tmp_path):
+    """Ctrl-C (SIGINT to the foreground process group) in a run of one process: the step it stops at is saved, as
+    for SIGTERM, and the run says which signal came and exits 130, the code it names."""
+    run_dir = tmp_path / "run"
+    proc = start(run_dir, *FAST, "train.steps=100000", faults={SLOW_RANK: "0:1:0.2"})  # no checkpoint.interval
+    _wait_for_steps(run_dir / "metrics.jsonl", 3, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+    output = stdout + stderr
+    assert proc.returncode == 130, output[-3000:]
+    stopped = _strict_records(run_dir / "metrics.jsonl")[-1]["step"]
+    assert [p.name for p in committed_checkpoints(run_dir / "checkpoints")] == [f"step-{stopped:08d}"], output[-3000:]
+    assert f"received SIGINT (Ctrl-C): checkpoint step-{stopped:08d} saved; exiting with code 130" in output
+    assert "SIGTERM" not in output and "exit code 75" not in output and "Traceback" not in output, output[-3000:]

@@ -6,6 +6,7 @@ second job on a busy run.dir is refused before any worker starts."""
 import fcntl
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -129,9 +130,17 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     _, stderr = first.communicate(timeout=120)
     assert first.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    # The workers got the SIGINT too, and saved the step they stopped at, as for SIGTERM; every line names SIGINT
+    # and the code the command exits with.
+    stopped = RunResult(0, "", 0.0, tmp_path).metrics[-1]["step"]
     newest = committed_checkpoints(tmp_path / "checkpoints")[0]
-    assert stderr.strip().splitlines() == [f"composer3d: interrupted (Ctrl-C); the last checkpoint is {newest}; "
-                                           f"to resume it, run the same command with run.dir={tmp_path}"], stderr[-3000:]
+    assert newest.name == f"step-{stopped:08d}", "the step the workers stopped at is saved"
+    assert stderr.strip().splitlines() == [f"composer3d: stopped by SIGINT (Ctrl-C); the last checkpoint is {newest}; "
+                                           f"to resume it, run the same command with run.dir={tmp_path}; "
+                                           "exit code 130"], stderr[-3000:]
+    assert f"received SIGINT (Ctrl-C): checkpoint {newest.name} saved; exiting with code 130" in \
+        (tmp_path / "logs" / "rank0.log").read_text()
+    assert "SIGTERM" not in (tmp_path / "logs" / "rank0.log").read_text()
     assert _all_gone(workers, 5)
     steps = [m["step"] for m in RunResult(0, "", 0.0, tmp_path).metrics]
     assert steps == list(range(1, len(steps) + 1)), "one job's steps, each once"
@@ -147,3 +156,29 @@ def test_workers_die_with_a_sigkilled_launcher_and_its_lock_goes_with_it(tmp_pat
     assert _all_gone(workers, 5), "orphaned workers still training into run.dir"
     with open(tmp_path / LOCK_FILE) as lock:  # the kernel dropped the dead launcher's flock
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+ORPHAN = """
+import os, sys, time
+from composer3d.launch.launcher import watch_parent
+watch_parent(os.getppid())
+open(sys.argv[1], "w").close()
+time.sleep(600)
+"""
+
+
+def test_where_no_parent_death_signal_exists_a_watchdog_ends_the_orphan(tmp_path):
+    """The watchdog a worker runs off Linux (no PR_SET_PDEATHSIG), exercised here: its parent SIGKILLed, the
+    worker is gone within 5 s."""
+    ready = tmp_path / "ready"
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run(sys.argv[1:])",
+                               sys.executable, "-c", ORPHAN, str(ready)])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert parent.poll() is None and time.monotonic() < deadline, "the worker never started its watchdog"
+        time.sleep(0.1)
+    (worker,) = _children(parent.pid)
+    assert _alive(worker)
+    parent.kill()
+    parent.wait()
+    assert _all_gone([worker], 5), "an orphan outlived its parent by 5 s"

@@ -16,6 +16,7 @@ from composer3d.checkpoint.format import (
     FORMAT_VERSION,
     META_FILE,
     CheckpointError,
+    CheckpointNotSaved,
     SafeFileSystemReader,
     check_complete,
     check_same_model,
@@ -25,10 +26,11 @@ from composer3d.checkpoint.format import (
     load_model_weights,
     read_meta,
     resumes_from_a_checkpoint,
+    verified_checkpoints,
 )
 
 __all__ = [
-    "FORMAT_VERSION", "META_FILE", "CheckpointError", "Checkpointer", "SafeFileSystemReader", "check_complete",
-    "check_same_model", "check_steps_left", "checkpoint_dir", "committed_checkpoints", "load_model_weights",
-    "read_meta", "resumes_from_a_checkpoint",
+    "FORMAT_VERSION", "META_FILE", "CheckpointError", "CheckpointNotSaved", "Checkpointer", "SafeFileSystemReader",
+    "check_complete", "check_same_model", "check_steps_left", "checkpoint_dir", "committed_checkpoints",
+    "load_model_weights", "read_meta", "resumes_from_a_checkpoint", "verified_checkpoints",
 ]

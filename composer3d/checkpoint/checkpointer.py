@@ -14,15 +14,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from composer3d.checkpoint import space
 from composer3d.checkpoint.format import (
     FORMAT_VERSION,
     LOAD_FAILURES,
     META_FILE,
     STEP_DIR,
     CheckpointError,
+    CheckpointNotSaved,
     SafeFileSystemReader,
     check_same_model,
     check_steps_left,
@@ -31,12 +34,17 @@ from composer3d.checkpoint.format import (
     failure_reason,
     load_model_weights,
     read_meta,
+    verified_checkpoints,
 )
 from composer3d.checkpoint.rng import rng_state, set_rng_state
 from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
 
 log = logging.getLogger("composer3d")
+# A save that failed writing: DCP gathers every rank's write failure (the disk full: ENOSPC, or torch's "unexpected
+# pos" from its zip writer) into one CheckpointException raised on every rank alike; our own files fail with OSError.
+# (A peer that died mid-save surfaces as the process group's RuntimeError instead: a crash, handled as one.)
+WRITE_FAILURES = (CheckpointException, OSError)
 
 
 class Checkpointer:
@@ -49,6 +57,8 @@ class Checkpointer:
         self.config_dict = config_dict
         self.rank = dist.get_rank()
         self.pending: tuple | None = None  # (future, partial dir, final dir) of an async save in flight
+        self.unreadable: set[Path] = set()  # checkpoints whose load failed here: never kept, never chosen
+        self._expected_bytes: dict[bool, int] = {}  # a save's state bytes, full (False) and model-only (True)
         self.async_group = None
         if ckpt_cfg.async_mode != "none":
             # Background writes run collectives; on their own gloo group they never interleave with training's.
@@ -90,29 +100,75 @@ class Checkpointer:
         final = self.dir / f"step-{step:08d}"
         partial = final.with_name(final.name + ".partial")
         model_only = self.cfg.model_only_final and step == self.trainer.total_steps
-        if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            (partial / "rng").mkdir(parents=True)
-        dist.barrier()
-        if not model_only:
-            (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
         state = self._state_dict(model_only)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = DTYPES[self.cfg.export_dtype]
             state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
         if self.rank == 0:
-            (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
-        writer = self._storage_writer(partial, step)
+            self.dir.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+        self._check_room(final, state, model_only)
+        if self.rank == 0:
+            (partial / "rng").mkdir(parents=True)
+        dist.barrier()
+        try:
+            if not model_only:
+                (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
+            if self.rank == 0:
+                (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
+            writer = self._storage_writer(partial, step)
+            if self.async_group is None:
+                dcp.save(state, storage_writer=writer)
+            else:
+                response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
+                                          async_stager=self.stager)
+        except WRITE_FAILURES as error:
+            self._discard(partial, final, error)
         if self.async_group is None:
-            dcp.save(state, storage_writer=writer)
             self._commit(partial, final)
         else:
-            response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
-                                      async_stager=self.stager)
             if not _can_stage_again(self.stager):
                 self.stager = self._new_stager()
             future = getattr(response, "upload_completion", response)
             self.pending = (future, partial, final)
+
+    def _check_room(self, final: Path, state: dict, model_only: bool) -> None:
+        """Refuse the save (on every rank alike: rank 0 decides) when checkpoint.dir lacks the room it needs. Nothing
+        is pruned to make room: pruning follows a committed save, so the last good checkpoint stays until then."""
+        estimate = self._expected_bytes.get(model_only)
+        if estimate is None:  # the state's shapes do not change between saves: gathered once per kind
+            estimate = self._expected_bytes[model_only] = space.state_bytes(state)
+        verdict = [None]
+        if self.rank == 0:
+            last = next((p for p in verified_checkpoints(self.dir) if read_meta(p)["model_only"] == model_only), None)
+            needed = max(estimate, space.bytes_on_disk(last) if last else 0)
+            free = space.free_bytes(self.dir)
+            if free < needed:
+                basis = f"the size of {last.name}" if last else "the model and optimizer state"
+                verdict[0] = (f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs about "
+                              f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. Free space "
+                              "there, keep fewer checkpoints (checkpoint.keep_last="
+                              f"{self.cfg.keep_last} now; older ones are pruned only after a save), or set "
+                              "checkpoint.dir to a disk with room"
+                              f"{self._last_good()}")
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            raise CheckpointNotSaved(verdict[0])
+
+    def _discard(self, partial: Path, final: Path, error: BaseException) -> None:
+        """A save that failed anyway (the disk filled up while writing): its partial directory is removed, so no
+        half checkpoint is left taking space, and the run stops with one line."""
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise CheckpointNotSaved(f"checkpoint.dir: checkpoint {final.name} could not be written to {self.dir} "
+                                 f"({failure_reason(error)}); its partial directory was removed{self._last_good()}. "
+                                 "Free space there, lower checkpoint.keep_last, or set checkpoint.dir to a disk with "
+                                 "room") from None
+
+    def _last_good(self) -> str:
+        good = next((p for p in verified_checkpoints(self.dir) if p not in self.unreadable), None)
+        return f"; the last good checkpoint, {good}, is kept" if good else ""
 
     def _storage_writer(self, path: Path, step: int) -> FileSystemWriter:
         """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save: tests/fault_injection)."""
@@ -127,7 +183,10 @@ class Checkpointer:
         if self.pending is not None:
             future, partial, final = self.pending
             self.pending = None
-            future.result()  # re-raises a failed write
+            try:
+                future.result()  # re-raises a failed write
+            except WRITE_FAILURES as error:
+                self._discard(partial, final, error)
             self._commit(partial, final)
 
     def _commit(self, partial: Path, final: Path) -> None:
@@ -137,14 +196,21 @@ class Checkpointer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         log.info("checkpoint saved: %s", final)
-        self._prune(keep_newer_than=int(STEP_DIR.match(final.name).group(1)))
+        self._prune(keep_newer_than=_step(final))
 
     def _prune(self, keep_newer_than: int) -> None:
         for stale in self.dir.glob("step-*.partial"):
             if int(stale.name[5:13]) < keep_newer_than:  # leftovers of crashed saves
                 shutil.rmtree(stale, ignore_errors=True)
-        if self.cfg.keep_last > 0:
-            for old in committed_checkpoints(self.dir)[self.cfg.keep_last:]:
+        if self.cfg.keep_last <= 0:
+            return
+        # Only checkpoints that pass verification count as kept: a corrupt one newer than the good ones must not
+        # take the place of the newest good one. A corrupt one older than the last one kept goes like any old one.
+        good = [p for p in verified_checkpoints(self.dir) if p not in self.unreadable]  # keep_last + 1, or few more
+        kept = good[:self.cfg.keep_last]
+        oldest_kept = _step(kept[-1]) if kept else keep_newer_than
+        for old in committed_checkpoints(self.dir):
+            if old not in kept and (old in good or _step(old) < oldest_kept):
                 shutil.rmtree(old, ignore_errors=True)
 
     # -- resuming
@@ -158,17 +224,18 @@ class Checkpointer:
             committed = committed_checkpoints(self.dir)
             if committed and read_meta(committed[0])["model_only"]:
                 return self._finished(committed[0])
-            candidates = [p for p in committed if not read_meta(p)["model_only"]]
-            for path in candidates:
+            for path in (p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]):
                 try:
                     return self._load(path)
                 except ConfigError:
                     raise
                 except LOAD_FAILURES as error:
-                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path, failure_reason(error))
-            if candidates:
-                raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in candidates]}); "
-                                      "fix or remove them, or start afresh with checkpoint.resume=none")
+                    self.unreadable.add(path)
+                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path,
+                              failure_reason(error))
+            if any(not read_meta(p)["model_only"] for p in committed):
+                raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in committed]}); "
+                                      "fix or remove them, or start afresh in a new run.dir with checkpoint.resume=none")
             return 0
         path = Path(mode)
         if not (path / META_FILE).exists():
@@ -225,6 +292,10 @@ class Checkpointer:
             set_rng_state(json.loads(rng_file.read_text()), t.device)
         log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
         return meta["step"]
+
+
+def _step(path: Path) -> int:
+    return int(STEP_DIR.match(path.name).group(1))
 
 
 def _jsonable(value: Any) -> Any:

@@ -9,7 +9,7 @@ import logging
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -24,7 +24,16 @@ from composer3d.models import build_model
 log = logging.getLogger("composer3d")
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used; the message says which and why."""
+    """A checkpoint that cannot be used; the message says which and why. Exit code 1."""
+
+    EXIT_CODE = 1
+
+
+class CheckpointNotSaved(CheckpointError):
+    """A save found no room for the checkpoint, or failed writing it (its partial directory removed; the last good
+    checkpoint kept). Exit code 74 (sysexits' EX_IOERR), not retried by a restart: it would fail the same way."""
+
+    EXIT_CODE = 74
 
 
 # DCP gathers every rank's failure into one CheckpointException, raised on all ranks alike (a BaseException).
@@ -88,11 +97,19 @@ def read_meta(path: Path) -> dict:
 def check_complete(path: Path) -> None:
     """Refuse (ConfigError) a checkpoint whose DCP index or data files are missing or shorter than the index says:
     a copy cut short, or a disk that filled up. Reads only the index and file sizes."""
+    problem = incomplete(path)
+    if problem is not None:
+        raise ConfigError(f"checkpoint.resume: {path} {problem}. Give another step-N directory, or start afresh in a "
+                          "new run.dir with checkpoint.resume=none")
+
+
+def incomplete(path: Path) -> str | None:
+    """What makes a checkpoint fail verification (its index unreadable, a data file missing or shorter than the
+    index says), or None where it is whole. Reads only the index and file sizes."""
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
     except Exception as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
-        raise ConfigError(f"checkpoint.resume: {path} has no readable DCP index (.metadata: {failure_reason(error)}). Give "
-                          "another step-N directory, or start afresh with checkpoint.resume=none") from None
+        return f"has no readable DCP index (.metadata: {failure_reason(error)})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
@@ -100,8 +117,24 @@ def check_complete(path: Path) -> None:
         have = (path / name).stat().st_size if (path / name).is_file() else None
         if have is None or have < size:
             state = "is missing" if have is None else f"has {have} bytes"
-            raise ConfigError(f"checkpoint.resume: {path} is incomplete: {name} {state}, its index needs {size}. "
-                              "Give another step-N directory, or start afresh with checkpoint.resume=none")
+            return f"is incomplete: {name} {state}, its index needs {size}"
+    return None
+
+
+def verified_checkpoints(directory: Path) -> Iterator[Path]:
+    """The committed checkpoints in ``directory`` that pass verification (``incomplete``), newest first, verified
+    as they are asked for; each that fails is logged. What resume=auto may choose, and what checkpoint.keep_last
+    counts."""
+    for path in committed_checkpoints(directory):
+        problem = incomplete(path)
+        if problem is None:
+            yield path
+        elif path not in _reported:  # once, not at every save that prunes around it
+            _reported.add(path)
+            log.error("checkpoint %s %s: it is never resumed from nor counted by checkpoint.keep_last", path, problem)
+
+
+_reported: set[Path] = set()  # checkpoints this process has said fail verification
 
 
 def committed_checkpoints(directory: Path) -> list[Path]:

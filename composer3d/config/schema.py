@@ -261,9 +261,11 @@ class CheckpointConfig:
     enabled: bool = True  # save distributed checkpoints (DCP) and resume from them
     dir: str | None = None  # None: <run.dir>/checkpoints
     interval: int = 0  # save every N steps (0: only at the end of training)
-    keep_last: int = 3  # committed checkpoints kept (0: all)
+    keep_last: int = 3  # committed checkpoints kept, after each save (0: all); one that fails verification never counts
     async_mode: str = "none"  # none | async (write in a background thread) | async_pinned (stage to pinned memory)
-    resume: str = "auto"  # auto (newest complete checkpoint in dir, if any) | none | <path to a step-N directory>
+    # auto (newest checkpoint in dir that passes verification, if any) | none (a fresh start; refused in a run.dir
+    # that holds an earlier run: use a new run.name) | <path to a step-N directory>
+    resume: str = "auto"
     model_only_final: bool = False  # the last checkpoint holds only the weights, in export_dtype
     export_dtype: str = "bfloat16"  # dtype of exported Hugging Face weights (composer3d-convert export)
 

@@ -69,7 +69,7 @@ class GlobalBatchLoader:
                               f"sequences with seed {state['seed']}, but this run has {len(self.sequences)} with seed "
                               f"{self.seed}: the corpus (data.*), train.seq_len or train.seed changed since it was "
                               "saved. Resume with the settings it was saved with (its composer3d.json has them), or "
-                              "start afresh with checkpoint.resume=none")
+                              "start afresh in a new run.dir with checkpoint.resume=none")
         self.consumed = state["consumed_sequences"]
 
 

@@ -4,7 +4,8 @@ agent torchrun runs), and owes its user what torchrun's users get from torchrun 
 - restarts (``launch.max_restarts``): elastic's own restart loop stops the whole group and starts it again, and the
   workers resume from the last checkpoint; a bad config (exit 2) or divergence (exit 3) is not retried;
 - one line naming the rank that failed first, measured to the millisecond, after that rank's own message;
-- Ctrl-C: the workers stop quietly, the CLI prints one line and exits 130;
+- Ctrl-C: passed on to the workers, which save at the next step boundary as for SIGTERM; the CLI prints one line and
+  exits 130;
 - workers that die with their launcher, even when it is SIGKILLed (Linux);
 - one job per run directory (a lock the kernel releases when its holder dies).
 """
@@ -37,11 +38,15 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rendezvous_registry
 from torch.distributed.launcher.api import LaunchConfig
 
+from composer3d.checkpoint import CheckpointNotSaved
 from composer3d.errors import ConfigError, Exit, StoppedBySignal
 
 LAUNCHER_PID = "COMPOSER3D_LAUNCHER_PID"  # in the environment of the workers this launcher starts
+RESUME_HINT = "COMPOSER3D_RESUME_HINT"  # the launcher's resume hint, which its workers repeat (they run no sweep)
 # exit codes a restart would only repeat (or, for a stop signal, must not undo: the scheduler is ending the job)
-NOT_RETRIED = {2: "a bad config", 3: "divergence", StoppedBySignal.EXIT_CODE: "a stop signal"}
+STOPPED = {StoppedBySignal.EXIT_CODE: "a stop signal", StoppedBySignal.INTERRUPT_EXIT_CODE: "Ctrl-C (SIGINT)"}
+NOT_RETRIED = {2: "a bad config", 3: "divergence", CheckpointNotSaved.EXIT_CODE: "a checkpoint with no room",
+               **STOPPED}
 # The agent forwards these to the workers; SIGUSR1 (SLURM's --signal time-limit notice) is not among its defaults,
 # and unhandled it would kill the launcher and orphan workers that then save and stop unseen.
 FORWARDED_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
@@ -53,6 +58,7 @@ FAILED_GROUP_GRACE_S = 5
 _SHUTDOWN_TAKES_GRACE = "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters
 _REPORTED = "composer3d"  # marks an error file written by report_to_launcher
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+ORPHAN_POLL_S = 0.5  # how often a worker without the parent-death signal checks that its launcher lives
 _held: list[IO] = []  # run-directory locks of this process
 
 log = logging.getLogger("composer3d.launcher")
@@ -101,19 +107,20 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     agent = _agent(config, ("-m", module, *args))
     # The workers inherit the launcher's environment; set for them only (a sweep's next job runs in this process).
     os.environ[LAUNCHER_PID] = str(os.getpid())
+    os.environ[RESUME_HINT] = resume_hint or ""
     try:
         result = agent.run()
     except SignalException as error:
         raise Interrupted(error.sigval) from None
     finally:
         agent.get_worker_group().spec.rdzv_handler.shutdown()
-        del os.environ[LAUNCHER_PID]
+        del os.environ[LAUNCHER_PID], os.environ[RESUME_HINT]
     if result.is_failed():
         rank, failure = agent.first_failure(result)
-        if all(f.exitcode == StoppedBySignal.EXIT_CODE for f in result.failures.values()):
-            log.info("composer3d: the workers stopped for a stop signal after saving%s",
-                     f"; {resume_hint}" if resume_hint else "")
-            sys.exit(StoppedBySignal.EXIT_CODE)
+        if all(f.exitcode in STOPPED for f in result.failures.values()):
+            log.info("composer3d: the workers stopped for %s after saving%s; exit code %d", STOPPED[failure.exitcode],
+                     f"; {resume_hint}" if resume_hint else "", failure.exitcode)
+            sys.exit(failure.exitcode)
         code = failure.exitcode if 0 < failure.exitcode < 128 else 1
         reported = failure.error_file_data.get(_REPORTED)
         if reported:
@@ -136,7 +143,7 @@ def exits_as_a_command(command: str, env):
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
-        if env is None or env.rank == 0:
+        if env is None or (env.rank == 0 and not started_by_local_launcher()):  # a worker's launcher tells
             print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         sys.exit(128 + signum)
 
@@ -156,7 +163,7 @@ def _agent(config: LaunchConfig, args: tuple) -> _Agent:
 
 class _Agent(LocalElasticAgent):
     """torch's local agent and its restart loop, plus: exit times per worker, no restart for a failure that would
-    only repeat, a line per restart, and SIGTERM instead of SIGINT to stop the workers."""
+    only repeat, a line per restart, and a short grace for the survivors of a failed worker."""
 
     exits: _ExitClock | None = None
     _peer_failed = False  # a worker failed: the group is stopped next
@@ -170,7 +177,7 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             rank, failure = self.first_failure(result)
-            self._peer_failed = failure.exitcode != StoppedBySignal.EXIT_CODE  # stopped workers are saving
+            self._peer_failed = failure.exitcode not in STOPPED  # stopped workers are saving
             if failure.exitcode in NOT_RETRIED:
                 self._remaining_restarts = 0  # as elastic itself does for a worker it cannot recover
             elif self._remaining_restarts > 0:
@@ -181,14 +188,14 @@ class _Agent(LocalElasticAgent):
         return result
 
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-        # Ctrl-C reaches only the launcher (workers run in their own sessions), and elastic passes the SIGINT on:
-        # every worker would print a KeyboardInterrupt traceback. SIGTERM ends them without a word.
+        # The signal the launcher got goes on to the workers (Ctrl-C reaches only the launcher: workers run in their
+        # own sessions). They stop for SIGTERM, SIGUSR1 and SIGINT at the next step boundary, after saving.
         if self._peer_failed:
             # The survivors of a failed rank cannot save (a checkpoint needs every rank) and wait in a collective
             # that never completes, where SIGTERM only marks a stop: the full grace would be spent for nothing.
             timeout = min(timeout, FAILED_GROUP_GRACE_S)
             self._peer_failed = False
-        death_sig = signal.SIGTERM if death_sig == signal.SIGINT else death_sig
+            death_sig = signal.SIGTERM
         if _SHUTDOWN_TAKES_GRACE:
             super()._shutdown(death_sig, timeout)
         else:
@@ -261,16 +268,30 @@ def _log_to_console_and(log_dir: Path | None) -> None:
 
 
 def die_with_launcher() -> None:
-    """In a worker of this launcher: have the kernel SIGKILL it when the launcher dies, even by SIGKILL, so no
-    orphan keeps training into run.dir. The death signal follows the thread that forked the worker: the
-    launcher's main thread, which runs the agent and lives as long as the launcher."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() != int(os.environ[LAUNCHER_PID]):  # the launcher died before the line above
+    """In a worker of this launcher: end it when the launcher dies, even by SIGKILL, so no orphan keeps training
+    into run.dir. On Linux the kernel SIGKILLs it (the parent-death signal; it follows the thread that forked the
+    worker: the launcher's main thread, which runs the agent and lives as long as the launcher); elsewhere a
+    watchdog thread does, within ORPHAN_POLL_S."""
+    launcher_pid = int(os.environ[LAUNCHER_PID])
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:
+        watch_parent(launcher_pid)
+    if os.getppid() != launcher_pid:  # the launcher died before the lines above
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def watch_parent(parent_pid: int) -> None:
+    """SIGKILL this process once its parent is no longer ``parent_pid`` (it died: the orphan was re-parented), from
+    a daemon thread that polls: the parent-death signal where the kernel has none."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(ORPHAN_POLL_S)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="composer3d-parent-watchdog", daemon=True).start()
 
 
 def lock_run_dir(run_dir: Path) -> None:

@@ -20,6 +20,7 @@ from composer3d.checkpoint import (
     checkpoint_dir,
     committed_checkpoints,
     read_meta,
+    verified_checkpoints,
 )
 from composer3d.config import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
@@ -42,6 +43,7 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
+    check_fresh_start(cfg, Path(cfg.run.dir), directory)
     weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
@@ -63,6 +65,25 @@ def check_writable(key: str, directory: Path) -> None:
                           "this user can create and write") from None
 
 
+def check_fresh_start(cfg, run_dir: Path, directory: Path) -> None:
+    """checkpoint.resume=none in a run.dir that holds an earlier run is refused: the fresh start would overwrite that
+    run's metrics.jsonl and config.yaml, and keep_last would prune the new run's checkpoints for the old run's
+    (newer by step). The way out is a run directory of its own."""
+    if cfg.checkpoint.resume != "none":
+        return
+    metrics = run_dir / "metrics.jsonl"
+    records = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    saved = [p.name for p in committed_checkpoints(directory)] + [p.name for p in directory.glob("step-*.partial")]
+    if not records and not saved:
+        return
+    held = ", ".join(filter(None, [f"metrics.jsonl with {records} records" if records else "",
+                                   f"checkpoints {', '.join(sorted(saved))} in {directory}" if saved else ""]))
+    raise ConfigError(f"checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier run ({held}); "
+                      "starting over there would overwrite its metrics and config, and checkpoint.keep_last would "
+                      "prune this run's checkpoints for that run's. Give this run a new run.name (or run.dir), or "
+                      "resume that run with checkpoint.resume=auto")
+
+
 def check_resumable(cfg, directory: Path) -> Path | None:
     """The checkpoint a resume would load fits this run: complete (an explicit one), the same model shapes, and
     steps left to train. (Its data position is checked against the corpus when a worker loads it.) Returns that
@@ -70,11 +91,10 @@ def check_resumable(cfg, directory: Path) -> Path | None:
     mode = cfg.checkpoint.resume
     if mode == "none":
         return None
-    if mode == "auto":  # the newest training checkpoint; an unreadable one is skipped at load time, as before
-        found = [p for p in committed_checkpoints(directory) if not read_meta(p)["model_only"]]
-        if not found:
+    if mode == "auto":  # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
+        path = next((p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]), None)
+        if path is None:
             return None
-        path = found[0]
     else:
         path = Path(mode)
         if not (path / META_FILE).is_file():
@@ -85,7 +105,7 @@ def check_resumable(cfg, directory: Path) -> Path | None:
         meta = read_meta(path)
     except ValueError as error:  # a foreign format version, or JSON that does not parse
         raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
-                          "directory, or start afresh with checkpoint.resume=none") from None
+                          "directory, or start afresh in a new run.dir with checkpoint.resume=none") from None
     try:
         check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True))
     except ConfigError:

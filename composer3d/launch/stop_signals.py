@@ -12,8 +12,9 @@ import torch.distributed as dist
 class StopSignals:
     """SIGTERM and SIGUSR1 — how SLURM announces a preemption or the time limit (to every task; the local launcher
     and torchrun forward SIGTERM to their workers) — and SIGUSR2, which submitit has SLURM send 90 s before the
-    time limit (hydra/launcher=slurm), stop the run at a step boundary. The handler only records the
-    signal; ``agreed`` is asked at every boundary and answers alike on every rank.
+    time limit (hydra/launcher=slurm), stop the run at a step boundary; so does SIGINT (Ctrl-C, which the local
+    launcher passes on to its workers), whose second arrival stops at once, without saving. The handler only
+    records the signal; ``agreed`` is asked at every boundary and answers alike on every rank.
 
     Ranks may receive the signal at different steps, so they agree with an all-reduce (MAX) of the signal number,
     on a gloo group of their own and a CPU tensor: no device sync. It is asynchronous — started at one boundary,
@@ -22,15 +23,19 @@ class StopSignals:
     over many nodes a ring all-reduce takes longer, still hidden behind the step.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
     def __init__(self, timeout: timedelta):
         self.received = 0  # the largest signal number seen here (set by the handler)
+        self.interrupted = False  # a SIGINT came
         self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.get_world_size() > 1 else None
         self.pending = None  # (work, buffer) of the all-reduce started at the previous boundary
         self.previous = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
 
     def _record(self, signum: int, frame) -> None:
+        if signum == signal.SIGINT and self.interrupted:  # Ctrl-C twice: the user will not wait for the save
+            raise KeyboardInterrupt
+        self.interrupted |= signum == signal.SIGINT
         self.received = max(self.received, signum)
 
     def agreed(self) -> int:

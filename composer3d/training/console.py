@@ -19,8 +19,15 @@ def human_bytes(n: float) -> str:
     return f"{int(n)} B" if power == 0 else f"{n:.3g} {units[power]}"
 
 
-def resume_hint(run_name: str | None, run_dir) -> str:
-    """How this run resumes: an unnamed run's command makes a new timestamped directory each time it runs."""
+def resume_hint(run_name: str | None, run_dir, sweep: tuple[list[str], str] | None = None) -> str:
+    """How this run resumes: an unnamed run's command makes a new timestamped directory each time it runs.
+    ``sweep``: this job's overrides and the sweep's directory, for a job of a sweep (-m): the sweep's command with
+    the job's run.dir would make that the sweep's directory and nest a new job inside it."""
+    if sweep is not None:
+        overrides, sweep_dir = sweep
+        own = " ".join([o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"])
+        return (f"to resume this job, run the command without -m, with: {own} (the same sweep with "
+                f"run.dir={sweep_dir} resumes every job)")
     if run_name is not None:
         return f"the same command resumes it (run.name={run_name})"
     return f"to resume it, run the same command with run.dir={run_dir}"

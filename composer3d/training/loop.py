@@ -24,9 +24,10 @@ log = logging.getLogger("composer3d")
 
 
 def train_loop(trainer, sink: MetricsSink, checkpointer) -> None:
-    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1 stop it early at a step boundary (``StopSignals``),
-    raising StoppedBySignal once that step's checkpoint is committed. ``checkpointer``: a ``checkpoint.Checkpointer``
-    (which holds the trainer; neither package imports the other), or None: nothing is saved."""
+    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop it early at a step boundary
+    (``StopSignals``), raising StoppedBySignal once that step's checkpoint is committed. ``checkpointer``: a
+    ``checkpoint.Checkpointer`` (which holds the trainer; neither package imports the other), or None: nothing is
+    saved."""
     if trainer.step == trainer.cfg.train.steps:
         log.info("already finished: step %d of train.steps=%d; nothing to train", trainer.step, trainer.step)
     signals = StopSignals(timedelta(minutes=trainer.cfg.launch.timeout_minutes))
@@ -113,6 +114,10 @@ def _stop(trainer, signum: int, checkpointer, signals: StopSignals) -> None:
     else:
         saved = f"step {trainer.step}, nothing saved (checkpoint.enabled=false)"
     signals.finish()
-    message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued"
-    log.info("%s (exit code %d)", message, StoppedBySignal.EXIT_CODE)
-    raise StoppedBySignal(message)
+    code = StoppedBySignal.exit_code_for(signum)
+    if signum == signal.SIGINT:
+        message = f"received SIGINT (Ctrl-C): {saved}; exiting with code {code}"
+    else:
+        message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued (exit code {code})"
+    log.info("%s", message)
+    raise StoppedBySignal(message, signum)

@@ -4,6 +4,11 @@ run whose PYTHONPATH starts with this directory (launcher and workers alike; ``h
 COMPOSER3D_TEST_KILL_DURING_SAVE=STEP:RANK — that rank SIGKILLs itself in the middle of that step's checkpoint
 save (its data files written, the checkpoint's index not yet), as a node failure would.
 
+COMPOSER3D_TEST_DISK_FREE_BYTES=N — the checkpoint directory's file system reports N bytes free (a full disk).
+
+COMPOSER3D_TEST_DISK_FULL_AT_STEP=STEP — every rank's write of that step's checkpoint fails with ENOSPC once its
+data files are written (the disk filled up mid-save; DCP gathers the failures and raises on every rank).
+
 COMPOSER3D_TEST_SLOW_RANK=RANK:STEP:SECONDS — that rank sleeps that long before each step from that step on (a slow
 or stalled rank; or simply slow steps, since the other ranks wait for it in the step's collectives).
 
@@ -48,6 +53,31 @@ if _KILL_DURING_SAVE:
         return _write_normally(self, path, step)
 
     Checkpointer._storage_writer = _storage_writer
+
+if os.environ.get("COMPOSER3D_TEST_DISK_FREE_BYTES"):
+    from composer3d.checkpoint import space
+
+    space.free_bytes = lambda directory: int(os.environ["COMPOSER3D_TEST_DISK_FREE_BYTES"])
+
+if os.environ.get("COMPOSER3D_TEST_DISK_FULL_AT_STEP"):
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from composer3d.checkpoint import Checkpointer
+
+    _full_at = int(os.environ["COMPOSER3D_TEST_DISK_FULL_AT_STEP"])
+    _writer_with_room = Checkpointer._storage_writer
+
+    class _DiskFills(FileSystemWriter):
+        def write_data(self, plan, planner):
+            super().write_data(plan, planner).wait()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def _storage_writer_filling(self, path, step):
+        return _DiskFills(path) if step == _full_at else _writer_with_room(self, path, step)
+
+    Checkpointer._storage_writer = _storage_writer_filling
 
 if _SLOW_RANK:
     import time
