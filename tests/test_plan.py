@@ -359,6 +359,13 @@ def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_ste
     assert cpu.step_time_s > plain.step_time_s
     small, _ = _estimate(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
     assert not small.fits  # 8B's ~120 GiB of model state does not fit a 64 GiB host
+    # offload_dir: the masters and moments in files (the gradient buffer stays in host memory), read and written
+    # back by every host step at the disk's rate; that host fits it
+    files, _ = _estimate(*ONE_H100_8B, "parallel.offload=optimizer", "parallel.offload_dir=/nvme",
+                         "cluster.host_memory_gib=64")
+    assert files.memory.disk == params + state and files.memory.host == grads and files.fits
+    assert files.exposed_comm_s["host"] == pytest.approx(opt.exposed_comm_s["host"] + 2 * files.memory.disk
+                                                         / cluster.disk_bw)
 
 
 def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
@@ -385,6 +392,7 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
     assert out.returncode == 0, out.stderr
     assert "longest sequence on 1 × 1 h100" in out.stdout and "largest model at dim 4096" in out.stdout
     assert f"{sequences[0].amount:,}" in out.stdout.splitlines()[2], out.stdout
+    assert "parallel.offload=cpu" in out.stdout.split("longest sequence takes: ")[1].splitlines()[0]
     for line in out.stdout.splitlines():  # what each answer takes passes training's own checks
         if " takes: " in line:
             trial = copy.deepcopy(cfg)

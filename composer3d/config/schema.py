@@ -221,6 +221,7 @@ class ClusterConfig:
     host_link_gbps: float | None = None
     host_optimizer_gbps: float | None = None
     host_memory_gib: float | None = None
+    disk_gbps: float | None = None  # GB/s per device to and from parallel.offload_dir's files; None: 5
 
 
 @dataclass

@@ -46,6 +46,8 @@ DEVICES: dict[str, Device] = {
 # had to itself (benchmarks/offload_optimizer.py). A node's 8 GPUs share their host: AdamW moves 28 bytes of host
 # memory per parameter, so 8 × 11.7 GB/s would need ~650 GB/s of it, about a 2-socket server's whole bandwidth.
 HOST_OPTIMIZER_BW = 5 * GB
+# parallel.offload_dir: one PCIe Gen4 NVMe drive per GPU reads ~7 GB/s and writes ~5 GB/s sequentially
+DISK_BW = 5 * GB
 CPU_PEAK_FLOPS = 1e11  # nominal: one core's fp32 matmul rate, for ranking only (MFU is not reported on the CPU)
 
 
@@ -63,6 +65,7 @@ class Cluster:
     host_link_bw: float = float("inf")  # bytes/s per GPU between its memory and the host's
     host_optimizer_bw: float = HOST_OPTIMIZER_BW  # fp32 parameter bytes/s the host's AdamW updates per GPU
     host_memory_bytes: float = 0.0  # per node; 0: the host is the device (the CPU), nothing to check apart
+    disk_bw: float = DISK_BW  # bytes/s per GPU to and from parallel.offload_dir's files
 
     @property
     def world_size(self) -> int:
@@ -97,4 +100,5 @@ def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
         achievable_fraction=c.achievable_fraction, compute_bytes=2 if dtype in ("bfloat16", "float16") else 4,
         host_link_bw=(c.host_link_gbps or device.host_link_bw / GB) * GB,
         host_optimizer_bw=(c.host_optimizer_gbps or HOST_OPTIMIZER_BW / GB) * GB,
-        host_memory_bytes=(c.host_memory_gib * GIB if c.host_memory_gib else device.host_memory_bytes))
+        host_memory_bytes=(c.host_memory_gib * GIB if c.host_memory_gib else device.host_memory_bytes),
+        disk_bw=(c.disk_gbps or DISK_BW / GB) * GB)

@@ -8,7 +8,8 @@ exposed. ``cpu`` (FSDP's CPUOffloadPolicy): each all-gather first copies the fp3
 when parameters are resharded after forward: ZeRO-3 without PP) and each reduce-scatter's gradients go back; FSDP
 issues these beside its collectives, so they hide behind compute like its traffic, but the host step does not.
 Activation offload (``memory.activation_offload``) copies what it moves out in the forward and back in the
-backward, on a side stream beside the blocks' compute.
+backward, on a side stream beside the blocks' compute. With ``parallel.offload_dir`` the host step reads and writes
+its masters and moments from files (``cluster.disk_gbps``), a bound the page cache can only shorten.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def host_seconds(shape: ModelShape, c: Candidate, stages: StageSet, optimizer: s
     """(exposed, overlapped with compute) seconds of a step that the memory options add on this pipeline rank."""
     activations = 2 * memory.host_activations * c.microbatches / cluster.host_link_bw
     exposed, overlapped = _offload_seconds(shape, c, stages, optimizer, cluster)
-    return exposed, overlapped + activations
+    files = 2 * memory.disk / cluster.disk_bw  # the host step reads and writes back its files' every byte
+    return exposed + files, overlapped + activations
 
 
 def host_fits(memories: list[Memory], cluster: Cluster, headroom: float) -> bool:

@@ -34,6 +34,7 @@ class Candidate:
     activation_checkpointing: str
     ac_every: int = 0
     offload: str = "none"
+    offload_dir: bool = False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
     activation_offload: bool = False
     reshard_after_forward: str = "default"
     ep: int = 1
@@ -68,6 +69,8 @@ class Candidate:
                 if tiles > 1]
         if self.activation_offload:
             out.append("memory.activation_offload=true")
+        if self.offload != "none":
+            out.append(f"parallel.offload={self.offload}")
         if self.pp > 1:
             out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
                     f"parallel.pp_microbatches={self.microbatches}"]
@@ -107,7 +110,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      else 1,
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-                     offload=p.offload, reshard_after_forward=p.reshard_after_forward,
+                     offload=p.offload, offload_dir=bool(p.offload_dir), reshard_after_forward=p.reshard_after_forward,
                      tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                      activation_offload=cfg.memory.activation_offload)
 
@@ -127,7 +130,7 @@ def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
 
 def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in arithmetic form)."""
-    m, t = cfg.model, cfg.train
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     experts = m.moe.experts if m.name == "llama" else 0
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
@@ -141,13 +144,16 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
             for dp_shard in _divisors(dp):
                 dp_replicate = dp // dp_shard
                 for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard, experts):
+                    if zero == 1 and p.offload != "none":
+                        continue  # refused by checks: offload takes the shards FSDP owns
                     for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
                         if not _tiles_fit(cfg, t.seq_len // (tp if sp else 1), pp):
                             continue
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
                                              local_batch // mbs, "none", ep=ep, tile_mlp=cfg.memory.tile_mlp,
-                                             tile_loss=cfg.memory.tile_loss,
+                                             tile_loss=cfg.memory.tile_loss, offload=p.offload,
+                                             offload_dir=bool(p.offload_dir),
                                              activation_offload=cfg.memory.activation_offload)
                             found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled)
     return found

@@ -45,10 +45,11 @@ class Memory:
     host: float  # offloaded model state (in host memory, not the GPU's)
     grads_at_peak: bool = True
     host_activations: float = 0.0  # activation offload: the saved tensors of the blocks not on the device
+    disk: float = 0.0  # offload=optimizer with offload_dir: the masters and moments in files
 
     @property
     def model_state(self) -> float:
-        return self.parameters + self.gradients + self.optimizer + self.host
+        return self.parameters + self.gradients + self.optimizer + self.host + self.disk
 
     @property
     def total(self) -> float:
@@ -58,7 +59,8 @@ class Memory:
     def as_dict(self) -> dict[str, float]:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "logits": self.logits, "comm_buffers": self.comm_buffers,
-                "total": self.total, "host_offloaded": self.host, "host_activations": self.host_activations}
+                "total": self.total, "host_offloaded": self.host, "host_activations": self.host_activations,
+                "disk": self.disk}
 
 
 def fsdp_shards(c: Candidate) -> bool:
@@ -175,6 +177,9 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
     elif c.offload == "optimizer":  # the host keeps fp32 masters, moments and a gradient buffer (or files do)
         host, opt = params + grads + opt, 0.0
+    disk = 0.0
+    if c.offload == "optimizer" and c.offload_dir:  # masters and moments in files; the gradient buffer stays
+        disk, host = host - grads, grads
     cb = cluster.compute_bytes
     tokens = c.micro_batch_size * seq_len
     dense = layer_activations(shape, c, False, cb)
@@ -221,4 +226,4 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
             buffers += n * 4
         if cb != 4:
             buffers += n * cb  # low-precision copies of whole weights (casts)
-    return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts)
+    return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts, disk)

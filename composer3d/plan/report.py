@@ -28,7 +28,7 @@ def detail(e: Estimate, cluster: Cluster) -> str:
               f"{_gib(cluster.memory_bytes)} per device"),
              "memory per GPU (the pipeline rank with the most):"]
     for part, value in e.memory.as_dict().items():
-        if part != "total" and (value or not part.startswith("host_")):
+        if part != "total" and (value or not (part.startswith("host_") or part == "disk")):
             lines.append(f"  {part:<16}{_gib(value):>14}")
     peak_note = "" if e.memory.grads_at_peak else " (gradients not at the peak: one micro-batch)"
     lines.append(f"  {'total':<16}{_gib(e.memory.total):>14}  {'fits' if e.fits else 'DOES NOT FIT'}{peak_note}")

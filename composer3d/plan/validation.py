@@ -19,7 +19,7 @@ def validate_plan(cfg: Any) -> None:
     for key in ("nodes", "gpus_per_node"):
         _require(getattr(c, key) >= 1, f"cluster.{key}", f"must be >= 1, got {getattr(c, key)}", "Use 1 or more")
     for key in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "host_link_gbps",
-                "host_optimizer_gbps", "host_memory_gib"):
+                "host_optimizer_gbps", "host_memory_gib", "disk_gbps"):
         value = getattr(c, key)
         _require(value is None or value > 0, f"cluster.{key}", f"must be > 0, got {value}",
                  "Use null for the device table's value")
