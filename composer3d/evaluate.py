@@ -9,6 +9,10 @@ schedule's forward-only pass.
 
     composer3d-eval model=hf model.path=/models/qwen eval.path=/data/valid.txt train.seq_len=2048 \
         launch.nproc_per_node=8 parallel.tp=2 [checkpoint.resume=<run>/checkpoints/step-N]
+
+With ``checkpoint.resume``, the model and tokenizer are the checkpoint's (its recorded config names them, as for
+``composer3d-generate``); ``model.*`` or ``data.tokenizer`` overrides go on top of them, and a model that then does
+not match the checkpoint's tensors is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -20,9 +24,10 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
 
-from composer3d.checkpoint import META_FILE, load_model_weights
+from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
@@ -47,6 +52,32 @@ def check_weights_source(cfg: DictConfig) -> None:
         raise ConfigError(f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
                           "composer3d-eval would evaluate a random initialization. Give checkpoint.resume=<run>/"
                           "checkpoints/step-N, or model=hf model.path=<dir> with model.pretrained=true")
+
+
+def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
+    """With checkpoint.resume: the model and tokenizer of the run that saved it, from its recorded config, with the
+    ``model.*`` and ``data.tokenizer`` overrides typed on top (a model group typed, ``model=...``, replaces it whole)."""
+    resume = cfg.checkpoint.resume
+    if resume in ("auto", "none") or not (Path(resume) / META_FILE).is_file():
+        return  # check_weights_source says what is wrong
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in typed_overrides]
+    recorded = read_meta(Path(resume))["config"]
+    if "model" not in keys:
+        typed = {key: OmegaConf.select(cfg, key) for key in keys if key.startswith("model.")}
+        cfg.model = OmegaConf.merge(cfg.model, recorded["model"])
+        for key, value in typed.items():
+            OmegaConf.update(cfg, key, value, merge=False)
+    if not any(key.startswith("data.tokenizer") for key in keys):
+        cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
+
+
+def check_checkpoint_model(cfg: DictConfig) -> None:
+    """A model asked for that is not the checkpoint's: one line naming both shapes (not DCP's size mismatch)."""
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none"):
+        check_same_model(Path(resume), OmegaConf.to_container(cfg.model, resolve=True),
+                         remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own model "
+                                "(see {meta})")
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
@@ -82,10 +113,12 @@ def _main(cfg: DictConfig) -> None:
     if launcher.started_by_local_launcher():
         launcher.die_with_launcher()
     with launcher.exits_as_a_command("composer3d-eval", env):
+        adopt_checkpoint_model(cfg, list(HydraConfig.get().overrides.task))
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
             degrees = validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
+            check_checkpoint_model(cfg)
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
             eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         if env is None and cfg.launch.nproc_per_node > 1:

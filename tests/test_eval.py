@@ -69,15 +69,34 @@ def test_eval_file_too_short_is_a_config_error(tmp_path):
     assert proc.returncode == 2 and "eval.path" in proc.stderr and "fewer than one window" in proc.stderr
 
 
-def test_eval_every_during_training(tmp_path):
+def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
     from harness import FAST, train
 
-    (tmp_path / "valid.txt").write_text("def f(x):\n    return x + 1\n" * 60)
-    run = train(tmp_path / "run", *FAST, "train.steps=4", "train.eval_every=2", f"eval.path={tmp_path / 'valid.txt'}",
-                "parallel.dp_shard=2", nproc=2)
+    valid = tmp_path / "valid.txt"
+    valid.write_text("def f(x):\n    return x + 1\n" * 60)
+    # A model other than model=tiny's default shape: composer3d-eval must take it from the checkpoint.
+    run = train(tmp_path / "run", *FAST, "model.n_layers=1", "train.steps=4", "train.eval_every=2",
+                f"eval.path={valid}", "parallel.dp_shard=2", nproc=2)
     evaluated = {m["step"]: m["eval_loss"] for m in run.metrics if "eval_loss" in m}
     assert sorted(evaluated) == [2, 4]
     assert evaluated[4] < evaluated[2]  # training on Python source helps on Python source
+
+    step = run.run_dir / "checkpoints" / "step-00000004"
+    common = [sys.executable, "-m", "composer3d.evaluate", "launch.device=cpu", "train.seq_len=64",
+              "logging.progress_bar=false", f"eval.path={valid}", f"checkpoint.resume={step}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # No model overrides: the checkpoint's one-layer model, and the loss the run measured at that step.
+    proc = subprocess.run(common, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
+    assert abs(got["loss"] - evaluated[4]) < 1e-5, (got, evaluated[4])
+    # A model the checkpoint is not: one line naming a parameter and both its shapes, before any worker starts.
+    proc = subprocess.run([*common, "model.dim=32", "launch.nproc_per_node=2"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "size mismatch" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    line = next(line for line in proc.stderr.splitlines() if "another shape" in line)
+    assert "layers.0.attention.wk.weight: (32, 64) in the checkpoint, (16, 32) in this config" in line, line
 
 
 def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_path):

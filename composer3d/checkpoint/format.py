@@ -172,8 +172,10 @@ def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
                           "or start afresh with checkpoint.resume=none")
 
 
-def check_same_model(path: Path, current: dict) -> None:
-    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change).
+def check_same_model(path: Path, current: dict,
+                     remedy: str = "Resume with its model config (see {meta})") -> None:
+    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change),
+    naming the first that differs with both shapes; ``remedy`` ends the line (``{meta}``: its recorded config).
 
     What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
     need the directory it was trained from, which may have moved since."""
@@ -183,6 +185,14 @@ def check_same_model(path: Path, current: dict) -> None:
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
     now = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     if before != now:
-        differing = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        # One both hold first: its two shapes say the most.
+        differing = sorted((k for k in set(before) | set(now) if before.get(k) != now.get(k)),
+                           key=lambda k: (k not in before or k not in now, k))
+        first = differing[0]
         raise ConfigError(f"model: the checkpoint {path} holds a model of another shape ({len(differing)} parameters "
-                          f"differ, e.g. {differing[:3]}). Resume with its model config (see {path / META_FILE})")
+                          f"differ, e.g. {first}: {_shape(before.get(first))} in the checkpoint, "
+                          f"{_shape(now.get(first))} in this config). " + remedy.format(meta=path / META_FILE))
+
+
+def _shape(size: tuple | None) -> str:
+    return "absent" if size is None else "(" + ", ".join(map(str, size)) + ")"
