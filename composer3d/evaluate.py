@@ -129,7 +129,11 @@ def _main(cfg: DictConfig) -> None:
 
 # pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
 # `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
-main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+main = hydra_entry_point(
+    _main, "composer3d-eval", "mean next-token loss and perplexity of a model over a text file (eval.path)", [
+    "composer3d-eval checkpoint.resume=<run>/checkpoints/step-N eval.path=valid.txt   (the checkpoint's own model)",
+    "composer3d-eval model=hf model.path=/models/qwen eval.path=valid.txt train.seq_len=2048",
+    ], config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

@@ -194,7 +194,13 @@ def _main(cfg: DictConfig) -> None:
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (see composer3d/train.py).
-main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+main = hydra_entry_point(
+    _main,
+    "composer3d-generate",
+    "continue a prompt (generate.prompt) with a checkpoint's model or a Hugging Face model", [
+    'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def main("',
+    'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is"',
+    ], config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

@@ -3,7 +3,9 @@
 Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and exits 1 — the
 same code as a crash inside the run. A configuration the user typed wrong exits 2 here, like every other
 configuration error, so scripts can tell the two apart: Hydra's exit for its own error (HydraException) before the
-task started is the override's. (A submitit job's task runs elsewhere: its failures are not Hydra's.)
+task started is the override's. (A submitit job's task runs elsewhere: its failures are not Hydra's.) A mistyped
+key is caught before Hydra composes, with the nearest real key: Hydra's own hint would be to add it with ``+``.
+Each command's ``--help`` opens with its own banner and ends with its own examples.
 
 A sweep (``-m``) runs each job through Hydra's launcher (one after another in this process, or as submitit jobs).
 A job that fails does not end the sweep: it is reported when the sweep ends, which exits with the first failed
@@ -13,15 +15,19 @@ job's code. A stop signal or Ctrl-C (exit 75, or 128 + the signal) ends a sweep 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from composer3d.errors import StoppedBySignal
+from composer3d.config.help import set_command
+from composer3d.config.keys import check_override_keys
+from composer3d.errors import ConfigError, StoppedBySignal
 from composer3d.launch.distributed import in_submitit_job
 
 
@@ -36,8 +42,10 @@ class SweepJobFailed(CompactHydraException):
         return f"{self.line or 'composer3d: the job failed'} (exit code {self.code})"
 
 
-def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, config_name: str) -> Callable[[], None]:
-    """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses the overrides."""
+def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: str, examples: list[str],
+                      config_path: str = "pkg://composer3d.conf", config_name: str = "train") -> Callable[[], None]:
+    """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses the overrides;
+    ``command`` (its name), ``about`` (what it does, one line) and ``examples`` (command lines) make its --help."""
     started = False
 
     @functools.wraps(task)
@@ -55,6 +63,12 @@ def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, conf
 
     @functools.wraps(task)
     def entry_point() -> None:
+        set_command(command, about, examples)
+        try:
+            check_override_keys(_typed_overrides())
+        except ConfigError as error:
+            print(f"{command}: invalid configuration: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
         try:
             hydra_main()
         except SystemExit as exit_:
@@ -66,6 +80,13 @@ def hydra_entry_point(task: Callable[[DictConfig], None], config_path: str, conf
             raise
 
     return entry_point
+
+
+def _typed_overrides() -> list[str]:
+    """The overrides on the command line, as Hydra's own argument parser reads them."""
+    if "--version" in sys.argv[1:]:  # Hydra prints its version and exits; nothing to check
+        return []
+    return get_args_parser().parse_known_args()[0].overrides
 
 
 def _ends_a_sweep(code) -> bool:

@@ -49,7 +49,13 @@ def _main(cfg: DictConfig) -> None:
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml), as for composer3d-train.
-main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+main = hydra_entry_point(
+    _main,
+    "composer3d-prepare",
+    "tokenize a corpus once into token shards (data.prepared) that composer3d-train maps", [
+    "composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok data.prepared=corpus.prepared",
+    "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   (then train on them)",
+    ], config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

@@ -219,7 +219,12 @@ def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:
 
 # pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under `python -m` (workers,
 # torchrun) Hydra would look for a relative config_path next to this file, where an editable install has none.
-main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+main = hydra_entry_point(
+    _main, "composer3d-train", "train a model under any parallel layout (FSDP2, TP/SP, PP, EP, CP)", [
+    "composer3d-train launch.nproc_per_node=2 train.steps=100",
+    "composer3d-train recipe=llama3_1_8b model.path=/models/Llama-3.1-8B",
+    "composer3d-train -m optim.lr=1e-4,3e-4   (a sweep: job N in <run.dir>/N; hydra/launcher=slurm submits)",
+    ], config_path="pkg://composer3d.conf", config_name="train")
 
 
 register_configs()

@@ -209,3 +209,57 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
     assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
     assert "train:\n" in text and "Override any key as key=value" in text
+
+
+# ------------------------------------------------------------------------- the entry points in-process
+
+def _run_entry_point(monkeypatch, module: str, *argv: str) -> int:
+    """``python -m module argv...`` in this process: the exit code (Hydra's global state as it was before)."""
+    import importlib
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    main = importlib.import_module(module).main
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    hydra = GlobalHydra.instance()
+    before = hydra.hydra if hydra.is_initialized() else None  # compose_cfg's, while its module scope lasts
+    hydra.clear()
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            main()
+    finally:
+        hydra.clear()
+        if before is not None:
+            hydra.initialize(before)
+    return exit_.value.code
+
+
+@pytest.mark.parametrize("typed, near", [
+    ("train.stepz=3", "train.steps"), ("trian.steps=3", "train.steps"), ("model.moe.expert=4", "model.moe.experts"),
+    ("precision.float8.enabeld=true", "precision.float8.enabled"),
+])
+def test_mistyped_key_names_the_nearest_real_key_not_hydras_plus_hint(monkeypatch, capsys, typed, near):
+    """One line naming the key typed and the nearest real one, exit 2; not Hydra's "use +key" (which we refuse)."""
+    assert _run_entry_point(monkeypatch, "composer3d.train", typed, "launch.device=cpu") == 2
+    err = capsys.readouterr().err
+    key = typed.split("=")[0]
+    assert err.strip().splitlines() == [f"composer3d-train: invalid configuration: {key}: is not a composer3d "
+                                        f"setting. Did you mean {near}?"], err
+
+
+def test_key_added_with_plus_names_the_nearest_real_key(compose_cfg):
+    with pytest.raises(ConfigError, match=r"train\.stepz: is not a composer3d setting.*Did you mean train\.steps\?"):
+        validate(compose_cfg("+train.stepz=3"), 1)
+
+
+@pytest.mark.parametrize("module, command", [
+    ("composer3d.plan.cli", "composer3d-plan"), ("composer3d.generate", "composer3d-generate"),
+    ("composer3d.prepare", "composer3d-prepare"), ("composer3d.evaluate", "composer3d-eval"),
+])
+def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module, command):
+    assert _run_entry_point(monkeypatch, module, "--help") == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith(f"{command}: "), out[:300]
+    examples = out[out.index("Examples: "):]
+    assert command in examples and "composer3d-train -m" not in examples, examples
+    assert "composer3d-train /" not in out  # the train banner is train's alone

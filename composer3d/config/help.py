@@ -3,7 +3,8 @@ and the recipes. The comments in ``schema.py`` are the documentation; this reads
 documented there is documented here, with no second copy to fall out of date.
 
 Hydra prints the help (``hydra.help.template`` in conf/train.yaml, which lists the config groups itself); the
-resolvers here fill in what it does not know.
+resolvers here fill in what it does not know, the running command's banner and examples among them (every
+command reads the same config, and ``set_command`` says which one is running).
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ _COMMENT = re.compile(r"^    #\s?(.*)$")
 _CLASS = re.compile(r"^class (\w+)")
 KEY_WIDTH = 40
 WIDTH = 118
+
+
+_command = {"banner": "composer3d-train: train a model under any parallel layout", "examples": ""}
+
+
+def set_command(name: str, about: str, examples: list[str]) -> None:
+    """The command whose --help Hydra prints: its first line (``name: about``) and its examples."""
+    _command["banner"] = f"{name}: {about}"
+    _command["examples"] = "\n".join(["Examples: " + examples[0], *("          " + e for e in examples[1:])])
+
+
+def banner() -> str:
+    return _command["banner"].replace("$", "$$")  # Hydra fills the template with string.Template
+
+
+def examples() -> str:
+    return _command["examples"].replace("$", "$$")
 
 
 def field_comments() -> dict[tuple[str, str], str]:

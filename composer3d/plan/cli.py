@@ -56,7 +56,14 @@ def _main(cfg: DictConfig) -> None:
                                                                                        cluster), flush=True)
 
 
-main = hydra_entry_point(_main, config_path="pkg://composer3d.conf", config_name="train")
+main = hydra_entry_point(
+    _main,
+    "composer3d-plan",
+    "memory and step time of parallel layouts on a cluster (cluster.*, plan.*); starts nothing", [
+    "composer3d-plan model=llama3_8b train.seq_len=8192 cluster.nodes=8 cluster.device=h100   (the layouts that fit)",
+    "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1   (one layout, in detail)",
+    "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
+    ], config_path="pkg://composer3d.conf", config_name="train")
 
 register_configs()
 

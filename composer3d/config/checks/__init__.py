@@ -30,6 +30,7 @@ from composer3d.config.checks.training import (
     _check_optimizer,
     _check_precision,
 )
+from composer3d.config.keys import did_you_mean
 from composer3d.config.schema import TrainConfig
 
 __all__ = ["pipeline_microbatches", "resolve_degrees", "resolve_model_config", "validate", "validate_data",
@@ -64,14 +65,14 @@ def validate_data(cfg: Any) -> None:
 
 
 def _check_known_keys(cfg: Any) -> None:
-    """Hydra's ``+key=value`` adds a key the schema lacks (plain ``key=value`` is refused by Hydra); nothing would
-    read it, so a typo would silently change nothing."""
+    """Hydra's ``+key=value`` adds a key the schema lacks (plain ``key=value`` is refused before Hydra composes:
+    config.keys); nothing would read it, so a typo would silently change nothing."""
     if not isinstance(cfg, DictConfig):
         return
     schema = OmegaConf.to_container(OmegaConf.structured(TrainConfig), resolve=False)
     unknown = _unknown_keys(OmegaConf.to_container(cfg, resolve=False), schema, "")
     _require(not unknown, unknown[0] if unknown else "", "is not a composer3d setting (added with Hydra's +), so "
-             "nothing would read it", "Remove it, or check the spelling against the keys `--cfg job` prints")
+             "nothing would read it", f"Remove it. {did_you_mean(unknown[0]) if unknown else ''}")
 
 
 def _unknown_keys(given: dict, schema: dict, prefix: str) -> list[str]:
