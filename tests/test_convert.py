@@ -34,10 +34,10 @@ TINY = {"name": "llama", "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4
 ATOL = 1e-5
 
 
-def convert(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def convert(*args: str, check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "composer3d.convert", *map(str, args)], check=False,
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=300, umask=umask)
     if check and proc.returncode != 0:
         raise AssertionError(f"composer3d-convert {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -205,8 +205,11 @@ def test_bfloat16_export_writes_bfloat16_that_transformers_loads(tmp_path):
     cfg = ModelConfig(**TINY)
     model = random_native(cfg)
     save_checkpoint(tmp_path / "ckpt", model, cfg, model_only=False)
-    proc = convert("export", tmp_path / "ckpt", tmp_path / "hf")  # bfloat16 is the default
+    # bfloat16 is the default; the files follow the umask (safetensors' own are 0600 whatever it is)
+    proc = convert("export", tmp_path / "ckpt", tmp_path / "hf", umask=0o027)
     assert "bfloat16" in proc.stdout
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "hf").iterdir()}
+    assert modes["model.safetensors"] == oct(0o640) and set(modes.values()) == {oct(0o640)}, modes
     dtypes = safetensors_dtypes(tmp_path / "hf")
     assert len(dtypes) == len(llama.hf_names(cfg)) and set(dtypes.values()) == {"BF16"}
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -217,6 +220,17 @@ def test_bfloat16_export_writes_bfloat16_that_transformers_loads(tmp_path):
     with torch.no_grad():
         expected, got = model(x), hf(x).logits.float()
     assert (expected - got).abs().max().item() < 0.1 * expected.abs().max().item()  # bf16 rounding only
+
+
+def test_export_help_says_it_writes_bfloat16_unless_told(capsys):
+    from composer3d.convert.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "written in bfloat16 unless --dtype says otherwise" in text and "(default: bfloat16" in text, text
+    assert "--dtype float32" in text
 
 
 def test_export_reads_a_bfloat16_model_only_checkpoint(tmp_path):

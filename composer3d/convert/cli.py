@@ -18,10 +18,15 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="composer3d-convert",
                                      description="Convert composer3d checkpoints to and from Hugging Face Llama.")
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="checkpoint directory -> Hugging Face LlamaForCausalLM safetensors directory")
+    ex = sub.add_parser("export", help="checkpoint directory -> Hugging Face safetensors directory (bfloat16 unless "
+                                       "--dtype says otherwise)",
+                        description="Write a checkpoint's model as a Hugging Face directory. The tensors are written "
+                                    "in bfloat16 unless --dtype says otherwise (--dtype float32 for full precision).")
     ex.add_argument("checkpoint", type=Path, help="a checkpoint directory (…/checkpoints/step-NNNNNNNN)")
     ex.add_argument("out", type=Path, help="output directory (created; must hold no model files unless --overwrite)")
-    ex.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="dtype of the written tensors")
+    ex.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16",
+                    help="dtype of the written tensors (default: bfloat16, whatever the checkpoint holds; "
+                         "--dtype float32 keeps a float32 checkpoint's weights exactly)")
     ex.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     ex.add_argument("--overwrite", action="store_true", help="replace model files already in the output directory")
     im = sub.add_parser("import", help="Hugging Face Llama directory -> model-only composer3d checkpoint")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -143,6 +144,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
                                                max_shard_size=max_shard_size)
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: hf_state[k] for k in keys}, str(out / filename), metadata={"format": "pt"})
+        _follow_umask(out / filename)
         written.append(out / filename)
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf_state.values())},
@@ -153,6 +155,14 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
         eos_id, tokenizer_files = _write_run_tokenizer(meta, out)
         written += [*tokenizer_files, *_write_llama_config(meta, out, dtype, eos_id)]
     return written
+
+
+def _follow_umask(path: Path) -> None:
+    """safetensors creates its files 0600 whatever the umask; give them the mode any new file gets here (0644 under
+    the usual 022), like the config and tokenizer beside them, so whoever may read the directory may load it."""
+    mask = os.umask(0)
+    os.umask(mask)  # reading the umask means setting it: set it straight back
+    path.chmod(0o666 & ~mask)
 
 
 def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
