@@ -40,7 +40,7 @@ def names_a_setting(key: str) -> bool:
     for part in key.split("."):
         if not isinstance(node, DictConfig) or node._is_none() or OmegaConf.get_type(node) is dict:
             return True  # a value, a section left None, or a free-form mapping: not the schema's to say
-        if part not in node:
+        if part not in node.keys():  # not `in node`: that is False for a key whose value is missing (???)
             return False
         node = node._get_node(part)
     return True
