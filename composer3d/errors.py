@@ -49,3 +49,13 @@ class Exit(SystemExit):
     def __init__(self, code: int, line: str):
         super().__init__(code)
         self.line = line
+
+
+def require_hf_extra(key: str, what: str) -> None:
+    """``what`` (at config ``key``) runs on transformers, an optional dependency (the ``hf`` extra): without it, one
+    line with the command that installs it rather than a ModuleNotFoundError from deep inside the run."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{key}: {what} needs transformers, which is not installed here. Install composer3d's "
+                          "hf extra: pip install 'composer3d[hf]'") from None

@@ -271,3 +271,19 @@ def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module
     examples = out[out.index("Examples: "):]
     assert command in examples and "composer3d-train -m" not in examples, examples
     assert "composer3d-train /" not in out  # the train banner is train's alone
+
+
+@pytest.mark.parametrize("overrides, key, what", [
+    (["model=hf", "model.path={tmp}"], "model", "model=hf (a Hugging Face model)"),
+    (["data.tokenizer={tmp}"], "data.tokenizer", "a Hugging Face tokenizer"),
+])
+def test_hugging_face_without_the_hf_extra_says_how_to_install_it(monkeypatch, capsys, tmp_path, overrides, key, what):
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # `import transformers` fails, as uninstalled
+    argv = [o.format(tmp=tmp_path) for o in overrides]
+    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+                            *argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"composer3d: invalid configuration: {key}: {what} needs transformers, which "
+                                        "is not installed here. Install composer3d's hf extra: pip install "
+                                        "'composer3d[hf]'"], err
+    assert not (tmp_path / "run").exists()

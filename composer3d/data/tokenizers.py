@@ -11,7 +11,7 @@ import os
 import numpy as np
 import torch
 
-from composer3d.errors import ConfigError
+from composer3d.errors import ConfigError, require_hf_extra
 
 
 class ByteTokenizer:
@@ -52,6 +52,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, key: str = "data.tokenizer"):
+        require_hf_extra(key, "a Hugging Face tokenizer")
         from transformers import AutoTokenizer
 
         if not os.path.isdir(path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import _divisors, _require
+from composer3d.errors import require_hf_extra
 from composer3d.models import MODEL_REGISTRY
 
 
@@ -13,6 +14,8 @@ def resolve_model_config(m: Any) -> None:
     """Fill what a model config leaves to its source: model=hf reads its sizes from <model.path>/config.json."""
     if m.name == "hf":
         from composer3d.models.hf import fill_model_config
+
+        require_hf_extra("model", "model=hf (a Hugging Face model)")
 
         fill_model_config(m)
 
