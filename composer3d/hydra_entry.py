@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 
 from composer3d.config.help import set_command
 from composer3d.config.keys import check_override_keys
+from composer3d.config.sweep import check_sweep
 from composer3d.errors import ConfigError, StoppedBySignal
 from composer3d.launch.distributed import in_submitit_job
 
@@ -66,6 +67,7 @@ def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: s
         set_command(command, about, examples)
         try:
             check_override_keys(_typed_overrides())
+            check_sweep(config_path, config_name, _typed_overrides())
         except ConfigError as error:
             print(f"{command}: invalid configuration: {error}", file=sys.stderr)
             raise SystemExit(2) from None

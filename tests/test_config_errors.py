@@ -287,3 +287,29 @@ def test_hugging_face_without_the_hf_extra_says_how_to_install_it(monkeypatch, c
                                         "is not installed here. Install composer3d's hf extra: pip install "
                                         "'composer3d[hf]'"], err
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("launcher", ["slurm_local", "submitit_local", "slurm"])
+def test_max_restarts_in_a_submitit_sweep_is_refused_before_any_job(monkeypatch, capsys, tmp_path, launcher):
+    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'sweep'}", "launch.device=cpu",
+                            f"hydra/launcher={launcher}", "launch.max_restarts=1", "optim.lr=1e-3,2e-3", "-m") == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["composer3d-train: invalid configuration: launch.max_restarts: 1 restarts "
+                                        "asked for, but they are the local launcher's, and the ranks of a submitit job "
+                                        "are its tasks: nothing would restart them. Use launch.max_restarts=0; under "
+                                        "SLURM, hydra.launcher.max_num_timeout=N requeues a job preempted or out of "
+                                        "time (it resumes from its last checkpoint)"], err
+    assert not (tmp_path / "sweep").exists()  # nothing submitted
+
+
+@pytest.mark.parametrize("argv", [
+    ["hydra/launcher=slurm_local", "launch.max_restarts=0", "-m"],  # no restarts asked for
+    ["launch.max_restarts=1", "optim.lr=1e-3,2e-3", "-m"],  # Hydra's basic launcher: the local launcher restarts
+    ["hydra/launcher=slurm_local", "launch.max_restarts=1"],  # no -m: Hydra's launcher is not used
+])
+def test_max_restarts_where_the_local_launcher_runs_is_not_refused(monkeypatch, argv):
+    from composer3d.config.sweep import check_sweep
+
+    monkeypatch.setattr("sys.argv", ["composer3d-train", *argv])
+    overrides = [a for a in argv if not a.startswith("-")]
+    check_sweep("pkg://composer3d.conf", "train", ["run.dir=unused", *overrides])
