@@ -44,7 +44,7 @@ class SweepJobFailed(CompactHydraException):
 
 
 def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: str, examples: list[str],
-                      config_path: str = "pkg://composer3d.conf", config_name: str = "train") -> Callable[[], None]:
+                      config_path: str, config_name: str) -> Callable[[], None]:
     """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses the overrides;
     ``command`` (its name), ``about`` (what it does, one line) and ``examples`` (command lines) make its --help."""
     started = False
@@ -66,8 +66,9 @@ def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: s
     def entry_point() -> None:
         set_command(command, about, examples)
         try:
-            check_override_keys(_typed_overrides())
-            check_sweep(config_path, config_name, _typed_overrides())
+            overrides = _typed_overrides()
+            check_override_keys(overrides)
+            check_sweep(config_path, config_name, overrides)
         except ConfigError as error:
             print(f"{command}: invalid configuration: {error}", file=sys.stderr)
             raise SystemExit(2) from None
