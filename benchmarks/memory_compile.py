@@ -79,17 +79,18 @@ def in_fresh_process(fn, *args, same_process: bool = False):
     """Each measurement in its own process: compiled graphs (ours, torchao's optimizer step) and allocator
     state of one model must not leak into the next. ``same_process``: all in this one (a quick smoke run)."""
     if same_process:
-        return _run(fn.__name__, *args)
+        return _run(fn, *args)
     with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run, (fn.__name__, *args))
+        return pool.apply(_run, (fn, *args))
 
 
-def _run(name: str, *args):
+def _run(fn, *args):
+    """``fn(*args)`` in a one-rank process group (a module-level function: the pool pickles it by name)."""
     register_configs()
     dist.init_process_group(dist.get_default_backend_for_device(resolve_device("auto")), store=dist.HashStore(),
                             rank=0, world_size=1)
     try:
-        return globals()[name](*args)
+        return fn(*args)
     finally:
         dist.destroy_process_group()
 

@@ -23,12 +23,8 @@ import statistics
 import time
 
 import torch
-import torch.multiprocessing as mp
-import torch.distributed as dist
-from memory_compile import trainer_for
+from memory_compile import in_fresh_process, trainer_for
 
-from composer3d.config import register_configs
-from composer3d.launch.distributed import resolve_device
 
 from composer3d.training.metrics import memory_breakdown, model_state_bytes
 
@@ -106,24 +102,6 @@ def longest(overrides: list[str], start: int, limit: int, steps: int) -> dict:
     return best
 
 
-def _run(name: str, *args):
-    register_configs()
-    dist.init_process_group(dist.get_default_backend_for_device(resolve_device("auto")), store=dist.HashStore(),
-                            rank=0, world_size=1)
-    try:
-        return globals()[name](*args)
-    finally:
-        dist.destroy_process_group()
-
-
-def fresh(fn, *args, same_process: bool = False):
-    """Each option set in its own process: allocator state and compiled graphs of one must not leak into the next."""
-    if same_process:
-        return _run(fn.__name__, *args)
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_run, (fn.__name__, *args))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="cpu")
@@ -139,14 +117,14 @@ def main() -> None:
     if args.longest:
         print(f"{'options':<34}{'longest':>10}{'peak':>12}{'tokens/s':>12}")
         for name in args.options:
-            r = fresh(longest, [*model, *OPTIONS[name]], args.start, args.limit, args.steps,
+            r = in_fresh_process(longest, [*model, *OPTIONS[name]], args.start, args.limit, args.steps,
                       same_process=args.same_process)
             print(f"{name:<34}{r['seq_len']:>10,}{r.get('peak', 0) / 2**30:>10.1f} G{r.get('tokens_per_s', 0):>12,.0f}")
         return
     print(f"{'options':<34}{'params':>9}{'grads':>9}{'optim':>9}{'activ.':>9}{'temp':>9}{'to host':>9}"
           f"{'step s':>8}   (MiB at the step's peak, by category)")
     for name in args.options:
-        r = fresh(one_step, [*model, *OPTIONS[name]], args.steps, same_process=args.same_process)
+        r = in_fresh_process(one_step, [*model, *OPTIONS[name]], args.steps, same_process=args.same_process)
         p = r["peaks"]
         moved = r["model_state_on_host"] + r["activations_moved"]
         print(f"{name:<34}" + "".join(f"{p.get(k, 0) / mib:>9.2f}" for k in ("PARAM", "GRAD", "OPT", "ACT", "TEMP"))

@@ -116,8 +116,7 @@ def test_memory_options_benchmark_shows_each_option_taking_its_bytes():
                   "offload=optimizer", "tile_loss=4", "full ckpt + activation offload")
     rows = {line[:34].strip(): [float(x) for x in line[34:].split()[:7]] for line in stdout.splitlines()[1:]
             if line[:34].strip()}
-    params, grads, optim, act, temp, host, step = zip(*rows.values())
-    plain, offloaded, tiled, act_offload = rows.values()
+    plain, offloaded, tiled, act_offload = rows.values()  # columns: params grads optim activ. temp to-host step
     assert plain[5] == 0 and offloaded[5] == pytest.approx(1.5 * plain[2], rel=0.01), rows  # masters + moments
     assert tiled[4] < plain[4], rows  # the loss's logits, in tiles
     assert act_offload[3] < plain[3] and act_offload[5] > 0, rows  # checkpointed, its block inputs moved
