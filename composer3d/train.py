@@ -59,9 +59,7 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path, plan: dict 
     # One job per run.dir, held by this process or by rank 0 of a torchrun/SLURM job (our workers: the launcher).
     if env is None or (env.rank == 0 and not launcher.started_by_local_launcher()):
         launcher.lock_run_dir(run_dir)
-    torch.use_deterministic_algorithms(cfg.train.deterministic)  # either way: a sweep's jobs share this process
-    if cfg.train.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    distributed.use_deterministic_algorithms(cfg.train.deterministic)
     torch.manual_seed(cfg.train.seed)
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)

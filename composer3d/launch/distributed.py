@@ -124,3 +124,18 @@ def shut_down(finished: bool) -> None:
         gc.collect()
         dist.barrier()
     dist.destroy_process_group()
+
+
+def use_deterministic_algorithms(enabled: bool) -> None:
+    """``train.deterministic``: bit-identical reruns and resumes on every device. torch's deterministic algorithms
+    (which also pick flash attention's and flex attention's deterministic backward and refuse an op that has none),
+    cuBLAS's fixed workspace (read when its handle is made: before the first matmul), cuDNN without autotuning, and
+    inductor without on-device benchmarking (which can choose a different kernel each run). Set either way: a
+    sweep's jobs share one process."""
+    torch.use_deterministic_algorithms(enabled)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = enabled, False
+    import torch._inductor.config as inductor_config  # noqa: PLC0415 (imported with torch.compile's machinery)
+
+    inductor_config.deterministic = enabled
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

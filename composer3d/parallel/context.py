@@ -33,6 +33,13 @@ STYLES = ("ring", "allgather", "ulysses")
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
+def held_tokens(rank: int, size: int, seq_len: int) -> torch.Tensor:
+    """Global indices of the tokens cp rank ``rank`` of ``size`` holds: chunks rank and 2·size−1−rank."""
+    chunk = seq_len // (2 * size)
+    head, tail = rank * chunk, (2 * size - 1 - rank) * chunk
+    return torch.cat([torch.arange(head, head + chunk), torch.arange(tail, tail + chunk)])
+
+
 class ContextParallel:
     """The cp group of this rank: which tokens it holds, and the collectives attention needs across the group."""
 
@@ -42,18 +49,13 @@ class ContextParallel:
         self.group, self.style = cp_mesh.get_group(), style
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def _held(self, rank: int, seq_len: int) -> torch.Tensor:
-        chunk = seq_len // (2 * self.size)
-        head, tail = rank * chunk, (2 * self.size - 1 - rank) * chunk
-        return torch.cat([torch.arange(head, head + chunk), torch.arange(tail, tail + chunk)])
-
     def token_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """Global indices (0..seq_len-1) of the tokens this rank holds, in the order it holds them."""
-        return self._held(self.rank, seq_len).to(device)
+        return held_tokens(self.rank, self.size, seq_len).to(device)
 
     def gathered_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """Global indices of the tokens ``gather`` returns: every rank's, in rank order."""
-        return torch.cat([self._held(rank, seq_len) for rank in range(self.size)]).to(device)
+        return torch.cat([held_tokens(rank, self.size, seq_len) for rank in range(self.size)]).to(device)
 
     def shard(self, tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
         """This rank's tokens of a whole-sequence tensor (inputs, targets, positions); None stays None."""

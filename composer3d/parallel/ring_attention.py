@@ -9,27 +9,17 @@ packed documents a pair whose queries and keys share no document is skipped too,
 
 The backward is exact: it passes the keys and values round the ring again, each block's gradients computed against
 the merged output and log-sum-exp of the forward (flash attention's identity), and the key/value gradients travel
-with their block until they are back at its owner. The block kernel is the flash-attention-for-CPU kernel on the
-CPU (which returns the log-sum-exp and has a backward op); elsewhere the block's scores are materialized (exact, a
-block at a time) until a device kernel is measured on the accelerator.
+with their block until they are back at its owner. Each block runs the fused kernel its device has
+(``attention_blocks``: flash for CPU; flash or memory-efficient attention on CUDA), so the CPU runs the same ring and
+merge code the accelerator does.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Block:
-    """One pair of (query chunk, key chunk) that attends: rows of the local queries, rows of the source's keys."""
-
-    queries: slice
-    keys: slice
-    causal: bool  # the same chunk: causal within it
-    mask: torch.Tensor | None  # (batch, 1, queries, keys) bool where documents cut the pair; None: all allowed
+from composer3d.parallel.attention_blocks import Block, block_backward, block_forward
 
 
 def ring_blocks(rank: int, size: int, seq_len: int, documents: torch.Tensor | None) -> list[list[Block]]:
@@ -105,9 +95,10 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             if not last:
                 works, arriving = ring.pass_on(kv)
+            k_heads, v_heads = query_heads(kv, q.shape[1])
             for block in blocks[ring.source(step)]:
-                block_out, block_lse = _block_forward(q, kv[0], kv[1], block, scale)
-                _merge(out, lse, block.queries, block_out, block_lse)
+                block_out, block_lse = block_forward(q, k_heads, v_heads, block, scale)
+                merge_block(out, lse, block.queries, block_out, block_lse)
             if not last:
                 _wait(works)
                 kv = arriving
@@ -127,11 +118,12 @@ class _RingAttention(torch.autograd.Function):
             last = step == ring.size - 1
             if not last:
                 works, arriving = ring.pass_on(kv)
+            k_heads, v_heads = query_heads(kv, q.shape[1])
             for block in ctx.blocks[ring.source(step)]:
-                dq, dk, dv = _block_backward(grad_out, q, kv[0], kv[1], out, lse, block, ctx.scale)
+                dq, dk, dv = block_backward(grad_out, q, k_heads, v_heads, out, lse, block, ctx.scale)
                 grad_q[..., block.queries, :] += dq
-                grad_kv[0][..., block.keys, :] += dk
-                grad_kv[1][..., block.keys, :] += dv
+                grad_kv[0][..., block.keys, :] += fold_heads(dk, kv.shape[2])
+                grad_kv[1][..., block.keys, :] += fold_heads(dv, kv.shape[2])
             if not last:
                 _wait(works)
                 kv = arriving
@@ -141,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor):
     """Fold a block's normalized output into the running one (in place): weights by log-sum-exp."""
     merged = torch.logaddexp(lse[..., rows], block_lse)
     out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
@@ -149,69 +141,15 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.T
     lse[..., rows] = merged
 
 
-def _masked(dtype: torch.dtype) -> float:
-    """The score of a masked pair: finite, so that a row a block masks entirely gets a log-sum-exp far below any
-    real one (its weight in the merge is then exactly 0) instead of NaN."""
-    return torch.finfo(dtype).min / 2
+def query_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys and values (2, batch, kv heads, tokens, d) repeated to the query heads (grouped-query attention)."""
+    group = heads // kv.shape[2]
+    return kv if group == 1 else kv.repeat_interleave(group, dim=2)
 
 
-def _block_inputs(q, k, v, block: Block):
-    """The block's queries, and its keys and values repeated to the query heads (grouped-query attention)."""
-    q_block, k_block, v_block = q[..., block.queries, :], k[..., block.keys, :], v[..., block.keys, :]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k_block, v_block = k_block.repeat_interleave(group, dim=1), v_block.repeat_interleave(group, dim=1)
-    return q_block, k_block, v_block, group
-
-
-def _bias(block: Block, dtype: torch.dtype) -> torch.Tensor | None:
-    if block.mask is None:
-        return None
-    return torch.zeros(block.mask.shape, dtype=dtype, device=block.mask.device).masked_fill(~block.mask, _masked(dtype))
-
-
-def _fold_heads(grad: torch.Tensor, group: int) -> torch.Tensor:
+def fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Gradients of repeated keys/values summed back onto their kv head."""
-    if group == 1:
-        return grad
     batch, heads, tokens, dim = grad.shape
-    return grad.view(batch, heads // group, group, tokens, dim).sum(2)
-
-
-def _block_forward(q, k, v, block: Block, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    q_block, k_block, v_block, _ = _block_inputs(q, k, v, block)
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_block, k_block, v_block, 0.0, block.causal, attn_mask=_bias(block, q.dtype), scale=scale)
-    scores = _scores(q_block, k_block, block, scale)
-    block_lse = scores.logsumexp(-1)
-    return torch.exp(scores - block_lse.unsqueeze(-1)) @ v_block.float(), block_lse
-
-
-def _block_backward(grad_out, q, k, v, out, lse, block: Block, scale: float):
-    """The block's share of the gradients, given the merged output and log-sum-exp of all blocks."""
-    q_block, k_block, v_block, group = _block_inputs(q, k, v, block)
-    rows = block.queries
-    if q.device.type == "cpu":
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out[..., rows, :], q_block, k_block, v_block, out[..., rows, :], lse[..., rows], 0.0, block.causal,
-            attn_mask=_bias(block, q.dtype), scale=scale)
-    else:
-        grad_block, out_block = grad_out[..., rows, :].float(), out[..., rows, :].float()
-        probs = torch.exp(_scores(q_block, k_block, block, scale) - lse[..., rows].unsqueeze(-1))
-        dv = probs.transpose(-1, -2) @ grad_block
-        d_probs = grad_block @ v_block.float().transpose(-1, -2)
-        d_scores = probs * (d_probs - (grad_block * out_block).sum(-1, keepdim=True))
-        dq, dk = d_scores @ k_block.float() * scale, d_scores.transpose(-1, -2) @ q_block.float() * scale
-    return dq, _fold_heads(dk, group), _fold_heads(dv, group)
-
-
-def _scores(q_block, k_block, block: Block, scale: float) -> torch.Tensor:
-    scores = (q_block.float() @ k_block.float().transpose(-1, -2)) * scale
-    if block.causal:
-        rows, cols = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril(),
-                                    _masked(torch.float32))
-    if block.mask is not None:
-        scores = scores.masked_fill(~block.mask, _masked(torch.float32))
-    return scores
+    if heads == kv_heads:
+        return grad
+    return grad.view(batch, kv_heads, heads // kv_heads, tokens, dim).sum(2)
