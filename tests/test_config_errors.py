@@ -209,6 +209,9 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
     assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
     assert "train:\n" in text and "Override any key as key=value" in text
+    # each key's own comment, not one run on from the class above it; data.name names the data=chat option
+    assert "  model.moe.experts=0                   routed experts per MoE layer" in text
+    assert "text_files (the data=chat option" in text
 
 
 # ------------------------------------------------------------------------- the entry points in-process

@@ -13,8 +13,10 @@ from omegaconf import MISSING
 
 @dataclass
 class MoEConfig:
-    # Mixture-of-experts feed-forward layers of the native llama (model=tiny_moe). 0: every layer is dense
-    experts: int = 0  # routed experts per MoE layer (stacked [experts, ...] tensors: expert parallel shards them)
+    """Mixture-of-experts feed-forward layers of the native llama (model=tiny_moe)."""
+
+    # routed experts per MoE layer (stacked [experts, ...] tensors: expert parallel shards them); 0: every layer dense
+    experts: int = 0
     top_k: int = 2  # experts each token is routed to
     shared_experts: int = 0  # experts every token goes through as well (one SwiGLU of shared_experts × the width)
     expert_hidden_dim: int | None = None  # each expert's SwiGLU width; None: the dense layers' width
@@ -60,7 +62,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "stdlib"  # stdlib | synthetic | text_files
+    name: str = "stdlib"  # stdlib | synthetic | text_files (the data=chat option: text_files with format=chat)
     # text_files: .txt (one document per file), .jsonl or .parquet (one document per row) files, directories
     # or globs; one kind per run
     paths: list[str] = field(default_factory=list)
