@@ -10,8 +10,10 @@ fine-tuning).
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import json
+import logging
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -118,18 +120,23 @@ def _json_row(line: bytes, where: str) -> dict:
     return row
 
 
-def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
+def _json_lines(file: str, limit: int | None = None) -> Iterator[tuple[int, dict]]:
+    """(line number, row) of a JSON Lines file, the first ``limit`` lines (all: None), blank lines skipped; a line
+    that is not a JSON object is a ConfigError naming its number."""
     with open(file, "rb") as f:
         for number, line in enumerate(f, start=1):
-            if number > SNIFF_ROWS:
-                break
-            if not line.strip():
-                continue
-            row = _json_row(line, f"{file} line {number}")
-            if field not in row:
-                raise ConfigError(f"{key}: {field!r} is not a field of {file} line {number} (fields: {sorted(row)}). "
-                                  f"Set {key} to the field that holds the {wanted}")
-            _check_value_type(row[field], file, f"line {number}", key, wanted)
+            if limit is not None and number > limit:
+                return
+            if line.strip():
+                yield number, _json_row(line, f"{file} line {number}")
+
+
+def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
+    for number, row in _json_lines(file, SNIFF_ROWS):
+        if field not in row:
+            raise ConfigError(f"{key}: {field!r} is not a field of {file} line {number} (fields: {sorted(row)}). "
+                              f"Set {key} to the field that holds the {wanted}")
+        _check_value_type(row[field], file, f"line {number}", key, wanted)
 
 
 def _check_parquet_schema(file: str, field: str, key: str, wanted: str) -> None:
@@ -163,16 +170,34 @@ def _first_line(error: BaseException) -> str:
     return text[0][:300] if text else type(error).__name__
 
 
+@contextlib.contextmanager
+def _datasets_quiet(datasets):
+    verbosity, bars = datasets.logging.get_verbosity(), datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
 def _load_rows(files: list[str], field: str, key: str):
     """The column ``field`` of every row of ``files`` (one kind), in file order; ConfigError naming ``key``."""
-    from datasets import load_dataset
+    import datasets
 
     builder = file_kind(files)
     # A .txt file is one document (not one per line); a .jsonl line or a parquet row is one document.
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        dataset = load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **options)
+        with _datasets_quiet(datasets):  # its progress bars and its own log of a failure we report in one line
+            dataset = datasets.load_dataset(builder, data_files=files, split="train", keep_in_memory=True, **options)
     except Exception as error:  # datasets wraps the reader's error (arrow, JSON, UTF-8) in its own types
+        if builder == "json":  # arrow's row count and cause mislead: the first line Python's JSON refuses, named
+            for file in files:
+                for _ in _json_lines(file):
+                    pass
         cause = error.__cause__ or error.__context__ or error
         raise ConfigError(f"data.paths: reading {', '.join(files[:3])}{' …' if len(files) > 3 else ''} failed "
                           f"({type(cause).__name__}: {_first_line(cause)}). Give intact UTF-8 text, JSON Lines or "

@@ -27,6 +27,7 @@ from composer3d.data import check_prepared, check_same_corpus, check_sources, ev
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
+from composer3d.training.metrics import metrics_records
 
 
 def preflight(cfg, world_size: int) -> dict[str, int]:
@@ -44,6 +45,8 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
+    if (Path(cfg.run.dir) / "metrics.jsonl").is_file():  # what a resume continues: readable, or refused now
+        metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
     weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)

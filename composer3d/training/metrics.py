@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composer3d.errors import ConfigError
 from composer3d.training.console import is_terminal
 
 log = logging.getLogger("composer3d")
@@ -116,6 +117,23 @@ def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
     return run_id
 
 
+def metrics_records(path: Path) -> list[tuple[str, int]]:
+    """The (line, step) records of a run's metrics.jsonl. A last line that is not JSON was cut short by a process
+    that died mid-write: it is dropped, with a warning. Any other unreadable line is no crash's trace, and is refused
+    (a ConfigError naming run.dir, found before any worker starts) rather than dropped."""
+    lines = [line for line in path.read_text().splitlines() if line]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append((line, int(json.loads(line)["step"])))
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+            if number < len(lines):
+                raise ConfigError(f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). Repair "
+                                  "or delete that line to resume this run, or give a fresh run a new run.name") from None
+            log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r", path, line[:100])
+    return records
+
+
 class MetricsSink:
     def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int, resume_step: int = 0):
         self.enabled = enabled
@@ -144,26 +162,10 @@ class MetricsSink:
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``.
-
-        A last line that is not JSON was cut short by a process that died mid-write: it is dropped, with a warning.
-        Any other unreadable line is no crash's trace, and is refused rather than dropped."""
+        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``."""
         if not self.path.exists():
             return
-        lines = [line for line in self.path.read_text().splitlines() if line]
-        kept = []
-        for number, line in enumerate(lines, 1):
-            try:
-                record_step = json.loads(line)["step"]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                if number < len(lines):
-                    raise ValueError(f"{self.path}, line {number}, is not a metrics record: {line[:100]!r}. "
-                                     "Repair or delete that line, then run again") from None
-                log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r",
-                            self.path, line[:100])
-                continue
-            if record_step <= step:
-                kept.append(line)
+        kept = [line for line, record_step in metrics_records(self.path) if record_step <= step]
         text = "".join(line + "\n" for line in kept)
         if text != self.path.read_text():  # a finished run's file, resumed with nothing to train, stays untouched
             self.path.write_text(text)
