@@ -13,6 +13,8 @@ import logging
 import os
 import signal
 import sys
+import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -167,6 +169,26 @@ def _main(cfg: DictConfig) -> None:
             print(f"composer3d: stopped by {how}; the last checkpoint is {_last_checkpoint(cfg, run_dir)}; "
                   f"{_resume_hint(cfg, run_dir)}; exit code {code}", file=sys.stderr)
         sys.exit(code)
+    except Exception as error:
+        if not ours:
+            raise  # a process of its own (one process, torchrun, SLURM): its traceback is the user's to see
+        # One of the local launcher's workers: a peer's death fails the others' collectives too, and the console
+        # would show each one's traceback before the launcher's line. The traceback goes to the run's log; the
+        # launcher prints the first failed rank's line.
+        line = _crash_report(run_dir, env, error)
+        launcher.report_to_launcher(line)
+        raise Exit(1, line) from None
+
+
+def _crash_report(run_dir: Path, env: distributed.Env, error: Exception) -> str:
+    """Append ``error``'s traceback to run.dir/logs/rank<N>.log; the line that names it and where it is."""
+    path = run_dir / "logs" / f"rank{env.rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} rank {env.rank} of {env.world_size}, pid {os.getpid()}\n")
+        f.write("".join(traceback.format_exception(error)))
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return f"composer3d: rank {env.rank} crashed: {type(error).__name__}: {first} (traceback in {path})"
 
 
 def _run_dir(cfg: DictConfig) -> Path:

@@ -4,6 +4,7 @@ rank fails the run after launch.timeout_minutes instead of hanging."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import time
@@ -154,9 +155,13 @@ def test_a_stalled_rank_fails_the_run_after_launch_timeout_minutes(tmp_path):
     assert run.returncode == 1, run.output[-3000:]
     stalled_since = (tmp_path / "metrics.jsonl").stat().st_mtime  # step 2's line, written just before the stall
     assert ended - stalled_since < 60, "failed within seconds of the stall, not after it"
-    # What torch says: gloo's transport operation and the timeout (from launch.timeout_minutes), in the traceback
-    # of the collective that waited (FSDP's all-gather); it names neither the rank that raised nor the one stalled.
-    assert "Timed out waiting 3000ms" in run.output and "all_gather" in run.output
+    # What torch says: gloo's transport operation and the timeout (from launch.timeout_minutes), in the line of the
+    # rank whose collective waited; its traceback (FSDP's all-gather) in the run's log, not on the console
+    assert "Timed out waiting 3000ms" in run.output and "Traceback" not in run.output, run.output[-3000:]
+    crashed = re.search(r"composer3d: rank (\d) crashed: .* \(traceback in (\S+)\)", run.output)
+    assert crashed and Path(crashed[2]) == tmp_path / "logs" / f"rank{crashed[1]}.log", run.output[-3000:]
+    logged = Path(crashed[2]).read_text()
+    assert "Traceback" in logged and "all_gather" in logged, logged[-3000:]
     assert [r["step"] for r in run.metrics] == [1, 2]
 
 
