@@ -63,6 +63,10 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
                          r"\(8 sequences of 64\); 3 steps$", line) for line in lines), piped.output[-3000:]
     assert any(re.search(r"INFO model state: [\d.]+ [KMG]i?B per rank", line) for line in lines), piped.output[-3000:]
     assert "━" not in piped.output and "…" not in piped.output, "a progress bar was drawn into a pipe"
+    # the launcher's log says what it started and how it ended (before, it stayed empty); the console does not
+    launched = (run_dir / "logs" / "launcher.log").read_text()
+    assert "starting 2 workers" in launched and "all 2 workers finished (exit code 0)" in launched, launched
+    assert "starting 2 workers" not in piped.output
 
     primary, secondary = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "composer3d.train", *FAST, "logging.progress_bar=true",

@@ -108,6 +108,8 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     # The workers inherit the launcher's environment; set for them only (a sweep's next job runs in this process).
     os.environ[LAUNCHER_PID] = str(os.getpid())
     os.environ[RESUME_HINT] = resume_hint or ""
+    log.debug("starting %d workers (max_restarts %d): %s -m %s %s", nproc, max_restarts, sys.executable, module,
+              " ".join(args))
     try:
         result = agent.run()
     except SignalException as error:
@@ -115,19 +117,21 @@ def spawn_local_workers(nproc: int, module: str, args: list[str], max_restarts: 
     finally:
         agent.get_worker_group().spec.rdzv_handler.shutdown()
         del os.environ[LAUNCHER_PID], os.environ[RESUME_HINT]
-    if result.is_failed():
-        rank, failure = agent.first_failure(result)
-        if all(f.exitcode in STOPPED for f in result.failures.values()):
-            log.info("composer3d: the workers stopped for %s after saving%s; exit code %d", STOPPED[failure.exitcode],
-                     f"; {resume_hint}" if resume_hint else "", failure.exitcode)
-            sys.exit(failure.exitcode)
-        code = failure.exitcode if 0 < failure.exitcode < 128 else 1
-        reported = failure.error_file_data.get(_REPORTED)
-        if reported:
-            print(failure.message, file=sys.stderr)
-        line = f"composer3d: rank {rank} failed first ({_describe(failure)}){_not_retried(failure, max_restarts)}"
-        log.error("%s; exit code %d", line, code)
-        raise Exit(code, failure.message if reported else line)
+    if not result.is_failed():
+        log.debug("all %d workers finished (exit code 0)", nproc)
+        return
+    rank, failure = agent.first_failure(result)
+    if all(f.exitcode in STOPPED for f in result.failures.values()):
+        log.info("composer3d: the workers stopped for %s after saving%s; exit code %d", STOPPED[failure.exitcode],
+                 f"; {resume_hint}" if resume_hint else "", failure.exitcode)
+        sys.exit(failure.exitcode)
+    code = failure.exitcode if 0 < failure.exitcode < 128 else 1
+    reported = failure.error_file_data.get(_REPORTED)
+    if reported:
+        print(failure.message, file=sys.stderr)
+    line = f"composer3d: rank {rank} failed first ({_describe(failure)}){_not_retried(failure, max_restarts)}"
+    log.error("%s; exit code %d", line, code)
+    raise Exit(code, failure.message if reported else line)
 
 
 @contextlib.contextmanager
@@ -250,11 +254,13 @@ def _not_retried(failure: ProcessFailure, max_restarts: int) -> str:
 
 
 def _log_to_console_and(log_dir: Path | None) -> None:
-    """Our lines to stderr (and the log file); the agent's own chatter only to <log_dir>/launcher.log."""
+    """Our lines to stderr (and the log file); the agent's own chatter, and what was started and how it ended, only
+    to <log_dir>/launcher.log."""
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(message)s"))
+    console.setLevel(logging.INFO)  # debug lines (what was started, how it ended) go to the file only
     log.handlers[:] = [console]
-    log.setLevel(logging.INFO)
+    log.setLevel(logging.DEBUG)
     log.propagate = False
     if log_dir is None:
         return
