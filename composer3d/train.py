@@ -65,6 +65,11 @@ def run(cfg: DictConfig, env: distributed.Env | None, run_dir: Path, plan: dict 
     torch.manual_seed(cfg.train.seed)
     # Built before any collective: a bad corpus or tokenizer fails on every rank alike instead of hanging.
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+    if len(sequences) < cfg.train.global_batch_size and (env is None or env.rank == 0):
+        log.warning("the corpus packs into %d sequences of train.seq_len=%d tokens, fewer than one global batch "
+                    "(train.global_batch_size=%d): every step repeats sequences. Give more text (data.paths, "
+                    "data.max_tokens) or a smaller train.global_batch_size", len(sequences), cfg.train.seq_len,
+                    cfg.train.global_batch_size)
     windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len) if cfg.train.eval_every else None
     timeout = timedelta(minutes=cfg.launch.timeout_minutes)
     env = distributed.init_process_group(device, env, timeout, host_collectives=cfg.parallel.offload == "cpu")

@@ -277,6 +277,16 @@ def test_text_files_trains_through_the_cli(tmp_path, hf_cache, bpe_dir, corpus):
     assert saved.data.name == "text_files" and saved.data.tokenizer == str(bpe_dir)
 
 
+def test_a_corpus_smaller_than_one_global_batch_is_named_once(tmp_path):
+    """Before, a corpus that packs into fewer sequences than a global batch was repeated within each step silently."""
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text(json.dumps({"text": "a corpus of one short sentence."}) + "\n")
+    run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus}']", "train.steps=1", "train.seq_len=16",
+                "train.global_batch_size=4", "train.micro_batch_size=2", "logging.progress_bar=false",
+                "launch.device=cpu", nproc=2, timeout=300)
+    assert run.output.count("fewer than one global batch (train.global_batch_size=4)") == 1, run.output
+
+
 @pytest.fixture(scope="module")
 def big_vocab_dir(tmp_path_factory):
     """A word-level tokenizer of 602 tokens: more than the tiny model's vocab_size of 512."""
