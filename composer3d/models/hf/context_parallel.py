@@ -47,8 +47,10 @@ def attention(module, query, key, value, attention_mask: Plan, scaling: float | 
     (batch, kv heads, …) → (output (batch, local tokens, heads, head_dim), no weights)."""
     if dropout:
         raise ValueError("context parallel attention has no dropout (config.attention_dropout must be 0)")
-    if scaling is not None:  # the kernels scale by head_dim**-0.5: the model's own scale folded into the queries
-        query = query * (scaling * query.shape[-1] ** 0.5)
+    # The kernels scale scores by head_dim**-0.5: a model's own scale is folded into the queries (Llama's is that one)
+    factor = 1.0 if scaling is None else scaling * query.shape[-1] ** 0.5
+    if abs(factor - 1.0) > 2**-24:
+        query = query * factor
     out = attention_mask.context.attend(query, key, value, attention_mask.blocks)
     return out.transpose(1, 2).contiguous(), None
 
