@@ -3,10 +3,11 @@ through transformers' attention interface, over the cp ranks' shares of the sequ
 
 Checked against transformers itself: tiny random Llama and Qwen3 under cp 2 give, at the tokens each rank holds,
 transformers' own logits (fp32, 1e-5) in every cp style, causal and with packed documents (transformers run on each
-document alone), and so do the other families cp accepts (Qwen2, Phi-3, StableLM and four MoE) in ring attention;
-model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters sharded over all 4 ranks, on the
-one-process curve within 1e-4 with document masking on a corpus of short documents (where the masks change the
-curve). What the interface cannot compute is refused before launch (tests/test_config_errors.py).
+document alone), and so do the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its
+own attention scale) in ring attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters
+sharded over all 4 ranks, on the one-process curve within 1e-4 with document masking on a corpus of short documents
+(where the masks change the curve). What the interface cannot compute is refused before launch
+(tests/test_config_errors.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ STYLES = ("ring", "allgather", "ulysses")
 # (architecture, cp styles): Llama and Qwen3 in every style; the other families context parallel accepts in ring
 # attention (the styles differ only behind ContextParallel.attend, which the native tests check in each)
 CASES = {"llama": STYLES, "qwen3": STYLES, **{arch: ("ring",) for arch in (
-    "qwen2", "phi3", "stablelm", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe")}}
+    "qwen2", "phi3", "stablelm", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granite")}}
+# Granite scales its attention scores by attention_multiplier, not head_dim**-0.5 (folded into the queries)
+OVERRIDES = {"granite": {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "logits_scaling": 4.0,
+                         "residual_multiplier": 0.5}}
 # two packed documents a row, restarting at different places
 DOCUMENTS = [(11, SEQ - 11), (20, SEQ - 20)]
 
@@ -34,7 +38,8 @@ DOCUMENTS = [(11, SEQ - 11), (20, SEQ - 20)]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_hf")
     # the tokenizer only where a run reads text with it
-    return {arch: make_model(root / arch, arch, seed=i, tokenizer=arch == "llama") for i, arch in enumerate(CASES)}
+    return {arch: make_model(root / arch, arch, seed=i, tokenizer=arch == "llama", **OVERRIDES.get(arch, {}))
+            for i, arch in enumerate(CASES)}
 
 
 def _positions() -> torch.Tensor:
