@@ -76,9 +76,11 @@ def make_tokenizer(path: Path, vocab_size: int = VOCAB):
 
 
 def hf_config(model_type: str, **overrides):
+    """The tiny config of ``model_type``: COMMON, the architecture's own fields (none for one not listed above), then
+    ``overrides``."""
     from transformers import AutoConfig
 
-    fields = {**COMMON, **{**ARCHITECTURES, **MOE_ARCHITECTURES}[model_type], **overrides}
+    fields = {**COMMON, **{**ARCHITECTURES, **MOE_ARCHITECTURES}.get(model_type, {}), **overrides}
     config = AutoConfig.for_model(model_type, **fields)
     if model_type == "qwen2":
         config.layer_types = ["full_attention"] * config.num_hidden_layers

@@ -184,6 +184,66 @@ def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hi
     assert hint in message, message
 
 
+# Hugging Face models under context parallel: what composer3d's attention in transformers' interface cannot compute
+@pytest.mark.parametrize("arch, config, reason", [
+    ("mistral", {}, "mistral has sliding-window attention layers"),
+    ("gemma3_text", {}, "gemma3_text has sliding-window attention layers"),
+    ("llama", {"attention_dropout": 0.1}, "llama has attention dropout (0.1)"),
+    ("qwen3_moe", {"output_router_logits": True}, "qwen3_moe's router load-balancing loss"),
+    ("llama", {}, None), ("qwen3", {}, None),  # they pass (tests/test_cp_hf.py checks them against transformers)
+])
+def test_context_parallel_of_a_hugging_face_model_refuses_what_its_attention_cannot_compute(
+        compose_cfg, tmp_path, arch, config, reason):
+    from hf_models import hf_config
+
+    from composer3d.config import resolve_model_config
+
+    hf_config(arch, **config).save_pretrained(tmp_path)
+    cfg = compose_cfg("model=hf", f"model.path={tmp_path}", "parallel.cp=2", "parallel.dp_shard=1",
+                      "train.seq_len=32")
+    resolve_model_config(cfg.model)
+    if reason is None:
+        assert validate(cfg, 2)["cp"] == 2
+        return
+    with pytest.raises(ConfigError) as error:
+        validate(cfg, 2)
+    assert str(error.value).startswith(f"parallel.cp: context parallel (cp=2) of this model: {reason}"), error.value
+    assert "Use parallel.cp=1" in str(error.value)
+
+
+def test_context_parallel_refuses_attention_that_bypasses_transformers_interface(compose_cfg, tmp_path, monkeypatch):
+    """An attention module computing its own softmax (never calling the interface) is found on the tiny replica."""
+    from hf_models import hf_config
+    from transformers.models.llama import modeling_llama
+
+    from composer3d.config import resolve_model_config
+
+    class Bypassed:  # the module's lookup gives it its own default, eager attention, whatever the config names
+        def get_interface(self, name, default):
+            return default
+
+    hf_config("llama").save_pretrained(tmp_path)
+    cfg = compose_cfg("model=hf", f"model.path={tmp_path}", "parallel.cp=2", "parallel.dp_shard=1",
+                      "train.seq_len=32")
+    resolve_model_config(cfg.model)
+    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", Bypassed())
+    with pytest.raises(ConfigError, match=r"parallel\.cp: .*llama's attention is not all reached through "
+                                          r"transformers' attention interface \(0 calls for 2 layers\)"):
+        validate(cfg, 2)
+
+
+def test_context_parallel_of_a_sliding_window_model_exits_2_before_any_worker(monkeypatch, capsys, tmp_path):
+    from hf_models import make_model
+
+    path = make_model(tmp_path / "mistral", "mistral")
+    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+                            "model=hf", f"model.path={path}", "launch.nproc_per_node=2", "parallel.cp=2",
+                            "parallel.dp_shard=1", "train.seq_len=32") == 2
+    err = capsys.readouterr().err
+    assert err.count(PREFIX) == 1 and f"{PREFIX}parallel.cp: " in err and "sliding-window" in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_recipes():
     """`composer3d-train --help`: every key of the schema with its value in the composed config (a recipe's, when
     one is chosen) and the schema's comment on it; the config groups and the recipes. Exit 0, nothing trained."""

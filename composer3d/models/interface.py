@@ -4,7 +4,7 @@ Two halves, so that neither ``parallel/`` nor the trainer ever names a family (n
 
 - ``ModelSpec``, per family and from its config alone (before any model exists, in the launcher too): how to build
   the model on meta, its tensor-parallel plan, the sizes tensor parallel splits, what it refuses, where its
-  pretrained weights are and how they are read into the shards, its expert-parallel support.
+  pretrained weights are and how they are read into the shards, its expert-parallel and context-parallel support.
 - ``ComposerModel``, what a built model offers: the block structure every parallelism walks (``layers`` and the
   embedding, norm and head a pipeline stage may drop), its initialization, and its mixture-of-experts parts
   (routed experts, the expert-parallel dispatch, inactive parameters, the routing the trainer tracks), and its
@@ -44,6 +44,8 @@ class ModelSpec:
     # (model config) -> routed experts of each MoE layer (0: dense) and why expert parallel cannot shard them (None:
     # it can); checked before launch when parallel.ep > 1
     expert_parallel: Callable[[Any], tuple[int, str | None]] = lambda cfg: (cfg.moe.experts, None)
+    # (model config) -> why context parallel cannot run the model (None: it can); checked before launch when cp > 1
+    context_parallel_problem: Callable[[Any], str | None] = lambda cfg: None
 
 
 @dataclass(frozen=True)
@@ -109,4 +111,4 @@ class ComposerModel(Protocol):
 
     def use_context_parallel(self, context) -> None:
         """Hold ``context``'s share of each sequence (``parallel.context.ContextParallel``: token indices, the
-        gather of keys and values over cp, the mask); the native family so far (validation refuses others)."""
+        gather of keys and values over cp, the mask); a family refuses what it cannot (``context_parallel_problem``)."""

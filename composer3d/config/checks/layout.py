@@ -44,8 +44,9 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
-    """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing); so far it runs the native model
-    with FSDP/HSDP (ZeRO-2/3), and refuses the compositions it is not yet tested in rather than guess."""
+    """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing); it runs the native model and the
+    Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``) with FSDP/HSDP
+    (ZeRO-2/3), and refuses the compositions it is not yet tested in rather than guess."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -62,8 +63,9 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
             _require(count % cp == 0, "parallel.cp_style", f"ulysses splits the heads over the cp ranks, and {key}="
                      f"{count} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
                      f"dividing {count}")
-    _require(cfg.model.name == "llama", "parallel.cp", f"context parallel runs the native model so far, not "
-             f"model={cfg.model.name}", "Use parallel.cp=1 with this model")
+    problem = MODEL_REGISTRY[cfg.model.name].context_parallel_problem(cfg.model)
+    _require(problem is None, "parallel.cp", f"context parallel (cp={cp}) of this model: {problem}",
+             "Use parallel.cp=1 with this model (FSDP and pipeline parallel work)")
     unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.tp": degrees["tp"] > 1, "parallel.ep": degrees["ep"] > 1,
                    "parallel.zero_stage": cfg.parallel.zero_stage == 1, "compile.enabled": cfg.compile.enabled}
     for key, given in unsupported.items():

@@ -7,6 +7,7 @@ below); its modules, bottom to top:
   tiny replica of the config that the launch-time checks build;
 - ``conversion``: checkpoint names → parameters, through transformers' own conversion mapping;
 - ``router_loss``: transformers' router load-balancing loss, kept apart from the logged token loss;
+- ``context_parallel``: composer3d's context-parallel attention in transformers' attention interface, what it refuses;
 - ``experts``: transformers' experts modules under expert parallel (all-to-all dispatch), their routing counts;
 - ``model``: ``HFCausalLM``, transformers' modules behind composer3d's model interface (``models.interface``);
 - ``tensor_parallel``: the model's TP plan, translated (or derived for Llama-like layouts without one);
@@ -17,6 +18,7 @@ transformers itself is imported only where a Hugging Face model is used, never b
 """
 
 from composer3d.models.hf.config import expert_count, fill_model_config, load_hf_config, resolve_model_dir
+from composer3d.models.hf.context_parallel import context_parallel_problem
 from composer3d.models.hf.conversion import to_checkpoint_names
 from composer3d.models.hf.experts import expert_parallel_support
 from composer3d.models.hf.forward_check import check_forward_matches_transformers
@@ -30,7 +32,7 @@ SPEC = ModelSpec(
     "hf", HFCausalLM, tensor_parallel_plan, tp_split_sizes, tensor_parallel_problem=tensor_parallel_problem,
     pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None, load_pretrained=load_pretrained,
     check_pretrained=check_pretrained, check_forward=check_forward_matches_transformers,
-    expert_parallel=expert_parallel_support)
+    expert_parallel=expert_parallel_support, context_parallel_problem=context_parallel_problem)
 
 __all__ = ["SPEC", "HFCausalLM", "check_pretrained", "expert_count", "export_files", "fill_model_config",
            "load_hf_config", "load_pretrained", "resolve_model_dir", "to_checkpoint_names", "wants_router_loss"]

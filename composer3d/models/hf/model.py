@@ -10,7 +10,9 @@ activation checkpointing, compile, FSDP) applies, with no second code path.
 The forward is the decoder loop of transformers' text models (embed → masks and rotary embeddings → decoder
 layers → norm → head), written once over the modules transformers built, so a pipeline stage can start at any
 layer. Attention masks come from transformers' own mask functions, per layer type (full or sliding window), and
-from ``position_ids``: positions that restart mark packed documents, which the mask functions keep apart.
+from ``position_ids``: positions that restart mark packed documents, which the mask functions keep apart. Under
+context parallel the attention modules call composer3d's attention through transformers' interface instead, with a
+plan made once per forward (``context_parallel``).
 
 Tensor parallel: ``tensor_parallel``; reading and exporting weights: ``weights``; the config: ``config``.
 """
@@ -27,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
 from composer3d.models.hf.config import expert_count, load_hf_config, resolve_model_dir
+from composer3d.models.hf.context_parallel import ATTENTION, attention_plan, register_attention
 from composer3d.models.hf.conversion import model_conversions
 from composer3d.models.hf.experts import count_routing, hf_expert_modules, inactive_params, use_expert_parallel
 from composer3d.models.hf.router_loss import RouterLoss, wants_router_loss
@@ -87,6 +90,7 @@ class HFCausalLM(nn.Module):
         # A dict keyed by layer index keeps names ("model.layers.3…") when a pipeline stage drops layers.
         self.model.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(self.model.layers)})
         self.sequence_shards = 1  # the residual stream is split over this many ranks (set by sequence parallel)
+        self.context_parallel = None  # this rank's share of each sequence under context parallel (parallel.context)
         self.tie_weights()
         self.full_shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         # Each parameter's owner, copied while still whole and on meta: its init runs on that copy (init_rule).
@@ -179,6 +183,13 @@ class HFCausalLM(nn.Module):
         count_routing(hf_expert_modules(self), device)
         return Routing(experts, router_loss=self.router_loss)
 
+    def use_context_parallel(self, context) -> None:
+        """Attend over the whole sequence while holding ``context``'s share of it: every attention module calls
+        composer3d's function through transformers' attention interface (``context_parallel``)."""
+        register_attention()
+        self.context_parallel = context
+        self.config._attn_implementation = ATTENTION
+
     def _layer_type(self, layer_id: str) -> str:
         types = getattr(self.config, "layer_types", None)
         if types:
@@ -220,12 +231,16 @@ class HFCausalLM(nn.Module):
             # Under sequence parallel a stage's input holds a slice of the sequence; masks and rotary
             # embeddings are built for the whole of it (attention all-gathers the sequence).
             seq = x.shape[1] if embed else h.shape[1] * self.sequence_shards
-            if position_ids is None:
+            if position_ids is None and self.context_parallel is None:
                 position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
             local = h.to_local() if isinstance(h, DTensor) else h
             reference = local.new_empty((local.shape[0], seq, 0))  # masks read batch, length, dtype, device
             kinds = {self._layer_type(i) for i in layer_ids}
-            masks = self._masks(reference, position_ids, kinds)
+            if self.context_parallel is not None:  # the global positions of this rank's tokens, one plan for all
+                position_ids, plan = attention_plan(self.context_parallel, seq, position_ids, h.device)
+                masks = {kind: plan for kind in kinds}
+            else:
+                masks = self._masks(reference, position_ids, kinds)
             if self._rotary_by_type:
                 rotary = {kind: self.model.rotary_emb(reference, position_ids, kind) for kind in kinds}
             else:
