@@ -82,9 +82,15 @@ class ContextParallel:
         queries = self.token_index(seq_len, device) if self.style == "allgather" else self.gathered_index(seq_len, device)
         return _mask(queries, self.gathered_index(seq_len, device), documents)
 
+    # Under compile.enabled the block is compiled around this call, which runs eagerly between its two graphs: the
+    # ring's send/receive is a P2P op dynamo refuses to trace, and its plan is Python data (the blocks a step's
+    # documents leave) that a graph would guard on and recompile for at every new batch. The other two styles keep
+    # the same boundary, so all three run the same compiled code around their collectives.
+    @torch.compiler.disable(reason="context parallel attention: P2P ring and a per-batch plan, run eagerly")
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
         """Attention of this rank's queries (batch, heads, local tokens, head_dim) over the whole sequence's keys;
-        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim)."""
+        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim). Under tensor parallel these are the
+        rank's share of the heads (``q.shape[1]`` = heads / tp): each tp rank attends with its own heads."""
         if self.style == "ring":
             return ring_attention(q, k, v, plan, self.group, self.rank, self.size)
         if self.style == "allgather":

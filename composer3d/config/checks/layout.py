@@ -45,7 +45,8 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing); so far it runs the native model
-    with FSDP/HSDP (ZeRO-2/3), and refuses the compositions it is not yet tested in rather than guess."""
+    with FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, and refuses the compositions it is not yet tested in rather than
+    guess."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -56,19 +57,22 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     style = cfg.parallel.cp_style
     _require(style in CP_STYLES, "parallel.cp_style", f"got {style!r}",
              "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
-    if style == "ulysses":
+    if style == "ulysses":  # the heads a rank holds: under tensor parallel, 1/tp of them
+        tp = degrees["tp"]
         heads = {"model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads or cfg.model.n_heads}
         for key, count in heads.items():
-            _require(count % cp == 0, "parallel.cp_style", f"ulysses splits the heads over the cp ranks, and {key}="
-                     f"{count} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
-                     f"dividing {count}")
+            local = count // tp if count % tp == 0 else count  # tp not dividing is its own error (_check_layout)
+            held = f"{key}={count} over tp={tp} leaves {local} a rank, which" if tp > 1 else f"{key}={count}"
+            _require(local % cp == 0, "parallel.cp_style", f"ulysses splits the heads a rank holds over the cp ranks, "
+                     f"and {held} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
+                     f"dividing {local}" + (", or a smaller parallel.tp" if tp > 1 else ""))
     _require(cfg.model.name == "llama", "parallel.cp", f"context parallel runs the native model so far, not "
              f"model={cfg.model.name}", "Use parallel.cp=1 with this model")
-    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.tp": degrees["tp"] > 1, "parallel.ep": degrees["ep"] > 1,
-                   "parallel.zero_stage": cfg.parallel.zero_stage == 1, "compile.enabled": cfg.compile.enabled}
+    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
     for key, given in unsupported.items():
         _require(not given, key, f"context parallel (parallel.cp={cp}) does not compose with {key} yet",
-                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP and HSDP so far)")
+                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP, HSDP, ZeRO-1, TP/SP "
+                 "and compile so far)")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
@@ -95,8 +99,10 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
     if p.sequence_parallel:
         _require(tp > 1, "parallel.sequence_parallel", "needs tensor parallel (tp > 1) to shard the sequence over",
                  "Set parallel.tp>1 or parallel.sequence_parallel=false")
-        _require(t.seq_len % tp == 0, "train.seq_len", f"seq_len={t.seq_len} is not divisible by tp={tp}, "
-                 "which sequence parallel shards it over", f"Use a multiple of {tp}")
+        cp = degrees["cp"]  # under context parallel, sequence parallel splits each cp rank's seq_len/cp tokens
+        held = f"the {t.seq_len // cp} tokens each of the cp={cp} ranks holds" if cp > 1 else f"seq_len={t.seq_len}"
+        _require(t.seq_len % (cp * tp) == 0, "train.seq_len", f"{held} is not divisible by tp={tp}, "
+                 "which sequence parallel shards it over", f"Use a multiple of {cp * tp}")
 
 
 def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
