@@ -2,11 +2,13 @@
 
 Under TP × cp each cp rank's share of the sequence is split again over tp for the norms and the residual stream
 (sequence parallel), and each tp rank attends with its share of the heads over the whole sequence (ring, allgather
-or ulysses across its cp group). Checked against one process's model (logits and gradients, every style, with
-documents and without, and what each rank's attention and residual stream hold) and by loss parity at
-``model.n_layers=4 train.seq_len=256`` over 10 steps: cp 2 × TP 2 (+SP, and without SP) in every style, ZeRO-1
-over dp × cp, compile × cp 2 with no recompile after the first step; cp 2 × FSDP 2 × TP 2 + SP (8 ranks) and
-compile × cp 2 × FSDP 2 with ``-m slow`` (their parts run here).
+or ulysses across its cp group). Compiled blocks run cp's attention eagerly between their graphs.
+
+Checked against one process's model (logits and gradients, every style, with documents and without; what each
+rank's attention and residual stream hold; where compile breaks the graph and that it never recompiles), and by
+loss parity over 10 steps: in the default run cp 2 × TP 2 + SP with masking on and off, its other two styles and
+ZeRO-1 over dp × cp at the cp tests' size; with ``-m slow`` every layout at the issue's (``model.n_layers=4
+train.seq_len=256``), cp 2 × FSDP 2 × TP 2 + SP on 8 ranks and compile × cp (× FSDP) through inductor among them.
 """
 
 import json
@@ -18,49 +20,82 @@ import torch.distributed as dist
 from harness import FAST, RunResult, _train_jobs, processes, spawn, train_in_one_group
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: the short-document corpus)
 
-RUN = [*(o for o in FAST if not o.startswith("train.seq_len=")), "train.seq_len=256", "model.n_layers=4",
-       "train.steps=10"]
-TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
-LAYOUTS = {  # name: (world size, overrides, masking kinds); ring attention unless named
-    "cp2_tp2_sp": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP], list(MASKING)),
-    "cp2_tp2_sp_allgather": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP, "parallel.cp_style=allgather"],
-                             list(MASKING)),
-    "cp2_tp2_sp_ulysses": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP, "parallel.cp_style=ulysses"],
-                           list(MASKING)),
-    "cp2_tp2": (4, ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2"], ["documents"]),  # TP without SP
-    "cp2_fsdp2_zero1": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=1"], ["documents"]),
-    "cp2_fsdp2_tp2_sp": (8, ["parallel.dp_shard=2", "parallel.cp=2", *TP_SP], list(MASKING)),
+BASE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "train.steps=10"]
+SIZES = {  # the default run's (the cp tests' size) and the issue's bar (with -m slow)
+    "small": ["train.seq_len=64", "model.n_layers=2"],
+    "issue": ["train.seq_len=256", "model.n_layers=4"],
 }
-SLOW_WORLDS = {8}  # cp × FSDP and cp × TP + SP each run in the default run
-COMPILED = {  # name: (world size, overrides); with documents
+TP_SP = ["parallel.tp=2", "parallel.sequence_parallel=true"]
+LAYOUTS = {  # name: (world size, overrides); ring attention unless named
+    "reference": (1, []),
+    "cp2_tp2_sp": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP]),
+    "cp2_tp2_sp_allgather": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP, "parallel.cp_style=allgather"]),
+    "cp2_tp2_sp_ulysses": (4, ["parallel.dp_shard=1", "parallel.cp=2", *TP_SP, "parallel.cp_style=ulysses"]),
+    "cp2_tp2": (4, ["parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2"]),  # TP without SP
+    "cp2_fsdp2_zero1": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=1"]),
+    "cp2_fsdp2_tp2_sp": (8, ["parallel.dp_shard=2", "parallel.cp=2", *TP_SP]),
+}
+COMPILED = {  # trained one per process group, dynamo counting (``_compiled_jobs``)
     "cp2_compiled": (2, ["parallel.dp_shard=1", "parallel.cp=2", "compile.enabled=true"]),
     "cp2_fsdp2_compiled": (4, ["parallel.dp_shard=2", "parallel.cp=2", "compile.enabled=true"]),
 }
-SLOW_COMPILED = {"cp2_fsdp2_compiled"}
+DEFAULT_CASES = [("cp2_tp2_sp", "documents"), ("cp2_tp2_sp", "causal"), ("cp2_tp2_sp_allgather", "documents"),
+                 ("cp2_tp2_sp_ulysses", "documents"), ("cp2_fsdp2_zero1", "documents")]
+# every layout with documents; the TP + SP ones (every style) with masking off too
+ISSUE_CASES = [(name, kind) for name in LAYOUTS if name != "reference" for kind in MASKING
+               if kind == "documents" or "tp2_sp" in name]
 
 
-# ------------------------------------------------------------------- TP × cp against one process's attention
+# ------------------------------------------------------------------------- against one process's model
+
+def _tiny_model_and_batch():
+    from composer3d.config import ModelConfig
+
+    cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
+                      init_std=0.1)  # sharp attention: a key of the wrong document or future moves logits
+    seq = 32
+    tokens = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
+    weights = torch.randn(2, seq, 128, generator=torch.Generator().manual_seed(2))
+    return cfg, tokens, weights
+
+
+def _documents(*starts: int, seq: int = 32) -> torch.Tensor:
+    """Position ids of two rows, each two packed documents, the second starting at ``starts[row]``."""
+    return torch.stack([torch.cat([torch.arange(start), torch.arange(seq - start)]) for start in starts])
+
+
+def _errors(full, parted, context, tokens, weights, position_ids, cp_group, whole=lambda t: t) -> tuple:
+    """The largest logits error at this rank's tokens, and the largest gradient error (relative to each
+    parameter's largest entry) of the same scalar, each rank's share summed over cp. ``whole``: a parameter's or
+    logits' whole tensor from what this rank holds (DTensor's ``full_tensor`` under TP)."""
+    for model in (full, parted):
+        model.zero_grad(set_to_none=True)
+    expected = full(tokens, position_ids=position_ids)
+    got = whole(parted(context.shard(tokens), position_ids=context.shard(position_ids)))
+    logits_error = (got - context.shard(expected)).abs().max().item()
+    (expected * weights).sum().backward()
+    (got * context.shard(weights)).sum().backward()
+    grad_error = 0.0
+    for a, b in zip(full.parameters(), parted.parameters()):
+        grad = whole(b.grad).clone()
+        dist.all_reduce(grad, group=cp_group)
+        grad_error = max(grad_error, ((a.grad - grad).abs().max() / a.grad.abs().max()).item())
+    return logits_error, grad_error
+
 
 def _tp_cp_against_full_attention(rank: int, world: int, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from composer3d.config import ModelConfig
     from composer3d.models import MODEL_REGISTRY, build_model
     from composer3d.models.init import materialize
     from composer3d.parallel.context import STYLES, ContextParallel
     from composer3d.parallel.tensor import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
-    cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
-                      init_std=0.1)  # sharp attention: a key of the wrong document or future moves logits
-    seq = 32
-    tokens = torch.randint(0, 128, (2, seq), generator=torch.Generator().manual_seed(1))
-    positions = torch.stack([torch.cat([torch.arange(11), torch.arange(seq - 11)]),
-                             torch.cat([torch.arange(20), torch.arange(seq - 20)])])  # two documents a row
-    weights = torch.randn(2, seq, 128, generator=torch.Generator().manual_seed(2))
+    cfg, tokens, weights = _tiny_model_and_batch()
     results = {}
     for style in STYLES:
-        for kind, position_ids in (("causal", None), ("documents", positions)):
+        for kind, position_ids in (("causal", None), ("documents", _documents(11, 20))):
             full, parted = build_model(cfg), build_model(cfg)
             apply_tensor_parallel(parted, MODEL_REGISTRY["llama"], mesh["tp"], sequence_parallel=True)
             context = ContextParallel(mesh["cp"], style)
@@ -73,21 +108,14 @@ def _tp_cp_against_full_attention(rank: int, world: int, out: str) -> None:
             def recording(q, k, v, plan):
                 seen.setdefault("attention", [list(q.shape), list(k.shape)])
                 return attend(q, k, v, plan)
-            context.attend = recording
+
             def residual(_, args):  # the block's input: this rank's share of the residual stream
                 seen.setdefault("residual", list(args[0].shape))
+            context.attend = recording
             parted.layers["0"].register_forward_pre_hook(residual)
-            expected = full(tokens, position_ids=position_ids)
-            got = parted(context.shard(tokens), position_ids=context.shard(position_ids)).full_tensor()
-            logits_error = (got - context.shard(expected)).abs().max().item()
-            (expected * weights).sum().backward()
-            (got * context.shard(weights)).sum().backward()
-            grad_error = 0.0  # relative to the largest gradient entry of each parameter
-            for a, b in zip(full.parameters(), parted.parameters()):
-                grad = b.grad.full_tensor()  # whole over tp, this cp rank's tokens' share: summed over cp
-                dist.all_reduce(grad, group=mesh["cp"].get_group())
-                grad_error = max(grad_error, ((a.grad - grad).abs().max() / a.grad.abs().max()).item())
-            results[f"{style}_{kind}"] = {"logits": logits_error, "grads": grad_error, **seen}
+            errors = _errors(full, parted, context, tokens, weights, position_ids, mesh["cp"].get_group(),
+                             whole=lambda t: t.full_tensor())
+            results[f"{style}_{kind}"] = {"logits": errors[0], "grads": errors[1], **seen}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
@@ -106,40 +134,74 @@ def test_tp_cp_logits_gradients_and_what_each_rank_holds(tmp_path):
             assert result["residual"] == [2, 8, 64], (rank, case, result)  # 32 tokens / cp 2 / tp 2
 
 
+def _compiled_cp_against_full_attention(rank: int, world: int, out: str) -> None:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from composer3d.models import build_model
+    from composer3d.models.init import materialize
+    from composer3d.parallel.context import STYLES, ContextParallel
+
+    torch._dynamo.config.error_on_recompile = True  # a batch that compiled a graph again would fail here
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    cfg, tokens, weights = _tiny_model_and_batch()
+    results = {}
+    for style in STYLES:
+        torch._dynamo.reset()
+        counters.clear()
+        full, parted = build_model(cfg), build_model(cfg)
+        context = ContextParallel(mesh["cp"], style)
+        parted.use_context_parallel(context)
+        for model in (full, parted):
+            materialize(model, torch.device("cpu"), seed=0)
+        for block in parted.layers.values():
+            block.compile(backend="eager")  # dynamo's graphs, breaks and guards, run without a compiler
+        errors = [_errors(full, parted, context, tokens, weights, positions, mesh["cp"].get_group())
+                  for positions in (_documents(11, 20), _documents(5, 27), None)]  # other documents each batch
+        results[style] = {"errors": errors, "graph_breaks": dict(counters["graph_break"]),
+                          "graphs": counters["stats"]["unique_graphs"]}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def test_compiled_cp_blocks_break_only_at_attention(tmp_path):
+    """Compiled blocks under cp 2, each style, over three batches whose documents differ (the last causal): one
+    process's logits and gradients (1e-5); dynamo compiles the block before and after attention and breaks the
+    graph only at cp's attention (``ContextParallel.attend``), and a new batch compiles nothing again."""
+    spawn(_compiled_cp_against_full_attention, 2, tmp_path, str(tmp_path))
+    for rank in range(2):
+        for style, result in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            assert all(error < 1e-5 for batch in result["errors"] for error in batch), (rank, style, result)
+            assert result["graphs"] >= 2, (rank, style, result)
+            assert result["graph_breaks"] and all("context parallel attention" in reason
+                                                  for reason in result["graph_breaks"]), (rank, style, result)
+
+
 # ------------------------------------------------------------------------------------------------ loss parity
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory, documents):  # noqa: F811  (the imported fixture)
-    """One process, with document masking on and off (one process group of one)."""
-    root = tmp_path_factory.mktemp("cptp_ref")
-    kinds = list(MASKING)
-    runs = dict(zip(kinds, train_in_one_group([(root / kind, [*RUN, *documents[kind]]) for kind in kinds], nproc=1)))
-    assert runs["documents"].losses != runs["causal"].losses, "document masking changes this corpus's curve"
-    return runs
-
-
-def _layouts_of(world: int):
-    return [(name, kind) for name, (w, _, kinds) in LAYOUTS.items() if w == world for kind in kinds]
-
-
-@pytest.fixture(scope="module")
-def tp_cp_runs(tmp_path_factory, documents):  # noqa: F811
-    """The layouts of the default run, those of a world size in one process group (the 8-rank ones: ``slow_runs``)."""
-    return _train_layouts(tmp_path_factory.mktemp("cptp"), documents, {w for w, _, _ in LAYOUTS.values()} - SLOW_WORLDS)
-
-
-@pytest.fixture(scope="module")
-def slow_runs(tmp_path_factory, documents):  # noqa: F811
-    return _train_layouts(tmp_path_factory.mktemp("cptp_slow"), documents, SLOW_WORLDS)
-
-
-def _train_layouts(root: Path, documents, worlds) -> dict:  # noqa: F811
+def _train(root: Path, documents, size: str, cases: list[tuple[str, str]]) -> dict:  # noqa: F811
+    """(layout, masking) → its run, and ("reference", masking) → one process's; those of a world size in one
+    process group."""
+    cases = [*(("reference", kind) for kind in MASKING), *cases]
     runs = {}
-    for world in sorted(worlds):
-        keys = _layouts_of(world)
-        jobs = [(root / f"{name}_{kind}", [*RUN, *LAYOUTS[name][1], *documents[kind]]) for name, kind in keys]
+    for world in sorted({LAYOUTS[name][0] for name, _ in cases}):
+        keys = [(name, kind) for name, kind in cases if LAYOUTS[name][0] == world]
+        jobs = [(root / f"{name}_{kind}", [*BASE, *SIZES[size], *LAYOUTS[name][1], *documents[kind]])
+                for name, kind in keys]
         runs.update(zip(keys, train_in_one_group(jobs, nproc=world)))
+    assert runs[("reference", "documents")].losses != runs[("reference", "causal")].losses, \
+        "document masking changes this corpus's curve"
     return runs
+
+
+@pytest.fixture(scope="module")
+def small_runs(tmp_path_factory, documents):  # noqa: F811
+    return _train(tmp_path_factory.mktemp("cptp_small"), documents, "small", DEFAULT_CASES)
+
+
+@pytest.fixture(scope="module")
+def issue_runs(tmp_path_factory, documents):  # noqa: F811
+    return _train(tmp_path_factory.mktemp("cptp_issue"), documents, "issue", ISSUE_CASES)
 
 
 def _assert_follows(reference, run, what: str) -> None:
@@ -150,36 +212,32 @@ def _assert_follows(reference, run, what: str) -> None:
     assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"
 
 
-def _parity_cases(slow: bool):
-    return [(name, kind) for world in sorted({w for w, _, _ in LAYOUTS.values()}) if (world in SLOW_WORLDS) == slow
-            for name, kind in _layouts_of(world)]
+def _assert_layout(run, name: str) -> None:
+    degrees = dict(arg.removeprefix("parallel.").split("=") for arg in LAYOUTS[name][1] if "parallel.tp=" in arg
+                   or "parallel.cp=" in arg or "parallel.dp_shard=" in arg)
+    assert {k: str(run.run_info["layout"][k]) for k in degrees} == degrees, run.run_info["layout"]
 
 
-@pytest.mark.parametrize("name, kind", _parity_cases(slow=False))
-def test_tp_cp_loss_matches_single_process(name, kind, references, tp_cp_runs):
-    run = tp_cp_runs[(name, kind)]
-    _assert_follows(references[kind], run, f"{name} ({kind})")
-    layout = run.run_info["layout"]
-    assert (layout["cp"], layout["tp"]) == (2, 2 if "tp2" in name else 1), layout
+@pytest.mark.parametrize("name, kind", DEFAULT_CASES)
+def test_tp_cp_loss_matches_single_process(name, kind, small_runs):
+    _assert_follows(small_runs[("reference", kind)], small_runs[(name, kind)], f"{name} ({kind})")
+    _assert_layout(small_runs[(name, kind)], name)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, kind", _parity_cases(slow=True))
-def test_tp_cp_fsdp_on_8_ranks_matches_single_process(name, kind, references, slow_runs):
-    run = slow_runs[(name, kind)]
-    _assert_follows(references[kind], run, f"{name} ({kind})")
-    assert {k: run.run_info["layout"][k] for k in ("dp_shard", "cp", "tp")} == {"dp_shard": 2, "cp": 2, "tp": 2}
-
-
-def test_zero1_shards_optimizer_state_over_dp_and_cp(tp_cp_runs):
+def test_zero1_shards_optimizer_state_over_dp_and_cp(small_runs):
     """ZeRO-1 under cp 2 × dp 2: parameters and gradients replicated (4 + 4 bytes a parameter), the optimizer's 8
     bytes sharded over all 4 ranks whose gradients differ (dp × cp), not over dp alone (which would be 12 bytes)."""
-    info = tp_cp_runs[("cp2_fsdp2_zero1", "documents")].run_info
+    info = small_runs[("cp2_fsdp2_zero1", "documents")].run_info
     expected = (4 + 4 + 8 / 4) * info["num_params"]
     assert abs(info["model_state_bytes_per_rank"] - expected) / expected < 0.02, (info, expected)
 
 
-# ---------------------------------------------------------------------------------------------- compile × cp
+@pytest.mark.slow
+@pytest.mark.parametrize("name, kind", ISSUE_CASES)
+def test_tp_cp_at_the_issues_size_matches_single_process(name, kind, issue_runs):
+    _assert_follows(issue_runs[("reference", kind)], issue_runs[(name, kind)], f"{name} ({kind})")
+    _assert_layout(issue_runs[(name, kind)], name)
+
 
 def _compiled_jobs(rank: int, nproc: int, jobs, ports, report: str) -> None:
     import torch._dynamo
@@ -191,30 +249,19 @@ def _compiled_jobs(rank: int, nproc: int, jobs, ports, report: str) -> None:
         {"graph_breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}))
 
 
-def _train_compiled(tmp_path: Path, name: str, overrides: list[str]) -> tuple[RunResult, list[dict]]:
-    """The run, and what dynamo counted on each rank: graph breaks by reason, graphs compiled."""
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COMPILED))
+def test_compiled_cp_at_the_issues_size_matches_single_process(name, issue_runs, documents, tmp_path):  # noqa: F811
+    """Inductor-compiled blocks (× FSDP): the one-process curve; graphs broken only at cp's attention, and no
+    recompile at any step."""
     world, layout = COMPILED[name]
-    run_dir, report = tmp_path / name, tmp_path / f"{name}_dynamo"
+    run_dir, report = tmp_path / name, tmp_path / "dynamo"
     report.mkdir()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's rendezvous
-    processes(_compiled_jobs, world, world, [(str(run_dir), [*RUN, *layout, *overrides])], [store.port], str(report))
-    return RunResult(0, "", 0.0, run_dir), [json.loads(p.read_text()) for p in sorted(report.glob("rank*.json"))]
-
-
-def _assert_compiled_around_attention(dynamo: list[dict], world: int) -> None:
-    """Each rank compiled its blocks (graphs before and after attention), broke the graph only at context
-    parallel's attention (kept out of it: ``ContextParallel.attend``), and compiled nothing again after the first
-    step (``error_on_recompile`` would have failed the run)."""
-    assert len(dynamo) == world
-    for counts in dynamo:
+    processes(_compiled_jobs, world, world, [(str(run_dir), [*BASE, *SIZES["issue"], *layout,
+                                                              *documents["documents"]])], [store.port], str(report))
+    _assert_follows(issue_runs[("reference", "documents")], RunResult(0, "", 0.0, run_dir), name)
+    for counts in (json.loads(path.read_text()) for path in sorted(report.glob("rank*.json"))):
         assert counts["graphs"] >= 2, counts
         assert counts["graph_breaks"] and all("context parallel attention" in reason
                                               for reason in counts["graph_breaks"]), counts
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_COMPILED else n
-                                  for n in COMPILED])
-def test_compiled_blocks_under_cp_match_single_process(name, references, documents, tmp_path):  # noqa: F811
-    run, dynamo = _train_compiled(tmp_path, name, documents["documents"])
-    _assert_follows(references["documents"], run, name)
-    _assert_compiled_around_attention(dynamo, COMPILED[name][0])

@@ -155,7 +155,7 @@ class Llama(nn.Module):
         if self.context_parallel is not None:
             # a later pipeline stage gets the residual stream, of which sequence parallel left it 1/tp
             tokens = x.shape[1] if embed else x.shape[1] * self.sequence_shards
-            rope, mask = self._context_parallel_rope_and_mask(tokens, h.device, position_ids)
+            rope, mask = self._context_parallel_rope_and_mask(x.shape[0], tokens, h.device, position_ids)
         elif position_ids is not None:
             documents = document_ids(position_ids)
             # Flex attention takes the mask whatever it holds: no read of the device (a host sync would stall the
@@ -172,16 +172,18 @@ class Llama(nn.Module):
             return h
         return self.logits(h) if head_loss is None else head_loss(h, self.logits)
 
-    def _context_parallel_rope_and_mask(self, tokens: int, device: torch.device, position_ids: torch.Tensor | None):
+    def _context_parallel_rope_and_mask(self, batch: int, tokens: int, device: torch.device,
+                                        position_ids: torch.Tensor | None):
         """This rank's ``tokens`` under context parallel: RoPE at their global positions, and the plan of their
         attention over the whole sequence (causal by global index; within documents, from the whole sequence's
         positions), made once for every layer. Under sequence parallel the residual stream holds 1/tp of them,
-        but attention (where RoPE and the plan are used) sees them all."""
+        but attention (where RoPE and the plan are used) sees them all. The tables have a row per sequence with
+        documents or without, so that compiled blocks see the same shapes in training and evaluation."""
         context = self.context_parallel
         seq_len = tokens * context.size
         documents = None
         if position_ids is None:
-            position_ids = context.token_index(seq_len, device).unsqueeze(0)
+            position_ids = context.token_index(seq_len, device).expand(batch, -1)
         else:
             documents = document_ids(context.whole(position_ids))
         rope = self.rope_cos[position_ids], self.rope_sin[position_ids]
