@@ -31,9 +31,6 @@ VALIDATION_CASES = [
     ("text_files_without_paths", 4, ["data=text_files"], ["data.paths"]),
     ("cp_not_cutting_seq_len", 3, ["parallel.cp=3", "parallel.dp_shard=1", "train.seq_len=256"],
      ["parallel.cp", "2·cp = 6 equal chunks"]),
-    ("cp_with_tp", 4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"], ["parallel.tp", "parallel.cp=1"]),
-    ("cp_with_zero1", 4, ["parallel.cp=2", "parallel.dp_shard=2", "parallel.zero_stage=1"],
-     ["parallel.zero_stage", "context parallel"]),
     ("more_stages_than_layers", 4, ["parallel.pp=4"], ["parallel.pp", "4 stages"]),
     ("kv_heads_not_dividing_heads", 4, ["model.n_kv_heads=3"], ["model.n_kv_heads"]),
     ("expert_parallel_of_a_dense_model", 4, ["parallel.ep=2"], ["parallel.ep", "the model is dense",
@@ -118,6 +115,10 @@ def compose_cfg():
     (1, [], {"dp_shard": 1, "tp": 1}),
     # ring attention (the default cp style) takes any head count: 2 KV heads on 4 cp ranks
     (4, ["parallel.cp=4", "model.n_kv_heads=2"], {"dp_shard": 1, "cp": 4}),
+    # cp composes with TP + SP (Ulysses on the heads a tp rank holds: 8/2 and 4/2 over cp 2) and with ZeRO-1
+    (8, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_style=ulysses"],
+     {"dp_shard": 2, "cp": 2, "tp": 2}),
+    (4, ["parallel.cp=2", "parallel.zero_stage=1", "compile.enabled=true"], {"dp_shard": 2, "cp": 2}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
@@ -165,6 +166,13 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
      "model.n_kv_heads=2 is not divisible by cp=4"),
+    # under TP, ulysses splits the heads each tp rank holds: 4 KV heads over tp=2 leave 2, not divisible by cp=4
+    (8, ["parallel.cp=4", "parallel.tp=2", "parallel.cp_style=ulysses"], "parallel.cp_style",
+     "model.n_kv_heads=4 over tp=2 leaves 2 a rank, which is not divisible by cp=4"),
+    # sequence parallel splits the tokens a cp rank holds: 36 of seq_len=72 over cp=2 do not divide by tp=8
+    (16, ["parallel.cp=2", "parallel.tp=8", "model.n_heads=16", "model.n_kv_heads=8", "model.dim=128",
+          "parallel.sequence_parallel=true", "train.seq_len=72"], "train.seq_len",
+     "the 36 tokens each of the cp=2 ranks holds is not divisible by tp=8"),
     # sequence tiling: tiles of the tokens a rank holds (seq_len / cp, / tp under sequence parallel)
     (1, ["memory.tile_mlp=-1"], "memory.tile_mlp", "must be >= 0, got -1"),
     (1, ["train.seq_len=96", "memory.tile_mlp=64"], "memory.tile_mlp", "the 96 tokens"),

@@ -76,17 +76,24 @@ class ContextParallel:
         order = self.gathered_index(seq_len, tensor.device).argsort()
         return stacked.index_select(dim, order)
 
-    def attention_plan(self, seq_len: int, documents: torch.Tensor | None, device: torch.device):
+    def attention_plan(self, seq_len: int, documents: torch.Tensor | None, device: torch.device) -> "AttentionPlan":
         """What every layer's attention of one forward needs (computed once): ``documents`` (batch, seq_len) are
         the document ids in global order, or None for causal attention."""
         if self.style == "ring":
-            return ring_blocks(self.rank, self.size, seq_len, documents)
+            return AttentionPlan(ring_blocks(self.rank, self.size, seq_len, documents))
         queries = self.token_index(seq_len, device) if self.style == "allgather" else self.gathered_index(seq_len, device)
-        return _mask(queries, self.gathered_index(seq_len, device), documents)
+        return AttentionPlan(_mask(queries, self.gathered_index(seq_len, device), documents))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan) -> torch.Tensor:
+    # Under compile.enabled the block is compiled around this call, which runs eagerly between its two graphs: the
+    # ring's send/receive is a P2P op dynamo refuses to trace, and its plan is Python data (the blocks a step's
+    # documents leave) that a graph would guard on and recompile for at every new batch. The other two styles keep
+    # the same boundary, so all three run the same compiled code around their collectives.
+    @torch.compiler.disable(reason="context parallel attention: P2P ring and a per-batch plan, run eagerly")
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: "AttentionPlan") -> torch.Tensor:
         """Attention of this rank's queries (batch, heads, local tokens, head_dim) over the whole sequence's keys;
-        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim)."""
+        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim). Under tensor parallel these are the
+        rank's share of the heads (``q.shape[1]`` = heads / tp): each tp rank attends with its own heads."""
+        plan = plan.content
         if self.style == "ring":
             return ring_attention(q, k, v, plan, self.group, self.rank, self.size)
         if self.style == "allgather":
@@ -110,6 +117,17 @@ class ContextParallel:
         x = x.reshape(batch, heads, self.size, tokens // self.size, dim).permute(2, 0, 1, 3, 4).contiguous()
         x = funcol.all_to_all_single_autograd(x, None, None, self.group)
         return x.transpose(0, 1).reshape(batch, self.size * heads, tokens // self.size, dim)
+
+
+class AttentionPlan:
+    """One forward's attention plan (the ring's blocks, or the mask of the other styles), passed through the
+    blocks as one opaque object: a compiled block guards on its type alone, where a list of blocks or a mask would
+    be guarded on its length or shape, which the documents of each batch change (a recompile per batch)."""
+
+    __slots__ = ("content",)
+
+    def __init__(self, content):
+        self.content = content
 
 
 def _mask(queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:

@@ -59,8 +59,9 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
     experts of each MoE layer are an FSDP unit of their own, over the ranks that hold the same experts.
     """
     if replicates_params(mesh, zero_stage):
-        # ZeRO-1 replicates over every data-parallel rank (and shards optimizer state over them: optim.py).
-        replica_mesh = mesh.dp if zero_stage == 1 else mesh["dp_replicate"]
+        # ZeRO-1 replicates over every rank whose gradients differ, the data-parallel and cp ranks (the loss mesh,
+        # dp × cp), and shards the optimizer state over them (optim.py).
+        replica_mesh = mesh.loss if zero_stage == 1 else mesh["dp_replicate"]
         wrap = partial(replicate, mesh=replica_mesh, mp_policy=mp_policy)
         wrap_block = wrap
     else:

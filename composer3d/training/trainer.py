@@ -62,7 +62,7 @@ class Trainer:
                                      mesh.layout.world_size)
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
-                                                       zero1_mesh=mesh.dp if p.zero_stage == 1 else None,
+                                                       zero1_mesh=mesh.loss if p.zero_stage == 1 else None,  # dp × cp
                                                        offload=p.offload, offload_dir=p.offload_dir, device=device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps

@@ -44,9 +44,9 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
-    """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing); it runs the native model and the
-    Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``) with FSDP/HSDP
-    (ZeRO-2/3), and refuses the compositions it is not yet tested in rather than guess."""
+    """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing). The native model runs it with
+    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile; the Hugging Face models whose attention it can reach (the family's
+    ``context_parallel_problem``) with FSDP/HSDP. What is not yet tested is refused rather than guessed."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -57,20 +57,27 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     style = cfg.parallel.cp_style
     _require(style in CP_STYLES, "parallel.cp_style", f"got {style!r}",
              "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
-    if style == "ulysses":
+    if style == "ulysses":  # the heads a rank holds: under tensor parallel, 1/tp of them
+        tp = degrees["tp"]
         heads = {"model.n_heads": cfg.model.n_heads, "model.n_kv_heads": cfg.model.n_kv_heads or cfg.model.n_heads}
         for key, count in heads.items():
-            _require(count % cp == 0, "parallel.cp_style", f"ulysses splits the heads over the cp ranks, and {key}="
-                     f"{count} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
-                     f"dividing {count}")
+            local = count // tp if count % tp == 0 else count  # tp not dividing is its own error (_check_layout)
+            held = f"{key}={count} over tp={tp} leaves {local} a rank, which" if tp > 1 else f"{key}={count}"
+            _require(local % cp == 0, "parallel.cp_style", f"ulysses splits the heads a rank holds over the cp ranks, "
+                     f"and {held} is not divisible by cp={cp}", "Use parallel.cp_style=ring (or allgather), or a cp "
+                     f"dividing {local}" + (", or a smaller parallel.tp" if tp > 1 else ""))
     problem = MODEL_REGISTRY[cfg.model.name].context_parallel_problem(cfg.model)
     _require(problem is None, "parallel.cp", f"context parallel (cp={cp}) of this model: {problem}",
              "Use parallel.cp=1 with this model (FSDP and pipeline parallel work)")
-    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.tp": degrees["tp"] > 1, "parallel.ep": degrees["ep"] > 1,
-                   "parallel.zero_stage": cfg.parallel.zero_stage == 1, "compile.enabled": cfg.compile.enabled}
+    native = cfg.model.name == "llama"
+    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
+    if not native:  # model=hf under cp is tested with FSDP/HSDP only
+        unsupported.update({"parallel.tp": degrees["tp"] > 1, "parallel.zero_stage": cfg.parallel.zero_stage == 1,
+                            "compile.enabled": cfg.compile.enabled})
     for key, given in unsupported.items():
         _require(not given, key, f"context parallel (parallel.cp={cp}) does not compose with {key} yet",
-                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP and HSDP so far)")
+                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP, HSDP"
+                 + (", ZeRO-1, TP/SP and compile so far)" if native else " so far, for model=hf)"))
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
@@ -97,8 +104,10 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
     if p.sequence_parallel:
         _require(tp > 1, "parallel.sequence_parallel", "needs tensor parallel (tp > 1) to shard the sequence over",
                  "Set parallel.tp>1 or parallel.sequence_parallel=false")
-        _require(t.seq_len % tp == 0, "train.seq_len", f"seq_len={t.seq_len} is not divisible by tp={tp}, "
-                 "which sequence parallel shards it over", f"Use a multiple of {tp}")
+        cp = degrees["cp"]  # under context parallel, sequence parallel splits each cp rank's seq_len/cp tokens
+        held = f"the {t.seq_len // cp} tokens each of the cp={cp} ranks holds" if cp > 1 else f"seq_len={t.seq_len}"
+        _require(t.seq_len % (cp * tp) == 0, "train.seq_len", f"{held} is not divisible by tp={tp}, "
+                 "which sequence parallel shards it over", f"Use a multiple of {cp * tp}")
 
 
 def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:

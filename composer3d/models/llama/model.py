@@ -88,6 +88,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.context_parallel = None  # this rank's share of each sequence under context parallel (parallel.context)
+        self.sequence_shards = 1  # the residual stream is split over this many ranks (set by sequence parallel)
 
     def tie_weights(self) -> None:
         """Share the head with the embedding; re-run after tensor parallel replaced them (both shard the vocab dim)."""
@@ -152,7 +153,9 @@ class Llama(nn.Module):
         h = self.tok_embeddings(x) if embed else x
         rope, mask = (self.rope_cos, self.rope_sin), None
         if self.context_parallel is not None:
-            rope, mask = self._context_parallel_rope_and_mask(h, position_ids)
+            # a later pipeline stage gets the residual stream, of which sequence parallel left it 1/tp
+            tokens = x.shape[1] if embed else x.shape[1] * self.sequence_shards
+            rope, mask = self._context_parallel_rope_and_mask(x.shape[0], tokens, h.device, position_ids)
         elif position_ids is not None:
             documents = document_ids(position_ids)
             # Flex attention takes the mask whatever it holds: no read of the device (a host sync would stall the
@@ -169,16 +172,19 @@ class Llama(nn.Module):
             return h
         return self.logits(h) if head_loss is None else head_loss(h, self.logits)
 
-    def _context_parallel_rope_and_mask(self, h: torch.Tensor, position_ids: torch.Tensor | None):
-        """This rank's tokens under context parallel: RoPE at their global positions, and the plan of their
+    def _context_parallel_rope_and_mask(self, batch: int, tokens: int, device: torch.device,
+                                        position_ids: torch.Tensor | None):
+        """This rank's ``tokens`` under context parallel: RoPE at their global positions, and the plan of their
         attention over the whole sequence (causal by global index; within documents, from the whole sequence's
-        positions), made once for every layer."""
+        positions), made once for every layer. Under sequence parallel the residual stream holds 1/tp of them,
+        but attention (where RoPE and the plan are used) sees them all. The tables have a row per sequence with
+        documents or without, so that compiled blocks see the same shapes in training and evaluation."""
         context = self.context_parallel
-        seq_len = h.shape[1] * context.size
+        seq_len = tokens * context.size
         documents = None
         if position_ids is None:
-            position_ids = context.token_index(seq_len, h.device).unsqueeze(0)
+            position_ids = context.token_index(seq_len, device).expand(batch, -1)
         else:
             documents = document_ids(context.whole(position_ids))
         rope = self.rope_cos[position_ids], self.rope_sin[position_ids]
-        return rope, context.attention_plan(seq_len, documents, h.device)
+        return rope, context.attention_plan(seq_len, documents, device)
