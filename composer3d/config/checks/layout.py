@@ -45,7 +45,8 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing); so far it runs the native model
-    with FSDP/HSDP (ZeRO-2/3), and refuses the compositions it is not yet tested in rather than guess."""
+    with FSDP/HSDP (ZeRO-2/3), pipeline and expert parallel, and refuses the compositions it is not yet tested in
+    rather than guess."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -64,11 +65,15 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
                      f"dividing {count}")
     _require(cfg.model.name == "llama", "parallel.cp", f"context parallel runs the native model so far, not "
              f"model={cfg.model.name}", "Use parallel.cp=1 with this model")
-    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.tp": degrees["tp"] > 1, "parallel.ep": degrees["ep"] > 1,
+    # Expert capacity keeps the earliest positions of a whole sequence, which no cp rank holds alone.
+    _require(cfg.model.moe.experts == 0 or cfg.model.moe.capacity_factor <= 0, "model.moe.capacity_factor",
+             f"expert capacity drops a sequence's choices by position, and under parallel.cp={cp} each rank holds "
+             "only its chunks of the sequence", "Use model.moe.capacity_factor=0 with parallel.cp>1, or parallel.cp=1")
+    unsupported = {"parallel.tp": degrees["tp"] > 1,
                    "parallel.zero_stage": cfg.parallel.zero_stage == 1, "compile.enabled": cfg.compile.enabled}
     for key, given in unsupported.items():
         _require(not given, key, f"context parallel (parallel.cp={cp}) does not compose with {key} yet",
-                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP and HSDP so far)")
+                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP, HSDP, PP and EP so far)")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
@@ -100,7 +105,8 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
 
 
 def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
-    """ep borrows its ranks from dp_shard and shards each MoE layer's experts: both must divide."""
+    """ep borrows its ranks from dp_shard (and every cp rank, under context parallel) and shards each MoE layer's
+    experts: both must divide."""
     ep, m, p = degrees["ep"], cfg.model, cfg.parallel
     if ep == 1:
         return
@@ -113,9 +119,15 @@ def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              "Use parallel.ep=1 (FSDP and pipeline parallel work)")
     _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide the {experts} routed experts of each MoE "
              "layer (each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
-    _require(degrees["dp_shard"] % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={degrees['dp_shard']}: "
+    cp, dp_shard = degrees["cp"], degrees["dp_shard"]
+    if cp > 1:  # the tokens of a sequence meet at the same experts: ep takes every cp rank, and more from dp_shard
+        choices = ", ".join(str(cp * d) for d in range(1, dp_shard + 1) if dp_shard % d == 0)
+        _require(ep % cp == 0 and dp_shard % (ep // cp) == 0, "parallel.ep", f"under context parallel (cp={cp}) "
+                 f"expert parallel takes all cp ranks and ep/cp more from dp_shard={dp_shard}, and ep={ep} is not "
+                 "so made", f"Choose parallel.ep among {choices}")
+    _require(cp > 1 or dp_shard % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={dp_shard}: "
              "expert parallel takes its ranks from the data-parallel shard dimension",
-             f"Choose parallel.ep among {_divisors(degrees['dp_shard'])}, or give dp_shard a multiple of {ep}")
+             f"Choose parallel.ep among {_divisors(dp_shard)}, or give dp_shard a multiple of {ep}")
     _require(p.zero_stage != 1, "parallel.zero_stage", "ZeRO-1 replicates every parameter over the data-parallel "
              f"ranks, but under ep={ep} each rank holds only its experts", "Use parallel.zero_stage=2 or 3 with ep>1")
 
