@@ -118,6 +118,9 @@ def compose_cfg():
     (1, [], {"dp_shard": 1, "tp": 1}),
     # ring attention (the default cp style) takes any head count: 2 KV heads on 4 cp ranks
     (4, ["parallel.cp=4", "model.n_kv_heads=2"], {"dp_shard": 1, "cp": 4}),
+    # cp with pipeline parallel, and with expert parallel (ep: the 2 cp ranks × 2 of dp_shard)
+    (4, ["parallel.pp=2", "parallel.cp=2"], {"pp": 2, "dp_shard": 1, "cp": 2}),
+    (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=4"], {"dp_shard": 4, "cp": 2, "ep": 4}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
@@ -165,6 +168,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
      "model.n_kv_heads=2 is not divisible by cp=4"),
+    # under cp, ep takes every cp rank (a sequence's tokens meet at the same experts) and ep/cp of dp_shard
+    (8, ["model=tiny_moe", "parallel.cp=4", "parallel.ep=2"], "parallel.ep", "Choose parallel.ep among 4, 8"),
+    # expert capacity keeps a sequence's earliest choices, a position no cp rank sees alone
+    (2, ["model=tiny_moe", "parallel.cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor",
+     "Use model.moe.capacity_factor=0 with parallel.cp>1"),
     # sequence tiling: tiles of the tokens a rank holds (seq_len / cp, / tp under sequence parallel)
     (1, ["memory.tile_mlp=-1"], "memory.tile_mlp", "must be >= 0, got -1"),
     (1, ["train.seq_len=96", "memory.tile_mlp=64"], "memory.tile_mlp", "the 96 tokens"),

@@ -24,6 +24,9 @@ LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the def
     "moe_fsdp2_cp2_ep4": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4"], ("documents",)),
     # on 8 ranks (slow: their parts are the runs above and tests/test_context_parallel.py's cp × FSDP)
     "pp2_fsdp2_cp2": (8, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2"], ()),
+    # zero bubble, V-shaped: two stages a rank, weight gradients apart from the input gradients the ring passes back
+    "pp2_cp2_zbv": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.pp_schedule=zbv"],
+                    ()),
     # ep 4 = the 2 cp ranks × 2 of dp_shard's 4; the experts FSDP-sharded over the 2 that ep leaves
     "moe_fsdp4_cp2_ep4": (8, 2, MOE, ["parallel.dp_shard=4", "parallel.cp=2", "parallel.ep=4"], ()),
     # ep 2 = the cp ranks alone; the experts FSDP-sharded over dp_shard
