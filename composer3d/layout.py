@@ -1,12 +1,14 @@
 """Layout: the parallel degrees, and the DeviceMesh they define.
 
-Mesh dims, outer to inner: pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp — tensor-parallel groups are consecutive
-ranks (one node, fastest links) and pipeline stages span the farthest. Expert parallel borrows its ranks from
-dp_shard (as torchtitan and Megatron do): dp_shard is split into dp_shard_mod_ep × ep, the ep ranks consecutive, so
-every other view sees the same dp_shard as without experts. Dims of size 1 exist too, so code never asks whether
-a dim is there. Flattened views: ``dp_shard`` (dp_shard_mod_ep × ep), ``dp`` (replicate × shard, feeds data
-loading), ``dp_shard_cp`` (what FSDP shards the dense parameters over) and ``loss`` (dp × cp, where losses and
-token counts are reduced); routed experts are FSDP-sharded over ``expert_dp`` (what ep leaves of dp_shard).
+Mesh dims, outer to inner: pp, dp_replicate, dp_shard_mod_ep, dp_shard_in_ep, cp, tp — tensor-parallel groups are
+consecutive ranks (one node, fastest links) and pipeline stages span the farthest. Expert parallel borrows its ranks
+from dp_shard × cp (as torchtitan does): under context parallel it takes all cp ranks, so the tokens of a sequence
+meet at the same experts, and ep/cp more from dp_shard (without cp, ep from dp_shard); dp_shard is split into
+dp_shard_mod_ep × dp_shard_in_ep, the ep ranks consecutive, so every other view sees the same dp_shard as without
+experts. Dims of size 1 exist too, so code never asks whether a dim is there. Flattened views: ``dp_shard``
+(dp_shard_mod_ep × dp_shard_in_ep), ``dp`` (replicate × shard, feeds data loading), ``dp_shard_cp`` (what FSDP shards
+the dense parameters over), ``loss`` (dp × cp, where losses and token counts are reduced) and ``ep``
+(dp_shard_in_ep × cp under cp); routed experts are FSDP-sharded over ``expert_dp`` (what ep leaves of dp_shard).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from functools import cached_property
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,11 @@ class Layout:
     def world_size(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
+    @property
+    def ep_of_dp_shard(self) -> int:
+        """The ranks expert parallel takes from dp_shard: under context parallel, all of cp's come first."""
+        return self.ep // self.cp if self.ep > 1 else 1
+
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
@@ -48,18 +55,22 @@ class ParallelMesh:
     def __init__(self, layout: Layout, device_type: str, timeout: timedelta | None = None):
         """``timeout``: the collective timeout of every group of the mesh (None: torch's defaults)."""
         self.layout = layout
-        sizes = {**layout.as_dict(), "dp_shard_mod_ep": layout.dp_shard // layout.ep}
+        in_ep = layout.ep_of_dp_shard
+        sizes = {**layout.as_dict(), "dp_shard_mod_ep": layout.dp_shard // in_ep, "dp_shard_in_ep": in_ep}
         self.world: DeviceMesh = init_device_mesh(
             device_type, tuple(sizes[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS
         )
-        self.dp_shard: DeviceMesh = self.world["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        self.dp: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-        self.dp_shard_cp: DeviceMesh = self.world["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
-        self.loss: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("loss")
+        self.dp_shard: DeviceMesh = self.world["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
+        self.dp: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
+        self.dp_shard_cp: DeviceMesh = self.world["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_shard_cp")
+        self.loss: DeviceMesh = self.world["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("loss")
+        self.ep: DeviceMesh = (self.world["dp_shard_in_ep", "cp"]._flatten("ep") if layout.ep > 1 and layout.cp > 1
+                               else self.world["dp_shard_in_ep"])
         if timeout is not None:
             # A mesh dim spanning the world reuses the default group (init_process_group's timeout); the others are
             # new groups, which torch gives its own default (30 min on gloo, 10 on NCCL) whatever the job asked for.
-            for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp_shard, self.dp, self.dp_shard_cp, self.loss):
+            for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp_shard, self.dp, self.dp_shard_cp, self.loss,
+                         self.ep):
                 _set_pg_timeout(timeout, mesh.get_group())
 
     def __getitem__(self, name: str) -> DeviceMesh:
@@ -73,6 +84,11 @@ class ParallelMesh:
     def hsdp(self) -> DeviceMesh:
         """(dp_replicate, dp_shard_cp) as a 2-D mesh for HSDP: parameters are sharded over dp_shard × cp."""
         return DeviceMesh._concatenate([self.world["dp_replicate"], self.dp_shard_cp])
+
+    def experts_mesh(self, by_expert: bool, by_width: bool) -> DeviceMesh:
+        """What routed experts are split over: by expert over ``ep``, by width over ``tp``, or both (2-D)."""
+        dims = [d for d, split in ((self.ep.mesh_dim_names[0], by_expert), ("tp", by_width)) if split]
+        return self.world[tuple(dims)]
 
     @property
     def expert_dp(self) -> DeviceMesh:

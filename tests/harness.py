@@ -102,21 +102,24 @@ def _child_env(env: dict | None, faults: dict | None) -> dict:
     return child_env
 
 
-def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[RunResult]:
+def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int, probe_effects: bool = False
+                       ) -> list[RunResult]:
     """Each job (run directory, overrides) trained by ``composer3d.train.run`` as a torchrun worker runs it, one after
     another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
-    paid once. For numerics across many models; the command line itself is what ``train`` tests."""
+    paid once. For numerics across many models; the command line itself is what ``train`` tests. ``probe_effects``:
+    each job's ranks record what the switches did (``RunResult.effects``), as ``train(probe_effects=True)``."""
     import torch.distributed as dist
 
     # Each job's rendezvous store is served from here, as torchrun's agent serves its workers', on a port the OS
     # picks and this process holds throughout: a port found free and let go before use can be taken in between
     # (an earlier job's client sockets draw from the same range), and the job then fails to start.
     stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
-    processes(_train_jobs, nproc, nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores])
+    processes(_train_jobs, nproc, nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores], probe_effects)
     return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
 
 
-def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int]) -> None:
+def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], probe_effects: bool
+                ) -> None:
     from hydra import compose, initialize_config_module
 
     from composer3d.config import register_configs, resolve_model_config
@@ -129,6 +132,11 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         for (run_dir, overrides), port in zip(jobs, ports):
             os.environ["MASTER_PORT"] = str(port)
+            if probe_effects:
+                os.environ["COMPOSER3D_TEST_EFFECTS"] = str(Path(run_dir) / "effects")
+                if str(FAULT_INJECTION) not in sys.path:
+                    sys.path.insert(0, str(FAULT_INJECTION))
+                import effects_probe  # noqa: F401  (patches the Trainer of this process, once)
             cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides])
             resolve_model_config(cfg.model)
             run(cfg, distributed.job_env(), Path(run_dir))

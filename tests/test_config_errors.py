@@ -119,6 +119,9 @@ def compose_cfg():
     (8, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.cp_style=ulysses"],
      {"dp_shard": 2, "cp": 2, "tp": 2}),
     (4, ["parallel.cp=2", "parallel.zero_stage=1", "compile.enabled=true"], {"dp_shard": 2, "cp": 2}),
+    # cp with pipeline parallel, and with expert parallel (ep: the 2 cp ranks × 2 of dp_shard)
+    (4, ["parallel.pp=2", "parallel.cp=2"], {"pp": 2, "dp_shard": 1, "cp": 2}),
+    (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=4"], {"dp_shard": 4, "cp": 2, "ep": 4}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
@@ -173,6 +176,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (16, ["parallel.cp=2", "parallel.tp=8", "model.n_heads=16", "model.n_kv_heads=8", "model.dim=128",
           "parallel.sequence_parallel=true", "train.seq_len=72"], "train.seq_len",
      "the 36 tokens each of the cp=2 ranks holds is not divisible by tp=8"),
+    # under cp, ep takes every cp rank (a sequence's tokens meet at the same experts) and ep/cp of dp_shard
+    (8, ["model=tiny_moe", "parallel.cp=4", "parallel.ep=2"], "parallel.ep", "Choose parallel.ep among 4, 8"),
+    # expert capacity keeps a sequence's earliest choices, a position no cp rank sees alone
+    (2, ["model=tiny_moe", "parallel.cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor",
+     "Use model.moe.capacity_factor=0 with parallel.cp>1"),
     # sequence tiling: tiles of the tokens a rank holds (seq_len / cp, / tp under sequence parallel)
     (1, ["memory.tile_mlp=-1"], "memory.tile_mlp", "must be >= 0, got -1"),
     (1, ["train.seq_len=96", "memory.tile_mlp=64"], "memory.tile_mlp", "the 96 tokens"),

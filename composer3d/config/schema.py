@@ -97,9 +97,9 @@ class ParallelConfig:
     # how attention spans the cp ranks' shares: ring (keys/values passed round, memory 1/cp) | allgather (keys/values
     # all-gathered: short sequences, few KV heads) | ulysses (all-to-all to a head split; heads divisible by cp)
     cp_style: str = "ring"
-    # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard)
-    # holds experts/ep experts per MoE layer and exchanges tokens with all-to-all; experts are FSDP-sharded over
-    # the dp_shard/ep ranks that remain
+    # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard;
+    # under cp, all cp ranks and ep/cp of dp_shard) holds experts/ep experts per MoE layer and exchanges tokens with
+    # all-to-all; experts are FSDP-sharded over the dp_shard ranks that remain
     ep: int = 1
     sequence_parallel: bool = False  # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
     zero_stage: int = 3  # 3: FSDP shards params, grads, optimizer state | 2: params stay gathered | 1: only optimizer state

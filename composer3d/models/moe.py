@@ -15,7 +15,8 @@ depends on the layout.
 Under tensor parallel (``parallel.experts``) every expert and the shared experts are split Megatron-style over the
 hidden width: all tensor-parallel ranks route the same (gathered) tokens, each computes its slice of the hidden
 width, and the partial outputs are summed once for the whole layer. Under expert parallel the tokens travel to
-the rank holding their expert and back with all-to-all over the ``ep`` group.
+the rank holding their expert and back with all-to-all over the ``ep`` group. Under context parallel a rank routes
+its share of each sequence; the sequence-wise auxiliary loss counts the choices over the cp group.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ class MoE(nn.Module):
         self.tp_mesh: DeviceMesh | None = None
         self.sequence_parallel = False
         self.ep_group: dist.ProcessGroup | None = None
+        self.cp_group: dist.ProcessGroup | None = None  # under context parallel: the ranks holding the same sequences
 
     def init_buffers(self) -> None:
         for buffer in (self.expert_bias, self.routed_tokens, self.aux_loss_sum):
@@ -172,12 +174,19 @@ class MoE(nn.Module):
 
     def _sequence_aux_losses(self, scores: torch.Tensor, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss per sequence: sum_i f_i · P_i, f_i the fraction of the sequence's
-        choices that went to expert i times experts / top_k, P_i its mean normalized score; 1.0 when balanced."""
+        choices that went to expert i times experts / top_k, P_i its mean normalized score; 1.0 when balanced.
+
+        Under context parallel a rank holds seq of the sequence's tokens: the choices are counted over the cp group
+        (f_i is the whole sequence's, and takes no gradient), and each rank returns its tokens' share of P_i's sum,
+        so the shares add up over cp to the sequence's loss, and so do their gradients."""
         experts, k = self.n_experts, self.cfg.top_k
         probs = (scores / scores.sum(-1, keepdim=True)).view(batch, seq, experts)
-        hits = torch.zeros_like(scores).scatter_(1, chosen, 1.0).view(batch, seq, experts)
-        fraction = hits.sum(1) * experts / (k * seq)
-        return (fraction * probs.mean(1)).sum(-1)
+        hits = torch.zeros_like(scores).scatter_(1, chosen, 1.0).view(batch, seq, experts).sum(1)
+        if self.cp_group is not None:
+            hits = funcol.wait_tensor(funcol.all_reduce(hits, "sum", self.cp_group))
+            seq *= dist.get_world_size(self.cp_group)
+        fraction = hits * experts / (k * seq)
+        return (fraction * probs.sum(1) / seq).sum(-1)
 
     def _record(self, chosen: torch.Tensor, aux: torch.Tensor) -> None:
         """Count this forward's routing, once (``recorded_forward``)."""

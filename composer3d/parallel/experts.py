@@ -5,10 +5,10 @@ on dim 0); expert parallel shards them by expert over the ``ep`` ranks and, wher
 (``tp_dims``, composer3d's ``models.moe`` experts: w1, w3 on dim 1, w2 on dim 2), tensor parallel by hidden width;
 with both they are 2-D DTensors on the (ep, tp) mesh. Experts without ``tp_dims`` (transformers') stay whole on
 every tp rank. composer3d's MoE layers also split their shared experts as column/row-parallel linears under TP;
-their router stays whole on every rank. FSDP later shards the routed experts over ``ParallelMesh.expert_dp``
-(what ep leaves of dp_shard) and everything else over all of it, so expert gradients are reduced over the ranks
-holding the same experts and the others over every data-parallel rank. DCP saves the DTensors whole, which is why
-a checkpoint loads under another ep degree.
+their router stays whole on every rank. Under context parallel the ep ranks include the cp ranks (``layout``). FSDP
+later shards the routed experts over ``ParallelMesh.expert_dp`` (what ep leaves of dp_shard) and everything else
+over all of it, so expert gradients are reduced over the ranks holding the same experts and the others over every
+data-parallel rank. DCP saves the DTensors whole, which is why a checkpoint loads under another ep degree.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool)
         tp_dims = getattr(experts, "tp_dims", None) if tp > 1 else None
         if tp_dims is None and ep == 1:
             continue  # whole on every tp rank
-        dims = [d for d, split in (("ep", ep > 1), ("tp", tp_dims is not None)) if split]
-        expert_mesh = mesh.world[tuple(dims)] if len(dims) > 1 else mesh[dims[0]]
+        expert_mesh = mesh.experts_mesh(by_expert=ep > 1, by_width=tp_dims is not None)
         for name, _ in list(experts.named_parameters(recurse=False)):
             placements = [Shard(0)] * (ep > 1) + ([Shard(tp_dims[name])] if tp_dims is not None else [])
             _distribute(experts, name, expert_mesh, placements)
@@ -48,7 +47,7 @@ def shard_experts(model: nn.Module, mesh: ParallelMesh, sequence_parallel: bool)
                     _distribute(linear, "weight", mesh["tp"], [Shard(tp_dim)])
             moe.tp_mesh, moe.sequence_parallel = mesh["tp"], sequence_parallel
     if ep > 1:
-        model.use_expert_parallel(mesh["ep"].get_group())
+        model.use_expert_parallel(mesh.ep.get_group())
 
 
 def _distribute(module: nn.Module, name: str, device_mesh, placements) -> None:

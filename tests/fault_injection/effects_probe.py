@@ -1,7 +1,8 @@
 """COMPOSER3D_TEST_EFFECTS=DIR — every rank writes DIR/rank{R}.json after its first optimizer step: what the
 precision and memory switches did to its model, its FSDP wrapping and its optimizer, so a test can assert a switch's
 effect, not only that the loss stayed close (which a switch that does nothing passes). Loaded by sitecustomize in
-the ``composer3d.train`` processes of a run (``harness.train(probe_effects=True)``); it only reads state.
+the ``composer3d.train`` processes of a run (``harness.train(probe_effects=True)``), or imported by the workers of
+``harness.train_in_one_group(probe_effects=True)``, which set DIR per job; it only reads state.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from composer3d.training import loss as loss_module
 from composer3d.training.metrics import local_bytes
 from composer3d.training.trainer import Trainer
 
-_DIR = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
 # dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through ``dist``)
 _COLLECTIVES: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
 
@@ -85,8 +85,23 @@ def _moe(model) -> list[dict]:
             "shared_local_shape": list(_local(moe.shared_w1.weight).shape) if moe.shared_w1 is not None else None,
             "gate_placements": [str(p) for p in getattr(moe.gate.weight, "placements", ())],
             "ep_group_size": dist.get_world_size(moe.ep_group) if moe.ep_group is not None else 1,
+            "ep_ranks": dist.get_process_group_ranks(moe.ep_group) if moe.ep_group is not None else [dist.get_rank()],
         })
     return layers
+
+
+def _attention(trainer: Trainer) -> dict:
+    """Each block of this rank (a pipeline stage keeps some): the tokens of a sequence its attention held in the
+    first step, and the ranks its attention spanned under context parallel (only itself without)."""
+    found = {}
+    for layer_id, block in trainer.model.layers.items():
+        attention = getattr(block, "attention", None)
+        if attention is None:
+            continue
+        context = attention.context_parallel
+        found[layer_id] = {"tokens": getattr(attention, "_probe_tokens", None),
+                           "cp_ranks": dist.get_process_group_ranks(context.group) if context else [dist.get_rank()]}
+    return found
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -161,6 +176,7 @@ def _effects(trainer: Trainer) -> dict:
         "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
         "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
         "moe_layers": _moe(model),
+        "attention": _attention(trainer),
         "all_to_all": dict(_ALL_TO_ALL),
         "optimizer_state": [
             {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
@@ -205,13 +221,20 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
     head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
     if head is not None:
         head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
+    for block in self.model.layers.values():  # the tokens of a sequence each attention holds (its first call's)
+        attention = getattr(block, "attention", None)
+        if attention is not None:
+            attention.register_forward_pre_hook(
+                lambda module, args: setattr(module, "_probe_tokens", getattr(module, "_probe_tokens", None)
+                                             or args[0].shape[1]))
 
 
 def train_step(self: Trainer) -> dict:
     metrics = _train_step(self)
     if self.step == 1:  # optimizer state, gradients and compiled graphs exist now
-        _DIR.mkdir(parents=True, exist_ok=True)
-        (_DIR / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))
+        directory = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])  # read now: a group of jobs sets it per job
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))
     return metrics
 
 

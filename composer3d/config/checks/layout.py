@@ -45,8 +45,9 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing). The native model runs it with
-    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile; the Hugging Face models whose attention it can reach (the family's
-    ``context_parallel_problem``) with FSDP/HSDP. What is not yet tested is refused rather than guessed."""
+    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, or with pipeline and expert parallel (not yet both kinds at once);
+    the Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``) with FSDP/HSDP.
+    What is not yet tested is refused rather than guessed."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -69,15 +70,22 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     problem = MODEL_REGISTRY[cfg.model.name].context_parallel_problem(cfg.model)
     _require(problem is None, "parallel.cp", f"context parallel (cp={cp}) of this model: {problem}",
              "Use parallel.cp=1 with this model (FSDP and pipeline parallel work)")
-    native = cfg.model.name == "llama"
-    unsupported = {"parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
-    if not native:  # model=hf under cp is tested with FSDP/HSDP only
-        unsupported.update({"parallel.tp": degrees["tp"] > 1, "parallel.zero_stage": cfg.parallel.zero_stage == 1,
-                            "compile.enabled": cfg.compile.enabled})
-    for key, given in unsupported.items():
-        _require(not given, key, f"context parallel (parallel.cp={cp}) does not compose with {key} yet",
-                 f"Use parallel.cp=1, or leave {key} at its default (cp composes with FSDP, HSDP"
-                 + (", ZeRO-1, TP/SP and compile so far)" if native else " so far, for model=hf)"))
+    # Expert capacity keeps the earliest positions of a whole sequence, which no cp rank holds alone.
+    _require(cfg.model.moe.experts == 0 or cfg.model.moe.capacity_factor <= 0, "model.moe.capacity_factor",
+             f"expert capacity drops a sequence's choices by position, and under parallel.cp={cp} each rank holds "
+             "only its chunks of the sequence", "Use model.moe.capacity_factor=0 with parallel.cp>1, or parallel.cp=1")
+    within = {"parallel.tp": degrees["tp"] > 1, "parallel.zero_stage": cfg.parallel.zero_stage == 1,
+              "compile.enabled": cfg.compile.enabled}
+    across = {"parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
+    if cfg.model.name != "llama":  # model=hf under cp is tested with FSDP/HSDP only
+        for key, given in {**within, **across}.items():
+            _require(not given, key, f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} "
+                     "yet", f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and HSDP)")
+    for key, given in within.items():  # each tested with cp and FSDP, and pp/ep likewise, not yet together
+        for other, also in across.items():
+            _require(not (given and also), key, f"context parallel (parallel.cp={cp}) with {key} and {other} "
+                     "together is not tested yet", f"Use cp with {key} or with {other}, not both (each composes "
+                     "with cp and FSDP), or parallel.cp=1")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
@@ -111,7 +119,8 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
 
 
 def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
-    """ep borrows its ranks from dp_shard and shards each MoE layer's experts: both must divide."""
+    """ep borrows its ranks from dp_shard (and every cp rank, under context parallel) and shards each MoE layer's
+    experts: both must divide."""
     ep, m, p = degrees["ep"], cfg.model, cfg.parallel
     if ep == 1:
         return
@@ -124,9 +133,15 @@ def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              "Use parallel.ep=1 (FSDP and pipeline parallel work)")
     _require(experts % ep == 0, "parallel.ep", f"ep={ep} does not divide the {experts} routed experts of each MoE "
              "layer (each ep rank holds experts/ep of every MoE layer)", f"Choose parallel.ep among {_divisors(experts)}")
-    _require(degrees["dp_shard"] % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={degrees['dp_shard']}: "
+    cp, dp_shard = degrees["cp"], degrees["dp_shard"]
+    if cp > 1:  # the tokens of a sequence meet at the same experts: ep takes every cp rank, and more from dp_shard
+        choices = ", ".join(str(cp * d) for d in range(1, dp_shard + 1) if dp_shard % d == 0)
+        _require(ep % cp == 0 and dp_shard % (ep // cp) == 0, "parallel.ep", f"under context parallel (cp={cp}) "
+                 f"expert parallel takes all cp ranks and ep/cp more from dp_shard={dp_shard}, and ep={ep} is not "
+                 "so made", f"Choose parallel.ep among {choices}")
+    _require(cp > 1 or dp_shard % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={dp_shard}: "
              "expert parallel takes its ranks from the data-parallel shard dimension",
-             f"Choose parallel.ep among {_divisors(degrees['dp_shard'])}, or give dp_shard a multiple of {ep}")
+             f"Choose parallel.ep among {_divisors(dp_shard)}, or give dp_shard a multiple of {ep}")
     _require(p.zero_stage != 1, "parallel.zero_stage", "ZeRO-1 replicates every parameter over the data-parallel "
              f"ranks, but under ep={ep} each rank holds only its experts", "Use parallel.zero_stage=2 or 3 with ep>1")
 

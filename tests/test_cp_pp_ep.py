@@ -1,0 +1,166 @@
+"""Context parallel composed with pipeline parallel (each microbatch carries its cp chunks through every stage) and
+with expert parallel (ep takes every cp rank and more from dp_shard; the sequence-wise auxiliary loss counts the
+choices of the whole sequence over cp).
+
+Loss parity with one process over 10 steps (fp32, gloo): ``model=tiny model.n_layers=4 train.seq_len=256`` under
+PP 2 × cp 2 and PP 2 × FSDP 2 × cp 2, with document masking on and off; ``model=tiny_moe`` (the MoE parallel tests'
+settings) under FSDP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the MoE load metrics and auxiliary loss equal the
+one-process ones. What each switch did is read from the ranks (``effects``): the tokens each stage's attention held
+and the ranks it spanned, the experts each rank holds and the ranks their tokens travel between.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from harness import FAST, spawn, train_in_one_group
+from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: short packed documents)
+
+STEPS = ["train.steps=10", "logging.log_every=5"]
+DENSE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "model.n_layers=4", "train.seq_len=256"]
+MOE = [*FAST, "model=tiny_moe"]  # as tests/test_moe_parallel.py: seq 64, both load-balancing mechanisms on
+LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the default run)
+    "pp2_cp2": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2"], ("documents", "causal")),
+    # ep 4 = the 2 cp ranks × the 2 of dp_shard: the experts' tokens cross both
+    "moe_fsdp2_cp2_ep4": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4"], ("documents",)),
+    # on 8 ranks (slow: their parts are the runs above and tests/test_context_parallel.py's cp × FSDP)
+    "pp2_fsdp2_cp2": (8, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2"], ()),
+    # zero bubble, V-shaped: two stages a rank, weight gradients apart from the input gradients the ring passes back
+    "pp2_cp2_zbv": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.pp_schedule=zbv"],
+                    ()),
+    # ep 4 = the 2 cp ranks × 2 of dp_shard's 4; the experts FSDP-sharded over the 2 that ep leaves
+    "moe_fsdp4_cp2_ep4": (8, 2, MOE, ["parallel.dp_shard=4", "parallel.cp=2", "parallel.ep=4"], ()),
+    # ep 2 = the cp ranks alone; the experts FSDP-sharded over dp_shard
+    "moe_pp2_fsdp2_cp2_ep2": (8, 2, MOE, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2"],
+                              ()),
+}
+# Compositions whose parts the default run checks (PP × cp, EP × cp, FSDP × cp, masking on and off): slow.
+SLOW = [(name, kind) for name, (*_, kinds) in LAYOUTS.items() for kind in MASKING if kind not in kinds]
+CASES = [pytest.param(name, kind, marks=[pytest.mark.slow] if (name, kind) in SLOW else [])
+         for name in LAYOUTS for kind in MASKING]
+
+
+def _model(name: str) -> str:
+    return "moe" if name.startswith("moe") else "dense"
+
+
+def _run_all(root, documents, keys, known: dict) -> dict:
+    """References (one process; those not ``known``) and the layouts of ``keys``, those of a world size in one
+    process group."""
+    runs = dict(known)
+    references = sorted({(_model(name), kind) for name, kind in keys} - set(known))
+    jobs = [(ref, root / f"ref_{ref[0]}_{ref[1]}",
+             [*(DENSE if ref[0] == "dense" else MOE), *STEPS, *documents[ref[1]]]) for ref in references]
+    runs.update(zip([key for key, _, _ in jobs], train_in_one_group([(d, o) for _, d, o in jobs], nproc=1)))
+    for world in sorted({LAYOUTS[name][0] for name, _ in keys}):
+        jobs = [((name, kind), root / f"{name}_{kind}", [*LAYOUTS[name][2], *STEPS, *LAYOUTS[name][3],
+                                                         *documents[kind]])
+                for name, kind in keys if LAYOUTS[name][0] == world]
+        results = train_in_one_group([(d, o) for _, d, o in jobs], nproc=world, probe_effects=True)
+        runs.update(zip([key for key, _, _ in jobs], results))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, documents):  # noqa: F811
+    keys = [(name, kind) for name, (*_, kinds) in LAYOUTS.items() for kind in kinds]
+    return _run_all(tmp_path_factory.mktemp("cp_pp_ep"), documents, keys, {})
+
+
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory, documents, runs):  # noqa: F811
+    return _run_all(tmp_path_factory.mktemp("cp_pp_ep_slow"), documents, SLOW, runs)
+
+
+def _run(request, name: str, kind: str):
+    found = request.getfixturevalue("slow_runs" if (name, kind) in SLOW else "runs")
+    return found[(_model(name), kind)], found[(name, kind)]
+
+
+@pytest.mark.parametrize("name, kind", CASES)
+def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
+    reference, run = _run(request, name, kind)
+    assert len(reference.losses) == len(run.losses) == 10
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"{name} ({kind}): per-step |Δloss| {diffs}"
+    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(grad_diffs) < 1e-3, f"{name} ({kind}): grad norms differ {grad_diffs}"
+    world, cp, _, overrides, _ = LAYOUTS[name]
+    layout = run.run_info["layout"]
+    assert layout["cp"] == cp and layout["pp"] == (2 if "parallel.pp=2" in overrides else 1), layout
+    if _model(name) == "moe":  # routing statistics over the whole sequences: the one-process load and aux loss
+        for key in ("moe_aux_loss", "expert_load_max", "expert_load_min"):
+            for step, (a, b) in enumerate(zip(reference.metrics, run.metrics)):
+                assert abs(a[key] - b[key]) < 1e-4, (name, key, step, a[key], b[key])
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if not LAYOUTS[n][4] else [])
+                                  for n in LAYOUTS if "pp2" in n])
+def test_each_stage_attends_over_its_cp_group(name, request):
+    """Every rank runs attention only in its stage's blocks, over its seq/cp tokens of each sequence, with the keys
+    of the cp ranks that hold the same stage (the ranks of a cp group run the same blocks)."""
+    effects = _run(request, name, "documents")[1].effects
+    world, cp = LAYOUTS[name][:2]
+    seq = 256 if _model(name) == "dense" else 64
+    assert len(effects) == world
+    by_rank = {rank["rank"]: rank for rank in effects}
+    stages = {tuple(rank["attention"]) for rank in effects}
+    assert len(stages) == 2 and sorted(b for s in stages for b in s) == ["0", "1", "2", "3"], stages
+    for rank in effects:
+        for block in rank["attention"].values():
+            assert block["tokens"] == seq // cp, block
+            assert len(block["cp_ranks"]) == cp and rank["rank"] in block["cp_ranks"], block
+            assert all(by_rank[peer]["attention"].keys() == rank["attention"].keys() for peer in block["cp_ranks"])
+
+
+@pytest.mark.parametrize("name, ep, expert_dp", [
+    ("moe_fsdp2_cp2_ep4", 4, 1),
+    pytest.param("moe_fsdp4_cp2_ep4", 4, 2, marks=pytest.mark.slow),
+    pytest.param("moe_pp2_fsdp2_cp2_ep2", 2, 2, marks=pytest.mark.slow)])
+def test_experts_take_the_cp_ranks(name, ep, expert_dp, request):
+    """Under cp the ep group holds every cp rank of a sequence (its tokens meet at the same experts): each rank holds
+    8/ep experts of each of its MoE layers, FSDP-sharded over what ep leaves of dp_shard, and tokens crossed ranks."""
+    effects = _run(request, name, "documents")[1].effects
+    assert len(effects) == LAYOUTS[name][0]
+    for rank in effects:
+        cp_ranks = next(iter(rank["attention"].values()))["cp_ranks"]
+        assert rank["moe_layers"], rank["rank"]
+        for layer in rank["moe_layers"]:
+            assert layer["ep_group_size"] == ep and set(cp_ranks) <= set(layer["ep_ranks"]), (layer, cp_ranks)
+            assert layer["experts_local_shape"][0] == 8 // ep // expert_dp, layer
+            assert layer["experts_own_fsdp_group_size"] == expert_dp, layer
+        assert rank["all_to_all"]["calls"] > 0 and rank["all_to_all"]["rows_sent"] > 0, rank["all_to_all"]
+
+
+# ------------------------------------------------------------------------------ the auxiliary loss over cp ranks
+
+def _aux_over_cp(rank: int, world: int, results) -> None:
+    from composer3d.config.schema import MoEConfig
+    from composer3d.models.moe import MoE
+    from composer3d.parallel.context import ContextParallel
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    moe = MoE(16, 32, MoEConfig(experts=4, top_k=2, shared_experts=0, expert_hidden_dim=32, aux_loss_coef=0.01))
+    scores = torch.randn(2, 32, 4).softmax(-1)  # (batch, seq, experts), the same on every rank
+    chosen = scores.topk(2, dim=-1).indices
+    context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"])
+    share = lambda t: context.shard(t).reshape(-1, t.shape[-1])  # noqa: E731  (this rank's tokens, flattened)
+    full = moe._sequence_aux_losses(scores.reshape(-1, 4), chosen.reshape(-1, 2), 2, 32)
+    alone = moe._sequence_aux_losses(share(scores), share(chosen), 2, 32 // world)  # no cp group: its chunks only
+    moe.cp_group = context.group
+    shared = moe._sequence_aux_losses(share(scores), share(chosen), 2, 32 // world)
+    for losses in (shared, alone):  # summed over the cp ranks, as the loss mesh sums them
+        dist.all_reduce(losses)
+    results[rank] = ((shared - full).abs().max().item(), (alone - full).abs().max().item())
+
+
+def test_sequence_aux_loss_counts_the_whole_sequence_over_cp(tmp_path):
+    """Each cp rank's share of DeepSeek-V3's sequence-wise loss adds up over cp to the loss of the whole sequence;
+    the losses of each rank's chunks alone would not (their sum is about cp times it)."""
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    spawn(_aux_over_cp, 2, tmp_path, results)
+    for rank, (shared_error, alone_error) in results.items():
+        assert shared_error < 1e-6, (rank, shared_error)
+        assert alone_error > 0.5, (rank, alone_error)
