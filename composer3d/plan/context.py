@@ -14,7 +14,8 @@ Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim · local toke
 - ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in forward and in
   backward; one mask of all queries × all keys per micro-batch.
 Full checkpointing reruns the forward's traffic. None of the styles' traffic is hidden but the ring's K/V passes.
-The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/memory.py's ``attention``.
+The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/memory.py's
+(``cp_attention``, ``cp_mask_bytes``).
 """
 
 from __future__ import annotations

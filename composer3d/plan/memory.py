@@ -20,7 +20,7 @@ Activation offload keeps on the device the saved tensors of two blocks (the one 
 backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
 
 Context parallel (plan/context.py): every term per token counts the seq_len / cp tokens a rank holds; on top,
-``attention`` adds what its style keeps: the all-gather's whole-sequence K/V (saved), the ring's K/V and gradient
+``cp_attention`` adds what its style keeps: the all-gather's whole-sequence K/V (saved), the ring's K/V and gradient
 buffers while a layer's attention runs backward, the all-gather's and Ulysses' mask.
 """
 
@@ -137,7 +137,7 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
 def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int, cp_saved: float = 0.0,
                       cp_transient: float = 0.0) -> LayerActivations:
     """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling; ``cp_saved`` and
-    ``cp_transient``: what context parallel's attention adds (``attention``)."""
+    ``cp_transient``: what context parallel's attention adds (``cp_attention``)."""
     t = c.tp
     h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
@@ -166,7 +166,7 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     return LayerActivations(full, mlp_tile + cp_transient)
 
 
-def attention(shape: ModelShape, c: Candidate, compute_bytes: int) -> tuple[float, float]:
+def cp_attention(shape: ModelShape, c: Candidate, compute_bytes: int) -> tuple[float, float]:
     """(saved, transient) elements per local token and layer that context parallel's style adds to the block's
     (plan/context.py): the all-gather saves the whole sequence's K/V; the ring holds, while a layer's attention
     runs backward, the K/V block and the one arriving, their fp32 gradients (held and arriving) and the queries'."""
@@ -214,7 +214,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     cb = cluster.compute_bytes
     held = seq_len // c.cp  # this rank's tokens of each sequence
     tokens = c.micro_batch_size * held
-    cp_saved, cp_transient = attention(shape, c, cb)
+    cp_saved, cp_transient = cp_attention(shape, c, cb)
     dense = layer_activations(shape, c, False, cb, cp_saved, cp_transient)
     moe = layer_activations(shape, c, True, cb, cp_saved, cp_transient) if stages.moe_layers else None
     in_flight = microbatches_in_flight(c, stages.rank)
