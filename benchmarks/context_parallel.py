@@ -148,7 +148,11 @@ def main() -> None:
     world = max(args.cp)
     if any(world % cp for cp in args.cp):
         parser.error(f"--cp {args.cp}: each must divide the largest, {world} (the processes they share)")
-    mp.start_processes(_worker, args=(world, args, _free_port(), out), nprocs=world, join=True, start_method="spawn")
+    # forked from one server that imported torch and composer3d once (each spawned process would import them anew)
+    mp.set_forkserver_preload(["torch", "torch.distributed", "composer3d.models.llama.attention",
+                               "composer3d.parallel.context", "composer3d.launch.distributed"])
+    mp.start_processes(_worker, args=(world, args, _free_port(), out), nprocs=world, join=True,
+                       start_method="forkserver")
     rows = []
     for cp in args.cp:
         ranks = [out[(cp, r)] for r in range(world)]

@@ -1,9 +1,9 @@
 """composer3d-plan: predictions measured on this machine, the console script, and parallel=auto.
 
-The measured-vs-predicted tests train 36 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
-two process groups (tests/plan_measure.py): 23 layouts on 2 processes (one per core of this machine), 13 that need
+The measured-vs-predicted tests train 35 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
+two process groups (tests/plan_measure.py): 22 layouts on 2 processes (one per core of this machine), 13 that need
 4; 8 of them are the same width with mixture-of-experts layers (tiny_moe: FSDP, expert parallel alone, with FSDP
-over what it leaves, HSDP, TP+SP, PP and checkpointing), 5 are context parallel (each style, the ring under full
+over what it leaves, HSDP, TP+SP, PP and checkpointing), 4 are context parallel (each style, the ring under full
 checkpointing, cp × FSDP). Per layout they compare what the planner predicts with
 what the real training step did: model-state bytes (within 2%), the peak of live tensor bytes on the busiest rank
 (within 15%), bytes per collective kind and group per rank (within 2%; all-to-all as its pipeline stage's mean,
@@ -71,8 +71,7 @@ LAYOUTS_2 = {
     "moe_ep2_ac_selective": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2",
                              "memory.activation_checkpointing=selective"],
     # context parallel: FSDP over the cp ranks; the ring's K/V sends (forward, backward, full AC's rerun), the
-    # all-gather's K/V and their gradients, Ulysses' all-to-alls
-    "cp2_ring": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2"],
+    # all-gather's K/V and their gradients, Ulysses' all-to-alls (the ring without AC: cp2_fsdp2, on 4 ranks)
     "cp2_ring_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "memory.activation_checkpointing=full"],
     "cp2_allgather": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=allgather"],
     "cp2_ulysses": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=ulysses"],
