@@ -5,7 +5,8 @@
 Each row is a published H100 result (source in the README, next to the table): its model and layout are given to
 ``composer3d-plan`` as they are, nothing tuned per row, and the predicted TFLOP/s per GPU is printed next to the
 published one. Where a source gives tokens/s only, its TFLOP/s is those tokens times the planner's FLOPs per token
-(6N + 12·L·H·Q·T, composer3d's convention). Megatron-LM's GPT models are Llama-shaped configs of the same
+(6N + 6·L·H·Q·T, composer3d's convention: causal attention). Megatron-LM's TFLOP/s count the full attention matrix
+(6N + 12·L·H·Q·T): they are recounted in composer3d's convention (the same tokens/s). Megatron-LM's GPT models are Llama-shaped configs of the same
 parameters and FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h
 with two, vocabulary 131072, untied head.
 """
@@ -59,6 +60,13 @@ ROWS = [
 ]
 
 
+def _causal_half(overrides: list[str]) -> float:
+    """6·L·H·Q·T: what counting the full attention matrix adds per token to composer3d's causal count (Megatron's
+    GPT rows: multi-head attention, H·Q = the hidden size)."""
+    value = {k: v for k, v in (o.split("=", 1) for o in overrides)}
+    return 6 * int(value["model.n_layers"]) * int(value["model.dim"]) * int(value["train.seq_len"])
+
+
 def main() -> None:
     extra = sys.argv[1:]
     print(f"{'#':>3}  {'source':<58}{'published':>10}{'predicted':>10}{'error':>8}   TFLOP/s per GPU")
@@ -69,7 +77,10 @@ def main() -> None:
             print(f"{row:>3}  {source:<58}{proc.stderr.strip()}")
             continue
         e = json.loads(proc.stdout.splitlines()[-1])
-        published = tflops if tokens is None else tokens * e["tflops_per_gpu"] / e["tokens_per_s_per_gpu"]
+        flops_per_token = e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]  # composer3d's count
+        if tokens is None:  # Megatron's TFLOP/s: its tokens/s, from its count with the full attention matrix
+            tokens = tflops * 1e12 / (flops_per_token + _causal_half(overrides))
+        published = tokens * flops_per_token / 1e12
         print(f"{row:>3}  {source:<58}{published:>10.1f}{e['tflops_per_gpu']:>10.1f}"
               f"{e['tflops_per_gpu'] / published - 1:>+8.0%}")
 

@@ -151,3 +151,17 @@ def test_virtual_ring_cuda_kernels_match_full_attention():
         for name, error in row["ring_error"].items():
             bound = 1e-4 if row["dtype"] == "fp32" else 2 * row["sdpa_error"][name] + 1e-3
             assert error <= bound, (name, row)
+
+
+def test_context_parallel_benchmark_attention_memory_falls_as_one_over_cp():
+    """The bytes autograd saves in attention per rank halve from cp 2 to cp 4 (cp 1 is the model's own SDPA: the
+    ring keeps one more copy of the attention output, +24%); the ring's bytes are the planner's count; every rank's
+    output is full attention's at its tokens."""
+    rows = json.loads(_run("context_parallel.py", "--cp", "1", "2", "4", "--seq", "256", "--dim", "64",
+                           "--steps", "1", "--json"))
+    saved = {r["cp"]: r["saved_bytes_per_rank"] for r in rows}
+    assert saved[4] * 4 == pytest.approx(saved[2] * 2, rel=0.02), saved
+    assert saved[2] * 2 < 1.3 * saved[1], saved
+    for r in rows:
+        assert r["ring_bytes_per_rank"] == r["ring_bytes_predicted"] and (r["cp"] == 1) == (r["ring_bytes_per_rank"] == 0)
+        assert r["max_error"] < 1e-5, r

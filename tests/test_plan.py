@@ -1,9 +1,10 @@
 """composer3d-plan: predictions measured on this machine, the console script, and parallel=auto.
 
-The measured-vs-predicted tests train 31 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
-two process groups (tests/plan_measure.py): 19 layouts on 2 processes (one per core of this machine), 12 that need
+The measured-vs-predicted tests train 35 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
+two process groups (tests/plan_measure.py): 22 layouts on 2 processes (one per core of this machine), 13 that need
 4; 8 of them are the same width with mixture-of-experts layers (tiny_moe: FSDP, expert parallel alone, with FSDP
-over what it leaves, HSDP, TP+SP, PP and checkpointing). Per layout they compare what the planner predicts with
+over what it leaves, HSDP, TP+SP, PP and checkpointing), 4 are context parallel (each style, the ring under full
+checkpointing, cp × FSDP). Per layout they compare what the planner predicts with
 what the real training step did: model-state bytes (within 2%), the peak of live tensor bytes on the busiest rank
 (within 15%), bytes per collective kind and group per rank (within 2%; all-to-all as its pipeline stage's mean,
 which the routing does not change; collectives under 1% of a rank's traffic — the gradient norm's scalars — are
@@ -69,6 +70,11 @@ LAYOUTS_2 = {
     "moe_ep2_ac_full": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpointing=full"],
     "moe_ep2_ac_selective": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2",
                              "memory.activation_checkpointing=selective"],
+    # context parallel: FSDP over the cp ranks; the ring's K/V sends (forward, backward, full AC's rerun), the
+    # all-gather's K/V and their gradients, Ulysses' all-to-alls (the ring without AC: cp2_fsdp2, on 4 ranks)
+    "cp2_ring_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "memory.activation_checkpointing=full"],
+    "cp2_allgather": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=allgather"],
+    "cp2_ulysses": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=ulysses"],
 }
 # Pipelines whose idle share is timed (tests/plan_measure.py): PAD_S of simulated compute per forward chunk, twice
 # that per backward. Looped BFS and the zero-bubble schedules are not among them: they measure above the planner's
@@ -98,6 +104,7 @@ LAYOUTS_4 = {
                        "parallel.sequence_parallel=true"],
     "moe_pp2_ep2": [*MOE, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2",
                     "parallel.dp_shard=2", "parallel.ep=2"],
+    "cp2_fsdp2": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2"],  # FSDP over dp_shard × cp = 4
 }
 
 
@@ -124,7 +131,7 @@ def measured(tmp_path_factory) -> dict[str, tuple[list[dict], object]]:
 
 def _pp_rank(rank: int, est) -> int:
     c = est.candidate
-    return rank // (c.dp * c.tp)  # pp is the outermost mesh dim
+    return rank // (c.dp * c.cp * c.tp)  # pp is the outermost mesh dim
 
 
 def _rel(a: float, b: float) -> float:

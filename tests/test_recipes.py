@@ -48,6 +48,9 @@ PUBLISHED = {
 # recipe -> (model it is for, world size it is laid out for)
 RECIPES = {**{name: (name, 8) for name in PUBLISHED}, **{f"{name}_8x8": (name, 64) for name in PUBLISHED}}
 GPU_MEMORY = 80e9  # the recipes are sized for 80 GB GPUs (H100/A100 80GB)
+# Native-model recipes laid out by composer3d-plan: recipe -> (world size, the planner's command line)
+PLANNED = {"llama3_8b_131k": (8, ["model=llama3_8b", "train.seq_len=131072", "train.global_batch_size=8",
+                                  "cluster.nodes=1", "cluster.device=h100"])}
 
 
 def compose_recipe(name: str, *overrides: str):
@@ -83,13 +86,13 @@ def needs_hf_model():
 
 def test_every_recipe_is_tested():
     shipped = sorted(p.name.removesuffix(".yaml") for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml"))
-    assert shipped == sorted(RECIPES)
+    assert shipped == sorted([*RECIPES, *PLANNED])
 
 
 def test_every_recipe_has_a_row_in_the_recipes_readme():
     readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
-    assert rows == set(RECIPES)
+    assert rows == {*RECIPES, *PLANNED}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -220,3 +223,34 @@ def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path, monkeypatch):
     assert saved.optim.lr == compose_recipe(name).optim.lr and saved.precision.reduce_dtype == "float32"
     final = result.run_dir / "checkpoints" / "step-00000002"
     assert final.is_dir()  # the final, model-only checkpoint (model_only_final)
+
+
+def test_long_context_recipe_is_the_planners_choice_and_its_readme_row_the_prediction():
+    """llama3_8b_131k: what composer3d-plan (and parallel=auto) chooses for 8 H100s at 131,072 tokens, which
+    composer3d's checks accept at 8 ranks; its README row gives the planner's memory and step time."""
+    from composer3d.plan import Workload, candidate_from_config, estimate
+    from composer3d.plan.hardware import cluster_from_config
+    from composer3d.plan.search import best
+
+    world, plan = PLANNED["llama3_8b_131k"]
+    cfg = compose_recipe("llama3_8b_131k", "data.paths=[/data/long/*.jsonl]")
+    assert cfg.model.name == "llama" and cfg.train.seq_len == 131072 and cfg.data.document_masking
+    degrees = validate(cfg, world)
+    assert (degrees["dp_shard"], degrees["cp"], degrees["tp"], degrees["pp"]) == (4, 2, 1, 1)
+    register_configs()
+    with initialize_config_module("composer3d.conf", version_base=None):
+        planned = compose("train", overrides=plan)
+    cluster = cluster_from_config(planned.cluster, planned.precision.param_dtype)
+    chosen, _, _ = best(planned, cluster)
+    c = chosen.candidate
+    p = cfg.parallel
+    assert (c.dp_replicate, c.dp_shard, c.cp, c.cp_style, c.tp, c.pp, c.zero_stage) == (
+        p.dp_replicate, p.dp_shard, p.cp, p.cp_style, p.tp, p.pp, p.zero_stage)
+    assert (c.micro_batch_size, c.activation_checkpointing) == (cfg.train.micro_batch_size,
+                                                                cfg.memory.activation_checkpointing)
+    e = estimate(Workload.from_config(planned), candidate_from_config(cfg, world), cluster)
+    assert e.fits and e.step_time_s == chosen.step_time_s
+    readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `llama3_8b_131k` |"))
+    assert f"{e.memory.total / 2**30:.1f} GiB" in row and f"{e.step_time_s:.1f} s" in row, row
+    assert f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in row and f"MFU {e.mfu:.1%}" in row, row

@@ -267,9 +267,9 @@ def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
 
 
 def test_flops_per_token_and_peak_table(monkeypatch):
-    # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 12·L·H·Q·T
+    # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 6·L·H·Q·T (causal: half the score matrix)
     n, embedding = 1_498_482_688, 128256 * 2048
-    assert flops_per_token(n, embedding, 16, 32 * 64, 8192) == 6 * (n - embedding) + 12 * 16 * 2048 * 8192
+    assert flops_per_token(n, embedding, 16, 32 * 64, 8192) == 6 * (n - embedding) + 6 * 16 * 2048 * 8192
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
     assert peak_flops(cuda, "bfloat16") == 989.4e12

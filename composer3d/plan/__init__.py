@@ -6,7 +6,8 @@ pipeline stage), ``layouts`` (a candidate layout and the enumeration of all of t
 put together), ``report`` (table / JSON), ``cli`` (the console script) and ``auto`` (``parallel=auto`` in
 composer3d-train). Each term is a function of its own: expert parallel came as ``comm.expert_parallel`` (its
 all-to-all), an FSDP unit kind (``shapes.Unit``, the routed experts sharded over what ep leaves of dp_shard) and the
-MoE layer's activations, without changing the other terms. Context parallel is refused (``refuse_unmodelled``).
+MoE layer's activations, without changing the other terms; context parallel came the same way (``context``: its
+traffic and what attention hides of it; FSDP over dp_shard × cp; its attention memory in ``memory``).
 """
 
 from composer3d.plan.estimate import Estimate, Workload, estimate

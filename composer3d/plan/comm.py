@@ -18,6 +18,7 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
   EP: per MoE layer the routed token copies go to their experts' ranks and back, forward and backward (all-to-all).
     Routed experts are FSDP units of their own over what ep leaves of dp_shard (``expert_dp``).
   PP: each stage sends its activations forward and its input gradients back, per micro-batch.
+  CP (plan/context.py): FSDP's group is dp_shard × cp; TP, EP and PP move the seq_len / cp tokens a rank holds.
 An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce, a send
 and an all-to-all by their tensor. Gathered parameters travel in the compute dtype, gradients in precision.reduce_dtype.
 """
@@ -35,8 +36,8 @@ from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 @dataclass(frozen=True)
 class Collective:
-    # mesh dimension: dp_shard, dp_replicate, dp (ZeRO-1 and DDP over all data-parallel ranks), expert_dp (routed
-    # experts' FSDP), tp, pp, ep
+    # mesh dimension: dp_shard (FSDP: dp_shard × cp), dp_replicate, dp (ZeRO-1 and DDP over all data-parallel
+    # ranks), expert_dp (routed experts' FSDP), tp, pp, ep, cp
     dim: str
     kind: str  # all_gather, reduce_scatter, all_reduce, send, all_to_all
     group_size: int
@@ -133,18 +134,19 @@ def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, co
 
 def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
                 reduce_bytes: int) -> list[Collective]:
-    """Every collective of one step on a rank of this pipeline stage set."""
+    """Every collective of one step on a rank of this pipeline stage set but context parallel's (plan/context.py)."""
+    held = seq_len // c.cp  # this rank's tokens of each sequence
     return (data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
-            + tensor_parallel(shape, c, stages, seq_len, compute_bytes)
-            + expert_parallel(shape, c, stages, seq_len, compute_bytes)
-            + pipeline(shape, c, stages, seq_len, compute_bytes))
+            + tensor_parallel(shape, c, stages, held, compute_bytes)
+            + expert_parallel(shape, c, stages, held, compute_bytes)
+            + pipeline(shape, c, stages, held, compute_bytes))
 
 
 def _stride(c: Candidate, dim: str) -> int:
     """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp;
     routed experts are sharded over dp_shard_mod_ep)."""
-    return {"tp": 1, "ep": c.tp, "dp_shard": c.tp, "dp": c.tp, "expert_dp": c.tp * c.ep, "dp_replicate": c.tp * c.dp_shard,
-            "pp": c.tp * c.dp}[dim]
+    return {"tp": 1, "cp": c.tp, "ep": c.tp * c.cp, "dp_shard": c.tp, "dp": c.tp * c.cp, "expert_dp": c.tp * c.cp * c.ep,
+            "dp_replicate": c.tp * c.cp * c.dp_shard, "pp": c.tp * c.cp * c.dp}[dim]
 
 
 def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:

@@ -1,11 +1,13 @@
 """A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put together.
 
 Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is the rank's
-model FLOPs (6·N + 12·L·H·Q·T per token, composer3d.training.flops' convention) plus recomputation (full checkpointing
-reruns each block's forward: +1/3 of its FLOPs), at ``cluster.achievable_fraction`` of the device's dense peak —
+model FLOPs (6·N + 6·L·H·Q·T per token, causal attention: composer3d.training.flops) over its tokens (its
+data-parallel rank's over tp and cp) plus recomputation (full checkpointing reruns each block's forward: +1/3 of
+its FLOPs), at ``cluster.achievable_fraction`` of the device's dense peak —
 one number for all layouts and models, not a fit per row. Exposed communication: TP/SP, pipeline sends and
 ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus
-the first block's gather, which nothing precedes; the memory options' host step and copies (``host``) as
+the first block's gather, which nothing precedes; context parallel's traffic as plan/context.py says (the ring's
+K/V passes hide behind the attention of the block held); the memory options' host step and copies (``host``) as
 plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory hold it.
 """
 
@@ -14,11 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from composer3d.dtypes import DTYPES
-from composer3d.plan import comm
+from composer3d.plan import comm, context
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.host import host_fits, host_seconds
-from composer3d.plan.layouts import Candidate, refuse_unmodelled
+from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import Memory, memory
 from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
 
@@ -76,9 +78,9 @@ class Estimate:
 
 
 def rank_flops_per_token(shape: ModelShape, stages: StageSet, seq_len: int) -> float:
-    """Model FLOPs per token of this pipeline rank's layers (and head, if it has it): its part of 6·N + 12·L·H·Q·T,
+    """Model FLOPs per token of this pipeline rank's layers (and head, if it has it): its part of 6·N + 6·L·H·Q·T,
     N the parameters a token goes through (a MoE layer's top_k experts)."""
-    attention = 12 * shape.n_heads * shape.head_dim * seq_len
+    attention = 6 * shape.n_heads * shape.head_dim * seq_len  # causal: half the score matrix
     dense = 6 * shape.block_numel + attention
     moe = 6 * shape.moe_active_numel + attention if stages.moe_layers else 0
     head = 6 * (shape.dim + shape.vocab * shape.dim) if stages.last else 0
@@ -96,15 +98,15 @@ def recompute_factor(c: Candidate) -> float:
 
 def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     """Predict ``c`` for the workload's model, batch and optimizer on ``cluster``."""
-    refuse_unmodelled(c)
     shape, seq = work.shape, work.seq_len
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
     mems = [memory(shape, c, s, seq, cluster, work.optimizer) for s in sets]
-    cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) for s in sets]
+    cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
+            for s in sets]
     tokens_per_step = work.global_batch_size * seq
-    tokens_per_rank = tokens_per_step / c.dp / c.tp  # each TP rank does 1/tp of its data-parallel rank's work
+    tokens_per_rank = tokens_per_step / c.dp / c.tp / c.cp  # each TP and CP rank: its share of its dp rank's work
     rate = cluster.peak_flops * cluster.achievable_fraction
     compute = [rank_flops_per_token(shape, s, seq) * tokens_per_rank * recompute_factor(c) / rate for s in sets]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
@@ -114,6 +116,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         mine: dict[str, float] = {}
         hidden_pool = 0.0
         for col in rank_cols:
+            if col.dim == "cp":
+                continue  # hidden behind attention or not, per style: context.exposed_seconds
             if col.overlapped:
                 hidden_pool += comm.seconds(col, c, cluster)
             else:
@@ -121,6 +125,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         if hidden_pool:
             first_gather = hidden_pool / max(1, 2 * sets[i].n_layers)  # about one block's traffic, never hidden
             mine["dp"] = max(0.0, hidden_pool - compute[i]) + first_gather
+        if c.cp > 1:
+            mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster)
         host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])
         if host_exposed or host_overlapped:  # the copies over the host link hide behind compute, not the host step
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])

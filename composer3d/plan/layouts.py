@@ -1,7 +1,7 @@
 """A candidate layout (every knob the planner weighs) and the enumeration of all valid ones for a world size.
 
-The knobs: degrees (pp, dp_replicate, dp_shard, tp; ep for mixture-of-experts models), ZeRO stage, sequence
-parallel, pipeline schedule and stages per rank, micro-batch size (hence micro-batches per step), activation
+The knobs: degrees (pp, dp_replicate, dp_shard, cp and its style, tp; ep for mixture-of-experts models), ZeRO stage,
+sequence parallel, pipeline schedule and stages per rank, micro-batch size (hence micro-batches per step), activation
 checkpointing. The global batch and sequence length are the run's (training hyperparameters, not layout). Validity
 follows config/checks/ (layout.py, and training.py for batches and activation checkpointing); the chosen layouts are
 run through ``validate`` itself before they are used (``apply_to_config``).
@@ -10,10 +10,14 @@ run through ``validate`` itself before they are used (``apply_to_config``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
+from itertools import product
+from types import SimpleNamespace
 
 from composer3d.config.checks import pipeline_microbatches, resolve_degrees
+from composer3d.config.checks.layout import check_context_parallel
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.pipeline import SCHEDULES, default_stages_per_rank, schedule_problem
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
@@ -39,6 +43,7 @@ class Candidate:
     reshard_after_forward: str = "default"
     ep: int = 1
     cp: int = 1
+    cp_style: str = "ring"  # parallel.cp_style, under cp > 1
     tile_mlp: int = 0  # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
     tile_loss: int = 0
 
@@ -61,10 +66,13 @@ class Candidate:
         """The command-line overrides that give this layout."""
         sp = str(self.sequence_parallel).lower()
         out = [f"parallel.pp={self.pp}", f"parallel.dp_replicate={self.dp_replicate}",
-               f"parallel.dp_shard={self.dp_shard}", f"parallel.tp={self.tp}", f"parallel.ep={self.ep}",
+               f"parallel.dp_shard={self.dp_shard}", f"parallel.cp={self.cp}", f"parallel.tp={self.tp}",
+               f"parallel.ep={self.ep}",
                f"parallel.zero_stage={self.zero_stage}",
                f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        if self.cp > 1:
+            out.append(f"parallel.cp_style={self.cp_style}")
         out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
                 if tiles > 1]
         if self.activation_offload:
@@ -80,10 +88,12 @@ class Candidate:
         parts = [f"pp{self.pp}"] if self.pp > 1 else []
         parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1
                      else f"dp{self.dp}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}:{self.cp_style}")
         parts.append(f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        parts.append(f"z{self.zero_stage}" if self.dp_shard > 1 or self.zero_stage == 1 and self.dp > 1 else
+        parts.append(f"z{self.zero_stage}" if self.dp_shard * self.cp > 1 or self.zero_stage == 1 and self.dp > 1 else
                      ("ddp" if self.dp > 1 else "-"))
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}/v{self.stages_per_rank}/M{self.microbatches}")
@@ -104,7 +114,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
     d = resolve_degrees(p, world_size)
     dp = d["dp_replicate"] * d["dp_shard"]
     return Candidate(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=d["ep"],
-                     cp=d["cp"], zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
+                     cp=d["cp"], cp_style=p.cp_style, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
                      pp_schedule=p.pp_schedule,
                      stages_per_rank=(p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)) if d["pp"] > 1
                      else 1,
@@ -134,29 +144,50 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
     experts = m.moe.experts if m.name == "llama" else 0
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
-        for pp in _divisors(world_size // tp):
+        for pp, cp in ((pp, cp) for pp in _divisors(world_size // tp) for cp in _divisors(world_size // tp // pp)):
             if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
                 continue
-            dp = world_size // (tp * pp)
+            dp = world_size // (tp * pp * cp)
             if t.global_batch_size % dp:
                 continue
             local_batch = t.global_batch_size // dp
             for dp_shard in _divisors(dp):
                 dp_replicate = dp // dp_shard
-                for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard, experts):
+                for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard * cp, experts):
                     if zero == 1 and p.offload != "none":
                         continue  # refused by checks: offload takes the shards FSDP owns
-                    for sp in ((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,)):
-                        if not _tiles_fit(cfg, t.seq_len // (tp if sp else 1), pp):
+                    if ep > 1 and dp_shard % ep:
+                        continue  # ep borrows its ranks from dp_shard, not from cp
+                    styles = _cp_styles(cfg, {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
+                                              "tp": tp, "ep": ep}, zero)
+                    for sp, style in product((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,), styles):
+                        if not _tiles_fit(cfg, t.seq_len // cp // (tp if sp else 1), pp):
                             continue
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
-                                             local_batch // mbs, "none", ep=ep, tile_mlp=cfg.memory.tile_mlp,
-                                             tile_loss=cfg.memory.tile_loss, offload=p.offload,
-                                             offload_dir=bool(p.offload_dir),
+                                             local_batch // mbs, "none", ep=ep, cp=cp, cp_style=style,
+                                             tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
+                                             offload=p.offload, offload_dir=bool(p.offload_dir),
                                              activation_offload=cfg.memory.activation_offload)
                             found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled)
     return found
+
+
+def _cp_styles(cfg, degrees: dict[str, int], zero_stage: int) -> tuple[str, ...]:
+    """The context-parallel styles training would accept for these degrees (none where it refuses cp): the
+    config's own check, asked of each style with the candidate's ZeRO stage."""
+    if degrees["cp"] == 1:
+        return ("ring",)
+    styles = []
+    for style in CP_STYLES:
+        view = SimpleNamespace(model=cfg.model, train=cfg.train, compile=cfg.compile,
+                               parallel=SimpleNamespace(cp_style=style, zero_stage=zero_stage))
+        try:
+            check_context_parallel(view, degrees)
+        except ConfigError:
+            continue
+        styles.append(style)
+    return tuple(styles)
 
 
 def _tiles_fit(cfg, held: int, pp: int) -> bool:
@@ -196,7 +227,7 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     """Write ``candidate`` into ``cfg`` (the keys ``Candidate.overrides`` names)."""
     p = cfg.parallel
     p.pp, p.dp_replicate, p.dp_shard, p.tp = candidate.pp, candidate.dp_replicate, candidate.dp_shard, candidate.tp
-    p.ep = candidate.ep
+    p.ep, p.cp, p.cp_style = candidate.ep, candidate.cp, candidate.cp_style
     p.zero_stage, p.sequence_parallel = candidate.zero_stage, candidate.sequence_parallel
     p.pp_schedule, p.pp_stages_per_rank = candidate.pp_schedule, candidate.stages_per_rank
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
@@ -204,9 +235,3 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     cfg.memory.activation_checkpointing = candidate.activation_checkpointing
     cfg.memory.activation_offload = candidate.activation_offload
 
-
-def refuse_unmodelled(candidate: Candidate) -> None:
-    """Dimensions the model does not cover yet: one clear line rather than a wrong number."""
-    if candidate.cp > 1:
-        raise ConfigError(f"parallel.cp: context parallel (cp={candidate.cp}) is not modelled by composer3d-plan. "
-                          "Use parallel.cp=1")

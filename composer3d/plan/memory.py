@@ -2,7 +2,7 @@
 
 Model state (the ZeRO paper's 16 bytes per parameter for mixed-precision Adam — here 4 fp32 master weights + 4
 fp32 gradients + 8 fp32 Adam moments, which composer3d keeps in every precision): divided by tp (each rank holds
-its split) and by pp (its stages' layers), then per ZeRO stage: 3 and 2 shard all of it over dp_shard (FSDP2; each
+its split) and by pp (its stages' layers), then per ZeRO stage: 3 and 2 shard all of it over dp_shard × cp (FSDP2; each
 parameter's first dim rounded up per rank), 1 shards only the optimizer state over dp (slices of each flattened
 parameter), replicas (DDP, dp_replicate) hold it whole. Offload moves it to host memory. Routed experts are
 divided by ep and FSDP-sharded over dp_shard / ep.
@@ -18,6 +18,10 @@ compute dtype, plus the loss's fp32 chunks (loss.py). Sequence tiling (``memory.
 leaves one tile's MLP hidden and one tile's logits, recomputed in backward: those terms over the tile count.
 Activation offload keeps on the device the saved tensors of two blocks (the one in
 backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
+
+Context parallel (plan/context.py): every term per token counts the seq_len / cp tokens a rank holds; on top,
+``cp_attention`` adds what its style keeps: the all-gather's whole-sequence K/V (saved), the ring's K/V and gradient
+buffers while a layer's attention runs backward, the all-gather's and Ulysses' mask.
 """
 
 from __future__ import annotations
@@ -64,13 +68,14 @@ class Memory:
 
 
 def fsdp_shards(c: Candidate) -> bool:
-    """FSDP shards parameters (ZeRO-2/3 over dp_shard > 1); otherwise they are whole (replicas, ZeRO-1, no dp)."""
-    return c.dp_shard > 1 and c.zero_stage in (2, 3)
+    """FSDP shards parameters (ZeRO-2/3 over dp_shard × cp > 1); otherwise they are whole (replicas, ZeRO-1, no
+    dp)."""
+    return c.dp_shard * c.cp > 1 and c.zero_stage in (2, 3)
 
 
 def shard_degree(c: Candidate, unit: Unit) -> int:
-    """Ranks FSDP shards ``unit`` over: dp_shard, or for routed experts what ep leaves of it."""
-    return c.dp_shard // c.ep if unit.kind == "experts" else c.dp_shard
+    """Ranks FSDP shards ``unit`` over: dp_shard × cp, or for routed experts what ep leaves of dp_shard."""
+    return c.dp_shard // c.ep if unit.kind == "experts" else c.dp_shard * c.cp
 
 
 def shard_numel(shape: tuple[int, ...], n: int) -> int:
@@ -129,8 +134,10 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
     return full, selective, 2 * shared / t + 2 * k * f / t + k * h
 
 
-def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> LayerActivations:
-    """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling."""
+def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int, cp_saved: float = 0.0,
+                      cp_transient: float = 0.0) -> LayerActivations:
+    """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling; ``cp_saved`` and
+    ``cp_transient``: what context parallel's attention adds (``cp_attention``)."""
     t = c.tp
     h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
@@ -143,19 +150,43 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
         mlp = mlp_selective = mlp_backward = 0.0
         gathered = h if c.sequence_parallel else 0
     residual = 4 * h / t if c.sequence_parallel else 4 * h
-    full = residual + gathered + (4 * q + 2 * kv + heads) / t + mlp
+    full = residual + gathered + (4 * q + 2 * kv + heads) / t + mlp + cp_saved
     block_input = h / t if c.sequence_parallel else h
     # the MLP's input gradients and the residual's, while a block runs backward (a tile's under tiling)
-    backward_temporaries = mlp_backward + h + mlp_tile
+    backward_temporaries = mlp_backward + h + mlp_tile + cp_transient
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
-        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective  # + wo, w2 outputs (residual width)
+        # + wo, w2 outputs (residual width)
+        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + cp_saved
         return LayerActivations(saved, full - saved + backward_temporaries)
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
         return LayerActivations(share * block_input + (1 - share) * full, full + backward_temporaries)
-    return LayerActivations(full, mlp_tile)
+    return LayerActivations(full, mlp_tile + cp_transient)
+
+
+def cp_attention(shape: ModelShape, c: Candidate, compute_bytes: int) -> tuple[float, float]:
+    """(saved, transient) elements per local token and layer that context parallel's style adds to the block's
+    (plan/context.py): the all-gather saves the whole sequence's K/V; the ring holds, while a layer's attention
+    runs backward, the K/V block and the one arriving, their fp32 gradients (held and arriving) and the queries'."""
+    if c.cp == 1:
+        return 0.0, 0.0
+    kv, q = 2 * shape.n_kv_heads * shape.head_dim / c.tp, shape.n_heads * shape.head_dim / c.tp
+    if c.cp_style == "allgather":
+        return kv * (c.cp - 1), 0.0
+    if c.cp_style == "ring":
+        return 0.0, 2 * kv + (2 * kv + q) * 4 / compute_bytes
+    return 0.0, 0.0
+
+
+def cp_mask_bytes(c: Candidate, seq_len: int) -> float:
+    """The boolean mask the all-gather and Ulysses styles build once per micro-batch (every layer's attention
+    keeps it): local (all-gather) or all (Ulysses) queries × all keys, per sequence. The ring's block masks exist
+    only for chunk pairs a document boundary cuts: left out."""
+    if c.cp == 1 or c.cp_style == "ring":
+        return 0.0
+    return c.micro_batch_size * (seq_len / c.cp if c.cp_style == "allgather" else seq_len) * seq_len
 
 
 def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int, in_flight: float = 1.0) -> float:
@@ -181,15 +212,17 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     if c.offload == "optimizer" and c.offload_dir:  # masters and moments in files; the gradient buffer stays
         disk, host = host - grads, grads
     cb = cluster.compute_bytes
-    tokens = c.micro_batch_size * seq_len
-    dense = layer_activations(shape, c, False, cb)
-    moe = layer_activations(shape, c, True, cb) if stages.moe_layers else None
+    held = seq_len // c.cp  # this rank's tokens of each sequence
+    tokens = c.micro_batch_size * held
+    cp_saved, cp_transient = cp_attention(shape, c, cb)
+    dense = layer_activations(shape, c, False, cb, cp_saved, cp_transient)
+    moe = layer_activations(shape, c, True, cb, cp_saved, cp_transient) if stages.moe_layers else None
     in_flight = microbatches_in_flight(c, stages.rank)
-    logits = logits_bytes(shape, c, seq_len, cb, in_flight) if stages.last else 0.0
+    logits = logits_bytes(shape, c, held, cb, in_flight) if stages.last else 0.0
     # The peak is the end of forward (every layer's saved tensors, the logits) or, under checkpointing, a block's
     # recomputation in backward (its whole activations, once the logits are gone).
     saved = dense.saved * stages.dense_layers + (moe.saved * stages.moe_layers if moe else 0.0)
-    acts = saved * tokens * in_flight * cb
+    acts = saved * tokens * in_flight * cb + cp_mask_bytes(c, seq_len) * in_flight
     host_acts = 0.0
     if c.activation_offload:  # on the device: the block being computed and the one prefetched; the rest on the host
         per_block = sorted([dense.saved] * stages.dense_layers + ([moe.saved] * stages.moe_layers if moe else []))

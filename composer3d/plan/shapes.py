@@ -143,8 +143,8 @@ class ModelShape:
         return self.vocab * self.dim
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6·N + 12·L·H·Q·T (composer3d.training.flops' convention, N the active parameters without the embedding
-        table)."""
+        """6·N + 6·L·H·Q·T (composer3d.training.flops' convention: causal attention, N the active parameters
+        without the embedding table)."""
         from composer3d.training.flops import flops_per_token
 
         return flops_per_token(self.num_active_params, self.embedding_numel, self.n_layers, self.n_heads * self.head_dim,

@@ -1,10 +1,11 @@
 """Model FLOPs per token and the accelerator's peak, for TFLOP/s and MFU (model FLOPs utilization).
 
-FLOPs per token follow the PaLM paper's convention (appendix B), as torchtitan and Megatron report them:
-6·N for the matmuls of forward and backward, N the parameters without the embedding table (a lookup, not a
-matmul; an untied head counts), plus 12·L·H·Q·T for attention scores and their weighted sum (L layers, H heads,
-Q head dim, T sequence length), causal masking not discounted. Activation recomputation is not counted: MFU
-measures useful work, so checkpointing lowers it.
+FLOPs per token follow the PaLM paper's convention (appendix B): 6·N for the matmuls of forward and backward, N
+the parameters without the embedding table (a lookup, not a matmul; an untied head counts), plus the attention
+scores and their weighted sum: 12·L·H·Q·T over the full T × T matrix (L layers, H heads, Q head dim, T sequence
+length), of which a causal model's attention needs half, 6·L·H·Q·T: the PaLM paper counts the full matrix, which
+overstates MFU the more the longer the sequence (at 131k tokens attention is most of an 8B model's FLOPs).
+Activation recomputation is not counted: MFU measures useful work, so checkpointing lowers it.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def embedding_params(model: nn.Module) -> int:
 
 def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, attention_width: int,
                     seq_len: int) -> int:
-    """6·N + 12·L·H·Q·T (``attention_width`` = H·Q, the query projection's width)."""
-    return 6 * (num_params - num_embedding_params) + 12 * n_layers * attention_width * seq_len
+    """6·N + 6·L·H·Q·T (``attention_width`` = H·Q, the query projection's width; causal attention)."""
+    return 6 * (num_params - num_embedding_params) + 6 * n_layers * attention_width * seq_len
 
 
 def compute_dtype_key(param_dtype: str) -> str:

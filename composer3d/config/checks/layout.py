@@ -200,3 +200,8 @@ def _check_offload(cfg: Any) -> None:
     _require(not p.offload_dir or p.offload == "optimizer", "parallel.offload_dir",
              f"keeps the optimizer's host state in files, which needs parallel.offload=optimizer (got {p.offload})",
              "Add parallel.offload=optimizer, or drop parallel.offload_dir")
+
+
+def check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
+    """What training refuses of context parallel, for the planner, which asks it of each candidate layout."""
+    _check_context_parallel(cfg, degrees)
