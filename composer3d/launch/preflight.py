@@ -7,6 +7,8 @@ depends on their rank (the device) and read what is too large to read twice (the
 
 from __future__ import annotations
 
+import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -27,7 +29,8 @@ from composer3d.data import check_prepared, check_same_corpus, check_sources, ev
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.training.metrics import metrics_records
+
+log = logging.getLogger("composer3d")
 
 
 def preflight(cfg, world_size: int) -> dict[str, int]:
@@ -122,3 +125,20 @@ def check_resumable(cfg, directory: Path) -> Path | None:
             check_same_corpus(meta["data"], check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len,
                                                            cfg.model).identity)
     return path
+
+
+def metrics_records(path: Path) -> list[tuple[str, int]]:
+    """The (line, step) records of a run's metrics.jsonl. A last line that is not JSON was cut short by a process
+    that died mid-write: it is dropped, with a warning. Any other unreadable line is no crash's trace, and is refused
+    (a ConfigError naming run.dir, found before any worker starts) rather than dropped."""
+    lines = [line for line in path.read_text().splitlines() if line]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append((line, int(json.loads(line)["step"])))
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+            if number < len(lines):
+                raise ConfigError(f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). Repair "
+                                  "or delete that line to resume this run, or give a fresh run a new run.name") from None
+            log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r", path, line[:100])
+    return records

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from composer3d.errors import ConfigError
+from composer3d.launch.preflight import metrics_records
 from composer3d.training.console import is_terminal
 
 log = logging.getLogger("composer3d")
@@ -115,23 +115,6 @@ def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
     run_id = secrets.token_hex(6)
     path.write_text(run_id + "\n")
     return run_id
-
-
-def metrics_records(path: Path) -> list[tuple[str, int]]:
-    """The (line, step) records of a run's metrics.jsonl. A last line that is not JSON was cut short by a process
-    that died mid-write: it is dropped, with a warning. Any other unreadable line is no crash's trace, and is refused
-    (a ConfigError naming run.dir, found before any worker starts) rather than dropped."""
-    lines = [line for line in path.read_text().splitlines() if line]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append((line, int(json.loads(line)["step"])))
-        except (json.JSONDecodeError, TypeError, KeyError, ValueError):
-            if number < len(lines):
-                raise ConfigError(f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). Repair "
-                                  "or delete that line to resume this run, or give a fresh run a new run.name") from None
-            log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r", path, line[:100])
-    return records
 
 
 class MetricsSink:
