@@ -163,3 +163,30 @@ def test_parameters_are_sharded_over_cp_not_replicated(name, sharding, cp_runs):
     info = cp_runs[(name, "documents")].run_info
     expected = 16 * info["num_params"] / sharding
     assert abs(info["model_state_bytes_per_rank"] - expected) / expected < 0.05, (info, expected)
+
+
+@pytest.mark.parametrize("masking", ["causal", "documents"])
+def test_materialized_block_kernel_in_row_tiles_equals_the_fused_one(monkeypatch, masking):
+    """The materialized block kernel (CUDA's document-cut and fp32 blocks, other devices) holds the scores of a tile
+    of query rows at a time: in tiles of 3 rows it equals the CPU's fused kernel, forward and backward (1e-5)."""
+    from composer3d.parallel import attention_blocks
+    from composer3d.parallel.attention_blocks import Block, block_backward, block_forward
+
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(2, 4, 16, 8) for _ in range(4))
+    mask = None
+    if masking == "documents":  # a document starts at key 5: rows before it see none of its keys
+        mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+        mask[..., :5, 5:] = False
+    block = Block(slice(0, 16), slice(0, 16), masking == "causal", mask)
+    scale = 8 ** -0.5
+    fused_out, fused_lse = block_forward(q, k, v, block, scale, "cpu_flash")
+    fused_grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "cpu_flash")
+    monkeypatch.setattr(attention_blocks, "SCORE_TILE_BYTES", 2 * 4 * 16 * 4 * 3)  # 3 query rows a tile
+    assert len(attention_blocks._row_tiles(q, 16)) == 6
+    out, lse = block_forward(q, k, v, block, scale, "materialized")
+    grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "materialized")
+    torch.testing.assert_close(out, fused_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, fused_lse, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, fused_grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

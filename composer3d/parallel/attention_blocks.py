@@ -8,8 +8,8 @@ it back in its backward. torch's fused SDPA kernels do, through their aten ops:
 - ``cpu_flash``: the flash-attention-for-CPU kernel (any float dtype, an additive mask);
 - ``cuda_flash``: flash attention (fp16/bf16, no mask, head_dim a multiple of 8 up to 256, compute capability 8.0
   and up) — causal and unmasked blocks, the most of a causal ring;
-- ``materialized``: the block's scores in fp32, exact, for what no fused kernel takes (blocks a document cuts and
-  fp32 on CUDA, other devices, odd head dims).
+- ``materialized``: the block's scores in fp32, exact, a tile of query rows at a time (bounded memory), for what
+  no fused kernel takes (blocks a document cuts and fp32 on CUDA, other devices, odd head dims).
 
 Memory-efficient attention (which takes a mask and fp32) is not among them: as a ring block on an H200 (torch 2.11)
 its backward gave NaN query gradients in bf16 with a document mask, and a sequence of 8192 ended in an illegal
@@ -28,6 +28,7 @@ import torch
 aten = torch.ops.aten
 
 KERNELS = ("cpu_flash", "cuda_flash", "materialized")
+SCORE_TILE_BYTES = 1 << 28  # materialized: the fp32 scores of one tile of query rows (256 MiB)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -65,9 +66,13 @@ def block_forward(q, k, v, block: Block, scale: float, kernel: str | None = None
         out, lse, *_ = aten._scaled_dot_product_flash_attention(q_block, k_block, v_block, 0.0, block.causal,
                                                                  False, scale=scale)
         return out, lse
-    scores = _scores(q_block, k_block, block, scale)
-    lse = scores.logsumexp(-1)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v_block.float(), lse
+    outs, lses = [], []
+    for rows in _row_tiles(q_block, k_block.shape[-2]):
+        scores = _scores(q_block[..., rows, :], k_block, block, scale, rows)
+        lse = scores.logsumexp(-1)
+        outs.append(torch.exp(scores - lse.unsqueeze(-1)) @ v_block.float())
+        lses.append(lse)
+    return torch.cat(outs, -2), torch.cat(lses, -1)
 
 
 def block_backward(grad_out, q, k, v, out, lse, block: Block, scale: float, kernel: str | None = None):
@@ -87,12 +92,17 @@ def block_backward(grad_out, q, k, v, out, lse, block: Block, scale: float, kern
         return aten._scaled_dot_product_flash_attention_backward(
             grad_rows.contiguous(), q_block, k_block, v_block, out_rows.contiguous(), lse_rows.contiguous(),
             None, None, q_block.shape[-2], k_block.shape[-2], 0.0, block.causal, None, None, scale=scale)
-    grad_block, out_block = grad_rows.float(), out_rows.float()
-    probs = torch.exp(_scores(q_block, k_block, block, scale) - lse_rows.unsqueeze(-1))
-    dv = probs.transpose(-1, -2) @ grad_block
-    d_probs = grad_block @ v_block.float().transpose(-1, -2)
-    d_scores = probs * (d_probs - (grad_block * out_block).sum(-1, keepdim=True))
-    return d_scores @ k_block.float() * scale, d_scores.transpose(-1, -2) @ q_block.float() * scale, dv
+    k_float, v_float = k_block.float(), v_block.float()
+    dq, dk, dv = [], torch.zeros_like(k_float), torch.zeros_like(v_float)
+    for rows in _row_tiles(q_block, k_block.shape[-2]):
+        q_rows, grad, out_tile = q_block[..., rows, :], grad_rows[..., rows, :].float(), out_rows[..., rows, :].float()
+        probs = torch.exp(_scores(q_rows, k_block, block, scale, rows) - lse_rows[..., rows].unsqueeze(-1))
+        dv += probs.transpose(-1, -2) @ grad
+        d_probs = grad @ v_float.transpose(-1, -2)
+        d_scores = probs * (d_probs - (grad * out_tile).sum(-1, keepdim=True))
+        dq.append(d_scores @ k_float * scale)
+        dk += d_scores.transpose(-1, -2) @ q_rows.float() * scale
+    return torch.cat(dq, -2), dk, dv
 
 
 def masked_score(dtype: torch.dtype) -> float:
@@ -107,12 +117,21 @@ def _bias(block: Block, dtype: torch.dtype) -> torch.Tensor | None:
                                                                                             masked_score(dtype))
 
 
-def _scores(q_block, k_block, block: Block, scale: float) -> torch.Tensor:
-    scores = (q_block.float() @ k_block.float().transpose(-1, -2)) * scale
+def _row_tiles(q_block: torch.Tensor, keys: int) -> list[slice]:
+    """The block's query rows in tiles whose fp32 scores fit SCORE_TILE_BYTES (a 32k × 32k block of 32 heads would
+    be 128 GiB at once)."""
+    batch, heads, rows, _ = q_block.shape
+    step = max(1, SCORE_TILE_BYTES // (batch * heads * keys * 4))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
+def _scores(q_rows, k_block, block: Block, scale: float, rows: slice) -> torch.Tensor:
+    """fp32 scores of the block's query ``rows`` (``q_rows``) over all its keys, masked pairs at ``masked_score``."""
+    scores = (q_rows.float() @ k_block.float().transpose(-1, -2)) * scale
     if block.causal:
-        rows, cols = scores.shape[-2:]
-        scores = scores.masked_fill(~torch.ones(rows, cols, dtype=torch.bool, device=scores.device).tril(),
-                                    masked_score(torch.float32))
+        query = torch.arange(rows.start, rows.start + scores.shape[-2], device=scores.device)
+        later = torch.arange(scores.shape[-1], device=scores.device)[None, :] > query[:, None]
+        scores = scores.masked_fill(later, masked_score(torch.float32))
     if block.mask is not None:
-        scores = scores.masked_fill(~block.mask, masked_score(torch.float32))
+        scores = scores.masked_fill(~block.mask[..., rows, :], masked_score(torch.float32))
     return scores
