@@ -3,10 +3,11 @@ with expert parallel (ep takes every cp rank and more from dp_shard; the sequenc
 choices of the whole sequence over cp).
 
 Loss parity with one process over 10 steps (fp32, gloo): ``model=tiny model.n_layers=4 train.seq_len=256`` under
-PP 2 × cp 2 and PP 2 × FSDP 2 × cp 2, with document masking on and off; ``model=tiny_moe`` (the MoE parallel tests'
-settings) under FSDP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the MoE load metrics and auxiliary loss equal the
-one-process ones. What each switch did is read from the ranks (``effects``): the tokens each stage's attention held
-and the ranks it spanned, the experts each rank holds and the ranks their tokens travel between.
+PP 2 × cp 2, PP 2 × FSDP 2 × cp 2 and PP 2 × TP 2 + SP × cp 2, with document masking on and off; ``model=tiny_moe``
+(the MoE parallel tests' settings) under FSDP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the MoE load metrics and
+auxiliary loss equal the one-process ones. What each switch did is read from the ranks (``effects``): the tokens and
+heads each stage's attention held, its residual stream's tokens and the ranks it spanned, the experts each rank holds
+and the ranks their tokens travel between.
 """
 
 import pytest
@@ -24,6 +25,9 @@ LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the def
     "moe_fsdp2_cp2_ep4": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4"], ("documents",)),
     # on 8 ranks (slow: their parts are the runs above and tests/test_context_parallel.py's cp × FSDP)
     "pp2_fsdp2_cp2": (8, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.cp=2"], ()),
+    # PP 2 × TP 2 + SP × cp 2: each stage's attention over its cp group with its tp rank's heads (FSDP over cp)
+    "pp2_tp2_sp_cp2": (8, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.tp=2",
+                                     "parallel.sequence_parallel=true"], ()),
     # zero bubble, V-shaped: two stages a rank, weight gradients apart from the input gradients the ring passes back
     "pp2_cp2_zbv": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.pp_schedule=zbv"],
                     ()),
@@ -87,6 +91,7 @@ def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
     world, cp, _, overrides, _ = LAYOUTS[name]
     layout = run.run_info["layout"]
     assert layout["cp"] == cp and layout["pp"] == (2 if "parallel.pp=2" in overrides else 1), layout
+    assert layout["tp"] == (2 if "parallel.tp=2" in overrides else 1), layout
     if _model(name) == "moe":  # routing statistics over the whole sequences: the one-process load and aux loss
         for key in ("moe_aux_loss", "expert_load_max", "expert_load_min"):
             for step, (a, b) in enumerate(zip(reference.metrics, run.metrics)):
@@ -97,17 +102,21 @@ def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
                                   for n in LAYOUTS if "pp2" in n])
 def test_each_stage_attends_over_its_cp_group(name, request):
     """Every rank runs attention only in its stage's blocks, over its seq/cp tokens of each sequence, with the keys
-    of the cp ranks that hold the same stage (the ranks of a cp group run the same blocks)."""
+    of the cp ranks that hold the same stage (the ranks of a cp group run the same blocks); under TP its tp rank's
+    share of the 8 query and 4 key heads, and under sequence parallel a residual stream of seq/(cp·tp) tokens."""
     effects = _run(request, name, "documents")[1].effects
-    world, cp = LAYOUTS[name][:2]
+    world, cp, _, overrides, _ = LAYOUTS[name]
     seq = 256 if _model(name) == "dense" else 64
+    tp = 2 if "parallel.tp=2" in overrides else 1
+    residual = seq // cp // (tp if "parallel.sequence_parallel=true" in overrides else 1)
     assert len(effects) == world
     by_rank = {rank["rank"]: rank for rank in effects}
     stages = {tuple(rank["attention"]) for rank in effects}
     assert len(stages) == 2 and sorted(b for s in stages for b in s) == ["0", "1", "2", "3"], stages
     for rank in effects:
         for block in rank["attention"].values():
-            assert block["tokens"] == seq // cp, block
+            assert block["tokens"] == seq // cp and block["residual_tokens"] == residual, block
+            assert block["heads"] == [8 // tp, 4 // tp], block
             assert len(block["cp_ranks"]) == cp and rank["rank"] in block["cp_ranks"], block
             assert all(by_rank[peer]["attention"].keys() == rank["attention"].keys() for peer in block["cp_ranks"])
 

@@ -92,7 +92,8 @@ def _moe(model) -> list[dict]:
 
 def _attention(trainer: Trainer) -> dict:
     """Each block of this rank (a pipeline stage keeps some): the tokens of a sequence its attention held in the
-    first step, and the ranks its attention spanned under context parallel (only itself without)."""
+    first step, the query and key heads it computed, the tokens of its residual stream (the block's input; fewer
+    under sequence parallel), and the ranks its attention spanned under context parallel (only itself without)."""
     found = {}
     for layer_id, block in trainer.model.layers.items():
         attention = getattr(block, "attention", None)
@@ -100,6 +101,8 @@ def _attention(trainer: Trainer) -> dict:
             continue
         context = attention.context_parallel
         found[layer_id] = {"tokens": getattr(attention, "_probe_tokens", None),
+                           "heads": [getattr(attention, "_probe_heads", {}).get(n) for n in ("wq", "wk")],
+                           "residual_tokens": getattr(block, "_probe_tokens", None),
                            "cp_ranks": dist.get_process_group_ranks(context.group) if context else [dist.get_rank()]}
     return found
 
@@ -221,12 +224,24 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
     head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
     if head is not None:
         head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
-    for block in self.model.layers.values():  # the tokens of a sequence each attention holds (its first call's)
+    first_tokens = lambda module, args: setattr(  # noqa: E731  (the tokens of a sequence, at the first call)
+        module, "_probe_tokens", getattr(module, "_probe_tokens", None) or args[0].shape[1])
+    for block in self.model.layers.values():  # what each block's attention and residual stream hold
         attention = getattr(block, "attention", None)
-        if attention is not None:
-            attention.register_forward_pre_hook(
-                lambda module, args: setattr(module, "_probe_tokens", getattr(module, "_probe_tokens", None)
-                                             or args[0].shape[1]))
+        if attention is None:
+            continue
+        attention.register_forward_pre_hook(first_tokens)
+        if _compiled(block):  # hooks inside a compiled block would be traced into (and guard) its graphs
+            continue
+        block.register_forward_pre_hook(first_tokens)
+        attention._probe_heads = {}
+        for name in ("wq", "wk"):  # the heads this rank projects (a tp rank's share under tensor parallel)
+            getattr(attention, name).register_forward_hook(partial(_first_heads, attention, name))
+
+
+def _first_heads(attention: torch.nn.Module, name: str, module, args, out: torch.Tensor) -> None:
+    """Its projection ``name``'s heads, at the first call (returning nothing, the output stays the module's)."""
+    attention._probe_heads.setdefault(name, out.shape[-1] // attention.head_dim)
 
 
 def train_step(self: Trainer) -> dict:

@@ -45,9 +45,9 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing). The native model runs it with
-    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, or with pipeline and expert parallel (not yet both kinds at once);
-    the Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``) with FSDP/HSDP.
-    What is not yet tested is refused rather than guessed."""
+    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, and with pipeline and expert parallel (of both kinds at once, only
+    TP/SP with PP); the Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``)
+    with FSDP/HSDP. What is not yet tested is refused rather than guessed."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -81,11 +81,12 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
         for key, given in {**within, **across}.items():
             _require(not given, key, f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} "
                      "yet", f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and HSDP)")
-    for key, given in within.items():  # each tested with cp and FSDP, and pp/ep likewise, not yet together
+    tested = {("parallel.tp", "parallel.pp")}  # PP × TP+SP × cp: tests/test_cp_pp_ep.py
+    for key, given in within.items():  # each tested with cp and FSDP, and pp/ep likewise; together only `tested`
         for other, also in across.items():
-            _require(not (given and also), key, f"context parallel (parallel.cp={cp}) with {key} and {other} "
-                     "together is not tested yet", f"Use cp with {key} or with {other}, not both (each composes "
-                     "with cp and FSDP), or parallel.cp=1")
+            _require(not (given and also) or (key, other) in tested, key, f"context parallel (parallel.cp={cp}) "
+                     f"with {key} and {other} together is not tested yet", f"Use cp with {key} or with {other}, not "
+                     "both (each composes with cp and FSDP), or parallel.cp=1")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
