@@ -230,9 +230,9 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
         attention = getattr(block, "attention", None)
         if attention is None:
             continue
-        attention.register_forward_pre_hook(first_tokens)
         if _compiled(block):  # hooks inside a compiled block would be traced into (and guard) its graphs
             continue
+        attention.register_forward_pre_hook(first_tokens)
         block.register_forward_pre_hook(first_tokens)
         attention._probe_heads = {}
         for name in ("wq", "wk"):  # the heads this rank projects (a tp rank's share under tensor parallel)
