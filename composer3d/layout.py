@@ -18,7 +18,11 @@ from datetime import timedelta
 from functools import cached_property
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
+
+try:  # torch >= 2.14 (whose private _set_pg_timeout warns that it is deprecated)
+    from torch.distributed import set_timeout
+except ImportError:  # torch 2.11 to 2.13
+    from torch.distributed.distributed_c10d import _set_pg_timeout as set_timeout
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
@@ -71,7 +75,7 @@ class ParallelMesh:
             # new groups, which torch gives its own default (30 min on gloo, 10 on NCCL) whatever the job asked for.
             for mesh in (*(self.world[d] for d in MESH_DIMS), self.dp_shard, self.dp, self.dp_shard_cp, self.loss,
                          self.ep):
-                _set_pg_timeout(timeout, mesh.get_group())
+                set_timeout(timeout, mesh.get_group())
 
     def __getitem__(self, name: str) -> DeviceMesh:
         return self.world[name]

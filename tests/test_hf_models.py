@@ -8,6 +8,7 @@ layout costs one spawn.
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 from harness import spawn
-from hf_models import ARCHITECTURES, MOE_ARCHITECTURES, hf_config, make_model, reference_logits
+from hf_models import ARCHITECTURES, COMMON, MOE_ARCHITECTURES, hf_config, make_model, reference_logits
 from omegaconf import OmegaConf
 
 from composer3d.config import TrainConfig, resolve_model_config, validate
@@ -496,6 +497,39 @@ def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_model
     with pytest.raises(ConfigError, match=r"model.path: .* shape mismatches, e.g. \['model.layers.0.mlp.experts."
                        r"down_proj: file \(8, 64, 128\) vs model \(6, 64, 128\)"):
         check_pretrained(build_model(train_config(fewer).model), str(fewer))
+
+
+def test_experts_are_found_as_each_transformers_version_marks_them():
+    """transformers 5.17 marks its experts modules with has_gate, has_bias and is_transposed only (5.24 adds
+    _is_expert_parallel, is_concatenated and has_post_expert_norm): experts marked the 5.17 way are found and run
+    under expert parallel, on whichever version is installed (the real 5.17 runs the MoE tests above: README)."""
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.models.hf import experts as hf_experts
+
+    model = AutoModelForCausalLM.from_config(hf_config("mixtral"))
+    modules = [m for m in model.modules() if type(m).__name__ == "MixtralExperts"]
+    for module in modules:
+        for added_after_5_17 in ("_is_expert_parallel", "is_concatenated", "has_post_expert_norm"):
+            if hasattr(module, added_after_5_17):
+                delattr(module, added_after_5_17)
+    assert len(modules) == COMMON["num_hidden_layers"]
+    assert hf_experts.hf_expert_modules(model) == modules
+    assert hf_experts.experts_support(model, "mixtral") == (8, None)
+
+
+def test_attention_masks_are_built_without_the_keyword_transformers_deprecates(models):
+    """composer3d builds its full and sliding-window masks without create_causal_mask's past_key_values keyword,
+    which transformers 5.24 deprecates (a FutureWarning on every forward; removed in 5.40)."""
+    from composer3d.models import build_model
+    from composer3d.models.init import materialize
+
+    for arch in ("llama", "mistral"):
+        model = build_model(train_config(models[arch]).model)
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=True, buffer_device=torch.device("cpu"))
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("error", FutureWarning)
+            model.eval()(_tokens())
 
 
 def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused(models, moe_models, tmp_path):

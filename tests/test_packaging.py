@@ -115,3 +115,19 @@ def test_this_install_composes_from_any_directory(module, tmp_path):
     """The install the suite runs against (editable in development and CI): `python -m` as the workers start."""
     _check_recipe_config(_run([sys.executable, "-m", module, f"recipe={RECIPE}", f"model.path={MODEL_PATH}",
                                "--cfg", "job"], cwd=tmp_path).stdout)
+
+
+def test_the_suite_runs_on_versions_the_pins_declare():
+    """pyproject's pins are the range the tests ran with (README: what ran on each): a suite run on a torch, torchao
+    or transformers outside them is a version to declare (and record) or not to claim."""
+    import tomllib
+    from importlib.metadata import version
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    requirements = map(Requirement, project["dependencies"] + project["optional-dependencies"]["hf"])
+    pins = {req.name: req.specifier for req in requirements}
+    for package in ("torch", "torchao", "transformers"):
+        assert pins[package].contains(version(package), prereleases=True), (package, version(package), pins[package])
+        assert any(spec.operator in ("<", "<=") for spec in pins[package]), f"{package} is not bounded above"

@@ -138,8 +138,11 @@ def _fsdp(trainer: Trainer) -> list[dict]:
     for fqn, module in modules.values():
         group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
         if group is not None:
-            found.append({"fqn": fqn, "param_dtype": str(group.mp_policy.param_dtype),
-                          "reduce_dtype": str(group.mp_policy.reduce_dtype),
+            # Each parameter's policy: torch 2.15's groups keep none of their own (they resolve it per parameter);
+            # composer3d overrides none, so a group has one.
+            (param_dtype, reduce_dtype), = {(str(p.mp_policy.param_dtype), str(p.mp_policy.reduce_dtype))
+                                            for p in group.fsdp_params}
+            found.append({"fqn": fqn, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                           "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params]})
     return found
 

@@ -21,10 +21,18 @@ from composer3d.models.moe import grouped_mm_fits, local, mix_routed, recorded_f
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
 
+# What transformers' ``use_experts_implementation`` sets on every experts module it decorates, in each version the
+# pins allow (5.17 sets only these; 5.24 adds ``_is_expert_parallel``, ``is_concatenated``, ``has_post_expert_norm``).
+_EXPERTS_MARKS = ("has_gate", "has_bias", "is_transposed")
+# The weight layout composer3d's expert parallel runs. A key a version does not set has this value there: 5.17's
+# experts are all concatenated [gate; up] and none has a post-expert norm.
+_RUNNABLE_LAYOUT = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                    "has_post_expert_norm": False}
+
 
 def hf_expert_modules(model: nn.Module) -> list[nn.Module]:
     """transformers' routed-experts modules of ``model``: the classes its ``use_experts_implementation`` decorates."""
-    return [m for m in model.modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate")]
+    return [m for m in model.modules() if all(hasattr(m, mark) for mark in _EXPERTS_MARKS)]
 
 
 def inactive_params(model: nn.Module) -> int:
@@ -43,20 +51,23 @@ def expert_parallel_support(cfg) -> tuple[int, str | None]:
     None where it can), from a tiny replica of ``model.path``'s config built on meta."""
     from transformers import AutoModelForCausalLM
 
-
     config = load_hf_config(cfg.path)
     with torch.device("meta"):
-        modules = hf_expert_modules(AutoModelForCausalLM.from_config(tiny_replica(config)))
+        return experts_support(AutoModelForCausalLM.from_config(tiny_replica(config)), config.model_type)
+
+
+def experts_support(model: nn.Module, model_type: str) -> tuple[int, str | None]:
+    """``expert_parallel_support`` of a built ``model``."""
+    modules = hf_expert_modules(model)
     if not modules:
         return 0, None
     for module in modules:
         names = {name for name, _ in module.named_parameters(recurse=False)}
-        layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-                  "has_post_expert_norm": False}
-        odd = {key: getattr(module, key) for key, value in layout.items() if getattr(module, key) != value}
+        odd = {key: getattr(module, key, value) for key, value in _RUNNABLE_LAYOUT.items()
+               if getattr(module, key, value) != value}
         if odd or names != {"gate_up_proj", "down_proj"}:
             return module.gate_up_proj.shape[0] if "gate_up_proj" in names else 0, (
-                f"{type(module).__name__} ({config.model_type}) has weights {sorted(names)} and "
+                f"{type(module).__name__} ({model_type}) has weights {sorted(names)} and "
                 f"{odd or 'the usual layout'}; "
                 "composer3d's expert parallel runs experts with a fused gate_up_proj and a down_proj, no biases, "
                 "not transposed")

@@ -199,9 +199,10 @@ class HFCausalLM(nn.Module):
     def _masks(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
         import transformers.masking_utils
 
+        # No attention mask and no cache, passed by position: the cache's keyword is past_key_values in transformers
+        # 5.17 and cache in 5.24, which warns that past_key_values goes in 5.40.
         return {kind: getattr(transformers.masking_utils, _MASKS[kind])(
-            config=self.config, inputs_embeds=reference, attention_mask=None, past_key_values=None,
-            position_ids=position_ids) for kind in kinds}
+            self.config, reference, None, None, position_ids=position_ids) for kind in kinds}
 
     def feed_forwards(self) -> list[nn.Module]:
         """Each decoder layer's ``mlp`` that holds no routed experts (a sparse MoE block routes per tile)."""
