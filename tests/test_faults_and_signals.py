@@ -173,6 +173,10 @@ def test_an_hf_run_resumes_from_its_checkpoint_after_its_model_directory_moved(t
     original = make_model(tmp_path / "model", "qwen3")
     args = [*HF_FAST, "train.steps=3", "checkpoint.enabled=true", "checkpoint.interval=2"]
     first = train(tmp_path / "first", *args, f"model.path={original}")
+    # no library warning the user can do nothing about (torchao's kernels, pytree's Enum note, transformers' mask
+    # keyword): the console keeps what matters
+    for harmless in ("Failed to load", "is an Enum subclass", "FutureWarning"):
+        assert harmless not in first.output, first.output[-3000:]
     moved = tmp_path / "moved"
     shutil.move(original, moved)
     for weights in moved.glob("*.safetensors"):  # the checkpoint holds the trained weights: resuming needs none

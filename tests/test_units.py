@@ -134,3 +134,22 @@ def _params_gathered_after_forward(rank, world_size, zero_stage, expect_gathered
 @pytest.mark.parametrize("zero_stage, gathered", [(3, False), (2, True)])
 def test_zero2_keeps_params_gathered_from_forward_to_backward(tmp_path, zero_stage, gathered):
     spawn(_params_gathered_after_forward, 2, tmp_path, zero_stage, gathered)
+
+
+def test_known_harmless_library_warnings_are_dropped_and_the_rest_kept(caplog):
+    """torchao's note on its optional C++ kernels and torch's Enum-constant deprecation (both logged on every run,
+    nothing a user can do) are dropped at their loggers; their other warnings still reach the user."""
+    import logging
+
+    import composer3d  # noqa: F401  (its import puts the filters on the libraries' loggers)
+
+    cases = [("torchao", "Failed to load /site/torchao/_C_mxfp8.so: Could not load this library", True),
+             ("torchao", "Skipping import of cpp extensions due to incompatible torch version", False),
+             ("torch.utils._pytree", "<enum 'KernelPreference'> is an Enum subclass and is now natively supported",
+              True),
+             ("torch.utils._pytree", "a pytree node type was registered twice", False)]
+    for name, message, dropped in cases:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=name):
+            logging.getLogger(name).warning(message)
+        assert (not caplog.records) == dropped, (name, message)
