@@ -87,6 +87,11 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
     terminal = b"".join(chunks).decode(errors="replace")
     assert "━" in terminal, terminal[-3000:]  # rich's progress bar
     assert not any(STEP_LINE.match(line.strip()) for line in terminal.splitlines()), "plain records on a terminal"
+    # a record logged while the bar is live goes above it, never onto the bar's line (two rich consoles on one
+    # terminal wrote "train ━━━ 0/2 … INFO model state: …": the garbled bar inside tmux/screen)
+    drawn = re.split(r"\r\n|\n|\r", terminal)
+    assert not [line for line in drawn if "━" in line and "INFO" in line], terminal[-3000:]
+    assert any("INFO" in line and "model state" in line for line in drawn), terminal[-3000:]
 
 
 def _train_in(cwd, *overrides: str) -> str:

@@ -38,6 +38,19 @@ def is_terminal(stream=None) -> bool:
     return bool(getattr(stream, "isatty", lambda: False)())
 
 
+_terminal = None  # rank 0's rich console on a terminal: the log records and the progress bar draw through it
+
+
+def terminal_console():
+    """The console the progress bar draws on: the log's own, so that a record printed while the bar is live goes
+    above it (two consoles on one terminal overwrite each other's lines: the bar garbled inside tmux/screen)."""
+    if _terminal is None:
+        from rich.console import Console
+
+        return Console()
+    return _terminal
+
+
 def setup_logging(rank: int, stream=None) -> None:
     """Rank 0 logs progress; the other ranks only warnings, so a run prints one story. ``stream``: where rank 0's
     console goes (stdout by default; stderr when stdout carries a result, as composer3d-eval's JSON line)."""
@@ -46,7 +59,9 @@ def setup_logging(rank: int, stream=None) -> None:
         from rich.console import Console
         from rich.logging import RichHandler
 
-        handler = RichHandler(show_path=False, markup=False, console=Console(file=stream))
+        global _terminal
+        _terminal = Console(file=stream)
+        handler = RichHandler(show_path=False, markup=False, console=_terminal)
     else:
         handler = logging.StreamHandler(stream if rank == 0 else sys.stderr)
         handler.setFormatter(logging.Formatter(PLAIN_FORMAT if rank == 0 else

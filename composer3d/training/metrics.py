@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer3d.launch.preflight import metrics_records
-from composer3d.training.console import is_terminal
+from composer3d.training.console import is_terminal, terminal_console
 
 log = logging.getLogger("composer3d")
 
@@ -140,7 +140,8 @@ class MetricsSink:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
             self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False)
+                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False,
+                                     console=terminal_console())
             self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
             self.progress.start()
 
