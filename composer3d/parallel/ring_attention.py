@@ -9,9 +9,9 @@ packed documents a pair whose queries and keys share no document is skipped too,
 
 The backward is exact: it passes the keys and values round the ring again, each block's gradients computed against
 the merged output and log-sum-exp of the forward (flash attention's identity), and the key/value gradients travel
-with their block until they are back at its owner. Each block runs the fused kernel its device has
-(``attention_blocks``: flash for CPU; flash or memory-efficient attention on CUDA), so the CPU runs the same ring and
-merge code the accelerator does.
+with their block until they are back at its owner. Each block runs the kernel its device has (``attention_blocks``:
+flash for CPU; flash attention on CUDA for unmasked half-precision blocks, tiled exact scores for the rest), so the
+CPU runs the same ring and merge code the accelerator does.
 """
 
 from __future__ import annotations
