@@ -59,3 +59,12 @@ def require_hf_extra(key: str, what: str) -> None:
     except ImportError:
         raise ConfigError(f"{key}: {what} needs transformers, which is not installed here. Install composer3d's "
                           "hf extra: pip install 'composer3d[hf]'") from None
+
+
+def require_eval_extra(key: str) -> None:
+    """lm-evaluation-harness tasks (``eval.tasks``) run on lm-eval, an optional dependency (the ``eval`` extra)."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{key}: lm-evaluation-harness tasks need lm-eval, which is not installed here. Install "
+                          "composer3d's eval extra: pip install 'composer3d[eval]'") from None

@@ -10,6 +10,12 @@ schedule's forward-only pass.
     composer3d-eval model=hf model.path=/models/qwen eval.path=/data/valid.txt train.seq_len=2048 \
         launch.nproc_per_node=8 parallel.tp=2 [checkpoint.resume=<run>/checkpoints/step-N]
 
+With ``eval.tasks``, lm-evaluation-harness tasks are scored instead (``eval_harness``; the ``eval`` extra), under
+the same layouts, and their metrics printed as one JSON line:
+
+    composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' eval.num_fewshot=0 \
+        [eval.task_paths=[my_tasks/]] [eval.limit=100]
+
 With ``checkpoint.resume``, the model and tokenizer are the checkpoint's (its recorded config names them, as for
 ``composer3d-generate``); ``model.*`` or ``data.tokenizer`` overrides go on top of them, and a model that then does
 not match the checkpoint's tensors is refused before any worker starts.
@@ -30,6 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
+from composer3d.data.tokenizers import build_tokenizer
+from composer3d.errors import require_eval_extra
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
@@ -80,10 +88,10 @@ def check_checkpoint_model(cfg: DictConfig) -> None:
                                 "(see {meta})")
 
 
-def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
+def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:
     console.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees, device = prepare_rank(cfg, env)
-    windows = eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    windows = None if cfg.eval.tasks else eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
     check_weights_source(cfg)
     resume = cfg.checkpoint.resume
     env = distributed.init_process_group(device, env, timedelta(minutes=cfg.launch.timeout_minutes),
@@ -99,13 +107,28 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict:
         distributed.shut_down(finished)
 
 
-def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor,
-                       resume: str) -> dict:
+def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor | None,
+                       resume: str) -> dict | None:
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timedelta(minutes=cfg.launch.timeout_minutes))
     trainer = Trainer(cfg, mesh, device, sequences=None, from_checkpoint=resume not in ("auto", "none"))
     if resume not in ("auto", "none"):
         load_model_weights(trainer.model, Path(resume))
-    return trainer.evaluate(windows)
+    if windows is not None:
+        return trainer.evaluate(windows)
+    from composer3d.eval_harness import run_tasks  # lm-eval: the eval extra, imported only when asked for
+
+    return run_tasks(trainer, build_tokenizer(cfg.data, cfg.model), cfg.eval, cfg.train.seq_len)
+
+
+def check_tasks_or_windows(cfg: DictConfig) -> None:
+    """What composer3d-eval scores: lm-eval tasks (eval.tasks), or the loss over eval.path's windows."""
+    if not cfg.eval.tasks:
+        eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+        return
+    require_eval_extra("eval.tasks")
+    from composer3d.eval_harness import check_tasks
+
+    check_tasks(cfg.eval)
 
 
 def _main(cfg: DictConfig) -> None:
@@ -120,7 +143,7 @@ def _main(cfg: DictConfig) -> None:
             check_weights_source(cfg)
             check_checkpoint_model(cfg)
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
-            eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+            check_tasks_or_windows(cfg)
         if env is None and cfg.launch.nproc_per_node > 1:
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", job_overrides())
             return
@@ -130,9 +153,10 @@ def _main(cfg: DictConfig) -> None:
 # pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
 # `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
 main = hydra_entry_point(
-    _main, "composer3d-eval", "mean next-token loss and perplexity of a model over a text file (eval.path)", [
+    _main, "composer3d-eval", "mean next-token loss and perplexity over a text file (eval.path), or lm-eval tasks (eval.tasks)", [
     "composer3d-eval checkpoint.resume=<run>/checkpoints/step-N eval.path=valid.txt   (the checkpoint's own model)",
     "composer3d-eval model=hf model.path=/models/qwen eval.path=valid.txt train.seq_len=2048",
+    "composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' eval.num_fewshot=0",
     ], config_path="pkg://composer3d.conf", config_name="train")
 
 

@@ -201,6 +201,8 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.pp=2", "memory.tile_loss=2"], "memory.tile_loss", "Use memory.tile_loss=0 with parallel.pp>1"),
     (1, ["model=tiny_moe", "model.moe.dense_layers=0", "memory.tile_mlp=2"], "memory.tile_mlp",
      "every layer of this model is a mixture of experts"),
+    (1, ["eval.num_fewshot=-2"], "eval.num_fewshot", "Use -1 for each task's own default"),
+    (1, ["eval.limit=-1"], "eval.limit", "Use 0 for every document"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

@@ -178,6 +178,11 @@ class TrainLoopConfig:
 class EvalConfig:
     path: str | None = None  # UTF-8 text file: loss/perplexity over its train.seq_len-token windows (composer3d-eval)
     max_windows: int = 0  # evaluate at most this many windows (0: all)
+    tasks: list[str] = field(default_factory=list)  # lm-evaluation-harness tasks/groups to score instead (lm-eval)
+    task_paths: list[str] = field(default_factory=list)  # directories of lm-eval task YAMLs of your own, for eval.tasks
+    num_fewshot: int = -1  # eval.tasks: few-shot examples per prompt (-1: each task's own default)
+    limit: int = 0  # eval.tasks: score at most this many documents per task (0: all)
+    bootstrap_iters: int = 100000  # eval.tasks: resamples for the standard errors lm-eval bootstraps (0: none)
 
 
 @dataclass

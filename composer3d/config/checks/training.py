@@ -33,6 +33,11 @@ def _check_loop(t: Any, eval_cfg: Any) -> None:
              "evaluation file", "Set eval.path=<text file>, or train.eval_every=0")
     _require(eval_cfg.max_windows >= 0, "eval.max_windows", f"must be >= 0, got {eval_cfg.max_windows}",
              "Use 0 for all windows")
+    _require(eval_cfg.num_fewshot >= -1, "eval.num_fewshot", f"must be >= -1, got {eval_cfg.num_fewshot}",
+             "Use -1 for each task's own default, or 0, 5, ...")
+    _require(eval_cfg.limit >= 0, "eval.limit", f"must be >= 0, got {eval_cfg.limit}", "Use 0 for every document")
+    _require(eval_cfg.bootstrap_iters >= 0, "eval.bootstrap_iters", f"must be >= 0, got {eval_cfg.bootstrap_iters}",
+             "Use 0 to skip bootstrapped standard errors")
     _require(t.steps >= 1, "train.steps", f"must be >= 1, got {t.steps}", "Use 1 or more")
     _require(t.on_nonfinite in ("stop", "skip"), "train.on_nonfinite", f"unknown policy {t.on_nonfinite!r}",
              "Choose stop (exit at the first non-finite step) or skip (drop that update)")

@@ -1,0 +1,118 @@
+"""composer3d-eval eval.tasks: lm-evaluation-harness tasks scored by composer3d under several layouts, against
+lm-eval's own Hugging Face backend (transformers) on the same model and tasks. Local tasks, nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("lm_eval")
+from hf_models import make_model
+from test_eval import run_eval
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+SEQ = 32  # test_eval's window: long texts take several rolling windows
+
+QUESTIONS = [("the quick brown", [" fox", " dog", " matmul"], 0),
+             ("pipeline parallel splits", [" layers", " checkpoints", " the fox"], 0),
+             ("a checkpoint written by one layout", [" can be read back", " jumps over", " splits"], 0),
+             ("fully sharded data parallel keeps", [" one shard", " the lazy dog", " data"], 1),
+             ("def train(model,", [" data):", " fox", " rank"], 0)]
+TEXTS = ["the quick brown fox jumps over the lazy dog " * 6,
+         "tensor parallel splits each matmul while pipeline parallel splits layers across ranks",
+         "def train(model, data):\n    for batch in data:\n        loss = model(batch)\n" * 3]
+TASKS = ["c3d_choice", "c3d_next_words", "c3d_rolling"]
+
+
+def write_tasks(root) -> str:
+    """Three local tasks, one per scored request type: multiple choice, loglikelihood, rolling loglikelihood."""
+    root.mkdir()
+    (root / "choice.jsonl").write_text("".join(json.dumps({"question": q, "choices": c, "answer": a}) + "\n"
+                                               for q, c, a in QUESTIONS))
+    (root / "texts.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    common = f"dataset_path: json\ntest_split: train\nmetadata:\n  version: 1.0\n"
+    (root / "choice.yaml").write_text(
+        f"task: c3d_choice\n{common}dataset_kwargs:\n  data_files: {root / 'choice.jsonl'}\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{answer}}'\nmetric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+    (root / "next_words.yaml").write_text(
+        f"task: c3d_next_words\n{common}dataset_kwargs:\n  data_files: {root / 'texts.jsonl'}\n"
+        "output_type: loglikelihood\ndoc_to_text: '{{text.split(\" \")[:-2] | join(\" \")}}'\n"
+        "doc_to_target: '{{\" \" + text.split(\" \")[-2:] | join(\" \")}}'\n"
+        "metric_list:\n  - metric: perplexity\n  - metric: acc\n")
+    (root / "rolling.yaml").write_text(
+        f"task: c3d_rolling\n{common}dataset_kwargs:\n  data_files: {root / 'texts.jsonl'}\n"
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+    (root / "generate.yaml").write_text(
+        f"task: c3d_generate\n{common}dataset_kwargs:\n  data_files: {root / 'texts.jsonl'}\n"
+        "output_type: generate_until\ndoc_to_text: '{{text}}'\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: exact_match\n")
+    return str(root)
+
+
+def reference(model_dir, tasks_dir) -> dict:
+    """lm-eval's own `hf` backend (transformers' forward) on the same model and tasks."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    results = simple_evaluate(model="hf", model_args={"pretrained": str(model_dir), "dtype": "float32",
+                                                      "device": "cpu", "max_length": SEQ, "batch_size": 2},
+                              tasks=TASKS, task_manager=TaskManager(include_path=tasks_dir), log_samples=False,
+                              bootstrap_iters=0)
+    return results["results"]
+
+
+@pytest.fixture(scope="module")
+def model_and_tasks(tmp_path_factory):
+    root = tmp_path_factory.mktemp("harness")
+    model_dir = make_model(root / "model", "llama")
+    tasks_dir = write_tasks(root / "tasks")
+    return model_dir, tasks_dir, reference(model_dir, tasks_dir)
+
+
+def _metrics(results: dict) -> dict:
+    return {(task, name): value for task, metrics in results.items() for name, value in metrics.items()
+            if "," in name and "stderr" not in name}
+
+
+@pytest.mark.parametrize("nproc,layout", [  # each gathers the logits its own way: vocabulary, stages, sequence
+    (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    (4, ["parallel.cp=2", "parallel.dp_shard=2"]),
+])
+def test_tasks_score_as_lm_eval_scores_transformers(model_and_tasks, nproc, layout):
+    model_dir, tasks_dir, want = model_and_tasks
+    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.tasks=[{','.join(TASKS)}]",
+                    f"eval.task_paths=[{tasks_dir}]", "eval.bootstrap_iters=0", *layout, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout
+    got = json.loads(lines[0])
+    assert got["n_samples"]["c3d_choice"]["effective"] == len(QUESTIONS)
+    got, want = _metrics(got["results"]), _metrics(want)
+    assert set(got) == set(want) and len(got) == 7, (sorted(got), sorted(want))
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, got[key], value)
+    # The model is random: the scores are not at a trivial value (all right, or the same for every choice).
+    assert 0 < want[("c3d_choice", "acc,none")] < 1 or want[("c3d_choice", "acc_norm,none")] < 1
+
+
+def test_generation_and_unknown_tasks_are_refused_before_workers(model_and_tasks):
+    from lm_eval.tasks import TaskManager
+    from omegaconf import OmegaConf
+
+    from composer3d.config import ConfigError
+    from composer3d.eval_harness import check_tasks
+
+    model_dir, tasks_dir, _ = model_and_tasks
+    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.task_paths=[{tasks_dir}]",
+                    "eval.tasks=[c3d_generate]", nproc=2)
+    assert proc.returncode == 2 and proc.stderr.count("eval.tasks: c3d_generate is a generate_until task") == 1, \
+        proc.stderr
+    # The same check the launcher makes, over the local tasks alone (indexing lm-eval's 14,000 takes a minute here)
+    unknown = OmegaConf.create({"tasks": ["c3d_no_such_task"], "task_paths": [tasks_dir]})
+    with pytest.raises(ConfigError, match="eval.tasks: lm-eval has no task, group or tag named 'c3d_no_such_task'"):
+        check_tasks(unknown, TaskManager(include_path=tasks_dir, include_defaults=False))
