@@ -6,7 +6,8 @@ steady-state ``Trainer.train_step`` (the second step: the optimizer state exists
   - collectives: a TorchDispatchMode sees every c10d op the step runs (FSDP's all-gathers and reduce-scatters, the
     functional collectives of DTensor's TP/SP, pipeline send/recv, the gradient-norm all-reduce, ZeRO-1's all-gather)
     and adds up the bytes each one carries, by kind and by the size of the group it runs on;
-  - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes) gives
+  - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes; as
+    composer3d-plan plan.measure=true runs it, ``plan.measure.PeakTracker``) gives
     the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included.
 A timed group of pipelines measures, in each of ``timed_steps`` steps after two untimed ones, the time inside the
 stages' compute (``busy_s``: forward/backward chunks and the loss) and inside the schedule's step (``schedule_s``)
@@ -79,22 +80,6 @@ class CollectiveBytes(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _peak_tracker():
-    """torch's MemTracker, told that a root module run again is the next micro-batch (gradient accumulation, pipeline
-    schedules) rather than an error: only its whole-rank peak is read here, which the per-module reset keeps."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    class PeakTracker(MemTracker):
-        def _pre_fw_hook(self, module, inputs):
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:
-                self.reset_mod_stats()
-                super()._pre_fw_hook(module, inputs)
-
-    return PeakTracker()
-
-
 def _timed(method, into: list[float], pad_s: float = 0.0):
     """``method`` preceded by a wait of ``pad_s`` (simulated compute), adding its wall time to ``into`` per call."""
     def timed(*args, **kwargs):
@@ -141,6 +126,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
     from composer3d.data import build_sequences
     from composer3d.launch.distributed import Env, shut_down
     from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.plan.measure import PeakTracker
     from composer3d.training.garbage import StepGarbageCollection
     from composer3d.training.metrics import model_state_bytes
     from composer3d.training.trainer import Trainer, prepare_rank
@@ -165,7 +151,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                     busy.clear()
                     schedule_time.clear()
                     if step == 1 and not timed_steps:
-                        comms, tracker = CollectiveBytes(), _peak_tracker()
+                        comms, tracker = CollectiveBytes(), PeakTracker()
                         tracker.track_external(trainer.model, trainer.optimizer)
                         with tracker, comms:
                             trainer.train_step()

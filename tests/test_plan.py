@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -408,3 +409,28 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
                     key, value = override.split("=", 1)
                     OmegaConf.update(trial, key, yaml_value(value))
             validate(trial, 1)
+
+
+def test_one_rank_of_an_8_rank_layout_measured_here_with_a_fake_process_group():
+    """plan.measure runs rank 5 of FSDP 2 × cp 2 × TP 2 + SP alone (torch's fake backend: collectives complete without
+    the other 7 ranks) with the real shapes, and its peak and model-state bytes meet the planner's for that rank
+    (the bars the real multi-process measurements above are held to)."""
+    layout = [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *layout, "cluster.device=cpu",
+                           "cluster.gpus_per_node=8", "plan.measure=true", "plan.measure_rank=5", "plan.measure_steps=1",
+                           "plan.format=json"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured, predicted = result["measured"], result["predicted"]
+    assert (measured["rank"], measured["world_size"], result["layout"]) == (5, 8, "dp2 cp2:ring tp2+sp z3 mb2 ac:none")
+    assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
+    assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
+    assert measured["step_s"] and all(t > 0 for t in measured["step_s"])
+
+
+def test_measuring_a_pipeline_is_refused_naming_the_key():
+    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *MODEL, *PP_BATCH, "parallel.pp=2",
+                           "cluster.device=cpu", "cluster.gpus_per_node=2", "plan.measure=true"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "plan.measure: a pipeline's stages exchange" in proc.stderr, proc.stderr[-2000:]

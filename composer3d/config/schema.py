@@ -239,6 +239,11 @@ class PlanConfig:
     # each combination of memory options trains and the largest model (layers at model.dim) each offload holds
     what_fits: bool = False
     memory_headroom: float = 0.9  # a layout fits when its predicted peak is at most this share of the memory
+    # composer3d-plan with a layout (parallel.*): run one of its ranks here (launch.device) with a fake process group
+    # (no other rank, no communication) and print its peak memory and step compute time beside the prediction
+    measure: bool = False
+    measure_rank: int = 0  # plan.measure: which rank of the cluster.nodes × cluster.gpus_per_node to run
+    measure_steps: int = 3  # plan.measure: timed steps (after one warm-up step and one tracked for memory)
 
 
 @dataclass

@@ -7,15 +7,18 @@
                                                                                     # largest model, what they take
 
 With any ``parallel.*`` key on the command line it reports that layout; without one (or with ``parallel=auto``) it
-ranks every valid layout that fits. Nothing is started: it is arithmetic (composer3d/plan/*).
+ranks every valid layout that fits. Nothing is started: it is arithmetic (composer3d/plan/*) — except with
+``plan.measure=true``, which runs one rank of the given layout here with a fake process group (plan/measure.py).
 """
 
 from __future__ import annotations
 
+import json
+
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composer3d.config import register_configs, resolve_model_config, validate
+from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.hydra_entry import hydra_entry_point
 from composer3d.launch import launcher
 from composer3d.plan import report
@@ -48,12 +51,26 @@ def _main(cfg: DictConfig) -> None:
         if layout_given(cfg):
             validate(cfg, cluster.world_size)
             e = estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+            if cfg.plan.measure:
+                _measure(cfg, e, cluster)
+                return
             print(report.json_lines([e]) if cfg.plan.format == "json" else report.detail(e, cluster), flush=True)
             return
+        if cfg.plan.measure:
+            raise ConfigError("plan.measure: measures one layout, and none is given. Add its parallel.* keys (e.g. "
+                              "parallel.tp=2 parallel.dp_shard=-1; composer3d-plan without plan.measure ranks them)")
         fitting, tried = ranked(cfg, cluster)
         shown = fitting[:cfg.plan.top]
         print(report.json_lines(shown) if cfg.plan.format == "json" else report.table(fitting, tried, cfg.plan.top,
                                                                                        cluster), flush=True)
+
+
+def _measure(cfg: DictConfig, e, cluster) -> None:
+    from composer3d.plan.measure import comparison, measure_rank  # the training stack: only when measuring
+
+    measured = measure_rank(cfg, cluster.world_size, cfg.plan.measure_rank, cfg.plan.measure_steps)
+    result = comparison(measured, e, cluster)
+    print(json.dumps(result) if cfg.plan.format == "json" else report.measured(result), flush=True)
 
 
 main = hydra_entry_point(
@@ -63,6 +80,7 @@ main = hydra_entry_point(
     "composer3d-plan model=llama3_8b train.seq_len=8192 cluster.nodes=8 cluster.device=h100   (the layouts that fit)",
     "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1   (one layout, in detail)",
     "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
+    "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1 plan.measure=true   (rank 0, run here)",
     ], config_path="pkg://composer3d.conf", config_name="train")
 
 register_configs()

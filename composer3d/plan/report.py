@@ -97,3 +97,18 @@ def _fits_row(f: Fit, amount: str) -> str:
     m = f.estimate.memory
     return (f"  {f.options.label():<52}{amount:>14}{_gib(m.total):>12}{_gib(m.host + m.host_activations):>12}"
             f"{f.estimate.tokens_per_s_per_gpu:>11,.0f}")
+
+
+def measured(result: dict) -> str:
+    """plan.measure's rank beside the prediction for it."""
+    m, p, r = result["measured"], result["predicted"], result["ratio"]
+    return "\n".join([
+        f"layout: {result['layout']}; rank {m['rank']} of {m['world_size']} (pipeline stage {m['pp_rank']}) run on "
+        f"{m['device']} with a fake process group (collectives free)",
+        f"  {'':<18}{'measured':>14}{'predicted':>14}{'ratio':>8}",
+        f"  {'peak memory':<18}{_gib(m['peak_bytes']):>14}{_gib(p['peak_bytes']):>14}{r['peak_bytes']:>8.2f}",
+        f"  {'model state':<18}{_gib(m['model_state_bytes']):>14}{_gib(p['model_state_bytes']):>14}"
+        f"{r['model_state_bytes']:>8.2f}",
+        f"  {'step compute':<18}{m['median_step_s'] * 1e3:>11.1f} ms{p['compute_s'] * 1e3:>11.1f} ms"
+        f"{r['compute_s']:>8.2f}   (predicted for {p['device']}; comparable where that is this device)",
+    ])

@@ -27,6 +27,14 @@ def validate_plan(cfg: Any) -> None:
              f"{c.achievable_fraction}", "Use e.g. 0.6")
     _require(p.format in ("table", "json"), "plan.format", f"unknown format {p.format!r}", "Choose table or json")
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
+    world = c.nodes * c.gpus_per_node
+    _require(0 <= p.measure_rank < world, "plan.measure_rank", f"must name a rank of the {world} (cluster.nodes × "
+             f"cluster.gpus_per_node), got {p.measure_rank}", f"Use 0 to {world - 1}")
+    _require(not (p.measure and cfg.parallel.pp > 1), "plan.measure", "a pipeline's stages exchange their "
+             "activations' shapes by message at the first step, which a fake process group cannot carry (there is "
+             "no other stage to answer)", "Measure the layout's stage without the pipeline: parallel.pp=1 with the "
+             "same model.n_layers / pp layers, and the other parallel.* keys as they are")
+    _require(p.measure_steps >= 1, "plan.measure_steps", f"must be >= 1, got {p.measure_steps}", "Use e.g. 3")
     _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
              "Use e.g. 0.9")
     if cfg.model.name == "hf":

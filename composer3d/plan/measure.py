@@ -1,0 +1,119 @@
+"""``composer3d-plan plan.measure=true``: one rank of a layout measured here, before the cluster exists.
+
+The rank runs real training steps of the real model shapes on this machine's device (launch.device) in a process
+group of the layout's world size whose other ranks do not exist: torch's fake backend completes every collective at
+once without moving data (Megatron's --fake-process-group and torchtitan's fake backend work the same way). So the
+rank allocates what it would on the cluster — its parameter, gradient and optimizer shards, the buffers FSDP
+gathers into, TP's and cp's local activations, its pipeline stages' micro-batches — and computes what it would,
+while communication takes no time. Its numbers sit beside the planner's for the same rank:
+
+  - peak memory: the most bytes of tensors alive at once during a step (torch's MemTracker, which counts tensors
+    as the planner models them, on any device), against the planner's total for the rank's pipeline stage;
+  - model state: parameters, gradients and optimizer state, against the planner's;
+  - compute time: the step's wall time (communication free), against the planner's compute time — comparable
+    only where this device is ``cluster.device``.
+
+The values the fake collectives leave (zeros) make the loss meaningless: only sizes and times are read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._tools.mem_tracker import MemTracker
+
+# Registers the "fake" backend. A torch testing module, but the documented way to get a fake process group
+# (torchtitan and torch's own memory estimators use it).
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from composer3d.data import build_sequences
+from composer3d.launch.distributed import Env
+from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.training.metrics import model_state_bytes
+from composer3d.training.trainer import Trainer, prepare_rank
+
+
+@dataclass
+class RankMeasurement:
+    rank: int
+    world_size: int
+    pp_rank: int
+    device: str
+    peak_bytes: int
+    model_state_bytes: int
+    step_s: list[float]
+
+    @property
+    def median_step_s(self) -> float:
+        return statistics.median(self.step_s)
+
+    def as_json(self) -> dict:
+        return {**asdict(self), "median_step_s": self.median_step_s}
+
+
+class PeakTracker(MemTracker):
+    """MemTracker told that a module run again within a step is the next micro-batch (gradient accumulation,
+    pipeline schedules) rather than an error: only the whole rank's peak is read, which survives the reset."""
+
+    def _pre_fw_hook(self, module, inputs):
+        try:
+            super()._pre_fw_hook(module, inputs)
+        except NotImplementedError:
+            self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+
+def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement:
+    """Run rank ``rank`` of a ``world_size``-rank job of ``cfg`` here for ``steps`` + 1 steps: the first builds the
+    optimizer state and warms up; the next is tracked for memory; each after it is timed."""
+    degrees, device = prepare_rank(cfg, Env(rank, 0, world_size))
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        torch.manual_seed(cfg.train.seed)
+        sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+        trainer = Trainer(cfg, mesh, device, sequences)
+        trainer.train_step()
+        trainer.zero_grad()
+        tracker = PeakTracker()
+        tracker.track_external(trainer.model, trainer.optimizer)
+        with tracker:
+            trainer.train_step()
+        peak = int(max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
+        state = model_state_bytes(trainer.model, trainer.optimizer)
+        trainer.zero_grad()
+        times = []
+        for _ in range(max(steps - 1, 1)):
+            start = time.perf_counter()
+            trainer.train_step()
+            _synchronize(device)
+            times.append(time.perf_counter() - start)
+            trainer.zero_grad()
+        pp_rank = mesh["pp"].get_local_rank() if mesh.layout.pp > 1 else 0
+        trainer.close()
+        return RankMeasurement(rank, world_size, pp_rank, str(device), peak, state, times)
+    finally:
+        dist.destroy_process_group()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type != "cpu":  # the step's kernels, queued on the accelerator, are part of its time
+        torch.accelerator.synchronize(device)
+
+
+def comparison(measured: RankMeasurement, estimate, cluster) -> dict:
+    """The measured rank beside the planner's prediction for the same rank (its pipeline stage)."""
+    predicted = estimate.memory_per_pp_rank[measured.pp_rank]
+    return {
+        "layout": estimate.candidate.short(),
+        "measured": measured.as_json(),
+        "predicted": {"peak_bytes": round(predicted.total), "model_state_bytes": round(predicted.model_state),
+                      "compute_s": estimate.compute_s, "device": cluster.device},
+        "ratio": {"peak_bytes": measured.peak_bytes / predicted.total,
+                  "model_state_bytes": measured.model_state_bytes / predicted.model_state,
+                  "compute_s": measured.median_step_s / estimate.compute_s},
+    }
