@@ -201,6 +201,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.pp=2", "memory.tile_loss=2"], "memory.tile_loss", "Use memory.tile_loss=0 with parallel.pp>1"),
     (1, ["model=tiny_moe", "model.moe.dense_layers=0", "memory.tile_mlp=2"], "memory.tile_mlp",
      "every layer of this model is a mixture of experts"),
+    # composer3d-generate's decoding keys
+    (1, ["generate.top_k=-1"], "generate.top_k", "Use 0 for no top-k cut"),
+    (1, ["generate.stop=[END,'']"], "generate.stop", "Drop the empty one"),
+    (1, ["generate.cache=paged"], "generate.cache", "Choose one of ('static', 'dynamic', 'none')"),
+    (1, ["generate.cache=dynamic"], "generate.cache", "Use generate.cache=static (or none)"),  # native: static only
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:
