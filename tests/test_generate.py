@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from composer3d.config.schema import GenerateConfig, ModelConfig
+from composer3d.config.schema import GenerateConfig, ModelConfig, MoEConfig
 from composer3d.generation import generate as generate_in_process
 from composer3d.generation import next_tokens
 from composer3d.models import build_model
@@ -67,15 +67,19 @@ def test_decoding_rules():
     assert next_tokens(batch, 0.0, 0, 1.0, gen).tolist() == [1, 2]
 
 
-@pytest.fixture(scope="module")
-def tiny_native() -> torch.nn.Module:
+def random_native(**overrides) -> torch.nn.Module:
     """The tiny native model (grouped-query: 8 heads, 4 kv heads), fp32, random weights peaked enough that greedy
     choices are not near-ties."""
-    cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=512, multiple_of=32,
-                      max_seq_len=1024, init_std=0.2)
+    cfg = ModelConfig(**{"name": "llama", "dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "vocab_size": 512,
+                         "multiple_of": 32, "max_seq_len": 1024, "init_std": 0.2, **overrides})
     model = build_model(cfg)
     materialize(model, torch.device("cpu"), seed=0)
     return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_native() -> torch.nn.Module:
+    return random_native()
 
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 31)), [100, 3]]  # different lengths: a left-padded batch
@@ -107,6 +111,14 @@ def test_native_cached_decoding_equals_recompute_and_each_row_alone(tiny_native)
         assert run_native(tiny_native, [prompt])[0].completion_ids == row.completion_ids
         assert run_native(tiny_native, [prompt], cache="none")[0].completion_ids == row.completion_ids
     assert len({tuple(g.completion_ids) for g in cached}) == 3  # the rows differ: nothing mixed them up
+
+
+def test_native_mixture_of_experts_decodes_cached_as_recomputed():
+    model = random_native(n_layers=3, moe=MoEConfig(experts=8, top_k=2, shared_experts=1, expert_hidden_dim=64,
+                                                    dense_layers=1))
+    cached = [g.completion_ids for g in run_native(model, PROMPTS, max_new_tokens=12)]
+    assert cached == [g.completion_ids for g in run_native(model, PROMPTS, max_new_tokens=12, cache="none")]
+    assert [run_native(model, [p], max_new_tokens=12)[0].completion_ids for p in PROMPTS] == cached
 
 
 def test_native_kv_cache_is_static_written_in_place_and_exact(tiny_native):
@@ -190,18 +202,19 @@ def test_native_checkpoint_generates_what_transformers_generates_from_its_export
     assert generated(*common, *sampling, "parallel.tp=2", nproc=2)["completion_ids"] == sampled["completion_ids"]
 
 
-@pytest.mark.parametrize("arch, cache", [("llama", "static"), ("qwen3", "dynamic")])
-def test_hf_model_generates_what_transformers_generates(tmp_path, arch, cache):
-    """model=hf with its own weights, in transformers' cache classes: each prompt of a left-padded batch encoded as
-    the tokenizer encodes it by default (its special tokens added, as transformers' pipelines do), stopped at its
-    eos or the limit, with transformers' own greedy tokens."""
-    path = make_model(tmp_path / arch, arch)
-    texts = ["the quick brown fox", "a b"]
-    out = generate("model=hf", f"model.path={path}", f"generate.prompts=['{texts[0]}','{texts[1]}']",
-                   "generate.max_new_tokens=16", f"generate.cache={cache}").stdout.strip().splitlines()
+HF_PROMPTS = ["the quick brown fox", "a b"]  # different lengths: a left-padded batch
+
+
+def hf_generated_as_transformers_generates(path: Path, *overrides: str, nproc: int = 1) -> None:
+    """composer3d-generate's rows for HF_PROMPTS: each prompt encoded as the tokenizer encodes it by default (its
+    special tokens added, as transformers' pipelines do), continued with transformers' own greedy tokens, stopped at
+    its eos or the limit."""
+    prompts = ",".join(f"'{text}'" for text in HF_PROMPTS)
+    out = generate("model=hf", f"model.path={path}", f"generate.prompts=[{prompts}]", "generate.max_new_tokens=16",
+                   *overrides, nproc=nproc).stdout.strip().splitlines()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    assert len(out) == 2, out
-    for text, line in zip(texts, out):
+    assert len(out) == len(HF_PROMPTS), out
+    for text, line in zip(HF_PROMPTS, out):
         result = json.loads(line)
         assert result["prompt_ids"] == tokenizer.encode(text)
         reference = transformers_greedy(path, result["prompt_ids"], 16)
@@ -209,6 +222,17 @@ def test_hf_model_generates_what_transformers_generates(tmp_path, arch, cache):
             reference = reference[:reference.index(tokenizer.eos_token_id) + 1]
         assert result["completion_ids"] == reference
         assert result["finish_reason"] == ("eos" if reference[-1] == tokenizer.eos_token_id else "length")
+
+
+@pytest.mark.parametrize("arch, cache", [("llama", "static"), ("qwen3", "dynamic")])
+def test_hf_model_generates_what_transformers_generates(tmp_path, arch, cache):
+    """model=hf with its own weights, decoded in transformers' cache classes."""
+    hf_generated_as_transformers_generates(make_model(tmp_path / arch, arch), f"generate.cache={cache}")
+
+
+@pytest.mark.slow  # the HF caches (above) and tensor parallel generation (the native checkpoint's test) together
+def test_hf_model_under_tensor_parallel_generates_what_transformers_generates(tmp_path):
+    hf_generated_as_transformers_generates(make_model(tmp_path / "llama", "llama"), "parallel.tp=2", nproc=2)
 
 
 @pytest.mark.parametrize("nproc, overrides, key", [
