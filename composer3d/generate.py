@@ -91,8 +91,9 @@ def check_generation(cfg: DictConfig, degrees: dict, prompts: list[list[int]]) -
         raise ConfigError(f"parallel: composer3d-generate runs on one process or under tensor parallel alone, and "
                           f"this layout has {others}. Use launch.nproc_per_node=N parallel.tp=N (N = 1 for one process)")
     if not all(prompts):
-        raise ConfigError("generate.prompt: empty (no tokens to continue). Give the text to continue, e.g. "
-                          "generate.prompt='Once upon a time' (or generate.prompts='[a,b]' for a batch)")
+        key = "generate.prompts" if cfg.generate.prompts else "generate.prompt"
+        raise ConfigError(f"{key}: empty (no tokens to continue). Give the text to continue, e.g. "
+                          "generate.prompt='Once upon a time' (or \"generate.prompts=['a b','c']\" for a batch)")
     longest = max(map(len, prompts))
     total = longest + cfg.generate.max_new_tokens
     if total > cfg.model.max_seq_len:
