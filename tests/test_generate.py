@@ -224,6 +224,21 @@ def hf_generated_as_transformers_generates(path: Path, *overrides: str, nproc: i
         assert result["finish_reason"] == ("eos" if reference[-1] == tokenizer.eos_token_id else "length")
 
 
+def test_a_row_stops_at_its_eos_and_the_others_go_on(tiny_native):
+    full = run_native(tiny_native, PROMPTS)
+    ids = full[0].completion_ids
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token the first row makes first there
+    stopped = run_native(tiny_native, PROMPTS, stop_at_eos=True)  # no eos id: never stops
+    assert [g.finish_reason for g in stopped] == ["length"] * 3
+    config = GenerateConfig(max_new_tokens=24, stop_at_eos=True)
+    stopped = generate_in_process(tiny_native, PROMPTS, config, ids[at], decode_bytes, torch.device("cpu"))
+    assert stopped[0].completion_ids == ids[:at + 1] and stopped[0].finish_reason == "eos"
+    for row, whole in zip(stopped[1:], full[1:]):  # the others run on, or stop at the same token where they make it
+        expected = whole.completion_ids[:whole.completion_ids.index(ids[at]) + 1] if ids[at] in whole.completion_ids \
+            else whole.completion_ids
+        assert row.completion_ids == expected
+
+
 @pytest.mark.parametrize("arch, cache", [("llama", "static"), ("qwen3", "dynamic")])
 def test_hf_model_generates_what_transformers_generates(tmp_path, arch, cache):
     """model=hf with its own weights, decoded in transformers' cache classes."""
