@@ -171,7 +171,7 @@ def _main(cfg: DictConfig) -> None:
 main = hydra_entry_point(
     _main,
     "composer3d-generate",
-    "continue a prompt (generate.prompt) with a checkpoint's model or a Hugging Face model", [
+    "continue prompts (generate.prompt, generate.prompts) with a checkpoint's model or a Hugging Face model", [
     'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def main("',
     'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is"',
     ], config_path="pkg://composer3d.conf", config_name="train")

@@ -195,7 +195,7 @@ class GenerateConfig:
     # KV cache: static (preallocated, written in place) | dynamic (Hugging Face models: transformers' DynamicCache)
     # | none (recompute the whole sequence every token: slow, exact for any attention)
     cache: str = "static"
-    output: str = "text"  # text: the prompt and its continuation | json: one line with the token ids too
+    output: str = "text"  # text: each prompt and its continuation | json: one line per prompt, with its token ids
 
 
 @dataclass
