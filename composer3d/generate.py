@@ -1,17 +1,20 @@
-"""``composer3d-generate``: continue a prompt with a checkpoint's model (or a Hugging Face model's own weights).
+"""``composer3d-generate``: continue prompts with a checkpoint's model (or a Hugging Face model's own weights).
 
     composer3d-generate checkpoint.resume=outputs/NAME/checkpoints/step-100 generate.prompt="def main("
     composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is" \\
         generate.temperature=0.7 generate.top_p=0.9 launch.nproc_per_node=2 parallel.tp=2
 
 With ``checkpoint.resume``, the model and the tokenizer are the run's: its recorded config (composer3d.json) names
-them, so an override of ``model`` or ``data.tokenizer`` is refused (the weights fix both). Decoding is greedy at
-``generate.temperature=0``; otherwise the next token is drawn from softmax(logits / temperature), cut to the
-smallest set of most likely tokens whose probabilities reach ``generate.top_p``, by a generator seeded with
-``generate.seed`` — so a seed and a checkpoint always give the same text, on any layout. It runs on one process or
-under tensor parallel (``launch.nproc_per_node`` = ``parallel.tp``). Every step runs the whole sequence through
-the model, with no KV cache: exact for any attention the model has, and quick enough to read what a run learned;
-for serving, export the checkpoint (``composer3d-convert export``) to a serving engine.
+them, so an override of ``model`` or ``data.tokenizer`` is refused (the weights fix both). ``generate.prompt`` and
+``generate.prompts`` run as one batch (left-padded; each row gets what it would get alone). The prompts fill a KV
+cache at once, then each step runs one token a row (``composer3d.generation``: a static cache for the native
+model, transformers' StaticCache or DynamicCache for Hugging Face models; ``generate.cache=none`` recomputes the
+whole sequence every step). Decoding is greedy at ``generate.temperature=0``; otherwise the next token is drawn
+from softmax(logits / temperature), cut to the ``generate.top_k`` most likely and to the smallest set of most
+likely tokens whose probabilities reach ``generate.top_p``, by a generator seeded with ``generate.seed`` — so a
+seed and a checkpoint always give the same text, on any layout. A row stops at its eos, at a stop string
+(``generate.stop``, cut from the text) or after ``generate.max_new_tokens``. It runs on one process or under
+tensor parallel (``launch.nproc_per_node`` = ``parallel.tp``).
 """
 
 from __future__ import annotations
@@ -20,21 +23,19 @@ import json
 import logging
 import os
 import sys
-import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
+from composer3d.dtypes import DTYPES
 from composer3d.evaluate import check_weights_source
+from composer3d.generation import Generation, generate
 from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
@@ -46,61 +47,24 @@ from composer3d.training.trainer import prepare_rank
 log = logging.getLogger("composer3d")
 
 
-@dataclass
-class Generation:
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    finish_reason: str  # "eos" | "length"
-    seconds: float
+def encode_prompts(tokenizer: ByteTokenizer | HFTokenizer, settings) -> list[list[int]]:
+    """The token ids of ``generate.prompt`` (where given) and each of ``generate.prompts``."""
+    texts = ([settings.prompt] if settings.prompt else []) + list(settings.prompts)
+    return [encode_prompt(tokenizer, text, settings.chat) for text in texts] or [[]]
 
 
-def next_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """The next token from one position's logits (a 1-d tensor on the CPU): the most likely at temperature 0,
-    else drawn from the temperature-scaled distribution cut to its top-``top_p`` nucleus."""
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.double() / temperature, dim=-1)
-    sorted_probs, order = probs.sort(descending=True)
-    # Keep each token whose more likely predecessors add up to less than top_p: the smallest set reaching it
-    # (the most likely token always stays).
-    sorted_probs[sorted_probs.cumsum(0) - sorted_probs >= top_p] = 0
-    return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
-
-
-@torch.no_grad()
-def generate(model: torch.nn.Module, prompt_ids: list[int], settings, eos_id: int | None,
-             device: torch.device) -> Generation:
-    """Continue ``prompt_ids`` (``settings``: the ``generate`` config) on every rank of the tensor-parallel group."""
-    generator = torch.Generator().manual_seed(settings.seed)
-    ids, started, finish = list(prompt_ids), time.perf_counter(), "length"
-    for _ in range(settings.max_new_tokens):
-        logits = model(torch.tensor([ids], device=device))[0, -1]
-        if isinstance(logits, DTensor):  # tensor parallel: the head's output is sharded over the vocabulary
-            logits = logits.full_tensor()
-        token = torch.tensor([next_token(logits.float().cpu(), settings.temperature, settings.top_p, generator)],
-                             device=device)
-        # Rank 0's token for all: the ranks gathered the same logits, but one that drew differently would
-        # feed the group different sequences from then on.
-        dist.broadcast(token, src=0)
-        ids.append(int(token))
-        if settings.stop_at_eos and ids[-1] == eos_id:
-            finish = "eos"
-            break
-    return Generation(list(prompt_ids), ids[len(prompt_ids):], finish, time.perf_counter() - started)
-
-
-def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, settings) -> list[int]:
-    """The prompt's token ids: through the chat template as a user message with ``generate.chat``; a Hugging Face
+def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, prompt: str, chat: bool) -> list[int]:
+    """A prompt's token ids: through the chat template as a user message with ``generate.chat``; a Hugging Face
     tokenizer adds its own special tokens (a bos, where it has one), as transformers' pipelines do."""
-    if settings.chat:
+    if chat:
         if not tokenizer.has_chat_template:
             raise ConfigError("generate.chat: the run's tokenizer has no chat template. Leave generate.chat=false to "
                               "continue the prompt as plain text, or set data.tokenizer to a tokenizer with one")
-        text = tokenizer.render_chat([{"role": "user", "content": settings.prompt}], add_generation_prompt=True)
+        text = tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
         return tokenizer.tokenizer.encode(text, add_special_tokens=False)
     if isinstance(tokenizer, HFTokenizer):
-        return tokenizer.tokenizer.encode(settings.prompt)
-    return tokenizer.encode(settings.prompt).tolist()
+        return tokenizer.tokenizer.encode(prompt)
+    return tokenizer.encode(prompt).tolist()
 
 
 def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None:
@@ -120,29 +84,31 @@ def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None
     cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
 
 
-def check_generation(cfg: DictConfig, degrees: dict, prompt_ids: list[int]) -> None:
-    """The layouts generation runs under, and a prompt that fits the model's context."""
+def check_generation(cfg: DictConfig, degrees: dict, prompts: list[list[int]]) -> None:
+    """The layouts generation runs under, and prompts that fit the model's context."""
     others = {k: v for k, v in degrees.items() if k != "tp" and v > 1}
     if others:
         raise ConfigError(f"parallel: composer3d-generate runs on one process or under tensor parallel alone, and "
                           f"this layout has {others}. Use launch.nproc_per_node=N parallel.tp=N (N = 1 for one process)")
-    if not prompt_ids:
-        raise ConfigError("generate.prompt: empty (no tokens to continue). Give the text to continue, e.g. "
-                          "generate.prompt='Once upon a time'")
-    total = len(prompt_ids) + cfg.generate.max_new_tokens
+    if not all(prompts):
+        key = "generate.prompts" if cfg.generate.prompts else "generate.prompt"
+        raise ConfigError(f"{key}: empty (no tokens to continue). Give the text to continue, e.g. "
+                          "generate.prompt='Once upon a time' (or \"generate.prompts=['a b','c']\" for a batch)")
+    longest = max(map(len, prompts))
+    total = longest + cfg.generate.max_new_tokens
     if total > cfg.model.max_seq_len:
-        raise ConfigError(f"generate.max_new_tokens: the prompt's {len(prompt_ids)} tokens and "
+        raise ConfigError(f"generate.max_new_tokens: the longest prompt's {longest} tokens and "
                           f"{cfg.generate.max_new_tokens} new ones exceed the model's context (model.max_seq_len="
                           f"{cfg.model.max_seq_len}). Use generate.max_new_tokens<="
-                          f"{max(cfg.model.max_seq_len - len(prompt_ids), 0)} or a shorter prompt")
+                          f"{max(cfg.model.max_seq_len - longest, 0)} or a shorter prompt")
 
 
-def run(cfg: DictConfig, env: distributed.Env | None) -> Generation:
+def run(cfg: DictConfig, env: distributed.Env | None) -> list[Generation]:
     console.setup_logging(env.rank if env else 0, stream=sys.stderr)
     degrees, device = prepare_rank(cfg, env)
     tokenizer = build_tokenizer(cfg.data, cfg.model)
-    prompt_ids = encode_prompt(tokenizer, cfg.generate)
-    check_generation(cfg, degrees, prompt_ids)
+    prompts = encode_prompts(tokenizer, cfg.generate)
+    check_generation(cfg, degrees, prompts)
     resume = cfg.checkpoint.resume
     timeout = timedelta(minutes=cfg.launch.timeout_minutes)
     env = distributed.init_process_group(device, env, timeout)
@@ -153,24 +119,32 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> Generation:
         model = build_parallel_model(cfg, mesh, device, from_checkpoint).model
         if from_checkpoint:
             load_model_weights(model, Path(resume))
-        result = generate(model.eval(), prompt_ids, cfg.generate, tokenizer.eos_id, device)
+        # The compute dtype training used where FSDP does not run (parallel.autocast wraps the forward only; the
+        # cached decoders call the model's modules themselves)
+        dtype = cfg.precision.param_dtype
+        with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32"):
+            results = generate(model.eval(), prompts, cfg.generate, tokenizer.eos_id, tokenizer.decode, device)
         if env.rank == 0:
-            _print(result, tokenizer, cfg.generate.output)
+            _print(results, tokenizer, cfg.generate.output)
         finished = True
-        return result
+        return results
     finally:
         distributed.shut_down(finished)
 
 
-def _print(result: Generation, tokenizer, output: str) -> None:
-    prompt, completion = tokenizer.decode(result.prompt_ids), tokenizer.decode(result.completion_ids)
-    if output == "json":
-        print(json.dumps({"prompt": prompt, "completion": completion, "prompt_ids": result.prompt_ids,
-                          "completion_ids": result.completion_ids, "finish_reason": result.finish_reason}), flush=True)
-    else:
-        print(prompt + completion, flush=True)
-    log.info("%d tokens in %.1f s (%.1f tokens/s), stopped at %s", len(result.completion_ids), result.seconds,
-             len(result.completion_ids) / max(result.seconds, 1e-9), result.finish_reason)
+def _print(results: list[Generation], tokenizer, output: str) -> None:
+    for result in results:
+        prompt = tokenizer.decode(result.prompt_ids)
+        if output == "json":
+            print(json.dumps({"prompt": prompt, "completion": result.completion, "prompt_ids": result.prompt_ids,
+                              "completion_ids": result.completion_ids, "finish_reason": result.finish_reason}),
+                  flush=True)
+        else:
+            print(prompt + result.completion, flush=True)
+    tokens = sum(len(result.completion_ids) for result in results)
+    seconds = results[0].seconds
+    log.info("%d tokens in %.1f s (%.1f tokens/s), stopped at %s", tokens, seconds, tokens / max(seconds, 1e-9),
+             ", ".join(result.finish_reason for result in results))
 
 
 def _main(cfg: DictConfig) -> None:
@@ -185,7 +159,7 @@ def _main(cfg: DictConfig) -> None:
         if env is None:  # before any worker starts
             degrees = validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
-            check_generation(cfg, degrees, encode_prompt(build_tokenizer(cfg.data, cfg.model), cfg.generate))
+            check_generation(cfg, degrees, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate))
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
         if env is None and cfg.launch.nproc_per_node > 1:
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.generate", job_overrides())
@@ -197,7 +171,7 @@ def _main(cfg: DictConfig) -> None:
 main = hydra_entry_point(
     _main,
     "composer3d-generate",
-    "continue a prompt (generate.prompt) with a checkpoint's model or a Hugging Face model", [
+    "continue prompts (generate.prompt, generate.prompts) with a checkpoint's model or a Hugging Face model", [
     'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def main("',
     'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is"',
     ], config_path="pkg://composer3d.conf", config_name="train")

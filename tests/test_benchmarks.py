@@ -165,3 +165,11 @@ def test_context_parallel_benchmark_attention_memory_falls_as_one_over_cp():
     for r in rows:
         assert r["ring_bytes_per_rank"] == r["ring_bytes_predicted"] and (r["cp"] == 1) == (r["ring_bytes_per_rank"] == 0)
         assert r["max_error"] < 1e-5, r
+
+
+def test_generate_benchmark_prints_cached_and_recompute_speed():
+    stdout = _run("generate.py", "--device", "cpu", "--new-tokens", "16", "--prompt", "8", "--json")
+    result = json.loads(stdout)
+    assert result["device"] == "cpu" and result["new_tokens"] == 16
+    assert result["recompute_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0, result
+    assert result["same_tokens"], result  # the cache changes the speed, not the tokens

@@ -203,6 +203,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
      "every layer of this model is a mixture of experts"),
     (1, ["eval.num_fewshot=-2"], "eval.num_fewshot", "Use -1 for each task's own default"),
     (1, ["eval.limit=-1"], "eval.limit", "Use 0 for every document"),
+    # composer3d-generate's decoding keys
+    (1, ["generate.top_k=-1"], "generate.top_k", "Use 0 for no top-k cut"),
+    (1, ["generate.stop=[END,'']"], "generate.stop", "Drop the empty one"),
+    (1, ["generate.cache=paged"], "generate.cache", "Choose one of ('static', 'dynamic', 'none')"),
+    (1, ["generate.cache=dynamic"], "generate.cache", "Use generate.cache=static (or none)"),  # native: static only
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

@@ -518,6 +518,36 @@ def test_experts_are_found_as_each_transformers_version_marks_them():
     assert hf_experts.experts_support(model, "mixtral") == (8, None)
 
 
+def test_every_architecture_decodes_in_transformers_caches_as_transformers_generates(models):
+    """Cached generation (``models.hf.generation``) of a left-padded batch of two prompts, in transformers'
+    StaticCache and DynamicCache: each row the greedy tokens of transformers' generate on that prompt alone —
+    sliding windows (the longer row outgrows the 24-token window), soft-capping, per-layer-type rotary embeddings,
+    partial rotary, q/k norms included."""
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.config.schema import GenerateConfig
+    from composer3d.generation import generate
+    from composer3d.models import build_model
+    from composer3d.models.hf.weights import load_pretrained
+    from composer3d.models.init import materialize
+
+    prompts = [[1, 5, 9, 33, 7, 100, 12, 40, 41, 300, 17], [1, 40, 41]]
+    for arch, path in models.items():
+        reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            expected = [reference.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20)[0, len(p):].tolist()
+                        for p in prompts]
+        expected = [ids[:ids.index(COMMON["eos_token_id"]) + 1] if COMMON["eos_token_id"] in ids else ids
+                    for ids in expected]
+        model = build_model(train_config(path).model)
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        load_pretrained(model, str(path))
+        for cache in ("static", "dynamic"):
+            results = generate(model.eval(), prompts, GenerateConfig(max_new_tokens=20, cache=cache),
+                               COMMON["eos_token_id"], str, torch.device("cpu"))
+            assert [r.completion_ids for r in results] == expected, (arch, cache)
+
+
 def test_attention_masks_are_built_without_the_keyword_transformers_deprecates(models):
     """composer3d builds its full and sliding-window masks without create_causal_mask's past_key_values keyword,
     which transformers 5.24 deprecates (a FutureWarning on every forward; removed in 5.40)."""

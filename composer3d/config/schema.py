@@ -188,13 +188,19 @@ class EvalConfig:
 @dataclass
 class GenerateConfig:
     prompt: str = ""  # composer3d-generate: the text to continue
+    prompts: list[str] = field(default_factory=list)  # more texts to continue, in one batch with prompt (each as alone)
     chat: bool = False  # send the prompt as a user message through the tokenizer's chat template
     max_new_tokens: int = 128  # tokens generated at most (prompt + these must fit model.max_seq_len)
     temperature: float = 0.0  # 0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)
+    top_k: int = 0  # sampling: only from the top_k most likely tokens (0: no cut; 1: greedy)
     top_p: float = 1.0  # sampling: only from the most likely tokens whose probabilities add up to top_p (nucleus)
     seed: int = 0  # seeds the sampling (the same seed and weights give the same text)
     stop_at_eos: bool = True  # stop at the tokenizer's end-of-sequence token
-    output: str = "text"  # text: the prompt and its continuation | json: one line with the token ids too
+    stop: list[str] = field(default_factory=list)  # stop strings: a completion ends before the first one it holds
+    # KV cache: static (preallocated, written in place) | dynamic (Hugging Face models: transformers' DynamicCache)
+    # | none (recompute the whole sequence every token: slow, exact for any attention)
+    cache: str = "static"
+    output: str = "text"  # text: each prompt and its continuation | json: one line per prompt, with its token ids
 
 
 @dataclass

@@ -8,7 +8,7 @@ Two halves, so that neither ``parallel/`` nor the trainer ever names a family (n
 - ``ComposerModel``, what a built model offers: the block structure every parallelism walks (``layers`` and the
   embedding, norm and head a pipeline stage may drop), its initialization, and its mixture-of-experts parts
   (routed experts, the expert-parallel dispatch, inactive parameters, the routing the trainer tracks), and its
-  attention under context parallel.
+  attention under context parallel, and its cached forward for generation.
 """
 
 from __future__ import annotations
@@ -81,6 +81,11 @@ class ComposerModel(Protocol):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """The head over final hidden states ``h`` (any slice of the sequence): final norm, output layer and what
         the family adds to them (logit scaling)."""
+
+    def decoder(self, max_len: int, cache: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Generation's cached forward over at most ``max_len`` tokens a row, in the ``generate.cache`` kind:
+        ``decoder(new_tokens, attention_mask)`` → the logits after each row's last new token, (batch, vocab); the
+        mask (1: a real token, 0: left padding) covers every token so far (``composer3d.generation``)."""
 
     def feed_forwards(self) -> list[nn.Module]:
         """The blocks' dense feed-forward modules, per token (any cut of the sequence gives the same output);

@@ -47,7 +47,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_pipeline(cfg, degrees["pp"], degrees["dp_replicate"] * degrees["dp_shard"])
     _check_batch(cfg, degrees)
     _check_loop(cfg.train, cfg.eval)
-    _check_generate(cfg.generate)
+    _check_generate(cfg.generate, cfg.model.name)
     _check_optimizer(cfg.optim, cfg.parallel)
     _check_precision(cfg.precision, degrees["tp"])
     _check_memory(cfg, degrees)

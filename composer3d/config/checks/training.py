@@ -48,12 +48,23 @@ def _check_loop(t: Any, eval_cfg: Any) -> None:
     _require(t.grad_clip >= 0, "train.grad_clip", f"must be >= 0, got {t.grad_clip}", "Use 0 to disable clipping")
 
 
-def _check_generate(g: Any) -> None:
+GENERATE_CACHES = ("static", "dynamic", "none")
+
+
+def _check_generate(g: Any, model_name: str) -> None:
     """composer3d-generate's decoding settings (the prompt's length is checked once it is tokenized)."""
     _require(g.max_new_tokens >= 1, "generate.max_new_tokens", f"must be >= 1, got {g.max_new_tokens}", "Use e.g. 128")
     _require(g.temperature >= 0, "generate.temperature", f"must be >= 0, got {g.temperature}",
              "Use 0 for greedy decoding, or e.g. 0.8 to sample")
     _require(0 < g.top_p <= 1, "generate.top_p", f"must be in (0, 1], got {g.top_p}", "Use 1 for no nucleus cut, or e.g. 0.9")
+    _require(g.top_k >= 0, "generate.top_k", f"must be >= 0, got {g.top_k}", "Use 0 for no top-k cut, or e.g. 50")
+    _require(all(isinstance(s, str) and s for s in g.stop), "generate.stop",
+             f"every stop string must be non-empty text, got {list(g.stop)}",
+             "Drop the empty one, e.g. generate.stop=[END,Question:]")
+    _require(g.cache in GENERATE_CACHES, "generate.cache", f"unknown cache {g.cache!r}",
+             f"Choose one of {GENERATE_CACHES}")
+    _require(g.cache != "dynamic" or model_name == "hf", "generate.cache",
+             f"the native model ({model_name}) has a static KV cache only", "Use generate.cache=static (or none)")
     _require(g.output in ("text", "json"), "generate.output", f"unknown output {g.output!r}", "Choose text or json")
 
 

@@ -10,6 +10,7 @@ below); its modules, bottom to top:
 - ``context_parallel``: composer3d's context-parallel attention in transformers' attention interface, what it refuses;
 - ``experts``: transformers' experts modules under expert parallel (all-to-all dispatch), their routing counts;
 - ``model``: ``HFCausalLM``, transformers' modules behind composer3d's model interface (``models.interface``);
+- ``generation``: generation's cached forward in transformers' cache classes (``HFCausalLM.decoder``);
 - ``tensor_parallel``: the model's TP plan, translated (or derived for Llama-like layouts without one);
 - ``weights``: reading safetensors straight into the shards, and the files an export copies;
 - ``forward_check``: before launch, composer3d's forward against transformers' on a tiny replica.

@@ -196,13 +196,34 @@ class HFCausalLM(nn.Module):
             return types[int(layer_id)]
         return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
 
-    def _masks(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+    def _masks(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str],
+               attention_mask: torch.Tensor | None = None, cache=None) -> dict[str, Any]:
+        """transformers' attention mask per layer type; generation gives its padding mask and its cache."""
         import transformers.masking_utils
 
-        # No attention mask and no cache, passed by position: the cache's keyword is past_key_values in transformers
-        # 5.17 and cache in 5.24, which warns that past_key_values goes in 5.40.
+        # Passed by position: the cache's keyword is past_key_values in transformers 5.17 and cache in 5.24, which
+        # warns that past_key_values goes in 5.40.
         return {kind: getattr(transformers.masking_utils, _MASKS[kind])(
-            self.config, reference, None, None, position_ids=position_ids) for kind in kinds}
+            self.config, reference, attention_mask, cache, position_ids=position_ids) for kind in kinds}
+
+    def _rotary(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str]) -> dict[str, Any]:
+        """The rotary embeddings (cos, sin) at ``position_ids`` per layer type (Gemma 3 has one per type)."""
+        if self._rotary_by_type:
+            return {kind: self.model.rotary_emb(reference, position_ids, kind) for kind in kinds}
+        shared = self.model.rotary_emb(reference, position_ids)
+        return {kind: shared for kind in kinds}
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, times the family's multiplier where it has one (``_TOP_LEVEL_SCALING``)."""
+        h = self.tok_embeddings(x)
+        return h if self._embedding_multiplier is None else h * self._embedding_multiplier
+
+    def decoder(self, max_len: int, cache: str):
+        """Generation's cached forward over at most ``max_len`` tokens a row, in transformers' ``cache`` class
+        (static: StaticCache; dynamic: DynamicCache)."""
+        from composer3d.models.hf.generation import HFDecoder
+
+        return HFDecoder(self, max_len, cache)
 
     def feed_forwards(self) -> list[nn.Module]:
         """Each decoder layer's ``mlp`` that holds no routed experts (a sparse MoE block routes per tile)."""
@@ -224,9 +245,7 @@ class HFCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
         """Tokens (or a previous stage's hidden states) → logits (or hidden states) over ``layer_ids``;
         ``head_loss(h, self.logits)``, where given, takes the head's place (``models.interface``)."""
-        h = self.tok_embeddings(x) if embed else x
-        if embed and self._embedding_multiplier is not None:
-            h = h * self._embedding_multiplier
+        h = self.embed(x) if embed else x
         layer_ids = list(self.layers.keys()) if layer_ids is None else layer_ids
         if layer_ids:
             # Under sequence parallel a stage's input holds a slice of the sequence; masks and rotary
@@ -242,11 +261,7 @@ class HFCausalLM(nn.Module):
                 masks = {kind: plan for kind in kinds}
             else:
                 masks = self._masks(reference, position_ids, kinds)
-            if self._rotary_by_type:
-                rotary = {kind: self.model.rotary_emb(reference, position_ids, kind) for kind in kinds}
-            else:
-                shared = self.model.rotary_emb(reference, position_ids)
-                rotary = {kind: shared for kind in kinds}
+            rotary = self._rotary(reference, position_ids, kinds)
             for i in layer_ids:
                 kind = self._layer_type(i)
                 out = self.layers[i](h, attention_mask=masks[kind], position_embeddings=rotary[kind],

@@ -7,6 +7,8 @@ One concern a module, as torchtitan lays out a model family:
 - ``model``: ``FeedForward``, ``TransformerBlock``, ``is_moe_layer``, ``ffn_hidden_dim`` and the ``Llama`` model,
   with its per-parameter init rules;
 - ``sharding``: ``tensor_parallel_plan``, the model's tensor/sequence-parallel plan, and the sizes it splits;
+- ``kv_cache``: ``LlamaDecoder``, generation's static KV cache and the cached forward that fills it
+  (``Llama.decoder``);
 - ``hf_adapter``: conversion between the native state dict and config and Hugging Face's LlamaForCausalLM
   (``hf_names``, the RoPE row permutations, ``hf_state_dict_from_native`` …), used by ``composer3d.convert``.
 

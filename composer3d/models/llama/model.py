@@ -19,6 +19,7 @@ import composer3d.models.llama.attention as attention_module
 from composer3d.models.init import InitRule, normal, ones
 from composer3d.models.interface import Routing
 from composer3d.models.llama.attention import Attention, document_ids, document_mask, rope_tables
+from composer3d.models.llama.kv_cache import LlamaDecoder
 from composer3d.models.moe import MoE, inactive_expert_params, moe_layers
 
 
@@ -143,6 +144,11 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))
+
+    def decoder(self, max_len: int, cache: str) -> LlamaDecoder:
+        """Generation's cached forward over at most ``max_len`` tokens a row: a static KV cache (the only
+        ``cache`` kind the native model has; the config checks refuse others)."""
+        return LlamaDecoder(self, max_len)
 
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
                 head: bool = True, position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
