@@ -9,28 +9,35 @@ scores; lm-eval computes the metrics on each node's first process, and rank 0 pr
 Requests are scored as transformers' model in lm-eval's own ``hf`` backend scores them: the same tokenization
 (the tokenizer's special tokens, the prefix token for an empty context), the same truncation to the last
 ``train.seq_len`` + 1 tokens, and the same rolling windows for perplexity tasks. Generation tasks
-(``generate_until``) are refused: composer3d-eval scores, ``composer3d-generate`` generates.
+(``generate_until``) decode with ``composer3d.generation`` (the KV cache) in the layouts composer3d-generate runs:
+one process, or tensor parallel alone.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from lm_eval import simple_evaluate
 from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from composer3d.data import IGNORE_INDEX
 from composer3d.data.tokenizers import HFTokenizer
 from composer3d.errors import ConfigError
+from composer3d.generation import generate
 from composer3d.training.scoring import layout_logits, target_scores
 
 log = logging.getLogger(__name__)
 
 SCORED_OUTPUT_TYPES = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
+DEFAULT_MAX_GEN_TOKS = 256  # a generation task's new tokens when it names none (lm-eval's hf backend's default)
 
 
 def task_manager(eval_cfg) -> TaskManager:
@@ -44,8 +51,20 @@ def task_manager(eval_cfg) -> TaskManager:
     return TaskManager(include_path=paths or None)
 
 
-def check_tasks(eval_cfg, manager: TaskManager | None = None) -> None:
-    """Before any worker starts: every task named is one lm-eval knows, and none asks for generation."""
+def generation_problem(degrees: dict, sequence_parallel: bool) -> str | None:
+    """Why this layout cannot generate (composer3d-generate's layouts: one process, or tensor parallel alone
+    without sequence parallel, whose sequence split a growing sequence does not keep); None where it can."""
+    others = {k: v for k, v in degrees.items() if k != "tp" and v > 1}
+    if others:
+        return f"generation runs on one process or under tensor parallel alone, and this layout has {others}"
+    if sequence_parallel:
+        return "generation's growing sequence does not split evenly over sequence parallel"
+    return None
+
+
+def check_tasks(eval_cfg, manager: TaskManager | None = None, generation: str | None = None) -> None:
+    """Before any worker starts: every task named is one lm-eval knows, and a generation task has a layout that
+    generates (``generation``: ``generation_problem``'s answer)."""
     manager = manager or task_manager(eval_cfg)
     for name in eval_cfg.tasks:
         entry = manager.task_index.get(name)
@@ -54,14 +73,13 @@ def check_tasks(eval_cfg, manager: TaskManager | None = None) -> None:
             raise ConfigError(f"eval.tasks: lm-eval has no task, group or tag named {name!r} (among its "
                               f"{len(manager.all_tasks)} built-in ones{where}). Run `lm-eval ls tasks` for the names, "
                               "or add a directory of task YAMLs with eval.task_paths=[dir]")
-        output_type = (entry.cfg or {}).get("output_type")
-        if output_type is not None and output_type not in SCORED_OUTPUT_TYPES:
-            raise ConfigError(_generation_refused(name, output_type))
+        if (entry.cfg or {}).get("output_type") == "generate_until" and generation:
+            raise ConfigError(_generation_refused(name, generation))
 
 
-def _generation_refused(name: str, output_type: str) -> str:
-    return (f"eval.tasks: {name} is a {output_type} task; composer3d-eval scores the likelihood of given text "
-            f"({', '.join(SCORED_OUTPUT_TYPES)}) and does not generate. Leave {name} out")
+def _generation_refused(name: str, problem: str) -> str:
+    return (f"eval.tasks: {name} is a generation task (generate_until), and {problem}. Score it on one process or "
+            f"under parallel.tp alone with parallel.sequence_parallel=false, or leave {name} out")
 
 
 def run_tasks(trainer, tokenizer, eval_cfg, seq_len: int) -> dict | None:
@@ -70,11 +88,27 @@ def run_tasks(trainer, tokenizer, eval_cfg, seq_len: int) -> dict | None:
     model = ComposerLM(trainer, tokenizer, seq_len)
     results = simple_evaluate(model=model, tasks=list(eval_cfg.tasks), task_manager=task_manager(eval_cfg),
                               num_fewshot=None if eval_cfg.num_fewshot < 0 else eval_cfg.num_fewshot,
-                              limit=eval_cfg.limit or None, log_samples=False, bootstrap_iters=eval_cfg.bootstrap_iters)
+                              limit=eval_cfg.limit or None, log_samples=bool(eval_cfg.samples_path),
+                              bootstrap_iters=eval_cfg.bootstrap_iters)
     if results is None:
         return None
+    if eval_cfg.samples_path:
+        _write_samples(results["samples"], Path(eval_cfg.samples_path))
     return {"results": results["results"], "n_samples": results.get("n-samples", {}),
             "num_fewshot": results.get("n-shot", {})}
+
+
+def _write_samples(samples: dict[str, list[dict]], path: Path) -> None:
+    """One JSON line per task and document: its id, target, the model's responses (as lm-eval's filters left them)
+    and the document's metrics."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as out:
+        for task, documents in samples.items():
+            for sample in documents:
+                record = {"task": task, "doc_id": sample["doc_id"], "target": sample.get("target"),
+                          "responses": sample.get("filtered_resps"),
+                          **{metric: sample[metric] for metric in sample.get("metrics", []) if metric in sample}}
+                out.write(json.dumps(record, default=str) + "\n")
 
 
 class ComposerLM(TemplateLM):
@@ -126,7 +160,48 @@ class ComposerLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        raise ConfigError(_generation_refused(requests[0].task_name, "generate_until"))
+        """Each context continued greedily (or sampled, where the task asks) by ``composer3d.generation``, batched
+        by equal generation settings; the context left-truncated to leave room for the new tokens in train.seq_len,
+        the text decoded without special tokens and cut at the first stop sequence (the eos's text among them), as
+        lm-eval's hf backend does."""
+        problem = generation_problem(self.trainer.mesh.layout.as_dict(), self.trainer.cfg.parallel.sequence_parallel)
+        if problem:
+            raise ConfigError(_generation_refused(requests[0].task_name, problem))
+        eos = self._decode([self.eot_token_id], skip_special_tokens=False)
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
+        for indices in groups.values():
+            options = normalize_gen_kwargs(requests[indices[0]].args[1], DEFAULT_MAX_GEN_TOKS)
+            until = handle_stop_sequences(options.pop("until", None), eos=eos)
+            new_tokens = options["max_gen_toks"]
+            room = self.seq_len - new_tokens
+            if room <= 0:
+                raise ConfigError(f"train.seq_len: {requests[indices[0]].task_name} generates up to {new_tokens} "
+                                  f"tokens, which leaves no room for its context in {self.seq_len}. Use "
+                                  f"train.seq_len>{new_tokens}")
+            settings = SimpleNamespace(max_new_tokens=new_tokens, temperature=float(options.get("temperature", 0.0)),
+                                       top_k=int(options.get("top_k") or 0), top_p=float(options.get("top_p") or 1.0),
+                                       seed=self.trainer.cfg.train.seed, stop_at_eos=True, stop=until, cache="static")
+            for start in range(0, len(indices), self.rows):
+                batch = indices[start:start + self.rows]
+                prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in batch]
+                model = self.trainer.model.eval()
+                try:
+                    generated = generate(model, prompts, settings, self.eot_token_id, self._decode,
+                                         self.trainer.device)
+                finally:
+                    model.train()
+                for i, result in zip(batch, generated):
+                    text = self._decode(result.completion_ids, skip_special_tokens=True)
+                    results[i] = postprocess_generated_text(text, until, None)
+        return results
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self.hf_tokenizer is None:
+            return self.composer_tokenizer.decode(ids)
+        return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def _row(self, context: list[int], continuation: list[int]) -> tuple[list[int], list[int]]:
         """(inputs, targets) of one request, seq_len long: the last seq_len + 1 tokens of context + continuation,

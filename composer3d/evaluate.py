@@ -120,15 +120,15 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
     return run_tasks(trainer, build_tokenizer(cfg.data, cfg.model), cfg.eval, cfg.train.seq_len)
 
 
-def check_tasks_or_windows(cfg: DictConfig) -> None:
+def check_tasks_or_windows(cfg: DictConfig, degrees: dict) -> None:
     """What composer3d-eval scores: lm-eval tasks (eval.tasks), or the loss over eval.path's windows."""
     if not cfg.eval.tasks:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         return
     require_eval_extra("eval.tasks")
-    from composer3d.eval_harness import check_tasks
+    from composer3d.eval_harness import check_tasks, generation_problem
 
-    check_tasks(cfg.eval)
+    check_tasks(cfg.eval, generation=generation_problem(degrees, cfg.parallel.sequence_parallel))
 
 
 def _main(cfg: DictConfig) -> None:
@@ -143,7 +143,7 @@ def _main(cfg: DictConfig) -> None:
             check_weights_source(cfg)
             check_checkpoint_model(cfg)
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
-            check_tasks_or_windows(cfg)
+            check_tasks_or_windows(cfg, degrees)
         if env is None and cfg.launch.nproc_per_node > 1:
             launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", job_overrides())
             return

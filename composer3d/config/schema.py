@@ -183,6 +183,7 @@ class EvalConfig:
     num_fewshot: int = -1  # eval.tasks: few-shot examples per prompt (-1: each task's own default)
     limit: int = 0  # eval.tasks: score at most this many documents per task (0: all)
     bootstrap_iters: int = 100000  # eval.tasks: resamples for the standard errors lm-eval bootstraps (0: none)
+    samples_path: str | None = None  # eval.tasks: write each document's requests and responses here (JSON lines)
 
 
 @dataclass
