@@ -168,6 +168,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.offload=optimizer", "parallel.zero_stage=1"], "parallel.offload", "zero_stage=2 or 3"),
     (1, ["parallel.offload=optimizer", "optim.name=adamw_8bit"], "parallel.offload", "Use optim.name=adamw"),
     (1, ["parallel.offload_dir=/nvme"], "parallel.offload_dir", "Add parallel.offload=optimizer"),
+    # the fused loss runs the head from its whole weight inside the model's forward
+    (1, ["train.loss_impl=liger"], "train.loss_impl", "Choose chunked or fused"),
+    (2, ["train.loss_impl=fused", "parallel.tp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.tp>1"),
+    (2, ["train.loss_impl=fused", "parallel.pp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.pp>1"),
+    (1, ["train.loss_impl=fused", "memory.tile_loss=2"], "train.loss_impl", "Use memory.tile_loss=0 with it"),
     # context parallel's attention styles; ulysses splits the (KV) heads over cp
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",

@@ -82,6 +82,10 @@ class ComposerModel(Protocol):
         """The head over final hidden states ``h`` (any slice of the sequence): final norm, output layer and what
         the family adds to them (logit scaling)."""
 
+    def linear_head(self) -> tuple[nn.Module, torch.Tensor] | None:
+        """The head as (final norm, weight of a bias-free output layer) where it is only that, for the fused loss
+        (``training.fused_loss``); None where the family adds to it (logit scaling, soft-capping, a bias)."""
+
     def feed_forwards(self) -> list[nn.Module]:
         """The blocks' dense feed-forward modules, per token (any cut of the sequence gives the same output);
         mixture-of-experts layers are not among them."""

@@ -27,7 +27,7 @@ from composer3d.data import (
     eval_result,
     window_batches,
 )
-from composer3d.errors import TrainingDiverged
+from composer3d.errors import ConfigError, TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
 from composer3d.parallel.context import ContextParallel
@@ -38,6 +38,7 @@ from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
 from composer3d.training.grad import clip_grad_norm_
 from composer3d.training.loop import train_loop
+from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput
 from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
@@ -115,11 +116,25 @@ class Trainer:
                     ) -> torch.Tensor:
         """``_loss`` of the model's logits; with memory.tile_loss the model computes it from its final hidden
         states in sequence tiles (``parallel.tiling``), inside its forward (FSDP's and autocast's scope)."""
+        if self.cfg.train.loss_impl == "fused":
+            head_loss = partial(self._fused_head_loss, targets=targets)
+            return self._normalized(self.model(inputs, position_ids=positions, head_loss=head_loss))
         tiles = self.cfg.memory.tile_loss
         if tiles <= 1:
             return self._loss(self.model(inputs, position_ids=positions), targets)
         head_loss = partial(tiled_head_loss, targets=targets, tiles=tiles, loss_fn=self._loss_sum)
         return self._normalized(self.model(inputs, position_ids=positions, head_loss=head_loss))
+
+    def _fused_head_loss(self, h: torch.Tensor, logits_fn, targets: torch.Tensor) -> torch.Tensor:
+        """The head and summed loss fused (train.loss_impl=fused), from the head's weight as the model's forward
+        holds it (FSDP's gathered one); compiled on an accelerator even without compile.enabled."""
+        head = self.model.linear_head()
+        if head is None:
+            raise ConfigError("train.loss_impl: fused needs a bias-free head without logit scaling or soft-capping, "
+                              "and this model adds to its head. Use train.loss_impl=chunked")
+        norm, weight = head
+        compiled = self.cfg.compile.enabled or distributed.is_accelerator(self.device)
+        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=compiled)
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).

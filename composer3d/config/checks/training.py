@@ -102,6 +102,24 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              "saved-tensor hooks never see (compiled, the graph saves them through autograd)",
              "Add compile.enabled=true, or use memory.activation_checkpointing=full or memory.ac_every>=1")
     _check_tiling(cfg, degrees)
+    _check_loss_impl(cfg, degrees)
+
+
+def _check_loss_impl(cfg: Any, degrees: dict[str, int]) -> None:
+    """train.loss_impl=fused runs the head itself, from its whole weight, inside the model's forward."""
+    impl = cfg.train.loss_impl
+    _require(impl in ("chunked", "fused"), "train.loss_impl", f"unknown implementation {impl!r}",
+             "Choose chunked or fused")
+    if impl != "fused":
+        return
+    _require(degrees["tp"] == 1, "train.loss_impl", "fused takes the head's whole weight, and tensor parallel shards "
+             "it on the vocabulary (the chunked loss completes each row over the tp ranks)",
+             "Use train.loss_impl=chunked with parallel.tp>1")
+    _require(degrees["pp"] == 1, "train.loss_impl", "fused runs inside the model's forward, and the pipeline "
+             "schedule computes the loss from the last stage's logits outside it",
+             "Use train.loss_impl=chunked with parallel.pp>1")
+    _require(cfg.memory.tile_loss <= 1, "train.loss_impl", "fused already holds one chunk of logits at a time; "
+             "memory.tile_loss would recompute the head for nothing", "Use memory.tile_loss=0 with it")
 
 
 def _check_tiling(cfg: Any, degrees: dict[str, int]) -> None:

@@ -144,6 +144,9 @@ class Llama(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))
 
+    def linear_head(self) -> tuple[nn.Module, torch.Tensor]:
+        return self.norm, self.output.weight
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
                 head: bool = True, position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
         """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head.
