@@ -168,6 +168,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.offload=optimizer", "parallel.zero_stage=1"], "parallel.offload", "zero_stage=2 or 3"),
     (1, ["parallel.offload=optimizer", "optim.name=adamw_8bit"], "parallel.offload", "Use optim.name=adamw"),
     (1, ["parallel.offload_dir=/nvme"], "parallel.offload_dir", "Add parallel.offload=optimizer"),
+    # what op-level selective checkpointing keeps: one of its policies, and only where it runs
+    (1, ["memory.activation_checkpointing=selective", "memory.ac_policy=odd_matmuls"], "memory.ac_policy",
+     "Choose one of ('all_matmuls', 'alternate_matmuls')"),
+    (1, ["memory.activation_checkpointing=full", "memory.ac_policy=alternate_matmuls"], "memory.ac_policy",
+     "Add memory.activation_checkpointing=selective memory.ac_every=0"),
     # the fused loss runs the head from its whole weight inside the model's forward
     (1, ["train.loss_impl=liger"], "train.loss_impl", "Choose chunked or fused"),
     (2, ["train.loss_impl=fused", "parallel.tp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.tp>1"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
+from composer3d.parallel.activation import POLICIES as AC_POLICIES
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 SCHEDULES = ("cosine", "linear", "constant")
@@ -89,6 +90,12 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
     _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
              "0 = op-level selective; k = checkpoint every k-th block")
+    _require(mem.ac_policy in AC_POLICIES, "memory.ac_policy", f"unknown policy {mem.ac_policy!r}",
+             f"Choose one of {tuple(AC_POLICIES)}")
+    _require(mem.ac_policy == "all_matmuls" or (mem.activation_checkpointing == "selective" and mem.ac_every == 0),
+             "memory.ac_policy", f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run "
+             f"has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
+             "Add memory.activation_checkpointing=selective memory.ac_every=0")
     _require(not (cfg.logging.memory_breakdown and pp > 1), "logging.memory_breakdown", "the memory tracker follows "
              "one FSDP root, and a pipeline rank has one per stage", "Use it with parallel.pp=1")
     zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")

@@ -1,8 +1,9 @@
-"""train.loss_impl=fused: the head's matmul and the cross-entropy per chunk of rows (training/fused_loss.py).
+"""train.loss_impl=fused: the head's matmul and the cross-entropy per chunk of rows (training/fused_loss.py); and
+the activation-checkpointing policies' curves (memory.ac_policy), trained in the same process group.
 
 Against plain ``F.cross_entropy`` over the full logits (fp32, CPU): the same loss and gradients, ignored targets
 included, eagerly and compiled; no tensor of the full logits' size ever allocated; and a multi-process run whose
-curve is the chunked loss's."""
+curve is the chunked loss's. Each checkpointing policy's run gives the curve of none."""
 
 from __future__ import annotations
 
@@ -100,13 +101,38 @@ def test_hugging_face_heads_offer_what_the_fused_loss_can_run(tmp_path, arch, fu
         assert head[0] is model.norm and head[1] is model.lm_head.weight
 
 
-def test_fused_run_follows_the_chunked_curve(tmp_path):
-    """Two ranks (FSDP over dp_shard=2), 6 steps: the fused loss inside the model's forward, from FSDP's gathered
-    head weight, gives the chunked loss's curve and gradient norms."""
-    args = [*FAST, "train.steps=6", "parallel.dp_shard=2", "checkpoint.enabled=false"]
-    chunked, fused = train_in_one_group([(tmp_path / "chunked", args),
-                                         (tmp_path / "fused", [*args, "train.loss_impl=fused"])], nproc=2)
-    assert len(chunked.metrics) == len(fused.metrics) == 6
-    for a, b in zip(chunked.metrics, fused.metrics):
-        assert abs(a["loss"] - b["loss"]) < 1e-5 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-5, (a, b)
-    assert "loss_impl: fused" in (tmp_path / "fused" / "config.yaml").read_text()
+# ---------------------------------------------------------------- in training, beside activation checkpointing
+SELECTIVE = ["memory.activation_checkpointing=selective", "memory.ac_every=0"]
+JOBS = {"reference": [], "fused": ["train.loss_impl=fused"],
+        "all_matmuls": [*SELECTIVE, "memory.ac_policy=all_matmuls"],
+        "alternate_matmuls": [*SELECTIVE, "memory.ac_policy=alternate_matmuls"],
+        "full": ["memory.activation_checkpointing=full"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two ranks (FSDP over dp_shard=2), 4 steps each, in one process group: the chunked loss without
+    checkpointing (the reference), the fused loss, and each activation-checkpointing policy."""
+    root = tmp_path_factory.mktemp("loss_and_policies")
+    args = [*FAST, "train.steps=4", "parallel.dp_shard=2", "checkpoint.enabled=false"]
+    results = train_in_one_group([(root / name, [*args, *extra]) for name, extra in JOBS.items()], nproc=2)
+    return dict(zip(JOBS, results))
+
+
+def _assert_same_curve(run, reference, tolerance):
+    assert len(run.metrics) == len(reference.metrics) == 4
+    for a, b in zip(reference.metrics, run.metrics):
+        assert abs(a["loss"] - b["loss"]) < tolerance and abs(a["grad_norm"] - b["grad_norm"]) < tolerance, (a, b)
+
+
+def test_fused_run_follows_the_chunked_curve(runs):
+    """The fused loss inside the model's forward, from FSDP's gathered head weight: the chunked loss's curve and
+    gradient norms."""
+    _assert_same_curve(runs["fused"], runs["reference"], 1e-5)
+    assert "loss_impl: fused" in (runs["fused"].run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("policy", ["all_matmuls", "alternate_matmuls", "full"])
+def test_checkpointing_policies_keep_the_curve(runs, policy):
+    """Only what is kept for backward differs (test_memory_precision measures it), not the numbers."""
+    _assert_same_curve(runs[policy], runs["reference"], 1e-6)
