@@ -247,6 +247,28 @@ def test_context_parallel_of_a_hugging_face_model_refuses_what_its_attention_can
     assert "Use parallel.cp=1" in str(error.value)
 
 
+# The fused loss runs a head that is the final norm and one bias-free linear layer, nothing more
+@pytest.mark.parametrize("arch, config, fusable", [
+    ("llama", {}, True), ("gemma2", {}, False),  # gemma2 soft-caps its logits
+    ("cohere", {}, False),  # cohere scales them (logit_scale)
+])
+def test_fused_loss_of_a_hugging_face_model_refuses_a_head_that_does_more(compose_cfg, tmp_path, arch, config,
+                                                                        fusable):
+    from hf_models import hf_config
+
+    from composer3d.config import resolve_model_config
+
+    hf_config(arch, **config).save_pretrained(tmp_path)
+    cfg = compose_cfg("model=hf", f"model.path={tmp_path}", "train.loss_impl=fused", "train.seq_len=32")
+    resolve_model_config(cfg.model)
+    if fusable:
+        validate(cfg, 1)
+        return
+    with pytest.raises(ConfigError, match=r"^train\.loss_impl: fused runs the head as the final norm .* Use "
+                                          r"train\.loss_impl=chunked"):
+        validate(cfg, 1)
+
+
 def test_context_parallel_refuses_attention_that_bypasses_transformers_interface(compose_cfg, tmp_path, monkeypatch):
     """An attention module computing its own softmax (never calling the interface) is found on the tiny replica."""
     from hf_models import hf_config

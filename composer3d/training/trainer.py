@@ -27,7 +27,7 @@ from composer3d.data import (
     eval_result,
     window_batches,
 )
-from composer3d.errors import ConfigError, TrainingDiverged
+from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
 from composer3d.parallel.context import ContextParallel
@@ -128,11 +128,7 @@ class Trainer:
     def _fused_head_loss(self, h: torch.Tensor, logits_fn, targets: torch.Tensor) -> torch.Tensor:
         """The head and summed loss fused (train.loss_impl=fused), from the head's weight as the model's forward
         holds it (FSDP's gathered one); compiled on an accelerator even without compile.enabled."""
-        head = self.model.linear_head()
-        if head is None:
-            raise ConfigError("train.loss_impl: fused needs a bias-free head without logit scaling or soft-capping, "
-                              "and this model adds to its head. Use train.loss_impl=chunked")
-        norm, weight = head
+        norm, weight = self.model.linear_head()  # not None: checked with the config
         compiled = self.cfg.compile.enabled or distributed.is_accelerator(self.device)
         return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=compiled)
 

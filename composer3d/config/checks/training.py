@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
+from composer3d.models import build_model
 from composer3d.parallel.activation import POLICIES as AC_POLICIES
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
@@ -113,7 +114,8 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
 
 
 def _check_loss_impl(cfg: Any, degrees: dict[str, int]) -> None:
-    """train.loss_impl=fused runs the head itself, from its whole weight, inside the model's forward."""
+    """train.loss_impl=fused runs the head itself, from its whole weight, inside the model's forward (the model,
+    built on meta, says whether its head is only that: ``linear_head``)."""
     impl = cfg.train.loss_impl
     _require(impl in ("chunked", "fused"), "train.loss_impl", f"unknown implementation {impl!r}",
              "Choose chunked or fused")
@@ -127,6 +129,9 @@ def _check_loss_impl(cfg: Any, degrees: dict[str, int]) -> None:
              "Use train.loss_impl=chunked with parallel.pp>1")
     _require(cfg.memory.tile_loss <= 1, "train.loss_impl", "fused already holds one chunk of logits at a time; "
              "memory.tile_loss would recompute the head for nothing", "Use memory.tile_loss=0 with it")
+    _require(build_model(cfg.model).linear_head() is not None, "train.loss_impl", "fused runs the head as the final "
+             "norm and one bias-free linear layer, and this model adds to it (logit scaling, soft-capping or a bias)",
+             "Use train.loss_impl=chunked")
 
 
 def _check_tiling(cfg: Any, degrees: dict[str, int]) -> None:
