@@ -74,6 +74,16 @@ def test_activation_policies_benchmark_prints_each_policy():
     assert all(float(row[1]) > 0 and row[2:] == ["-", "-"] for name, row in rows.items() if name != "policy"), rows
 
 
+def test_loss_impl_benchmark_times_each_implementation_on_the_same_loss():
+    # Dynamo off: the compiled rows run their kernels eagerly (compile is tested by test_loss_and_checkpoint_policies)
+    stdout = _run("loss_impl.py", "--tokens", "64", "--dim", "16", "--vocab", "256", "--steps", "1",
+                  env={"TORCHDYNAMO_DISABLE": "1"})
+    rows = {line[:29].strip(): line[29:].split() for line in stdout.splitlines()[2:]}
+    assert list(rows) == ["log_softmax (reference)", "chunked, eager", "chunked, compiled kernels", "fused, eager",
+                          "fused, compiled"], stdout
+    assert all(float(ms) > 0 and abs(float(diff)) < 1e-3 and peak == "-" for ms, diff, peak in rows.values()), rows
+
+
 def test_hf_loading_benchmark_reads_a_share_per_rank():
     stdout = _run("hf_loading.py", "--hidden", "256", "--layers", "2", "--vocab", "512", "--worlds", "2")
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 2 |")]

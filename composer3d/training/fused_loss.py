@@ -24,7 +24,21 @@ from composer3d.training.loss import CHUNK_ELEMENTS
 
 
 def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ cross-entropy of a chunk's trained rows (fp32) and its gradient w.r.t. the logits, in their dtype."""
+    """Σ cross-entropy of a chunk's trained rows (fp32) and its gradient w.r.t. the logits, in their dtype: eager,
+    the one-hot subtracted in place (no second chunk-sized temporary)."""
+    trained = (targets != IGNORE_INDEX).unsqueeze(1)
+    index = torch.where(trained, targets.unsqueeze(1), 0)
+    wide = logits.float()
+    lse = torch.logsumexp(wide, dim=1, keepdim=True)
+    loss = ((lse - wide.gather(1, index)) * trained).sum()
+    grad = (wide - lse).exp_().scatter_add_(1, index, -trained.float()).mul_(trained)  # softmax − one_hot
+    return loss, grad.to(logits.dtype)
+
+
+def _chunk_loss_and_grad_pointwise(logits: torch.Tensor, targets: torch.Tensor
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, with the one-hot as a comparison: all pointwise after the reduction, which torch.compile fuses
+    into one kernel reading the chunk (a scatter would be a kernel of its own)."""
     trained = (targets != IGNORE_INDEX).unsqueeze(1)
     index = torch.where(trained, targets.unsqueeze(1), 0)
     wide = logits.float()
@@ -54,8 +68,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         rows, vocab = x.shape[0], weight.shape[0]
         wants_x, wants_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wants_grad = wants_x or wants_w
-        kernel = _chunk_loss_and_grad if wants_grad else _chunk_loss
-        kernel = _compiled(kernel) if compiled else kernel
+        if compiled:
+            kernel = _compiled(_chunk_loss_and_grad_pointwise if wants_grad else _chunk_loss)
+        else:
+            kernel = _chunk_loss_and_grad if wants_grad else _chunk_loss
         grad_x = torch.empty_like(x) if wants_x else None
         grad_w = torch.zeros_like(weight) if wants_w else None
         total = torch.zeros((), dtype=torch.float32, device=x.device)
