@@ -23,15 +23,25 @@ from composer3d.data import IGNORE_INDEX
 from composer3d.training.loss import CHUNK_ELEMENTS
 
 
-def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ cross-entropy of a chunk's trained rows (fp32) and its gradient w.r.t. the logits, in their dtype: eager,
-    the one-hot subtracted in place (no second chunk-sized temporary)."""
+def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Σ cross-entropy of a chunk's trained rows, in fp32 (alone: evaluation, where no gradient is wanted)."""
+    return _chunk_parts(logits, targets)[0]
+
+
+def _chunk_parts(logits: torch.Tensor, targets: torch.Tensor):
+    """(the chunk's summed loss, its fp32 logits, their log-sum-exp, the target index, which rows are trained)."""
     trained = (targets != IGNORE_INDEX).unsqueeze(1)
     index = torch.where(trained, targets.unsqueeze(1), 0)
     wide = logits.float()
     lse = torch.logsumexp(wide, dim=1, keepdim=True)
-    loss = ((lse - wide.gather(1, index)) * trained).sum()
-    grad = (wide - lse).exp_().scatter_add_(1, index, -trained.float()).mul_(trained)  # softmax − one_hot
+    return ((lse - wide.gather(1, index)) * trained).sum(), wide, lse, index, trained
+
+
+def _chunk_loss_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and its gradient w.r.t. the logits (softmax − one_hot, zero on ignored rows), in their dtype:
+    eager, the one-hot subtracted in place (no second chunk-sized temporary)."""
+    loss, wide, lse, index, trained = _chunk_parts(logits, targets)
+    grad = (wide - lse).exp_().scatter_add_(1, index, -trained.float()).mul_(trained)
     return loss, grad.to(logits.dtype)
 
 
@@ -39,22 +49,9 @@ def _chunk_loss_and_grad_pointwise(logits: torch.Tensor, targets: torch.Tensor
                                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same, with the one-hot as a comparison: all pointwise after the reduction, which torch.compile fuses
     into one kernel reading the chunk (a scatter would be a kernel of its own)."""
-    trained = (targets != IGNORE_INDEX).unsqueeze(1)
-    index = torch.where(trained, targets.unsqueeze(1), 0)
-    wide = logits.float()
-    lse = torch.logsumexp(wide, dim=1, keepdim=True)
-    loss = ((lse - wide.gather(1, index)) * trained).sum()
+    loss, wide, lse, index, trained = _chunk_parts(logits, targets)
     hit = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0) == index
-    grad = ((wide - lse).exp() - hit.float()) * trained
-    return loss, grad.to(logits.dtype)
-
-
-def _chunk_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The loss alone, where no gradient is wanted (evaluation)."""
-    trained = (targets != IGNORE_INDEX).unsqueeze(1)
-    wide = logits.float()
-    lse = torch.logsumexp(wide, dim=1, keepdim=True)
-    return ((lse - wide.gather(1, torch.where(trained, targets.unsqueeze(1), 0))) * trained).sum()
+    return loss, (((wide - lse).exp() - hit.float()) * trained).to(logits.dtype)
 
 
 @functools.cache

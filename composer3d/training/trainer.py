@@ -36,9 +36,9 @@ from composer3d.parallel.tiling import tiled_head_loss
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
+from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
 from composer3d.training.grad import clip_grad_norm_
 from composer3d.training.loop import train_loop
-from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput
 from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
