@@ -257,12 +257,16 @@ def test_fused_loss_of_a_hugging_face_model_refuses_a_head_that_does_more(compos
     from hf_models import hf_config
 
     from composer3d.config import resolve_model_config
+    from composer3d.models import build_model
 
     hf_config(arch, **config).save_pretrained(tmp_path)
     cfg = compose_cfg("model=hf", f"model.path={tmp_path}", "train.loss_impl=fused", "train.seq_len=32")
     resolve_model_config(cfg.model)
     if fusable:
         validate(cfg, 1)
+        model = build_model(cfg.model)
+        norm, weight = model.linear_head()  # what the fused loss runs
+        assert norm is model.norm and weight is model.lm_head.weight
         return
     with pytest.raises(ConfigError, match=r"^train\.loss_impl: fused runs the head as the final norm .* Use "
                                           r"train\.loss_impl=chunked"):
