@@ -63,6 +63,27 @@ def test_memory_compile_benchmark_measures_each_switch():
     assert len(times) == 3 and all("eager" in line and "compiled" in line for line in times), stdout
 
 
+def test_activation_policies_benchmark_prints_each_policy():
+    stdout = _run("activation_policies.py", "--models", "tiny", "--same-process", "--steps", "1")
+    rows = {line[:30].strip(): line[30:].split() for line in stdout.splitlines() if line.startswith("  ")}
+    peak = {name: float(row[0]) for name, row in rows.items() if name != "policy"}
+    assert list(peak) == ["none", "selective all_matmuls", "selective alternate_matmuls", "full"], stdout
+    assert peak["none"] > peak["selective all_matmuls"] > peak["selective alternate_matmuls"] > peak["full"], peak
+    # the outputs of wk, wo and w3 (32 + 64 + 192 wide) of 2 blocks over 8 × 128 tokens in fp32: 2.25 MiB
+    assert peak["selective all_matmuls"] - peak["selective alternate_matmuls"] == pytest.approx(2.25, abs=0.002)
+    assert all(float(row[1]) > 0 and row[2:] == ["-", "-"] for name, row in rows.items() if name != "policy"), rows
+
+
+def test_loss_impl_benchmark_times_each_implementation_on_the_same_loss():
+    # Dynamo off: the compiled rows run their kernels eagerly (compile is tested by test_loss_and_checkpoint_policies)
+    stdout = _run("loss_impl.py", "--tokens", "64", "--dim", "16", "--vocab", "256", "--steps", "1",
+                  env={"TORCHDYNAMO_DISABLE": "1"})
+    rows = {line[:29].strip(): line[29:].split() for line in stdout.splitlines()[2:]}
+    assert list(rows) == ["log_softmax (reference)", "chunked, eager", "chunked, compiled kernels", "fused, eager",
+                          "fused, compiled"], stdout
+    assert all(float(ms) > 0 and abs(float(diff)) < 1e-3 and peak == "-" for ms, diff, peak in rows.values()), rows
+
+
 def test_hf_loading_benchmark_reads_a_share_per_rank():
     stdout = _run("hf_loading.py", "--hidden", "256", "--layers", "2", "--vocab", "512", "--worlds", "2")
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 2 |")]

@@ -168,6 +168,16 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.offload=optimizer", "parallel.zero_stage=1"], "parallel.offload", "zero_stage=2 or 3"),
     (1, ["parallel.offload=optimizer", "optim.name=adamw_8bit"], "parallel.offload", "Use optim.name=adamw"),
     (1, ["parallel.offload_dir=/nvme"], "parallel.offload_dir", "Add parallel.offload=optimizer"),
+    # what op-level selective checkpointing keeps: one of its policies, and only where it runs
+    (1, ["memory.activation_checkpointing=selective", "memory.ac_policy=odd_matmuls"], "memory.ac_policy",
+     "Choose one of ('all_matmuls', 'alternate_matmuls')"),
+    (1, ["memory.activation_checkpointing=full", "memory.ac_policy=alternate_matmuls"], "memory.ac_policy",
+     "Add memory.activation_checkpointing=selective memory.ac_every=0"),
+    # the fused loss runs the head from its whole weight inside the model's forward
+    (1, ["train.loss_impl=liger"], "train.loss_impl", "Choose chunked or fused"),
+    (2, ["train.loss_impl=fused", "parallel.tp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.tp>1"),
+    (2, ["train.loss_impl=fused", "parallel.pp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.pp>1"),
+    (1, ["train.loss_impl=fused", "memory.tile_loss=2"], "train.loss_impl", "Use memory.tile_loss=0 with it"),
     # context parallel's attention styles; ulysses splits the (KV) heads over cp
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
@@ -242,6 +252,32 @@ def test_context_parallel_of_a_hugging_face_model_refuses_what_its_attention_can
         validate(cfg, 2)
     assert str(error.value).startswith(f"parallel.cp: context parallel (cp=2) of this model: {reason}"), error.value
     assert "Use parallel.cp=1" in str(error.value)
+
+
+# The fused loss runs a head that is the final norm and one bias-free linear layer, nothing more
+@pytest.mark.parametrize("arch, config, fusable", [
+    ("llama", {}, True), ("gemma2", {}, False),  # gemma2 soft-caps its logits
+    ("cohere", {}, False),  # cohere scales them (logit_scale)
+])
+def test_fused_loss_of_a_hugging_face_model_refuses_a_head_that_does_more(compose_cfg, tmp_path, arch, config,
+                                                                        fusable):
+    from hf_models import hf_config
+
+    from composer3d.config import resolve_model_config
+    from composer3d.models import build_model
+
+    hf_config(arch, **config).save_pretrained(tmp_path)
+    cfg = compose_cfg("model=hf", f"model.path={tmp_path}", "train.loss_impl=fused", "train.seq_len=32")
+    resolve_model_config(cfg.model)
+    if fusable:
+        validate(cfg, 1)
+        model = build_model(cfg.model)
+        norm, weight = model.linear_head()  # what the fused loss runs
+        assert norm is model.norm and weight is model.lm_head.weight
+        return
+    with pytest.raises(ConfigError, match=r"^train\.loss_impl: fused runs the head as the final norm .* Use "
+                                          r"train\.loss_impl=chunked"):
+        validate(cfg, 1)
 
 
 def test_context_parallel_refuses_attention_that_bypasses_transformers_interface(compose_cfg, tmp_path, monkeypatch):

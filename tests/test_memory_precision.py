@@ -355,9 +355,9 @@ def test_activation_checkpointing_keeps_fewer_activations():
     tokens = torch.randint(0, model_cfg.vocab_size, (2, 64), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(64).expand(2, 64)
 
-    def kept(mode, every=0):
+    def kept(mode, every=0, policy="all_matmuls"):
         model = build_model(model_cfg)
-        apply_activation_checkpointing(model, mode, every)
+        apply_activation_checkpointing(model, mode, every, policy)
         materialize(model, torch.device("cpu"), 0)
         with _KeptForBackward() as meter:
             logits = model(tokens, position_ids=positions)
@@ -367,8 +367,15 @@ def test_activation_checkpointing_keeps_fewer_activations():
         return kept_bytes
 
     none, op_level, every_2nd, full = kept("none"), kept("selective"), kept("selective", 2), kept("full")
+    alternate = kept("selective", policy="alternate_matmuls")
     # op-level selective drops the cheap ops' outputs and keeps the matmuls' and attention's
     assert full < op_level < 0.8 * none, (none, op_level, full)
+    # alternate_matmuls keeps less: of each block's 7 matmuls (wq wk wv wo w1 w3 w2) the 2nd, 4th and 6th are
+    # recomputed, so the outputs of wk (kv_dim wide), wo (dim) and w3 (ffn) are not kept: exactly those bytes
+    dim, kv_dim, ffn = 64, 64 // 8 * 4, 192
+    tokens = tokens.numel()
+    assert op_level - alternate == model_cfg.n_layers * tokens * 4 * (kv_dim + dim + ffn), (op_level, alternate)
+    assert full < alternate, (alternate, full)
     # every 2nd block (block 0 of 2) fully recomputed: between none and full
     assert full < every_2nd < 0.8 * none, (none, every_2nd, full)
     assert full < 0.5 * none, (none, full)  # full keeps only each block's input (and what lies outside the blocks)
@@ -385,11 +392,11 @@ def test_selective_checkpointing_under_compile_recomputes_only_cheap_ops():
     x = torch.randn(2, 64, 64, requires_grad=True)
     cos, sin = rope_tables(16, 64, 10000.0)
 
-    def run(mode):
+    def run(mode, policy="all_matmuls"):
         torch.manual_seed(1)  # the same weights for every mode
         model = torch.nn.Module()
         model.layers = torch.nn.ModuleDict({"0": TransformerBlock(64, 4, 4, 256, 1e-5)})
-        apply_activation_checkpointing(model, mode, 0)
+        apply_activation_checkpointing(model, mode, 0, policy)
         block = model.layers["0"]
         block.compile()
         block(x, cos, sin, None).sum().backward()  # compiles
@@ -416,3 +423,9 @@ def test_selective_checkpointing_under_compile_recomputes_only_cheap_ops():
     # backward: the same matmuls as without checkpointing (2 per forward matmul), no attention forward rerun
     assert selective[1:3] == none[1:3] == (14, 0), (selective[1:3], none[1:3])
     assert torch.allclose(selective[3], none[3], atol=1e-5)
+    # torchtitan's policy traced into the compiled graph too: wk's, wo's and w3's outputs (64 + 64 + 256 wide over
+    # 128 tokens, fp32) not kept, those 3 matmuls rerun in backward, attention still not
+    alternate = run("selective", "alternate_matmuls")
+    assert selective[0] - alternate[0] == 128 * 4 * (64 + 64 + 256), (selective[0], alternate[0])
+    assert alternate[1:3] == (14 + 3, 0), alternate[1:3]
+    assert torch.allclose(alternate[3], none[3], atol=1e-5)

@@ -138,6 +138,10 @@ class PrecisionConfig:
 class MemoryConfig:
     activation_checkpointing: str = "none"  # none | full | selective
     ac_every: int = 0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+    # op-level selective (ac_every=0): what each block keeps. all_matmuls: every matmul's and attention's output
+    # (recomputes norms, activations, RoPE) | alternate_matmuls: every other matmul's and attention's (torchtitan's
+    # policy: less memory, one matmul in two recomputed)
+    ac_policy: str = "all_matmuls"
     # N >= 2: each dense feed-forward runs over N tiles of the sequence, each recomputed in backward, so only one
     # tile's hidden (seq/N x ffn) exists at a time; 0 or 1: off. N must divide the tokens a rank holds (seq_len / cp)
     tile_mlp: int = 0
@@ -172,6 +176,10 @@ class TrainLoopConfig:
     # Python's garbage collector: off while training, one collection on every rank at every N-th step boundary (an
     # automatic one strikes mid-step on one rank, and the others wait on it at the next collective); 0: Python's own
     gc_every: int = 50
+    # the head and cross-entropy: chunked (the head's logits, then the loss chunk by chunk; any layout) | fused (the
+    # head's matmul, loss and gradients per chunk of rows: the full logits never exist; a compiled kernel on an
+    # accelerator; needs a bias-free head without logit scaling, parallel.tp=1, parallel.pp=1, memory.tile_loss=0)
+    loss_impl: str = "chunked"
 
 
 @dataclass

@@ -82,6 +82,11 @@ def device_type(requested: str, local_processes: int = 1) -> str:
     return requested
 
 
+def is_accelerator(device: torch.device) -> bool:
+    """Whether ``device`` is this machine's accelerator rather than the CPU."""
+    return torch.accelerator.is_available() and device.type == torch.accelerator.current_accelerator().type
+
+
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
     """This rank's device (see ``device_type``); an accelerator is made current for this process. Checked against
     the node's process count where the launcher says it (torchrun and the local launcher: every rank refuses alike),

@@ -87,6 +87,10 @@ class ComposerModel(Protocol):
         ``decoder(new_tokens, attention_mask)`` → the logits after each row's last new token, (batch, vocab); the
         mask (1: a real token, 0: left padding) covers every token so far (``composer3d.generation``)."""
 
+    def linear_head(self) -> tuple[nn.Module, torch.Tensor] | None:
+        """The head as (final norm, weight of a bias-free output layer) where it is only that, for the fused loss
+        (``training.fused_loss``); None where the family adds to it (logit scaling, soft-capping, a bias)."""
+
     def feed_forwards(self) -> list[nn.Module]:
         """The blocks' dense feed-forward modules, per token (any cut of the sequence gives the same output);
         mixture-of-experts layers are not among them."""

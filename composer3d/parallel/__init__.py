@@ -54,7 +54,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         model.use_context_parallel(ContextParallel(mesh["cp"], parallel_cfg.cp_style))
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks run per tile
     tile_feed_forwards(model, cfg.memory.tile_mlp)
-    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every)
+    apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every,
+                                   cfg.memory.ac_policy)
     if cfg.compile.enabled:
         for block in model.layers.values():
             block.compile()  # in place: parameter names unchanged

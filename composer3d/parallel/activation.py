@@ -3,8 +3,10 @@
 
 ``full``: every block recomputes its forward in backward. ``selective`` with ``ac_every=k`` (k ≥ 1): layer-level,
 every k-th block fully recomputed, the others keep their activations. ``selective`` with ``ac_every=0``:
-op-level, every block keeps the outputs of the expensive ops (matmuls, attention, and the collectives TP
-runs) and recomputes the cheap elementwise ones (norms, activations, RoPE).
+op-level, in every block, by ``memory.ac_policy``: ``all_matmuls`` keeps the outputs of the expensive ops
+(matmuls, attention, and the collectives TP runs) and recomputes the cheap elementwise ones (norms, activations,
+RoPE); ``alternate_matmuls`` (torchtitan's op-level policy) keeps only every other matmul's output besides
+attention's and the collectives', trading one recomputed matmul in two for less memory.
 
 Why not torch's composable ``checkpoint`` (forward hooks): under ``compile.enabled`` its selective policy never sees
 the compiled graph's ops, so backward recomputed every matmul and the attention, as full checkpointing does.
@@ -47,34 +49,56 @@ torch.utils.checkpoint.SAC_IGNORED_OPS.update(
 torch.utils.checkpoint.SAC_IGNORED_OPS.add(torch.ops.profiler._record_function_exit._RecordFunction)
 
 
-def _op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+# The matmuls alternate_matmuls takes turns over: the blocks' linear layers (bf16 or float8)
+LINEAR_MATMULS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
+
+
+def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _op_level_context():
-    return create_selective_checkpoint_contexts(_op_policy)
+def _all_matmuls_context():
+    return create_selective_checkpoint_contexts(_save_expensive)
 
 
-def checkpointed_forward(forward, selective: bool, *args, **kwargs):
-    """``forward(*args, **kwargs)``, its activations recomputed in backward: all, or (``selective``) the cheap ops'.
-    (Full takes checkpoint's default context: dynamo cannot trace one passed in.)"""
-    context = {"context_fn": _op_level_context} if selective else {}
+def _alternate_matmuls_context():
+    """A fresh count per checkpointed call: the forward and its recomputation see the matmuls in the same order,
+    each counted on its own, so both decide alike which are kept."""
+    seen = {False: 0, True: 0}  # linear matmuls so far, in the forward (False) and in the recomputation (True)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in LINEAR_MATMULS:
+            seen[ctx.is_recompute] += 1
+            if seen[ctx.is_recompute] % 2 == 0:  # the 2nd, 4th, … are recomputed
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return _save_expensive(ctx, op)
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+POLICIES = {"all_matmuls": _all_matmuls_context, "alternate_matmuls": _alternate_matmuls_context}
+
+
+def checkpointed_forward(forward, policy: str | None, *args, **kwargs):
+    """``forward(*args, **kwargs)``, its activations recomputed in backward: all (``policy`` None), or those
+    ``POLICIES[policy]`` does not keep. (Full takes checkpoint's default context: dynamo cannot trace one passed in.)"""
+    context = {"context_fn": POLICIES[policy]} if policy else {}
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **context, **kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str, every: int) -> int:
-    """Checkpoint the blocks per ``mode`` (after TP, before compile and FSDP); returns how many blocks were
-    checkpointed."""
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, policy: str = "all_matmuls") -> int:
+    """Checkpoint the blocks per ``mode`` (after TP, before compile and FSDP), op-level ones by ``policy`` (a key
+    of ``POLICIES``); returns how many blocks were checkpointed."""
     if mode == "none":
         return 0
     wrapped = 0
     for layer_id, block in model.layers.items():
         if mode == "full" or (every >= 1 and int(layer_id) % every == 0):
-            selective = False
+            block_policy = None
         elif every == 0:
-            selective = True
+            block_policy = policy
         else:
             continue
-        block.forward = partial(checkpointed_forward, block.forward, selective)
+        block.forward = partial(checkpointed_forward, block.forward, block_policy)
         wrapped += 1
     return wrapped

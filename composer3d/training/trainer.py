@@ -36,6 +36,7 @@ from composer3d.parallel.tiling import tiled_head_loss
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
+from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
 from composer3d.training.grad import clip_grad_norm_
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
@@ -115,11 +116,21 @@ class Trainer:
                     ) -> torch.Tensor:
         """``_loss`` of the model's logits; with memory.tile_loss the model computes it from its final hidden
         states in sequence tiles (``parallel.tiling``), inside its forward (FSDP's and autocast's scope)."""
+        if self.cfg.train.loss_impl == "fused":
+            head_loss = partial(self._fused_head_loss, targets=targets)
+            return self._normalized(self.model(inputs, position_ids=positions, head_loss=head_loss))
         tiles = self.cfg.memory.tile_loss
         if tiles <= 1:
             return self._loss(self.model(inputs, position_ids=positions), targets)
         head_loss = partial(tiled_head_loss, targets=targets, tiles=tiles, loss_fn=self._loss_sum)
         return self._normalized(self.model(inputs, position_ids=positions, head_loss=head_loss))
+
+    def _fused_head_loss(self, h: torch.Tensor, logits_fn, targets: torch.Tensor) -> torch.Tensor:
+        """The head and summed loss fused (train.loss_impl=fused), from the head's weight as the model's forward
+        holds it (FSDP's gathered one); compiled on an accelerator even without compile.enabled."""
+        norm, weight = self.model.linear_head()  # not None: checked with the config
+        compiled = self.cfg.compile.enabled or distributed.is_accelerator(self.device)
+        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=compiled)
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).

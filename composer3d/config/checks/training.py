@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
+from composer3d.models import build_model
+from composer3d.parallel.activation import POLICIES as AC_POLICIES
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 SCHEDULES = ("cosine", "linear", "constant")
@@ -105,6 +107,12 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              f"unknown mode {mem.activation_checkpointing!r}", "Choose none, full or selective")
     _require(mem.ac_every >= 0, "memory.ac_every", f"must be >= 0, got {mem.ac_every}",
              "0 = op-level selective; k = checkpoint every k-th block")
+    _require(mem.ac_policy in AC_POLICIES, "memory.ac_policy", f"unknown policy {mem.ac_policy!r}",
+             f"Choose one of {tuple(AC_POLICIES)}")
+    _require(mem.ac_policy == "all_matmuls" or (mem.activation_checkpointing == "selective" and mem.ac_every == 0),
+             "memory.ac_policy", f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run "
+             f"has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
+             "Add memory.activation_checkpointing=selective memory.ac_every=0")
     _require(not (cfg.logging.memory_breakdown and pp > 1), "logging.memory_breakdown", "the memory tracker follows "
              "one FSDP root, and a pipeline rank has one per stage", "Use it with parallel.pp=1")
     zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")
@@ -118,6 +126,28 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              "saved-tensor hooks never see (compiled, the graph saves them through autograd)",
              "Add compile.enabled=true, or use memory.activation_checkpointing=full or memory.ac_every>=1")
     _check_tiling(cfg, degrees)
+    _check_loss_impl(cfg, degrees)
+
+
+def _check_loss_impl(cfg: Any, degrees: dict[str, int]) -> None:
+    """train.loss_impl=fused runs the head itself, from its whole weight, inside the model's forward (the model,
+    built on meta, says whether its head is only that: ``linear_head``)."""
+    impl = cfg.train.loss_impl
+    _require(impl in ("chunked", "fused"), "train.loss_impl", f"unknown implementation {impl!r}",
+             "Choose chunked or fused")
+    if impl != "fused":
+        return
+    _require(degrees["tp"] == 1, "train.loss_impl", "fused takes the head's whole weight, and tensor parallel shards "
+             "it on the vocabulary (the chunked loss completes each row over the tp ranks)",
+             "Use train.loss_impl=chunked with parallel.tp>1")
+    _require(degrees["pp"] == 1, "train.loss_impl", "fused runs inside the model's forward, and the pipeline "
+             "schedule computes the loss from the last stage's logits outside it",
+             "Use train.loss_impl=chunked with parallel.pp>1")
+    _require(cfg.memory.tile_loss <= 1, "train.loss_impl", "fused already holds one chunk of logits at a time; "
+             "memory.tile_loss would recompute the head for nothing", "Use memory.tile_loss=0 with it")
+    _require(build_model(cfg.model).linear_head() is not None, "train.loss_impl", "fused runs the head as the final "
+             "norm and one bias-free linear layer, and this model adds to it (logit scaling, soft-capping or a bias)",
+             "Use train.loss_impl=chunked")
 
 
 def _check_tiling(cfg: Any, degrees: dict[str, int]) -> None:

@@ -241,6 +241,12 @@ class HFCausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def linear_head(self) -> tuple[nn.Module, torch.Tensor] | None:
+        """(norm, lm_head's weight) where ``logits`` adds nothing to them (``models.interface``)."""
+        adds = (self._logits_scale is not None or getattr(self.config, "final_logit_softcapping", None)
+                or self.lm_head.bias is not None)
+        return None if adds else (self.norm, self.lm_head.weight)
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True, head: bool = True,
                 position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
         """Tokens (or a previous stage's hidden states) → logits (or hidden states) over ``layer_ids``;

@@ -150,6 +150,9 @@ class Llama(nn.Module):
         ``cache`` kind the native model has; the config checks refuse others)."""
         return LlamaDecoder(self, max_len)
 
+    def linear_head(self) -> tuple[nn.Module, torch.Tensor]:
+        return self.norm, self.output.weight
+
     def forward(self, x: torch.Tensor, layer_ids: list[str] | None = None, embed: bool = True,
                 head: bool = True, position_ids: torch.Tensor | None = None, head_loss=None) -> torch.Tensor:
         """Tokens → logits; a pipeline stage runs a slice: its ``layer_ids``, with or without embedding and head.

@@ -1,0 +1,94 @@
+"""The head and cross-entropy side by side (train.loss_impl), forward + backward, one process, CPU or accelerator.
+
+    python benchmarks/loss_impl.py [--tokens 8192 --dim 2048 --vocab 128256] [--steps 10] [--no-compile]
+
+Per implementation, over the same hidden states, head weight and targets: the mean time of the head's matmul plus
+the loss, forward and backward (after two warm-up steps: compilation), its loss beside the reference's, and on an
+accelerator the peak memory the step allocates over what existed before it ('-' on the CPU).
+  - log_softmax: ``F.cross_entropy`` over the full logits in fp32 (one log-softmax pass; the reference);
+  - chunked: composer3d's chunked loss over the head's logits (train.loss_impl=chunked), eager and with its
+    compiled kernels (compile.enabled);
+  - fused: the head and loss per chunk of rows (train.loss_impl=fused), eager and compiled (what an accelerator
+    runs).
+Defaults: a Llama-3 1B head (dim 2048, vocab 128256, 8192 tokens, bf16) on an accelerator; a small fp32 one on the
+CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from composer3d.launch.distributed import is_accelerator, resolve_device
+from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
+from composer3d.training.loss import cross_entropy_sum
+
+
+def log_softmax(x, weight, targets):
+    return F.cross_entropy((x @ weight.t()).float(), targets, reduction="sum")
+
+
+IMPLEMENTATIONS = {
+    "log_softmax (reference)": log_softmax,
+    "chunked, eager": lambda x, w, t: cross_entropy_sum((x @ w.t()).unsqueeze(0), t.unsqueeze(0)),
+    "chunked, compiled kernels": lambda x, w, t: cross_entropy_sum((x @ w.t()).unsqueeze(0), t.unsqueeze(0),
+                                                                   compiled=True),
+    "fused, eager": lambda x, w, t: fused_linear_cross_entropy_sum(x, w, t),
+    "fused, compiled": lambda x, w, t: fused_linear_cross_entropy_sum(x, w, t, compiled=True),
+}
+
+
+def measure(loss_fn, x, weight, targets, steps: int, accelerator: bool) -> tuple[float, float, int | None]:
+    """(mean seconds of forward + backward, the loss, peak bytes over what existed before the step)."""
+    times, peak = [], None
+    for _ in range(steps + 2):
+        x.grad = weight.grad = None
+        if accelerator:
+            torch.accelerator.synchronize()
+            torch.accelerator.reset_peak_memory_stats()
+            before = torch.accelerator.memory_allocated()
+        start = time.perf_counter()
+        loss = loss_fn(x, weight, targets)
+        loss.backward()
+        if accelerator:
+            torch.accelerator.synchronize()
+            peak = torch.accelerator.max_memory_allocated() - before
+        times.append(time.perf_counter() - start)
+    return statistics.mean(times[2:]), loss.item(), peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int)
+    parser.add_argument("--dim", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled rows")
+    args = parser.parse_args()
+    device = resolve_device("auto")
+    accelerator = is_accelerator(device)
+    tokens, dim, vocab = (args.tokens or (8192 if accelerator else 512), args.dim or (2048 if accelerator else 64),
+                          args.vocab or (128256 if accelerator else 4096))
+    dtype = torch.bfloat16 if accelerator else torch.float32
+    generator = torch.Generator(device).manual_seed(0)
+    x = (torch.randn(tokens, dim, device=device, generator=generator)).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, dim, device=device, generator=generator) * dim**-0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
+    print(f"{device.type}: {tokens} tokens, dim {dim}, vocab {vocab}, {str(dtype).removeprefix('torch.')}")
+    print(f"  {'implementation':<27} {'step ms':>9} {'loss - reference':>17} {'peak MiB':>9}")
+    reference = None
+    for name, loss_fn in IMPLEMENTATIONS.items():
+        if args.no_compile and "compiled" in name:
+            continue
+        seconds, loss, peak = measure(loss_fn, x, weight, targets, args.steps, accelerator)
+        reference = loss if reference is None else reference
+        print(f"  {name:<27} {seconds * 1e3:>9.2f} {loss - reference:>17.3g} "
+              f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9}")
+
+
+if __name__ == "__main__":
+    main()
