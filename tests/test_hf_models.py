@@ -187,12 +187,14 @@ def test_each_rank_reads_only_its_shards(parallel, models, tmp_path):
     spawn(_count_reads, 4, tmp_path, models["llama"], parallel, None)
 
 
-def test_tied_head_with_pipeline_parallel_is_refused(tmp_path):
+def test_tied_head_under_pipeline_parallel_is_refused_only_by_a_v_shaped_schedule(tmp_path):
     from composer3d.config import ConfigError
 
     tied = make_model(tmp_path / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True)
-    with pytest.raises(ConfigError, match="parallel.pp: .*ties the head to the embedding"):
-        validate(train_config(tied, pp=2), 2)
+    validate(train_config(tied, pp=2), 2)  # the head: the embedding's twin on the last stage (test_pp_tied)
+    with pytest.raises(ConfigError, match="parallel.pp_schedule: zbv runs the first and the last stage on one rank.*"
+                                          "tie_word_embeddings"):
+        validate(train_config(tied, pp=2, pp_schedule="zbv"), 2)
 
 
 def test_hub_id_resolves_from_the_local_cache_only(tmp_path):
