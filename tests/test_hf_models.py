@@ -33,7 +33,11 @@ def _make_models(tmp_path_factory, name: str, architectures) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    return _make_models(tmp_path_factory, "hf", ARCHITECTURES)
+    found = _make_models(tmp_path_factory, "hf", ARCHITECTURES)
+    # Llama 3.2's layout: the head tied to the embedding (under PP the last stage's twin of it, ``parallel.tied``)
+    found["llama_tied"] = make_model(found["llama"].parent / "llama_tied", "llama", seed=len(found),
+                                     tie_word_embeddings=True)
+    return found
 
 
 @pytest.fixture(scope="module")

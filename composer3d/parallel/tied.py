@@ -114,7 +114,7 @@ def sum_twin_grads(model: nn.Module) -> None:
         local.copy_(buffer)
 
 
-def _shared_names(model: nn.Module) -> dict[str, str]:
+def shared_second_names(model: nn.Module) -> dict[str, str]:
     """Second names of shared parameters (a tied head without PP) → the first (the embedding's)."""
     first: dict[int, str] = {}
     later = {}
@@ -129,7 +129,7 @@ def _shared_names(model: nn.Module) -> dict[str, str]:
 def to_checkpoint_names(model: nn.Module, state: dict) -> dict:
     """A model's FQN-keyed state (``get_model_state_dict``) as a checkpoint holds it: the tied weight once, under the
     embedding's name (a shared head's second name dropped; the last stage's twin renamed)."""
-    later = _shared_names(model)
+    later = shared_second_names(model)
     twins = twins_of(model)
     rename = {} if twins is None else {twins.head: twins.embedding}
     return {rename.get(k, k): v for k, v in state.items() if k not in later}
@@ -140,7 +140,7 @@ def from_checkpoint_names(model: nn.Module, state: dict) -> dict:
     twins = twins_of(model)
     if twins is not None and twins.head in dict(model.named_parameters()):
         state = {(twins.head if k == twins.embedding else k): v for k, v in state.items()}
-    return {**state, **{name: state[first] for name, first in _shared_names(model).items()}}
+    return {**state, **{name: state[first] for name, first in shared_second_names(model).items()}}
 
 
 def optimizer_to_checkpoint_names(model: nn.Module, state: dict) -> dict:
