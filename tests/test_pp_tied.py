@@ -2,11 +2,12 @@
 head on the last, their gradients summed over the embedding group.
 
 The native tiny model (model.tie_embeddings=true) and a tiny random Llama 3.2-style Hugging Face model
-(tie_word_embeddings) train 10 steps under PP × FSDP, PP × TP+SP with virtual stages (interleaved 1F1B) and PP 4
-(middle stages hold neither twin), on gloo, fp32: each on its one-process curve within 1e-4, the gradient norm
+(tie_word_embeddings) train 10 steps under PP × FSDP, PP 4 (middle stages hold neither twin) and, slow, PP × TP+SP
+with virtual stages (interleaved 1F1B), on gloo, fp32: each on its one-process curve within 1e-4, the gradient norm
 (the tied weight counted once) too; the twins bit-identical at the end, with equal optimizer states; the checkpoint
-holding the tied weight once, under the embedding's name; a PP 2 checkpoint resumed in one process. (The Hugging
-Face model's logits under PP × FSDP against transformers' are in test_hf_models, ``llama_tied``.)
+holding the tied weight once, under the embedding's name, and its export no head; a PP 2 checkpoint resumed in one
+process. (The Hugging Face model's logits under PP × FSDP against transformers' are in test_hf_models,
+``llama_tied``.)
 """
 
 from __future__ import annotations
@@ -130,3 +131,22 @@ def test_pipeline_checkpoint_resumes_in_one_process(runs, model):
     resumed = runs[f"{model}_resumed"]
     assert resumed.metrics[0]["step"] == 6
     _assert_on_curve(resumed, runs[f"{model}_one"], slice(5, None))
+
+
+def test_export_of_a_pipeline_checkpoint_keeps_the_tied_weight_once(runs, tmp_path):
+    """The Hugging Face model's PP × FSDP checkpoint exports as transformers saves a tied model: no lm_head, which
+    transformers then ties to the embedding on load."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.convert.export import export
+
+    export(runs["hf_pp2_fsdp2"].run_dir / "checkpoints" / "step-00000010", tmp_path / "hf", dtype="float32")
+    names = set()
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            names.update(f.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names, sorted(names)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
