@@ -42,7 +42,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         plans = plan_stages(model, mesh["pp"].get_local_rank(), mesh.layout.pp,
                             parallel_cfg.pp_stages_per_rank or default_stages_per_rank(schedule), schedule)
         # a tied head becomes the embedding's twin on the last stage (``tied``)
-        split_tied_embedding(model, mesh.world.mesh, device)
+        split_tied_embedding(model, mesh.world.mesh, device, mesh.timeout)
         prune_to_stages(model, plans)
         stages = [StageModule(model, plan) for plan in plans]
     float8 = precision_cfg.float8.enabled

@@ -14,6 +14,7 @@ name of its shared head.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,19 +37,20 @@ def is_tied(model: nn.Module) -> bool:
         and model.output.weight is model.tok_embeddings.weight
 
 
-def split_tied_embedding(model: nn.Module, pp_dim_ranks: torch.Tensor, device: torch.device) -> None:
+def split_tied_embedding(model: nn.Module, pp_dim_ranks: torch.Tensor, device: torch.device,
+                         timeout: timedelta | None = None) -> None:
     """Before the pipeline split of a tied model: name its twins and build the embedding groups.
 
     ``pp_dim_ranks``: the world mesh's ranks with the pp dim first (first stage on pp rank 0, last on pp−1; the
     V-shaped schedules, which put both on one rank, are refused by the config checks). Every rank creates every
-    group, as torch requires."""
+    group, as torch requires; ``timeout``: the run's collective timeout, which the mesh's groups have too."""
     if not is_tied(model):
         return
     names = {id(module): name for name, module in model.named_modules()}
     ranks = pp_dim_ranks.reshape(pp_dim_ranks.shape[0], -1)
     mine = None
     for first, last in zip(ranks[0].tolist(), ranks[-1].tolist()):
-        group = dist.new_group([first, last])
+        group = dist.new_group([first, last], timeout=timeout)
         if dist.get_rank() in (first, last):
             mine = group
     setattr(model, TWINS_ATTRIBUTE, PipelineTwins(f"{names[id(model.tok_embeddings)]}.weight",
