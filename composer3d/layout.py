@@ -58,7 +58,7 @@ class ParallelMesh:
 
     def __init__(self, layout: Layout, device_type: str, timeout: timedelta | None = None):
         """``timeout``: the collective timeout of every group of the mesh (None: torch's defaults)."""
-        self.layout = layout
+        self.layout, self.timeout = layout, timeout
         in_ep = layout.ep_of_dp_shard
         sizes = {**layout.as_dict(), "dp_shard_mod_ep": layout.dp_shard // in_ep, "dp_shard_in_ep": in_ep}
         self.world: DeviceMesh = init_device_mesh(

@@ -21,6 +21,7 @@ from composer3d.config import ModelConfig
 from composer3d.convert.common import model_config
 from composer3d.models import build_model, llama
 from composer3d.models.init import materialize
+from composer3d.parallel.tied import to_checkpoint_names
 
 transformers = pytest.importorskip("transformers")
 from harness import FAST, train
@@ -68,7 +69,8 @@ def load_native(path: Path) -> tuple[torch.nn.Module, ModelConfig]:
     cfg = model_config(read_meta(path)["config"]["model"])  # nested groups (model.moe) as their dataclasses
     model = build_model(cfg)
     materialize(model, torch.device("cpu"), seed=123)  # overwritten below
-    dcp.load({"model": model.state_dict()}, storage_reader=SafeFileSystemReader(path), no_dist=True)
+    state = to_checkpoint_names(model, model.state_dict())  # a tied head is stored once, as the embedding
+    dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return model.eval(), cfg
 
 

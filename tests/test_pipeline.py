@@ -113,7 +113,8 @@ def test_schedule_requirements_are_known_before_launch():
       "train.micro_batch_size=2"], "parallel.pp_microbatches", "at least as many microbatches"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.pp_microbatches=3"], "parallel.pp_microbatches", "do not divide"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.pp_schedule=pipedream"], "parallel.pp_schedule", "zbv"),
-    (["parallel.pp=2", "model.n_layers=4", "model.tie_embeddings=true"], "model.tie_embeddings", "stages"),
+    (["parallel.pp=2", "model.n_layers=4", "model.tie_embeddings=true", "parallel.pp_schedule=zbv"],
+     "parallel.pp_schedule", "one parameter in two stages"),
 ])
 def test_bad_pipeline_configs_fail_fast(tmp_path, overrides, key, fragment):
     nproc = 4 if "parallel.pp=4" in overrides else 2

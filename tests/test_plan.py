@@ -94,6 +94,9 @@ LAYOUTS_4 = {
                  "parallel.sequence_parallel=true"],
     "pp_ddp": [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=1",
                "parallel.dp_replicate=2"],
+    # a tied embedding: its twin head on the last stage, their gradient shards summed (parallel.tied)
+    "pp_fsdp_tied": [*MODEL, "model.tie_embeddings=true", "train.global_batch_size=8", "train.micro_batch_size=1",
+                     "parallel.pp=2", "parallel.dp_shard=2"],
     # one layer per stage, 8 micro-batches
     "pp4_1f1b": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=4",
                  "parallel.pp_schedule=1f1b"],

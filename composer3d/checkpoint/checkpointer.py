@@ -16,7 +16,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from composer3d.checkpoint import space
 from composer3d.checkpoint.format import (
@@ -33,7 +32,9 @@ from composer3d.checkpoint.format import (
     committed_checkpoints,
     failure_reason,
     load_model_weights,
+    model_state,
     read_meta,
+    set_model_state,
     verified_checkpoints,
 )
 from composer3d.checkpoint.rng import rng_state, set_rng_state
@@ -75,7 +76,7 @@ class Checkpointer:
 
     def _state_dict(self, model_only: bool) -> dict:
         t = self.trainer
-        state = {"model": get_model_state_dict(t.model)}
+        state = {"model": model_state(t.model)}
         if not model_only:
             state["optim"] = t.optimizer_state_dict()
         return state
@@ -275,7 +276,7 @@ class Checkpointer:
         t.loader.load_state_dict(meta["data"])
         state = self._state_dict(model_only=False)
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
-        set_model_state_dict(t.model, state["model"])
+        set_model_state(t.model, state["model"])
         t.load_optimizer_state_dict(state["optim"])
         scheduler_state = meta["scheduler"]
         if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 
 from composer3d.config import ConfigError, ModelConfig
 from composer3d.models import build_model
+from composer3d.parallel.tied import from_checkpoint_names, shared_second_names, to_checkpoint_names
 
 log = logging.getLogger("composer3d")
 
@@ -145,11 +146,20 @@ def committed_checkpoints(directory: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
+def model_state(model: torch.nn.Module) -> dict:
+    """The model's FQN-keyed state as a checkpoint holds it: a tied weight once, under the embedding's name."""
+    return to_checkpoint_names(model, get_model_state_dict(model))
+
+
+def set_model_state(model: torch.nn.Module, state: dict) -> None:
+    set_model_state_dict(model, from_checkpoint_names(model, state))
+
+
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     """Load only the model part of a checkpoint (any layout) into ``model`` (sharded or not)."""
-    state = {"model": get_model_state_dict(model)}
+    state = {"model": model_state(model)}
     dcp.load(state, storage_reader=SafeFileSystemReader(path))
-    set_model_state_dict(model, state["model"])
+    set_model_state(model, state["model"])
 
 
 def checkpoint_dir(ckpt_cfg, run_dir: Path) -> Path:
@@ -180,10 +190,12 @@ def check_same_model(path: Path, current: dict,
     What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
     need the directory it was trained from, which may have moved since."""
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
-              if key.startswith("model.") and hasattr(entry, "size")}
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
-    now = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    # A tied head is stored once, as the embedding (checkpoints before that also held it under its own name).
+    tied = shared_second_names(model)
+    before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
+              if key.startswith("model.") and hasattr(entry, "size") and key[len("model."):] not in tied}
+    now = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
     if before != now:
         # One both hold first: its two shapes say the most.
         differing = sorted((k for k in set(before) | set(now) if before.get(k) != now.get(k)),

@@ -68,9 +68,9 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
         if tuple(native[name].shape) != shape:
             raise ConvertError(f"{hf_dir}: {llama.hf_names(cfg).get(name, name)} has shape {tuple(native[name].shape)}, "
                                f"but config.json implies {shape}")
-    # A tied output.weight is the embedding: clone it so DCP stores two plain tensors, as a trained model's save does.
-    state = {"model": {k: (v.clone() if k == "output.weight" and cfg.tie_embeddings else v).to(torch.float32).contiguous()
-                       for k, v in native.items()}}
+    # A tied output.weight is the embedding: stored once, under the embedding's name, as a trained model's save does.
+    state = {"model": {k: v.to(torch.float32).contiguous() for k, v in native.items()
+                       if not (k == "output.weight" and cfg.tie_embeddings)}}
     del hf_state, native
 
     out.mkdir(parents=True, exist_ok=True)

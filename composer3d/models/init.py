@@ -57,7 +57,8 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = (),
-                init_params: bool = True, buffer_device: torch.device | None = None) -> None:
+                init_params: bool = True, buffer_device: torch.device | None = None,
+                aliases: dict[str, str] | None = None) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
 
     ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers.
@@ -67,14 +68,18 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
 
     ``fsdp_roots``: FSDP roots outside the model's own tree (pipeline stage modules); FSDP re-registers the
     sharded parameters it manages only when its own module is moved.
+
+    ``aliases``: parameters initialized as another one, by its name's seed and rule (the last pipeline stage's twin
+    of a tied embedding).
     """
     model.to_empty(device=device)
     for root in fsdp_roots:
         root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
     for name, param in model.named_parameters() if init_params else ():
-        generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))
-        full = model.init_rule(name)(tuple(param.shape), generator, device)
+        source = (aliases or {}).get(name, name)
+        generator = torch.Generator(device=device).manual_seed(param_seed(seed, source))
+        full = model.init_rule(source)(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param
         shard = local_shard(full, param)
         if shard.shape != local.shape:

@@ -27,6 +27,7 @@ from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
+from composer3d.parallel.tied import split_tied_embedding
 from composer3d.parallel.tiling import tile_feed_forwards
 
 
@@ -40,6 +41,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         schedule = parallel_cfg.pp_schedule
         plans = plan_stages(model, mesh["pp"].get_local_rank(), mesh.layout.pp,
                             parallel_cfg.pp_stages_per_rank or default_stages_per_rank(schedule), schedule)
+        # a tied head becomes the embedding's twin on the last stage (``tied``)
+        split_tied_embedding(model, mesh.world.mesh, device, mesh.timeout)
         prune_to_stages(model, plans)
         stages = [StageModule(model, plan) for plan in plans]
     float8 = precision_cfg.float8.enabled

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, whole
+from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, shard_numel, whole
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 
@@ -129,7 +129,13 @@ def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, co
         return []
     act = c.micro_batch_size * seq_len * shape.dim * compute_bytes / (c.tp if c.sequence_parallel else 1)
     sends = c.microbatches * (2 * len(stages.layers) - int(stages.first) - int(stages.last))
-    return [Collective("pp", "send", c.pp, sends * act, False)]
+    out = [Collective("pp", "send", c.pp, sends * act, False)]
+    if shape.tied and stages.first != stages.last:
+        # A tied embedding and its twin head (parallel.tied): their fp32 gradient shards summed once a step.
+        head = (math.ceil(shape.vocab / c.tp), shape.dim)
+        out.append(Collective("pp", "all_reduce", 2, shard_numel(head, c.dp_shard * c.cp if fsdp_shards(c) else 1) * 4,
+                              False))
+    return out
 
 
 def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,

@@ -18,7 +18,7 @@ from composer3d.config.checks.layout import check_context_parallel
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.context import STYLES as CP_STYLES
-from composer3d.parallel.pipeline import SCHEDULES, default_stages_per_rank, schedule_problem
+from composer3d.parallel.pipeline import SCHEDULES, V_SHAPED, default_stages_per_rank, schedule_problem
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
@@ -145,7 +145,7 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
         for pp, cp in ((pp, cp) for pp in _divisors(world_size // tp) for cp in _divisors(world_size // tp // pp)):
-            if pp > m.n_layers or (pp > 1 and m.tie_embeddings):
+            if pp > m.n_layers:
                 continue
             dp = world_size // (tp * pp * cp)
             if t.global_batch_size % dp:
@@ -169,7 +169,7 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                                              tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                                              offload=p.offload, offload_dir=bool(p.offload_dir),
                                              activation_offload=cfg.memory.activation_offload)
-                            found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled)
+                            found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled, m.tie_embeddings)
     return found
 
 
@@ -207,9 +207,10 @@ def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[
     return out
 
 
-def _with_schedules_and_ac(base: Candidate, n_layers: int, compiled: bool) -> list[Candidate]:
+def _with_schedules_and_ac(base: Candidate, n_layers: int, compiled: bool, tied: bool) -> list[Candidate]:
     out = []
-    schedules = SCHEDULES if base.pp > 1 else ("1f1b",)
+    # refused by checks for a tied model: a V-shaped schedule runs its embedding and its head twin on one rank
+    schedules = [s for s in SCHEDULES if not (tied and s in V_SHAPED)] if base.pp > 1 else ("1f1b",)
     for schedule in schedules:
         v = default_stages_per_rank(schedule) if base.pp > 1 else 1
         if base.pp > 1 and (base.pp * v > n_layers or schedule_problem(schedule, base.pp, v, base.microbatches)):

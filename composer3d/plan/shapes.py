@@ -121,9 +121,10 @@ class ModelShape:
     def embedding_params(self, tp: int) -> list[tuple[int, ...]]:
         return [(math.ceil(self.vocab / tp), self.dim)]
 
-    def head_params(self, tp: int) -> list[tuple[int, ...]]:
-        """Final norm and output head (the head is the embedding's own matrix when tied)."""
-        return [(self.dim,)] + ([] if self.tied else [(math.ceil(self.vocab / tp), self.dim)])
+    def head_params(self, tp: int, twin: bool = False) -> list[tuple[int, ...]]:
+        """Final norm and output head (the head is the embedding's own matrix when tied, or under PP its ``twin``
+        on the last stage: ``parallel.tied``)."""
+        return [(self.dim,)] + ([] if self.tied and not twin else [(math.ceil(self.vocab / tp), self.dim)])
 
     @cached_property
     def block_numel(self) -> int:
@@ -175,7 +176,8 @@ class StageSet:
         if self.moe_layers:
             units += [Unit(tuple(shape.moe_block_params(tp)), self.moe_layers, "block"),
                       Unit(tuple(shape.expert_params(tp, ep)), self.moe_layers, "experts")]
-        root = (shape.embedding_params(tp) if self.first else []) + (shape.head_params(tp) if self.last else [])
+        root = ((shape.embedding_params(tp) if self.first else [])
+                + (shape.head_params(tp, twin=not self.first) if self.last else []))
         return [u for u in units + [Unit(tuple(root), 1, "root")] if u.count and u.params]
 
 
@@ -187,7 +189,7 @@ def stage_sets(shape: ModelShape, pp: int, stages_per_rank: int, schedule: str) 
         return [StageSet(0, (shape.n_layers,), True, True, shape.n_moe_layers)]
     costs = [float(shape.layer_numel(i)) for i in range(shape.n_layers)]
     costs[0] += shape.embedding_numel
-    costs[-1] += shape.dim + (0 if shape.tied else shape.embedding_numel)
+    costs[-1] += shape.dim + shape.embedding_numel  # the head's matrix: its own, or a tied embedding's twin
     ranges = split_layers(costs, pp * stages_per_rank)
     sets = []
     for rank in range(pp):

@@ -13,6 +13,7 @@ from composer3d.models.init import materialize
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
+from composer3d.parallel.tied import check_twins_match, init_aliases
 from composer3d.training.flops import embedding_params, flops_per_token
 
 
@@ -40,9 +41,10 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     offload = cfg.parallel.offload == "cpu"
     # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
     materialize(model, torch.device("cpu") if offload else device, cfg.train.seed, fsdp_roots=stages,
-                init_params=weights is None and not from_checkpoint, buffer_device=device)
+                init_params=weights is None and not from_checkpoint, buffer_device=device, aliases=init_aliases(model))
     if weights is not None:
         spec.load_pretrained(model, weights)
+    check_twins_match(model)
     if not shards_or_replicates(mesh, offload):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, active_params, flops)

@@ -24,14 +24,17 @@ def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None,
+                    uncounted: list[torch.Tensor] = ()) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure). Returns the norm.
 
     Under pipeline parallel each rank holds only its stages' parameters: ``pp_group`` adds up the stages.
+    ``uncounted``: parameters scaled but left out of the norm (a tied embedding's twin, counted as the embedding).
     """
     groups = _grads_by_mesh(params)
+    left_out = {id(p) for p in uncounted}
     squares = []
-    for grads in groups:
+    for grads in _grads_by_mesh([p for p in params if id(p) not in left_out]):
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())

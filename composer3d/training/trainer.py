@@ -32,6 +32,12 @@ from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
 from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.pipeline import build_schedule
+from composer3d.parallel.tied import (
+    optimizer_from_checkpoint_names,
+    optimizer_to_checkpoint_names,
+    sum_twin_grads,
+    uncounted_in_norm,
+)
 from composer3d.parallel.tiling import tiled_head_loss
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
@@ -184,13 +190,15 @@ class Trainer:
         if self.expert_load is not None:
             self.expert_load.before_step(scale)
         loss = self._forward_backward(batch) / scale
+        sum_twin_grads(self.model)  # a tied embedding and its twin head on the last pipeline stage
         params = list(self.model.parameters())
         stepped = self.scaler.unscale_or_skip(params) if self.scaler else True
         if not stepped:
             log.info("step %d: fp16 gradients overflowed; update skipped, loss scale now %g",
                      self.step + 1, self.scaler.scale)
         grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip,
-                                    pp_group=self.mesh["pp"].get_group() if self.pipeline is not None else None)
+                                    pp_group=self.mesh["pp"].get_group() if self.pipeline is not None else None,
+                                    uncounted=uncounted_in_norm(self.model))
         if stepped and self.cfg.train.on_nonfinite == "skip":
             # The global norm is the same on every rank, so all drop the update alike; reading it is a host sync.
             stepped = bool(torch.isfinite(grad_norm))
@@ -229,10 +237,13 @@ class Trainer:
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
         if self.sharder:
-            return self.sharder.state_dict(self.optimizer, self.param_names)
-        return get_optimizer_state_dict(self.model, self.optimizer)
+            state = self.sharder.state_dict(self.optimizer, self.param_names)
+        else:
+            state = get_optimizer_state_dict(self.model, self.optimizer)
+        return optimizer_to_checkpoint_names(self.model, state)
 
     def load_optimizer_state_dict(self, state: dict) -> None:
+        state = optimizer_from_checkpoint_names(self.model, state)
         if self.sharder:
             self.sharder.load_state_dict(self.optimizer, self.param_names, state)
         else:

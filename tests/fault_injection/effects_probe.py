@@ -7,6 +7,7 @@ the ``composer3d.train`` processes of a run (``harness.train(probe_effects=True)
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections import Counter
@@ -247,12 +248,34 @@ def _first_heads(attention: torch.nn.Module, name: str, module, args, out: torch
     attention._probe_heads.setdefault(name, out.shape[-1] // attention.head_dim)
 
 
+def _tied_twin(trainer: Trainer) -> dict | None:
+    """This rank's tied embedding, or its twin head on the last pipeline stage (``parallel.tied``): its name, its
+    embedding group's ranks and a digest of its values and its optimizer state (equal twins, equal digests)."""
+    from composer3d.parallel.tied import twins_of
+
+    twins = twins_of(trainer.model)
+    if twins is None or twins.group is None:
+        return None
+    params = dict(trainer.model.named_parameters())
+    name = twins.embedding if twins.embedding in params else twins.head
+    digest = lambda t: hashlib.sha256(_local(t).detach().cpu().contiguous().numpy().tobytes()).hexdigest()  # noqa: E731
+    state = trainer.optimizer.state.get(params[name], {})
+    return {"name": name, "group": dist.get_process_group_ranks(twins.group), "step": trainer.step,
+            "placements": [str(p) for p in getattr(params[name], "placements", ())],
+            "values": digest(params[name]), "optimizer_state": {k: digest(v) for k, v in sorted(state.items())
+                                                                if isinstance(v, torch.Tensor) and v.ndim > 0}}
+
+
 def train_step(self: Trainer) -> dict:
     metrics = _train_step(self)
+    directory = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])  # read now: a group of jobs sets it per job
     if self.step == 1:  # optimizer state, gradients and compiled graphs exist now
-        directory = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])  # read now: a group of jobs sets it per job
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))
+    twin = _tied_twin(self)
+    if twin is not None:  # after every step: the last one written is the run's end
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"twin{dist.get_rank()}.json").write_text(json.dumps(twin))
     return metrics
 
 

@@ -11,7 +11,7 @@ from composer3d.config.schema import ParallelConfig
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from composer3d.parallel.pipeline import default_stages_per_rank, schedule_problem
+from composer3d.parallel.pipeline import V_SHAPED, default_stages_per_rank, schedule_problem
 
 
 def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:
@@ -168,15 +168,17 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
     if m.name == "hf":
         from composer3d.models.hf import load_hf_config, wants_router_loss
 
-        _require(not m.tie_embeddings, "parallel.pp", f"{m.path}/config.json ties the head to the embedding "
-                 "(tie_word_embeddings), and a tied head cannot be split from its embedding across pipeline stages",
-                 "Use parallel.pp=1 (FSDP and TP/SP) for this model")
         _require(not wants_router_loss(load_hf_config(m.path)), "parallel.pp", f"{m.path}/config.json sets "
                  "output_router_logits: true, and transformers' router load-balancing loss pools every MoE layer of "
                  "a forward, of which a pipeline stage holds only some", "Use parallel.pp=1 (FSDP, TP/SP and EP) "
                  "for this model, or set output_router_logits to false in config.json to train without that loss")
-    _require(not m.tie_embeddings, "model.tie_embeddings", "a tied head cannot be split from its embedding across "
-             "pipeline stages", "Use model.tie_embeddings=false with parallel.pp>1")
+    # A tied head becomes the embedding's twin on the last stage, its gradient summed with the first stage's
+    # (parallel.tied): that needs the two stages on two ranks.
+    tied_by = f"tie_word_embeddings in {m.path}/config.json" if m.name == "hf" else "model.tie_embeddings"
+    _require(not (m.tie_embeddings and p.pp_schedule in V_SHAPED), "parallel.pp_schedule",
+             f"{p.pp_schedule} runs the first and the last stage on one rank, where the head tied to the embedding "
+             f"({tied_by}) would be one parameter in two stages", "Use another schedule (1f1b, interleaved_1f1b, "
+             "interleaved_zero_bubble, …) for a tied model")
     local_batch = t.global_batch_size // dp
     microbatches = pipeline_microbatches(cfg, dp)
     _require(microbatches >= 1 and local_batch % microbatches == 0, "parallel.pp_microbatches",

@@ -80,7 +80,10 @@ def load_pretrained(model: HFCausalLM, path: str) -> None:
     index = safetensors_index(path)
     mapped = check_checkpoint_keys(model, index, path)
     params = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
-    whole = {mapped.plain[name]: param for name, param in params.items() if name not in mapped.fused}
+    # The last pipeline stage's head twin of a tied embedding is the embedding's tensor (a file has no other).
+    sources = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(model.config, "tie_word_embeddings", False) \
+        else {}
+    whole = {mapped.plain[sources.get(name, name)]: param for name, param in params.items() if name not in mapped.fused}
     load(whole, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
     files = ExpertFiles(path, index)
     for name, param in params.items():
