@@ -64,7 +64,8 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
             sink.write_run_info(run_info)
         if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
             run_info["model_state_bytes_per_rank"] = int(
-                max_over_ranks(model_state_bytes(trainer.model, trainer.optimizer), trainer.device))
+                max_over_ranks(model_state_bytes(trainer.model, trainer.optimizer, trainer.sharder.gradient_bytes()
+                                                if trainer.sharder else 0), trainer.device))
             sink.write_run_info(run_info)
             log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
                      human_bytes(run_info["model_state_bytes_per_rank"]))

@@ -98,6 +98,8 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", f"must be 1, 2 or 3, got {p.zero_stage}",
              "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
              "1 replicates params and shards only optimizer state")
+    _require(p.zero1_bucket_mb > 0, "parallel.zero1_bucket_mb", f"must be > 0 MiB, got {p.zero1_bucket_mb}",
+             "Use a bucket of some MiB (40 by default; smaller buckets overlap sooner, larger ones send fewer messages)")
     if p.zero_stage == 1:
         _require(degrees["dp_replicate"] == 1 or degrees["dp_shard"] == 1, "parallel.zero_stage",
                  "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
