@@ -5,8 +5,8 @@ experts of mixture-of-experts layers by expert (ep) and width (tp), then context
 ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation checkpointing, 5.
 compile per block, then activation offload around each block's call (outside its compiled graph and FSDP's hooks), 6.
 FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one rank (or for CPU offload),
-and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the same fp32-master, low-
-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP
+and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the same fp32-master,
+low-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP
 produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard
 Float8Linear modules (the design card's order had it after TP).
 """
