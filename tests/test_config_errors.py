@@ -23,6 +23,8 @@ VALIDATION_CASES = [
      ["train.global_batch_size", "Use a multiple of 8"]),
     ("unknown_model_name", 4, ["model.name=gpt"], ["model.name", "'gpt'"]),
     ("zero_stage_4", 4, ["parallel.zero_stage=4"], ["parallel.zero_stage"]),
+    ("zero1_bucket_of_nothing", 4, ["parallel.zero_stage=1", "parallel.zero1_bucket_mb=0"],
+     ["parallel.zero1_bucket_mb", "must be > 0 MiB", "40 by default"]),
     ("sp_without_tp", 4, ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel"]),
     ("sp_seq_len_not_divisible", 4, ["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_len=66"],
      ["train.seq_len", "Use a multiple of 4"]),

@@ -15,6 +15,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from composer3d.layout import Layout
 
@@ -25,7 +26,9 @@ def replicas(t: torch.Tensor, layout: Layout) -> int:
     stage_ranks = layout.world_size // layout.pp
     if not isinstance(t, DTensor):
         return stage_ranks
-    return stage_ranks // math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements) if p.is_shard())
+    # FSDP over a tensor-parallel split shards with _StridedShard, which is no Shard on every torch the pins allow
+    return stage_ranks // math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                                    if p.is_shard() or isinstance(p, _StridedShard))
 
 
 def _held(grad: torch.Tensor) -> torch.Tensor:
