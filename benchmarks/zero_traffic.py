@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> None:
         r["expected_bytes"] = expected_sent_bytes(r["mode"], r["params"], itemsize[r["reduce_dtype"]],
                                                   itemsize["float32"], r["ranks"])
         r["sent_bytes_per_step"] = sum(c["sent_bytes_per_step"] for c in r["collectives"].values())
-    if args.json:
-        print(json.dumps(results, indent=1))
+    if args.json:  # one line, the last: the workers' logs go to the same stdout
+        print(json.dumps(results))
         return
     print(f"bytes each rank sends per step on {args.nproc} gloo ranks (ring algorithms); "
           f"2Φ(N−1)/N in the reduce dtype = {results[0]['zero_paper_bytes']:,.0f}")

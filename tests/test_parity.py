@@ -12,6 +12,9 @@ LAYOUTS = {
     "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
     "tp4": ["parallel.tp=4", "parallel.dp_shard=1"],
     "zero1_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
+    # ZeRO-1 over DTensor (TP) parameters: slices of their local shards, sequence parallel's norm gradients summed
+    "zero1_dp2_tp2_sp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "parallel.zero_stage=1"],
     "zero2_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=2"],
     "ddp4": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
 }
