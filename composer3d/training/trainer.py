@@ -40,7 +40,7 @@ from composer3d.training.flops import peak_flops
 from composer3d.training.grad import clip_grad_norm_, replicas
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
-from composer3d.training.metrics import MetricsSink, Throughput
+from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
 from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
 from composer3d.training.precision import DynamicLossScaler
 from composer3d.training.readback import window_records
@@ -223,6 +223,10 @@ class Trainer:
         """The logging window's records, reduced over the mesh and read back in one host sync (``readback``)."""
         return window_records(pending, window_start, self.mesh, self.device, self.pipeline is not None,
                               self.expert_load, self.throughput)
+
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients (ZeRO-1's: its buckets) and optimizer state this rank holds."""
+        return model_state_bytes(self.model, self.optimizer, self.sharder.gradient_bytes() if self.sharder else 0)
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
