@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -144,8 +145,10 @@ def measure(modes: list[str], nproc: int, steps: int, overrides: list[str]) -> l
         jobs = [(mode, str(Path(root) / mode), [*base, *(o.format(nproc=nproc) for o in MODES[mode]), *overrides])
                 for mode in modes]
         stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
+        # forked from one server that imported torch and composer3d once, not each rank importing them anew
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "composer3d.train", "hydra"])
         mp.start_processes(_worker, args=(nproc, jobs, [s.port for s in stores], steps), nprocs=nproc,
-                           join=True, start_method="spawn")
+                           join=True, start_method="forkserver")
         return [json.loads((Path(run_dir) / "traffic.json").read_text()) for _, run_dir, _ in jobs]
 
 
