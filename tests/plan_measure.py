@@ -20,7 +20,7 @@ the machine scheduler's, not the pipeline schedule's; a wait costs no core, so e
 gives it and what is left idle is the schedule's bubble and the sends it waits on. Both groups collect garbage
 between steps, as training does (``train.gc_every``): an automatic collection inside a chunk stalls one rank for
 0.1–0.2 s.
-The model state (parameters, gradients, optimizer state) is composer3d's own ``model_state_bytes``.
+The model state (parameters, gradients, optimizer state) is composer3d's own (``Trainer.model_state_bytes``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,6 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
     from composer3d.layout import ParallelMesh, layout_from_degrees
     from composer3d.plan.measure import PeakTracker
     from composer3d.training.garbage import StepGarbageCollection
-    from composer3d.training.metrics import model_state_bytes
     from composer3d.training.trainer import Trainer, prepare_rank
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=nproc)
@@ -158,7 +157,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                         result["collective_bytes"] = comms.bytes
                         result["peak_bytes"] = int(max(stats["Total"] for stats in
                                                        tracker.get_tracker_snapshot("peak").values()))
-                        result["model_state_bytes"] = model_state_bytes(trainer.model, trainer.optimizer)
+                        result["model_state_bytes"] = trainer.model_state_bytes()
                     else:
                         trainer.train_step()
                     if step >= 2:

@@ -194,3 +194,22 @@ def test_generate_benchmark_prints_cached_and_recompute_speed():
     assert result["device"] == "cpu" and result["new_tokens"] == 16
     assert result["recompute_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0, result
     assert result["same_tokens"], result  # the cache changes the speed, not the tokens
+
+
+def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
+    """ZeRO-1 on 4 gloo ranks with small buckets: a reduce-scatter and an all-gather per bucket, no all-reduce but
+    the gradient norm's one scalar, 2Φ(N−1)/N bytes within 2%; FSDP's ZeRO-2 moves the same (one micro-batch a step:
+    with more, FSDP gathers and reduce-scatters once per micro-batch)."""
+    stdout = _run("zero_traffic.py", "--nproc", "4", "--steps", "2", "--modes", "zero1", "zero2", "--json", "--",
+                  "parallel.zero1_bucket_mb=0.1")
+    zero1, zero2 = json.loads(stdout.splitlines()[-1])
+    for result in (zero1, zero2):
+        ratio = result["sent_bytes_per_step"] / result["zero_paper_bytes"]
+        assert abs(ratio - 1) < 0.02, (result["mode"], ratio, result["collectives"])
+        assert result["collectives"]["all_reduce"] == {"calls_per_step": 1, "sent_bytes_per_step": 6.0,
+                                                       "buffer_bytes_per_step": 4, "dtypes": ["float32"]}
+    collectives = zero1["collectives"]
+    assert set(collectives) == {"reduce_scatter", "all_gather", "all_reduce"}, collectives
+    # 656 KB of fp32 gradients in 0.1 MiB buckets: each reduce-scattered once, then gathered once
+    assert collectives["reduce_scatter"]["calls_per_step"] == collectives["all_gather"]["calls_per_step"] > 1
+    assert collectives["reduce_scatter"]["dtypes"] == collectives["all_gather"]["dtypes"] == ["float32"]

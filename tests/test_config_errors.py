@@ -23,6 +23,8 @@ VALIDATION_CASES = [
      ["train.global_batch_size", "Use a multiple of 8"]),
     ("unknown_model_name", 4, ["model.name=gpt"], ["model.name", "'gpt'"]),
     ("zero_stage_4", 4, ["parallel.zero_stage=4"], ["parallel.zero_stage"]),
+    ("zero1_bucket_of_nothing", 4, ["parallel.zero_stage=1", "parallel.zero1_bucket_mb=0"],
+     ["parallel.zero1_bucket_mb", "must be > 0 MiB", "40 by default"]),
     ("sp_without_tp", 4, ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel"]),
     ("sp_seq_len_not_divisible", 4, ["parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_len=66"],
      ["train.seq_len", "Use a multiple of 4"]),
@@ -211,6 +213,8 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.pp=2", "memory.tile_loss=2"], "memory.tile_loss", "Use memory.tile_loss=0 with parallel.pp>1"),
     (1, ["model=tiny_moe", "model.moe.dense_layers=0", "memory.tile_mlp=2"], "memory.tile_mlp",
      "every layer of this model is a mixture of experts"),
+    (2, ["parallel.pp=2", "model.tie_embeddings=true", "parallel.zero_stage=1"], "parallel.zero_stage",
+     "Use parallel.zero_stage=2 or 3 for a tied model under parallel.pp"),
     (1, ["eval.num_fewshot=-2"], "eval.num_fewshot", "Use -1 for each task's own default"),
     (1, ["eval.limit=-1"], "eval.limit", "Use 0 for every document"),
     # composer3d-generate's decoding keys

@@ -225,10 +225,11 @@ def test_tp_cp_loss_matches_single_process(name, kind, small_runs):
 
 
 def test_zero1_shards_optimizer_state_over_dp_and_cp(small_runs):
-    """ZeRO-1 under cp 2 × dp 2: parameters and gradients replicated (4 + 4 bytes a parameter), the optimizer's 8
-    bytes sharded over all 4 ranks whose gradients differ (dp × cp), not over dp alone (which would be 12 bytes)."""
+    """ZeRO-1 under cp 2 × dp 2: parameters and gradient buckets replicated (4 + 4 bytes a parameter), the
+    optimizer's 8 bytes and the reduced gradient slices' 4 sharded over all 4 ranks whose gradients differ (dp × cp),
+    not over dp alone (which would be 14 bytes)."""
     info = small_runs[("cp2_fsdp2_zero1", "documents")].run_info
-    expected = (4 + 4 + 8 / 4) * info["num_params"]
+    expected = (4 + 4 + 12 / 4) * info["num_params"]
     assert abs(info["model_state_bytes_per_rank"] - expected) / expected < 0.02, (info, expected)
 
 

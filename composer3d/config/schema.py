@@ -103,6 +103,9 @@ class ParallelConfig:
     ep: int = 1
     sequence_parallel: bool = False  # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
     zero_stage: int = 3  # 3: FSDP shards params, grads, optimizer state | 2: params stay gathered | 1: only optimizer state
+    # ZeRO-1: gradients are reduce-scattered (in precision.reduce_dtype) in buckets of about this many MiB, each sent
+    # as soon as its gradients are complete in the backward, overlapping it (Megatron's distributed optimizer: 40M)
+    zero1_bucket_mb: float = 40.0
     # FSDP: free gathered params after forward? default: yes for zero_stage 3 without PP; with PP no, because
     # each microbatch would gather them again in forward and once more in backward. always | never override.
     reshard_after_forward: str = "default"

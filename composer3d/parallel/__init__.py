@@ -1,14 +1,14 @@
 """``parallelize``: the one function that knows the composition order.
 
-1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
-the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
-the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
-checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
-and FSDP's hooks), 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one
-rank (or for CPU offload); otherwise autocast gives the same fp32-master, low-precision compute without FSDP's
-buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP produced over the data-parallel dims
-(2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard Float8Linear modules (the design
-card's order had it after TP).
+1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then the
+experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over the cp
+ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation checkpointing, 5.
+compile per block, then activation offload around each block's call (outside its compiled graph and FSDP's hooks), 6.
+FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one rank (or for CPU offload),
+and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the same fp32-master,
+low-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP
+produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard
+Float8Linear modules (the design card's order had it after TP).
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         stages = [StageModule(model, plan) for plan in plans]
     float8 = precision_cfg.float8.enabled
     if float8:
-        convert_to_float8(model, precision_cfg.float8.recipe, device, fsdp_float8_all_gather=mesh.layout.dp_shard > 1)
+        convert_to_float8(model, precision_cfg.float8.recipe, device,
+                          fsdp_float8_all_gather=mesh.layout.dp_shard > 1 and parallel_cfg.zero_stage != 1)
     if mesh.layout.tp > 1:
         # float8 TP styles all-gather float8 tensors, which gloo cannot carry: plain styles on the CPU.
         apply_tensor_parallel(model, spec, mesh["tp"], parallel_cfg.sequence_parallel,
@@ -65,10 +66,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     if cfg.memory.activation_offload:  # around each block's call: outside its compiled graph and FSDP's hooks
         apply_activation_offload(model, device)
     offload = parallel_cfg.offload == "cpu"
-    if shards_or_replicates(mesh, offload):
+    if shards_or_replicates(mesh, offload, parallel_cfg.zero_stage):
         apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
                             mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
                             parallel_cfg.reshard_after_forward, roots=list(stages), offload=offload)
-    else:  # no data-parallel dim: fp32 parameters as under FSDP, low-precision compute by autocast
+    else:  # no data-parallel dim, or ZeRO-1: fp32 parameters as under FSDP, low-precision compute by autocast
         autocast_forward(stages or [model], precision_cfg.param_dtype, device)
     return stages

@@ -1,9 +1,9 @@
-"""Data parallel through FSDP2: ZeRO-3/2 (``fully_shard``), HSDP, and replicated params (DDP, ZeRO-1).
+"""Data parallel through FSDP2: ZeRO-3/2 (``fully_shard``), HSDP, and replicated params (DDP).
 
 ZeRO stage → FSDP2: 3 reshards params after forward and gathers them again in backward; 2 keeps them
-gathered from forward through backward (one all-gather per step instead of two); 1 keeps params and
-gradients replicated (FSDP2's DDP mode, ``replicate``) and shards only the optimizer state
-(``parallel.zero``). ``dp_shard=1, dp_replicate>1`` is plain DDP; both >1 is HSDP.
+gathered from forward through backward (one all-gather per step instead of two). ``dp_shard=1, dp_replicate>1``
+is plain DDP (FSDP2's ``replicate``: an all-reduce per block, overlapped with the backward); both >1 is HSDP.
+ZeRO-1 runs without FSDP: its own buckets reduce-scatter the gradients (``parallel.zero``).
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ from composer3d.dtypes import DTYPES
 from composer3d.layout import ParallelMesh
 
 
-def shards_or_replicates(mesh: ParallelMesh, offload: bool) -> bool:
-    """Whether FSDP2 has work to do: a data-parallel dim over more than one rank, or offloading to host memory.
+def shards_or_replicates(mesh: ParallelMesh, offload: bool, zero_stage: int) -> bool:
+    """Whether FSDP2 has work to do: a data-parallel dim over more than one rank (but for ZeRO-1, which reduces
+    its gradients itself), or offloading to host memory.
 
     On a mesh of one rank FSDP would still copy every parameter into its all-gather buffer and every gradient
     into its reduce-scatter buffer each step, for nothing (about 20 ms a step for 1.5B parameters on an H100).
     """
-    return mesh.layout.dp * mesh.layout.cp > 1 or offload
+    return (mesh.layout.dp * mesh.layout.cp > 1 and zero_stage != 1) or offload
 
 
-def replicates_params(mesh: ParallelMesh, zero_stage: int) -> bool:
-    return zero_stage == 1 or (mesh.layout.dp_shard == 1 and mesh.layout.cp == 1 and mesh.layout.dp_replicate > 1)
+def replicates_params(mesh: ParallelMesh) -> bool:
+    return mesh.layout.dp_shard == 1 and mesh.layout.cp == 1 and mesh.layout.dp_replicate > 1
 
 
 def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
@@ -58,11 +59,8 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
     microbatch), so under PP each stage module is an FSDP root of its own. Under expert parallel the routed
     experts of each MoE layer are an FSDP unit of their own, over the ranks that hold the same experts.
     """
-    if replicates_params(mesh, zero_stage):
-        # ZeRO-1 replicates over every rank whose gradients differ, the data-parallel and cp ranks (the loss mesh,
-        # dp × cp), and shards the optimizer state over them (optim.py).
-        replica_mesh = mesh.loss if zero_stage == 1 else mesh["dp_replicate"]
-        wrap = partial(replicate, mesh=replica_mesh, mp_policy=mp_policy)
+    if replicates_params(mesh):
+        wrap = partial(replicate, mesh=mesh["dp_replicate"], mp_policy=mp_policy)
         wrap_block = wrap
     else:
         dp_mesh = mesh.hsdp if mesh.layout.dp_replicate > 1 else mesh.dp_shard_cp

@@ -76,11 +76,13 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
         return out
     if c.dp > 1:
         n = whole(units)
-        dim, size = ("dp", c.dp) if c.zero_stage == 1 else ("dp_replicate", c.dp_replicate)
-        out.append(Collective(dim, "all_reduce", size, m * n * reduce_bytes, True))
         if c.zero_stage == 1:
-            slices = rank_sum(units, lambda p, u: math.ceil(math.prod(p) / c.dp))
-            out.append(Collective("dp", "all_gather", c.dp, c.dp * slices * 4, False))  # fp32 master slices
+            # the gradients reduce-scattered in buckets once a step, as the backward completes each; the fp32
+            # parameters all-gathered after the optimizer step (the buckets' padding: under dp elements each)
+            out.append(Collective("dp", "reduce_scatter", c.dp, n * reduce_bytes, True))
+            out.append(Collective("dp", "all_gather", c.dp, n * 4, False))
+        else:
+            out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * n * reduce_bytes, True))
     return out
 
 

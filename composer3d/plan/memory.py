@@ -100,8 +100,9 @@ def model_state(units: list[Unit], c: Candidate, optimizer: str) -> tuple[float,
         local = rank_sum(units, lambda s, u: shard_numel(s, shard_degree(c, u)))
         return 4 * local, 4 * local, opt * local
     n = whole(units)
-    if c.zero_stage == 1 and c.dp > 1:
-        return 4 * n, 4 * n, opt * rank_sum(units, lambda s, u: math.ceil(math.prod(s) / c.dp))
+    if c.zero_stage == 1 and c.dp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
+        owned = n / c.dp
+        return 4 * n, 4 * n + 4 * owned, opt * owned
     return 4 * n, 4 * n, opt * n
 
 
@@ -234,8 +235,9 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         acts, logits = acts + recompute, 0.0
     # Gradients exist during forward only from the second micro-batch on: a single micro-batch's backward frees
     # activations about as fast as it creates gradients, so they do not add to its peak — except where they are
-    # whole (replicas, ZeRO-1): FSDP's all-reduce copies them into a buffer of their size.
-    grads_at_peak = c.microbatches > 1 or c.pp > 1
+    # whole (replicas): FSDP's all-reduce copies them into a buffer of their size. ZeRO-1's gradient buckets are
+    # allocated once for the whole run.
+    grads_at_peak = c.microbatches > 1 or c.pp > 1 or (c.zero_stage == 1 and c.dp > 1)
     buffers = 0.0
     layers = [u for u in units if u.kind != "root"]
     root = sum(u.numel for u in units if u.kind == "root") * cb
@@ -255,7 +257,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
             buffers += 2 * layer / cb * 4
     else:
         n = whole(units)
-        if c.dp > 1:  # replicas' all-reduce copies the whole gradients into a buffer of the reduce dtype
+        if c.dp > 1 and c.zero_stage != 1:  # replicas' all-reduce copies the whole gradients into a buffer
             buffers += n * 4
         if cb != 4:
             buffers += n * cb  # low-precision copies of whole weights (casts)

@@ -45,6 +45,6 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     if weights is not None:
         spec.load_pretrained(model, weights)
     check_twins_match(model)
-    if not shards_or_replicates(mesh, offload):  # after materialize: it makes the parameters
+    if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, active_params, flops)

@@ -1,48 +1,71 @@
-"""Global gradient-norm clipping over parameters that live on different meshes.
+"""Global gradient-norm clipping over parameters that live on different meshes, with one reduction per step.
 
-After TP and FSDP a model mixes DTensors on several meshes (dp only; dp × tp; …), and DTensor's foreach ops
-(used by ``torch.nn.utils.clip_grad_norm_``) refuse to mix meshes. So gradients are grouped by
-(mesh, placements): each group's partial norm is completed with one collective, the squares summed into the
-global norm, and each group scaled on its own.
+After TP, FSDP and expert parallel a model mixes DTensors on several meshes (dp only; dp × tp; ep × tp × expert dp;
+…), and completing each mesh's partial norm over each of its dimensions costs a collective per dimension and
+mesh, one after another. Instead each rank adds the squares of the gradient elements it holds, each divided by the
+number of the job's ranks that hold that same element (its replicas), and one all-reduce over the whole job — every
+mesh dimension and pipeline stage at once — sums them into the global squared norm: every element counted once.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from composer3d.layout import Layout
 
 
-def _grads_by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for p in params:
-        if p.grad is not None:
-            groups[(p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None].append(p.grad)
-    return list(groups.values())
+def replicas(t: torch.Tensor, layout: Layout) -> int:
+    """The job's ranks that hold each element of ``t`` (a parameter or its gradient): those of its pipeline stage,
+    over the ranks that split it (a plain tensor is whole on every rank of its stage)."""
+    stage_ranks = layout.world_size // layout.pp
+    if not isinstance(t, DTensor):
+        return stage_ranks
+    # FSDP over a tensor-parallel split shards with _StridedShard, which is no Shard on every torch the pins allow
+    return stage_ranks // math.prod(t.device_mesh.size(i) for i, p in enumerate(t.placements)
+                                    if p.is_shard() or isinstance(p, _StridedShard))
+
+
+def _held(grad: torch.Tensor) -> torch.Tensor:
+    """The elements this rank holds; a Partial gradient (not yet summed over its mesh) is summed first."""
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if p.is_partial() else p for p in grad.placements])
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 @torch.no_grad()
-def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, pp_group=None,
-                    uncounted: list[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, layout: Layout,
+                    replica_counts: list[int] | None = None, uncounted: list[torch.Tensor] = ()) -> torch.Tensor:
     """Scale gradients so their global L2 norm is at most ``max_norm`` (0: only measure). Returns the norm.
 
-    Under pipeline parallel each rank holds only its stages' parameters: ``pp_group`` adds up the stages.
-    ``uncounted``: parameters scaled but left out of the norm (a tied embedding's twin, counted as the embedding).
+    ``replica_counts``: per parameter, the ranks holding each of its gradient's elements, where its placements do
+    not say (ZeRO-1's slices of replicated parameters); by default ``replicas`` of each gradient. ``uncounted``:
+    parameters scaled but left out of the norm (a tied embedding's twin, counted as the embedding).
     """
-    groups = _grads_by_mesh(params)
+    counts = replica_counts or [replicas(p.grad, layout) if p.grad is not None else 0 for p in params]
     left_out = {id(p) for p in uncounted}
-    squares = []
-    for grads in _grads_by_mesh([p for p in params if id(p) not in left_out]):
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float() ** 2)
+    by_count: dict[int, list[torch.Tensor]] = defaultdict(list)
+    for p, count in zip(params, counts):
+        if p.grad is not None and p.grad.numel() > 0 and id(p) not in left_out:
+            by_count[count].append(_held(p.grad))
+    squares = [torch.nn.utils.get_total_norm(held, norm_type=2.0, foreach=True).float() ** 2 / count
+               for count, held in sorted(by_count.items())]
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
-    if pp_group is not None:
-        dist.all_reduce(total_sq, group=pp_group)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total_sq)  # the whole job: every mesh dimension and pipeline stage in one reduction
     total = total_sq.sqrt()
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grads in groups:
-            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        grads = defaultdict(list)
+        for p in params:
+            if p.grad is not None:
+                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grads[(local.device, local.dtype)].append(local)
+        for (_, dtype), group in grads.items():
+            torch._foreach_mul_(group, coef.to(dtype))
     return total

@@ -18,7 +18,7 @@ from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.launch.stop_signals import StopSignals
 from composer3d.training.console import human_bytes
 from composer3d.training.garbage import StepGarbageCollection
-from composer3d.training.metrics import MetricsSink, max_over_ranks, memory_breakdown, model_state_bytes
+from composer3d.training.metrics import MetricsSink, max_over_ranks, memory_breakdown
 
 log = logging.getLogger("composer3d")
 
@@ -64,7 +64,7 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
             sink.write_run_info(run_info)
         if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
             run_info["model_state_bytes_per_rank"] = int(
-                max_over_ranks(model_state_bytes(trainer.model, trainer.optimizer), trainer.device))
+                max_over_ranks(trainer.model_state_bytes(), trainer.device))
             sink.write_run_info(run_info)
             log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
                      human_bytes(run_info["model_state_bytes_per_rank"]))

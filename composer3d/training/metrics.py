@@ -33,10 +33,11 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state this rank holds (its shards, not the whole model)."""
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, gradient_buffers: int = 0) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (its shards, not the whole model);
+    ``gradient_buffers``: gradients held apart from the parameters' .grad (ZeRO-1's buckets)."""
     params = list(model.parameters())
-    total = sum(local_bytes(p) for p in params)
+    total = gradient_buffers + sum(local_bytes(p) for p in params)
     total += sum(local_bytes(p.grad) for p in params if p.grad is not None)
     total += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
                  if isinstance(v, torch.Tensor))

@@ -14,14 +14,15 @@ from composer3d.parallel.zero import OptimizerStateSharder
 
 
 def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None, offload: str = "none",
-                    offload_dir: str | None = None, device: torch.device | None = None
+                    offload_dir: str | None = None, device: torch.device | None = None, zero1: dict | None = None
                     ) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
     """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
-    and the sharder, which also saves and loads that state, is returned with it. ``offload="optimizer"``: its state
+    and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a step), which also reduces the
+    gradients and saves and loads that state, is returned with it. ``offload="optimizer"``: its state
     and step on the host (or in files under ``offload_dir``), parameters and gradients on ``device``."""
     params = list(model.parameters())
     decays = [p.ndim >= 2 for p in params]
-    sharder = OptimizerStateSharder(params, zero1_mesh) if zero1_mesh is not None else None
+    sharder = OptimizerStateSharder(params, zero1_mesh, **(zero1 or {})) if zero1_mesh is not None else None
     targets = sharder.shards if sharder else params
     groups = [
         {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": cfg.weight_decay},

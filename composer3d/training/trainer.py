@@ -27,6 +27,7 @@ from composer3d.data import (
     eval_result,
     window_batches,
 )
+from composer3d.dtypes import DTYPES
 from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
@@ -43,10 +44,10 @@ from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
 from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
-from composer3d.training.grad import clip_grad_norm_
+from composer3d.training.grad import clip_grad_norm_, replicas
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
-from composer3d.training.metrics import MetricsSink, Throughput
+from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
 from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
 from composer3d.training.precision import DynamicLossScaler
 from composer3d.training.readback import window_records
@@ -68,16 +69,22 @@ class Trainer:
                                                                        cfg.logging.peak_tflops),
                                      mesh.layout.world_size)
         self.param_names = [name for name, _ in self.model.named_parameters()]
+        self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
+        zero1 = {"reduce_dtype": DTYPES[cfg.precision.reduce_dtype], "bucket_bytes": int(p.zero1_bucket_mb * 2**20),
+                 "backwards_per_step": self.accumulation_steps}
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
                                                        zero1_mesh=mesh.loss if p.zero_stage == 1 else None,  # dp × cp
-                                                       offload=p.offload, offload_dir=p.offload_dir, device=device)
+                                                       offload=p.offload, offload_dir=p.offload_dir, device=device,
+                                                       zero1=zero1)
+        # ZeRO-1's slices of the gradients: each element on one rank of the dp × cp ranks it is replicated over
+        self.shard_replicas = [replicas(p, mesh.layout) // mesh.loss.size() for p in self.model.parameters()] \
+            if self.sharder else None
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps
         self.loader = None if sequences is None else BatchPrefetcher(
             GlobalBatchLoader(sequences, t.global_batch_size, mesh.dp_rank, mesh.layout.dp, t.seed), device)
         self.eval_windows = eval_windows
         self.evaluating = False  # the loss function then returns plain summed losses (see evaluate)
-        self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
         self.global_tokens = 1.0  # trained targets in the current global batch (a host number: no sync)
         self.memory_tracker = None  # set while logging.memory_breakdown measures a step
         self.scaler = None
@@ -192,12 +199,14 @@ class Trainer:
         loss = self._forward_backward(batch) / scale
         sum_twin_grads(self.model)  # a tied embedding and its twin head on the last pipeline stage
         params = list(self.model.parameters())
+        if self.sharder:  # ZeRO-1: this rank's slices of the reduced gradients
+            self.sharder.finish_reduction()
+            params = self.sharder.shards
         stepped = self.scaler.unscale_or_skip(params) if self.scaler else True
         if not stepped:
             log.info("step %d: fp16 gradients overflowed; update skipped, loss scale now %g",
                      self.step + 1, self.scaler.scale)
-        grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip,
-                                    pp_group=self.mesh["pp"].get_group() if self.pipeline is not None else None,
+        grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip, self.mesh.layout, self.shard_replicas,
                                     uncounted=uncounted_in_norm(self.model))
         if stepped and self.cfg.train.on_nonfinite == "skip":
             # The global norm is the same on every rank, so all drop the update alike; reading it is a host sync.
@@ -233,6 +242,10 @@ class Trainer:
         """The logging window's records, reduced over the mesh and read back in one host sync (``readback``)."""
         return window_records(pending, window_start, self.mesh, self.device, self.pipeline is not None,
                               self.expert_load, self.throughput)
+
+    def model_state_bytes(self) -> int:
+        """Parameters, gradients (ZeRO-1's: its buckets) and optimizer state this rank holds."""
+        return model_state_bytes(self.model, self.optimizer, self.sharder.gradient_bytes() if self.sharder else 0)
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""

@@ -98,6 +98,8 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", f"must be 1, 2 or 3, got {p.zero_stage}",
              "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
              "1 replicates params and shards only optimizer state")
+    _require(p.zero1_bucket_mb > 0, "parallel.zero1_bucket_mb", f"must be > 0 MiB, got {p.zero1_bucket_mb}",
+             "Use a bucket of some MiB (40 by default; smaller buckets overlap sooner, larger ones send fewer messages)")
     if p.zero_stage == 1:
         _require(degrees["dp_replicate"] == 1 or degrees["dp_shard"] == 1, "parallel.zero_stage",
                  "ZeRO-1 replicates parameters over all data-parallel ranks, so it has no HSDP form "
@@ -179,6 +181,11 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
              f"{p.pp_schedule} runs the first and the last stage on one rank, where the head tied to the embedding "
              f"({tied_by}) would be one parameter in two stages", "Use another schedule (1f1b, interleaved_1f1b, "
              "interleaved_zero_bubble, …) for a tied model")
+    # ZeRO-1 moves each gradient into its bucket during the backward (parallel.zero_buckets), before the twins'
+    # gradients could be summed, and steps slices the twins do not share.
+    _require(not (m.tie_embeddings and p.zero_stage == 1), "parallel.zero_stage", f"ZeRO-1 reduces each gradient "
+             f"into its buckets during the backward, before a tied head's twin ({tied_by}) could add its gradient to "
+             "the embedding's on the first stage", "Use parallel.zero_stage=2 or 3 for a tied model under parallel.pp")
     local_batch = t.global_batch_size // dp
     microbatches = pipeline_microbatches(cfg, dp)
     _require(microbatches >= 1 and local_batch % microbatches == 0, "parallel.pp_microbatches",

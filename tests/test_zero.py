@@ -1,0 +1,130 @@
+"""ZeRO-1's gradient buckets (parallel/zero_buckets.py, parallel/zero.py) on 4 gloo ranks against plain PyTorch: the
+reduced gradient slices and the updated parameters equal an AdamW step on the all-reduced gradients; the collectives
+are one reduce-scatter (in the reduce dtype) and one all-gather per bucket, no all-reduce; the first bucket's
+reduce-scatter starts while the backward still has layers to go, and only the last micro-batch reduces."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from harness import spawn
+from torch.distributed.device_mesh import init_device_mesh
+
+from composer3d.parallel.zero import OptimizerStateSharder
+from composer3d.parallel.zero_buckets import plan_buckets
+
+# 1765 parameters: slices of uneven lengths, a parameter cut between ranks, a rank holding parts of several
+SIZES = [16 * 32, 32, 32 * 32, 32, 32 * 5, 5]
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+
+
+def test_buckets_are_laid_out_back_to_front_without_splitting_a_parameter():
+    buckets = plan_buckets(SIZES, 600, 4)
+    assert [b.members for b in buckets] == [[5, 4, 3], [2], [1, 0]]  # the last layer's first: the backward's order
+    assert [b.offsets for b in buckets] == [[0, 5, 165], [0], [0, 32]]
+    assert [b.length for b in buckets] == [200, 1024, 544]  # 197 padded to a multiple of the 4 ranks
+
+
+def _recording(events: list, kind: str, name: str):
+    original = getattr(dist, name)
+
+    def collective(*args, **kwargs):
+        events.append((kind, str(args[1].dtype) if len(args) > 1 else None))
+        return original(*args, **kwargs)
+    setattr(dist, name, collective)
+
+
+def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches):
+    reduce_dtype = getattr(torch, reduce_dtype)
+    model, reference = _model(), _model()
+    sharder = OptimizerStateSharder(list(model.parameters()), init_device_mesh("cpu", (world,)), reduce_dtype,
+                                    bucket_bytes=600 * reduce_dtype.itemsize, backwards_per_step=micro_batches)
+    optimizer = torch.optim.AdamW(sharder.shards, lr=1e-2)
+    sharder.attach(optimizer)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    events: list = []
+    # the names zero_buckets calls (torch >= 2.13: *_single)
+    _recording(events, "reduce_scatter", "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+               else "reduce_scatter_tensor")
+    _recording(events, "all_gather", "all_gather_single" if hasattr(dist, "all_gather_single")
+               else "all_gather_into_tensor")
+    _recording(events, "all_reduce", "all_reduce")
+    data = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        events.clear()
+        inputs = torch.randn(micro_batches, 4, 16, generator=data)
+        for x in inputs:
+            hidden = model[0](x)  # the first layer's output: its gradient comes before the first layer's backward
+            hidden.register_hook(lambda grad: events.append(("backward reaches the first layer", None)))
+            model[1:](hidden).square().sum().backward()
+            events.append(("micro-batch done", None))
+        sharder.finish_reduction()
+        reduce_scatters = [e for e in events if e[0] == "reduce_scatter"]
+        assert {e[1] for e in reduce_scatters} == {str(reduce_dtype)}, events
+        assert [e[0] for e in events if e[0] != "reduce_scatter"] == [
+            "backward reaches the first layer", "micro-batch done"] * micro_batches, events
+        # the last micro-batch's backward alone reduces: two buckets go before it reaches the first layer, one after
+        last = [e[0] for e in events[len(events) - 5:]]
+        assert last == ["reduce_scatter", "reduce_scatter", "backward reaches the first layer", "reduce_scatter",
+                        "micro-batch done"] and len(reduce_scatters) == 3, events
+        assert all(p.grad is None for p in model.parameters()), "the buckets hold the gradients"
+
+        for x in inputs:  # the reference: the gradient of all ranks' micro-batches, all-reduced
+            reference(x).square().sum().backward()
+        for p in reference.parameters():
+            dist.all_reduce(p.grad)
+        tolerance = dict(rtol=1e-5, atol=1e-5) if reduce_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        for shard, p, (lo, hi) in zip(sharder.shards, reference.parameters(), sharder.bounds):
+            torch.testing.assert_close(shard.grad, p.grad.view(-1)[lo:hi], **tolerance)
+        held = sum(s.numel() for s in sharder.shards)
+        assert abs(held - sum(SIZES) / world) <= len(SIZES), f"rank {rank} owns {held} of {sum(SIZES)} elements"
+
+        events.clear()
+        optimizer.step()
+        reference_optimizer.step()
+        assert [e[0] for e in events] == ["all_gather"] * 3, events  # one per bucket, fp32 parameters
+        for p, q in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p, q, **tolerance)
+        optimizer.zero_grad(set_to_none=True)
+        reference_optimizer.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("reduce_dtype, micro_batches", [("float32", 1), ("bfloat16", 2)])
+def test_zero1_reduce_scatters_buckets_during_the_backward(tmp_path, reduce_dtype, micro_batches):
+    spawn(_zero1_matches_plain_adamw, 4, tmp_path, reduce_dtype, micro_batches)
+
+
+def _norm_in_one_reduction(rank, world):
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from composer3d.layout import Layout
+    from composer3d.training.grad import clip_grad_norm_
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # the same full gradients on every rank
+    full = [torch.randn(8, 6), torch.randn(8), torch.randn(6, 4), torch.randn(8, 4), torch.randn(5)]
+    placed = [  # as TP × FSDP, FSDP's norms, replicated, TP only (a mesh dim of its own), a plain tensor
+        distribute_tensor(full[0], mesh, [Shard(0), Shard(1)]), distribute_tensor(full[1], mesh, [Shard(0), Replicate()]),
+        distribute_tensor(full[2], mesh, [Replicate(), Replicate()]), distribute_tensor(full[3], mesh["tp"], [Shard(0)]),
+        full[4].clone()]
+    params = []
+    for grad in placed:
+        param = nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad
+        params.append(param)
+    expected = torch.cat([g.reshape(-1) for g in full]).norm()
+    with CommDebugMode() as comm:
+        norm = clip_grad_norm_(params, 1.0, Layout(dp_shard=2, tp=2))
+    assert comm.get_total_counts() == 1, comm.get_comm_counts()  # one all-reduce for every mesh and dimension
+    torch.testing.assert_close(norm, expected)
+    clipped = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).reshape(-1) for p in params])
+    torch.testing.assert_close(clipped.norm(), torch.tensor(1.0), rtol=1e-5, atol=1e-5)
+
+
+def test_gradient_norm_over_several_meshes_is_one_all_reduce(tmp_path):
+    spawn(_norm_in_one_reduction, 4, tmp_path)
