@@ -165,3 +165,16 @@ def test_context_parallel_benchmark_attention_memory_falls_as_one_over_cp():
     for r in rows:
         assert r["ring_bytes_per_rank"] == r["ring_bytes_predicted"] and (r["cp"] == 1) == (r["ring_bytes_per_rank"] == 0)
         assert r["max_error"] < 1e-5, r
+
+
+def test_context_parallel_benchmark_prints_the_balances_side_by_side():
+    """Packed documents of mean 24 tokens in 512, cp 2 and 4: the busiest rank's counted work (the ring's scores)
+    over the mean is above 1.1 under head-tail and within 1.1 under the documents placement, printed side by side;
+    every rank's output under either is full attention's with the document mask at its tokens."""
+    rows = json.loads(_run("context_parallel.py", "--cp", "2", "4", "--seq", "512", "--dim", "64", "--steps", "1",
+                           "--documents", "24", "--balance", "head_tail", "documents", "--json"))
+    assert [(r["cp"], r["balance"]) for r in rows] == [(2, "head_tail"), (2, "documents"), (4, "head_tail"),
+                                                        (4, "documents")]
+    for head_tail, documents in zip(rows[::2], rows[1::2]):
+        assert documents["work_busiest_over_mean"] <= 1.1 < head_tail["work_busiest_over_mean"], (head_tail, documents)
+        assert head_tail["max_error"] < 1e-5 and documents["max_error"] < 1e-5, (head_tail, documents)
