@@ -58,8 +58,8 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              f"{2 * cp}")
     balance = cfg.parallel.cp_balance
     _require(balance in CP_BALANCES, "parallel.cp_balance", f"got {balance!r}",
-             "Use head_tail (the default: rank r holds chunks r and 2·cp−1−r) or documents (balanced by each batch's "
-             "packed documents)")
+             "Use documents (the default: balanced by each batch's packed documents) or head_tail (rank r holds "
+             "chunks r and 2·cp−1−r)")
     style = cfg.parallel.cp_style
     _require(style in CP_STYLES, "parallel.cp_style", f"got {style!r}",
              "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
