@@ -3,11 +3,11 @@ through transformers' attention interface, over the cp ranks' shares of the sequ
 
 Checked against transformers itself: tiny random Llama and Qwen3 under cp 2 give, at the tokens each rank holds,
 transformers' own logits (fp32, 1e-5) in every cp style, causal and with packed documents (transformers run on each
-document alone), ring attention also under the placement balanced by the documents (parallel.cp_balance), and so do the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its
-own attention scale) in ring attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters
-sharded over all 4 ranks, on the one-process curve within 1e-4 with document masking on a corpus of short documents
-(where the masks change the curve). What the interface cannot compute is refused before launch
-(tests/test_config_errors.py).
+document alone), ring attention also under the placement balanced by the documents (parallel.cp_balance), and so do
+the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its own attention scale) in ring
+attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters sharded over all 4 ranks, on
+the one-process curve within 1e-4 with document masking on a corpus of short documents (where the masks change the
+curve). What the interface cannot compute is refused before launch (tests/test_config_errors.py).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Which chunks of the sequence a rank holds is its ``Placement`` (``cp_balance``: head-tail, rank r holding chunks r
 and 2·cp−1−r of 2·cp, or one balanced by each batch's documents), set per batch by ``place`` before the batch is
 sharded; inputs, targets and positions are cut by it (``shard``), RoPE takes each token's global position, and the
-model's attention plan and gathers read the same placement. Attention takes its queries locally and spans the keys of the whole sequence, in one
-of three styles (``parallel.cp_style``), all exact, under a mask of global token indices and document ids:
+model's attention plan and gathers read the same placement. Attention takes its queries locally and spans the keys of
+the whole sequence, in one of three styles (``parallel.cp_style``), all exact, under a mask of global token indices
+and document ids:
 
 - ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by log-sum-exp
   (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask leaves empty are skipped;
