@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from composer3d.launch.distributed import resolve_device
 from composer3d.parallel.attention_blocks import KERNELS, block_backward, block_forward, kernel_for
-from composer3d.parallel.context import held_tokens
+from composer3d.parallel.cp_balance import head_tail
 from composer3d.parallel.ring_attention import fold_heads, merge_block, query_heads, ring_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -74,13 +74,14 @@ def virtual_ring(q, k, v, grad_out, documents, cp: int, kernel: str | None = Non
     ring runs (``kernel``: one kernel for every block instead of the device's choice); returns (output, dq, dk, dv)
     in global token order and the kernels the blocks used."""
     seq, scale = q.shape[2], q.shape[-1] ** -0.5
-    held = [held_tokens(rank, cp, seq).to(q.device) for rank in range(cp)]
+    placement = head_tail(cp, seq)
+    held = [placement.token_index(rank, q.device) for rank in range(cp)]
     local = lambda t, rank: t.index_select(2, held[rank]).contiguous()  # noqa: E731
     kv = [query_heads(torch.stack([local(k, s), local(v, s)]), q.shape[1]) for s in range(cp)]
     out, dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=q.device) for t in (q, q, k, v))
     kernels = set()
     for rank in range(cp):
-        plan = ring_blocks(rank, cp, seq, documents)
+        plan = ring_blocks(rank, placement, documents)
         q_r, grad_r = local(q, rank), local(grad_out, rank)
         out_r = torch.zeros(q_r.shape, dtype=torch.float32, device=q.device)
         lse_r = torch.full(q_r.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)

@@ -213,3 +213,16 @@ def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
     # 656 KB of fp32 gradients in 0.1 MiB buckets: each reduce-scattered once, then gathered once
     assert collectives["reduce_scatter"]["calls_per_step"] == collectives["all_gather"]["calls_per_step"] > 1
     assert collectives["reduce_scatter"]["dtypes"] == collectives["all_gather"]["dtypes"] == ["float32"]
+
+
+def test_context_parallel_benchmark_prints_the_balances_side_by_side():
+    """Packed documents of mean 24 tokens in 512, cp 2 and 4: the busiest rank's counted work (the ring's scores)
+    over the mean is above 1.1 under head-tail and within 1.1 under the documents placement, printed side by side;
+    every rank's output under either is full attention's with the document mask at its tokens."""
+    rows = json.loads(_run("context_parallel.py", "--cp", "2", "4", "--seq", "512", "--dim", "64", "--steps", "1",
+                           "--documents", "24", "--balance", "head_tail", "documents", "--json"))
+    assert [(r["cp"], r["balance"]) for r in rows] == [(2, "head_tail"), (2, "documents"), (4, "head_tail"),
+                                                        (4, "documents")]
+    for head_tail, documents in zip(rows[::2], rows[1::2]):
+        assert documents["work_busiest_over_mean"] <= 1.1 < head_tail["work_busiest_over_mean"], (head_tail, documents)
+        assert head_tail["max_error"] < 1e-5 and documents["max_error"] < 1e-5, (head_tail, documents)

@@ -182,6 +182,7 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["train.loss_impl=fused", "memory.tile_loss=2"], "train.loss_impl", "Use memory.tile_loss=0 with it"),
     # context parallel's attention styles; ulysses splits the (KV) heads over cp
     (2, ["parallel.cp=2", "parallel.cp_style=zigzag"], "parallel.cp_style", "Use ring (the default"),
+    (2, ["parallel.cp=2", "parallel.cp_balance=zigzag"], "parallel.cp_balance", "Use documents (the default"),
     (4, ["parallel.cp=4", "parallel.cp_style=ulysses", "model.n_kv_heads=2"], "parallel.cp_style",
      "model.n_kv_heads=2 is not divisible by cp=4"),
     # under TP, ulysses splits the heads each tp rank holds: 4 KV heads over tp=2 leave 2, not divisible by cp=4

@@ -3,11 +3,11 @@ through transformers' attention interface, over the cp ranks' shares of the sequ
 
 Checked against transformers itself: tiny random Llama and Qwen3 under cp 2 give, at the tokens each rank holds,
 transformers' own logits (fp32, 1e-5) in every cp style, causal and with packed documents (transformers run on each
-document alone), and so do the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its
-own attention scale) in ring attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters
-sharded over all 4 ranks, on the one-process curve within 1e-4 with document masking on a corpus of short documents
-(where the masks change the curve). What the interface cannot compute is refused before launch
-(tests/test_config_errors.py).
+document alone), ring attention also under the placement balanced by the documents (parallel.cp_balance), and so do
+the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its own attention scale) in ring
+attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters sharded over all 4 ranks, on
+the one-process curve within 1e-4 with document masking on a corpus of short documents (where the masks change the
+curve). What the interface cannot compute is refused before launch (tests/test_config_errors.py).
 """
 
 from __future__ import annotations
@@ -64,24 +64,28 @@ def references(models):
 def _check_forward_under_cp(rank, world_size, models, references):
     from composer3d.config import validate
     from composer3d.layout import ParallelMesh, layout_from_degrees
-    from composer3d.parallel.context import ContextParallel
     from composer3d.training.assemble import build_parallel_model
 
     tokens, errors = _tokens(), {}
     for arch, path in models.items():
-        for style in CASES[arch]:
-            cfg = train_config(path, dp_shard=1, cp=2, cp_style=style)
+        # Llama and Qwen3 in ring attention also with the placement balanced by the documents (parallel.cp_balance)
+        cases = [(style, "head_tail") for style in CASES[arch]] + [("ring", "documents")] * (arch in ("llama", "qwen3"))
+        for style, balance in cases:
+            cfg = train_config(path, dp_shard=1, cp=2, cp_style=style, cp_balance=balance)
             mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
             model = build_parallel_model(cfg, mesh, torch.device("cpu")).model.eval()
             # every attention module calls composer3d's function through transformers' interface
             assert model.config._attn_implementation == "composer3d_context_parallel"
-            context = ContextParallel(mesh["cp"], style)
+            context = model.context_parallel  # the model's own: each batch placed on it, as the trainer does
             for kind, positions in (("causal", None), ("documents", _positions())):
+                context.place(positions, SEQ)
+                # balanced: 16 chunks of 2 tokens (head-tail holds 2 of 8)
+                assert context.placement(SEQ).chunk == (2 if balance == "documents" and positions is not None else 8)
                 with torch.no_grad():
                     got = model(context.shard(tokens), position_ids=context.shard(positions))
                 assert got.shape == (2, SEQ // 2, 512), got.shape  # this rank computes only its tokens
                 expected = context.shard(references[arch][kind])
-                errors[(arch, style, kind)] = (got - expected).abs().max().item()
+                errors[(arch, style, balance, kind)] = (got - expected).abs().max().item()
     bad = {key: error for key, error in errors.items() if not error < 1e-5}
     assert not bad, f"rank {rank}: max |Δlogits| against transformers {bad}"
 

@@ -97,6 +97,10 @@ class ParallelConfig:
     # how attention spans the cp ranks' shares: ring (keys/values passed round, memory 1/cp) | allgather (keys/values
     # all-gathered: short sequences, few KV heads) | ulysses (all-to-all to a head split; heads divisible by cp)
     cp_style: str = "ring"
+    # which tokens of a sequence each cp rank holds: documents (each batch's packed documents balanced: up to 2·cp·4
+    # chunks dealt by their attention work; head-tail where that is no worse) | head_tail (chunks r and 2·cp−1−r of
+    # 2·cp: balances one causal sequence)
+    cp_balance: str = "documents"
     # expert parallel degree (model.moe.experts > 0): each group of ep data-parallel ranks (taken from dp_shard;
     # under cp, all cp ranks and ep/cp of dp_shard) holds experts/ep experts per MoE layer and exchanges tokens with
     # all-to-all; experts are FSDP-sharded over the dp_shard ranks that remain

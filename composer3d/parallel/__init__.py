@@ -55,7 +55,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
                               float8=float8 and precision_cfg.float8.recipe == "tensorwise" and device.type != "cpu")
     shard_experts(model, mesh, parallel_cfg.sequence_parallel)
     if mesh.layout.cp > 1:  # attention over the whole sequence from each rank's share of it
-        model.use_context_parallel(ContextParallel(mesh["cp"], parallel_cfg.cp_style))
+        model.use_context_parallel(ContextParallel(mesh["cp"], parallel_cfg.cp_style, parallel_cfg.cp_balance))
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks run per tile
     tile_feed_forwards(model, cfg.memory.tile_mlp)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every,

@@ -1,10 +1,11 @@
 """Context parallel: each of the ``cp`` ranks holds 1/cp of every sequence's tokens, and attention spans all of them.
 
-The sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r (head-tail, as Megatron and torchtitan
-balance causal attention): under a causal mask the early chunks attend to few keys and the late ones to many, so
-each rank gets one of each and the same work. Inputs, targets and positions are cut alike (``shard``); RoPE takes
-each token's global position. Attention takes its queries locally and spans the keys of the whole sequence, in one
-of three styles (``parallel.cp_style``), all exact, under a mask of global token indices and document ids:
+Which chunks of the sequence a rank holds is its ``Placement`` (``cp_balance``: head-tail, rank r holding chunks r
+and 2·cp−1−r of 2·cp, or one balanced by each batch's documents), set per batch by ``place`` before the batch is
+sharded; inputs, targets and positions are cut by it (``shard``), RoPE takes each token's global position, and the
+model's attention plan and gathers read the same placement. Attention takes its queries locally and spans the keys of
+the whole sequence, in one of three styles (``parallel.cp_style``), all exact, under a mask of global token indices
+and document ids:
 
 - ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by log-sum-exp
   (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask leaves empty are skipped;
@@ -25,6 +26,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from composer3d.parallel.cp_balance import BALANCES, Placement, document_ids, head_tail, plan_placement
 from composer3d.parallel.ring_attention import ring_attention, ring_blocks
 
 STYLES = ("ring", "allgather", "ulysses")
@@ -33,29 +35,38 @@ STYLES = ("ring", "allgather", "ulysses")
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
-def held_tokens(rank: int, size: int, seq_len: int) -> torch.Tensor:
-    """Global indices of the tokens cp rank ``rank`` of ``size`` holds: chunks rank and 2·size−1−rank."""
-    chunk = seq_len // (2 * size)
-    head, tail = rank * chunk, (2 * size - 1 - rank) * chunk
-    return torch.cat([torch.arange(head, head + chunk), torch.arange(tail, tail + chunk)])
-
-
 class ContextParallel:
     """The cp group of this rank: which tokens it holds, and the collectives attention needs across the group."""
 
-    def __init__(self, cp_mesh: DeviceMesh, style: str = "ring"):
+    def __init__(self, cp_mesh: DeviceMesh, style: str = "ring", balance: str = "head_tail"):
         if style not in STYLES:
             raise ValueError(f"context parallel style {style!r}: one of {STYLES}")
-        self.group, self.style = cp_mesh.get_group(), style
+        if balance not in BALANCES:
+            raise ValueError(f"context parallel balance {balance!r}: one of {BALANCES}")
+        self.group, self.style, self.balance = cp_mesh.get_group(), style, balance
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.placed: Placement | None = None  # the current batch's (``place``); head-tail until one is placed
+
+    def place(self, position_ids: torch.Tensor | None, seq_len: int) -> None:
+        """Set the placement of the batch about to be sharded, from its whole rows' ``position_ids`` (None: causal
+        rows). Every cp rank has the same batch and computes the same placement; the shards and the model's forwards
+        of this batch (each microbatch of it) all read it."""
+        documents = None if position_ids is None else document_ids(position_ids)
+        self.placed = plan_placement(self.size, seq_len, self.balance, documents)
+
+    def placement(self, seq_len: int) -> Placement:
+        """The placement of the current batch; head-tail for a sequence of another length (none placed for it)."""
+        if self.placed is not None and self.placed.seq_len == seq_len:
+            return self.placed
+        return head_tail(self.size, seq_len)
 
     def token_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """Global indices (0..seq_len-1) of the tokens this rank holds, in the order it holds them."""
-        return held_tokens(self.rank, self.size, seq_len).to(device)
+        return self.placement(seq_len).token_index(self.rank, device)
 
     def gathered_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
         """Global indices of the tokens ``gather`` returns: every rank's, in rank order."""
-        return torch.cat([held_tokens(rank, self.size, seq_len) for rank in range(self.size)]).to(device)
+        return self.placement(seq_len).gathered_index(device)
 
     def shard(self, tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
         """This rank's tokens of a whole-sequence tensor (inputs, targets, positions); None stays None."""
@@ -80,7 +91,7 @@ class ContextParallel:
         """What every layer's attention of one forward needs (computed once): ``documents`` (batch, seq_len) are
         the document ids in global order, or None for causal attention."""
         if self.style == "ring":
-            return AttentionPlan(ring_blocks(self.rank, self.size, seq_len, documents))
+            return AttentionPlan(ring_blocks(self.rank, self.placement(seq_len), documents))
         queries = self.token_index(seq_len, device) if self.style == "allgather" else self.gathered_index(seq_len, device)
         return AttentionPlan(_mask(queries, self.gathered_index(seq_len, device), documents))
 

@@ -3,7 +3,7 @@ rank passed round the ring of cp ranks, one block at a time, and merged by log-s
 
 No rank ever holds more than two ranks' keys and values (the block it computes on and the one arriving), so
 attention memory per rank falls as 1/cp; the next block's send/receive is posted before the current block's compute.
-The work is cut at chunk granularity (``parallel.context``: rank r holds chunks r and 2·cp−1−r): a pair of chunks is
+The work is cut at chunk granularity (the ``cp_balance.Placement``: which chunks each rank holds): a pair of chunks is
 either wholly before the query chunk (attended without a mask), the same chunk (causal), or after it (skipped). With
 packed documents a pair whose queries and keys share no document is skipped too, and the rest carry their mask.
 
@@ -20,19 +20,20 @@ import torch
 import torch.distributed as dist
 
 from composer3d.parallel.attention_blocks import Block, block_backward, block_forward
+from composer3d.parallel.cp_balance import Placement
 
 
-def ring_blocks(rank: int, size: int, seq_len: int, documents: torch.Tensor | None) -> list[list[Block]]:
-    """For each source rank, the blocks of this rank's queries that attend to the source's keys (``documents``:
-    (batch, seq_len) document ids in global order, or None for causal attention)."""
-    chunk = seq_len // (2 * size)
-    held = lambda r: (r, 2 * size - 1 - r)  # noqa: E731  (the global chunk ids a rank holds, in its order)
+def ring_blocks(rank: int, placement: Placement, documents: torch.Tensor | None) -> list[list[Block]]:
+    """For each source rank, the blocks of this rank's queries that attend to the source's keys, the chunks each
+    holds given by ``placement`` (``documents``: (batch, seq_len) document ids in global order, or None for causal
+    attention)."""
+    chunk, held = placement.chunk, placement.held
     lower = None if documents is None else torch.ones(chunk, chunk, dtype=torch.bool, device=documents.device).tril()
     plan = []
-    for source in range(size):
+    for source in range(len(held)):
         blocks = []
-        for qi, q_chunk in enumerate(held(rank)):
-            for ki, k_chunk in enumerate(held(source)):
+        for qi, q_chunk in enumerate(held[rank]):
+            for ki, k_chunk in enumerate(held[source]):
                 if k_chunk > q_chunk:
                     continue  # keys after every query of the chunk
                 causal, mask = k_chunk == q_chunk, None

@@ -181,7 +181,8 @@ def _cp_styles(cfg, degrees: dict[str, int], zero_stage: int) -> tuple[str, ...]
     styles = []
     for style in CP_STYLES:
         view = SimpleNamespace(model=cfg.model, train=cfg.train, compile=cfg.compile,
-                               parallel=SimpleNamespace(cp_style=style, zero_stage=zero_stage))
+                               parallel=SimpleNamespace(cp_style=style, cp_balance=cfg.parallel.cp_balance,
+                                                        zero_stage=zero_stage))
         try:
             check_context_parallel(view, degrees)
         except ConfigError:

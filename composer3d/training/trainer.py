@@ -98,8 +98,9 @@ class Trainer:
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg, self.model, mesh, device)
-        # Context parallel: each cp rank takes its share of every sequence (the model attends over all of it).
-        self.context = ContextParallel(mesh["cp"]) if mesh.layout.cp > 1 else None
+        # Context parallel: each cp rank takes its share of every sequence (the model attends over all of it), by the
+        # model's own ContextParallel: the batch's placement (parallel.cp_balance) is set once for both.
+        self.context: ContextParallel | None = self.model.context_parallel if mesh.layout.cp > 1 else None
         self.step = 0
         self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
@@ -156,6 +157,7 @@ class Trainer:
         documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
         positions = batch.position_ids if documents else None
         if self.context is not None:
+            self.context.place(positions, inputs.shape[1])  # one placement for the batch, every microbatch of it
             inputs, targets, positions = (self.context.shard(t) for t in (inputs, targets, positions))
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
@@ -286,6 +288,7 @@ class Trainer:
             for inputs, targets in window_batches(windows, self.mesh.dp_rank, self.mesh.layout.dp, per_forward):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 if self.context is not None:
+                    self.context.place(None, inputs.shape[1])  # causal windows
                     inputs, targets = self.context.shard(inputs), self.context.shard(targets)
                 count += (targets != IGNORE_INDEX).sum()
                 if self.pipeline is None:

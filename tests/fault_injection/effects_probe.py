@@ -94,7 +94,8 @@ def _moe(model) -> list[dict]:
 def _attention(trainer: Trainer) -> dict:
     """Each block of this rank (a pipeline stage keeps some): the tokens of a sequence its attention held in the
     first step, the query and key heads it computed, the tokens of its residual stream (the block's input; fewer
-    under sequence parallel), and the ranks its attention spanned under context parallel (only itself without)."""
+    under sequence parallel), and the ranks its attention spanned under context parallel (only itself without) and
+    the chunks of the sequence it held."""
     found = {}
     for layer_id, block in trainer.model.layers.items():
         attention = getattr(block, "attention", None)
@@ -104,7 +105,9 @@ def _attention(trainer: Trainer) -> dict:
         found[layer_id] = {"tokens": getattr(attention, "_probe_tokens", None),
                            "heads": [getattr(attention, "_probe_heads", {}).get(n) for n in ("wq", "wk")],
                            "residual_tokens": getattr(block, "_probe_tokens", None),
-                           "cp_ranks": dist.get_process_group_ranks(context.group) if context else [dist.get_rank()]}
+                           "cp_ranks": dist.get_process_group_ranks(context.group) if context else [dist.get_rank()],
+                           # the global chunks this rank held in the step just run (parallel.cp_balance)
+                           "cp_chunks": list(context.placed.held[context.rank]) if context and context.placed else None}
     return found
 
 

@@ -10,6 +10,7 @@ from composer3d.config.checks.common import _divisors, _require
 from composer3d.config.schema import ParallelConfig
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.context import STYLES as CP_STYLES
+from composer3d.parallel.cp_balance import BALANCES as CP_BALANCES
 from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
 from composer3d.parallel.pipeline import V_SHAPED, default_stages_per_rank, schedule_problem
 
@@ -55,6 +56,10 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
              f"cp={cp} cuts train.seq_len={seq_len} into 2·cp = {2 * cp} equal chunks, which does not divide it",
              f"Use a cp with 2·cp dividing {seq_len} ({_divisors(seq_len // 2)}), or a train.seq_len divisible by "
              f"{2 * cp}")
+    balance = cfg.parallel.cp_balance
+    _require(balance in CP_BALANCES, "parallel.cp_balance", f"got {balance!r}",
+             "Use documents (the default: balanced by each batch's packed documents) or head_tail (rank r holds "
+             "chunks r and 2·cp−1−r)")
     style = cfg.parallel.cp_style
     _require(style in CP_STYLES, "parallel.cp_style", f"got {style!r}",
              "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses")
