@@ -77,7 +77,15 @@ def test_lr_schedule_warmup_then_cosine_to_floor():
     assert lr_multiplier(50, 10, 110, "constant", 0.0) == 1.0
 
 
+def _restore_environ_after(monkeypatch) -> None:
+    """The variables ``job_env`` sets that were unset before: monkeypatch restores only what it changed itself, so a
+    later in-process launch would read this test's RANK and take itself for a torchrun worker."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "unset")  # recorded (restored to absent) before the test deletes it
+
+
 def test_slurm_task_per_device_becomes_torch_env(monkeypatch):
+    _restore_environ_after(monkeypatch)  # job_env writes the torch variables into os.environ
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "5")
@@ -95,6 +103,7 @@ def test_slurm_task_per_device_becomes_torch_env(monkeypatch):
 def test_submitit_local_task_becomes_torch_env(monkeypatch):
     """hydra/launcher=submitit_local's tasks (its own variables, one machine) join like SLURM's, on a port of their
     job's; inside a SLURM allocation, the allocation's variables do not count."""
+    _restore_environ_after(monkeypatch)  # job_env writes the torch variables into os.environ
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     for key, value in {"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_NTASKS": "2", "SUBMITIT_LOCAL_LOCALID": "1",
