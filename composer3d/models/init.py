@@ -9,12 +9,15 @@ layouts. Generating whole tensors costs one full parameter of temporary memory a
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from composer3d.models.lora import adapter_init, base_name, is_adapter, is_nf4, to_nf4
 
 InitRule = Callable[[tuple[int, ...], torch.Generator, torch.device], torch.Tensor]
 
@@ -73,9 +76,13 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
         root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
     for name, param in model.named_parameters() if init_params else ():
-        generator = torch.Generator(device=device).manual_seed(param_seed(seed, name))
-        full = model.init_rule(name)(tuple(param.shape), generator, device)
+        # A LoRA-wrapped linear's base weight keeps the seed and rule of its unwrapped name (``models.lora``).
+        generator = torch.Generator(device=device).manual_seed(param_seed(seed, base_name(name)))
+        rule = partial(adapter_init, name) if is_adapter(name) else model.init_rule(base_name(name))
+        full = rule(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param
+        if is_nf4(local):  # QLoRA: quantized whole, then cut, so every layout holds the same
+            full = to_nf4(full)
         shard = local_shard(full, param)
         if shard.shape != local.shape:
             raise RuntimeError(f"init of {name}: computed shard {tuple(shard.shape)} but the rank holds "

@@ -1,6 +1,7 @@
 """``parallelize``: the one function that knows the composition order.
 
-1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then
+1. pipeline split (this rank keeps its stages' layers), then LoRA adapters around the targeted linears (``peft``),
+the rest frozen, 2. float8 conversion, 3. tensor/sequence parallel, then
 the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
 the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
 checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
@@ -25,6 +26,7 @@ from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
+from composer3d.parallel.peft import apply_peft
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
 from composer3d.parallel.tiling import tile_feed_forwards
@@ -42,6 +44,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
                             parallel_cfg.pp_stages_per_rank or default_stages_per_rank(schedule), schedule)
         prune_to_stages(model, plans)
         stages = [StageModule(model, plan) for plan in plans]
+    if cfg.peft.method != "none":  # adapters before TP, which splits each with its base linear
+        apply_peft(model, cfg.peft)
     float8 = precision_cfg.float8.enabled
     if float8:
         convert_to_float8(model, precision_cfg.float8.recipe, device, fsdp_float8_all_gather=mesh.layout.dp_shard > 1)

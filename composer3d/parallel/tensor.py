@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from composer3d.models import ModelSpec
+from composer3d.parallel.peft import tensor_parallel_styles
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool,
@@ -15,8 +16,9 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel, float8)
     for block in model.layers.values():
         # A mixture-of-experts block has no dense feed-forward: its experts are split by ``parallel.experts``.
-        parallelize_module(block, tp_mesh, {name: style for name, style in block_plan.items()
-                                             if "*" in name or _present(block, name)})
+        # LoRA adapters are split with their base linears (``peft``)
+        parallelize_module(block, tp_mesh, tensor_parallel_styles(block, {
+            name: style for name, style in block_plan.items() if "*" in name or _present(block, name)}))
     # A pipeline stage may have dropped the embedding or the head.
     parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items() if _present(model, name)})
     if sequence_parallel and hasattr(model, "sequence_shards"):
