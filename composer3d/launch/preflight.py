@@ -116,7 +116,8 @@ def check_resumable(cfg, directory: Path) -> Path | None:
         raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
                           "directory, or start afresh in a new run.dir with checkpoint.resume=none") from None
     try:
-        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True))
+        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True),
+                         peft=OmegaConf.to_container(cfg.peft, resolve=True))
     except ConfigError:
         raise
     except Exception:  # an unreadable index: resume=auto falls back to an older checkpoint when it loads

@@ -63,6 +63,18 @@ def quantize_base(layer: LoRALinear) -> None:
     base.weight = nn.Parameter(to_nf4(base.weight.detach()), requires_grad=False)
 
 
+def copy_nf4_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Fill NF4 tensor ``dst`` with NF4 tensor ``src`` (the same rows). ``to_empty`` leaves an NF4 tensor's scale
+    mean and lookup table on meta (torchao allocates only its data anew), where ``copy_`` writes nothing: those are
+    replaced, in place on the object FSDP holds."""
+    for name in dst.__tensor_flatten__()[0]:
+        inner = getattr(dst, name)
+        if inner.is_meta:
+            setattr(dst, name, getattr(src, name).clone().to(inner.dtype))
+        else:
+            inner.copy_(getattr(src, name))
+
+
 def is_nf4(tensor: torch.Tensor) -> bool:
     quantization = sys.modules.get("torchao.quantization")  # loaded by any run that made an NF4 tensor
     return quantization is not None and isinstance(tensor, quantization.NF4Tensor)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from fnmatch import fnmatchcase
 
 import torch.nn as nn
-from torch.distributed.tensor import Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from composer3d.errors import ConfigError
@@ -78,7 +79,7 @@ def apply_peft(model: nn.Module, cfg) -> None:
 def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
     """The block's TP plan with each wrapped linear's style moved onto its base, and its adapter split to match.
 
-    Column-parallel base: ``lora_A`` stays replicated (it sees the same whole input on every tp rank) and
+    Column-parallel base: ``lora_A`` is replicated (it sees the same whole input on every tp rank) and
     ``lora_B`` is column-parallel like the base, its output sharded the same way. Row-parallel base: ``lora_A`` is
     row-parallel like the base (its small rank-wide output reduced to the base's output layout) and ``lora_B`` is
     replicated — under sequence parallel as a ``SequenceParallel`` module on the rank's share of the sequence, so
@@ -91,7 +92,8 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
             styles[name] = style
             continue
         styles[f"{name}.{BASE}"] = style
-        if isinstance(style, ColwiseParallel):
+        if isinstance(style, ColwiseParallel) and style.input_layouts[0] == Replicate():
+            styles[f"{name}.lora_A"] = Replicated()
             styles[f"{name}.lora_B"] = ColwiseParallel(output_layouts=style.output_layouts[0],
                                                        use_local_output=style.use_local_output)
         elif isinstance(style, RowwiseParallel):
@@ -102,9 +104,26 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
                 styles[f"{name}.lora_B"] = SequenceParallel(sequence_dim=output.dim,
                                                             use_local_output=style.use_local_output)
         else:
-            raise ConfigError(f"peft.target_modules: {name} is split by {type(style).__name__}, which LoRA does not "
-                              "follow (column- or row-parallel linears only). Leave it out of peft.target_modules")
+            raise ConfigError(f"peft.target_modules: {name} is split by {type(style).__name__} from "
+                              f"{style.input_layouts}, which LoRA does not follow (column-parallel linears of a whole "
+                              "input, row-parallel ones). Leave it out of peft.target_modules")
     return styles
+
+
+class Replicated(ParallelStyle):
+    """Parameters whole on every tp rank (replicated DTensors, as FSDP then shards them over the data-parallel dims
+    alongside TP's), fed the whole input as a replicated DTensor: the input may arrive as one (sequence parallel's
+    gathered block input) or as a plain tensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_input)
+
+
+def _replicated_input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:
+    x = inputs[0]
+    if isinstance(x, DTensor):
+        return (x.redistribute(device_mesh, [Replicate()]), *inputs[1:])
+    return (DTensor.from_local(x, device_mesh, [Replicate()], run_check=False), *inputs[1:])
 
 
 def _present(module: nn.Module, name: str) -> bool:
