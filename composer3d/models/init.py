@@ -84,8 +84,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
         rule = partial(adapter_init, name) if is_adapter(name) else model.init_rule(base_name(name))
         full = rule(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param
-        if is_nf4(local):
-            local = param._local_tensor if isinstance(param, DTensor) else param  # the object FSDP gathers, not a view  # QLoRA: quantized whole, then cut, so every layout holds the same
+        if is_nf4(local):  # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors
+            local = param._local_tensor if isinstance(param, DTensor) else param  # QLoRA: quantized whole, then cut, so every layout holds the same
             full = to_nf4(full)
         shard = local_shard(full, param)
         if shard.shape != local.shape:

@@ -83,7 +83,8 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
     ``lora_B`` is column-parallel like the base, its output sharded the same way. Row-parallel base: ``lora_A`` is
     row-parallel like the base (its small rank-wide output reduced to the base's output layout) and ``lora_B`` is
     replicated — under sequence parallel as a ``SequenceParallel`` module on the rank's share of the sequence, so
-    its gradient sums over the tp ranks.
+    its gradient sums over the tp ranks. Replicated adapters are replicated DTensors, never plain tensors: the
+    optimizer steps each parameter group as one kind.
     """
     styles = {}
     for name, style in plan.items():
@@ -100,9 +101,9 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
             output = style.output_layouts[0]
             styles[f"{name}.lora_A"] = RowwiseParallel(input_layouts=style.input_layouts[0], output_layouts=output,
                                                        use_local_output=style.use_local_output)
-            if isinstance(output, Shard):
-                styles[f"{name}.lora_B"] = SequenceParallel(sequence_dim=output.dim,
-                                                            use_local_output=style.use_local_output)
+            # a replicated DTensor either way, like the parameters beside it in the optimizer's groups
+            styles[f"{name}.lora_B"] = (SequenceParallel(sequence_dim=output.dim, use_local_output=style.use_local_output)
+                                        if isinstance(output, Shard) else Replicated())
         else:
             raise ConfigError(f"peft.target_modules: {name} is split by {type(style).__name__} from "
                               f"{style.input_layouts}, which LoRA does not follow (column-parallel linears of a whole "
@@ -113,10 +114,11 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
 class Replicated(ParallelStyle):
     """Parameters whole on every tp rank (replicated DTensors, as FSDP then shards them over the data-parallel dims
     alongside TP's), fed the whole input as a replicated DTensor: the input may arrive as one (sequence parallel's
-    gathered block input) or as a plain tensor."""
+    gathered block input) or as a plain tensor. The output is the local tensor, as the base's is."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        return distribute_module(module, device_mesh, input_fn=_replicated_input)
+        return distribute_module(module, device_mesh, input_fn=_replicated_input,
+                                 output_fn=lambda module, output, mesh: output.to_local())
 
 
 def _replicated_input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh) -> tuple:

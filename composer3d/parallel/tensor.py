@@ -14,6 +14,7 @@ from composer3d.parallel.peft import tensor_parallel_styles
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool,
                           float8: bool = False) -> None:
     root_plan, block_plan = spec.tensor_parallel_plan(model, sequence_parallel, float8)
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     for block in model.layers.values():
         # A mixture-of-experts block has no dense feed-forward: its experts are split by ``parallel.experts``.
         # LoRA adapters are split with their base linears (``peft``)
@@ -25,6 +26,10 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
         model.sequence_shards = tp_mesh.size()  # stages after the first see 1/tp of the sequence
     # The plan replaced the embedding and the head weights one by one; a tied model must share them again.
     model.tie_weights()
+    # SequenceParallel (and distribute_module) make new parameters that require gradients: frozen ones stay frozen
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
 
 
 def _present(model: nn.Module, name: str) -> bool:
@@ -39,7 +44,7 @@ def keep_grads_in_param_layout(model: nn.Module) -> None:
     FSDP's reduce-scatter re-shards it; where FSDP does not run (TP-only layouts) it would stay whole, 4x the
     shard's bytes at tp=4. Slice it back to the parameter's layout as it accumulates (Replicate -> Shard is local)."""
     for param in model.parameters():
-        if isinstance(param, DTensor):
+        if isinstance(param, DTensor) and param.requires_grad:  # frozen ones (peft's base) get no gradient
             param.register_post_accumulate_grad_hook(_grad_to_param_layout)
 
 

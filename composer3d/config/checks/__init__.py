@@ -6,9 +6,10 @@ Validation runs before any process group exists, on every rank alike (and once i
 starts), so a bad config fails fast with one message naming the key instead of hanging in a collective.
 
 The areas: ``layout`` (parallel degrees, sharding, tensor/sequence, expert and pipeline parallel), ``model`` (the
-architecture and its MoE layers), ``peft`` (LoRA, QLoRA), ``training`` (batch, loop, optimizer, precision, memory, generation), ``data``
-and ``runtime`` (checkpoints, launch, logging); ``common`` holds ``_require``, through which every check fails.
-This module holds the entry points and the checks no area owns: unknown keys, and what only fails on some devices.
+architecture and its MoE layers), ``peft`` (LoRA, QLoRA), ``training`` (batch, loop, optimizer, precision, memory,
+generation), ``data`` and ``runtime`` (checkpoints, launch, logging); ``common`` holds ``_require``, through which
+every check fails. This module holds the entry points and the checks no area owns: unknown keys, and what only
+fails on some devices.
 """
 
 from __future__ import annotations
