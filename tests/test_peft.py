@@ -240,3 +240,18 @@ def _compose(overrides: list[str]):
         cfg = compose("train", overrides=["run.dir=unused", *overrides])
     cfg.precision.param_dtype = "float32"
     return cfg
+
+
+def test_modules_to_save_train_whole_beside_the_adapters():
+    from composer3d.models import build_model
+    from composer3d.parallel.peft import apply_peft, trainable_params
+
+    cfg = _compose(["model=tiny", "peft=lora", "peft.modules_to_save=[output]", "peft.target_modules=[wq,wv]"])
+    model = build_model(cfg.model)
+    counted = trainable_params(model, cfg.peft)
+    apply_peft(model, cfg.peft)
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert set(trainable) == {"output.weight"} | {f"layers.{i}.attention.{w}.lora_{ab}.weight"
+                                                  for i in range(2) for w in ("wq", "wv") for ab in "AB"}
+    assert counted == sum(trainable.values()) == 512 * 64 + 2 * 8 * ((64 + 64) + (64 + 32))
+    assert not model.layers["0"].attention.wk.weight.requires_grad  # not targeted: frozen, not wrapped
