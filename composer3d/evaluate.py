@@ -63,8 +63,9 @@ def check_weights_source(cfg: DictConfig) -> None:
 
 
 def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
-    """With checkpoint.resume: the model and tokenizer of the run that saved it, from its recorded config, with the
-    ``model.*`` and ``data.tokenizer`` overrides typed on top (a model group typed, ``model=...``, replaces it whole)."""
+    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run that saved it, from
+    its recorded config, with the ``model.*`` and ``data.tokenizer`` overrides typed on top (a model group typed,
+    ``model=...``, replaces it whole)."""
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none") or not (Path(resume) / META_FILE).is_file():
         return  # check_weights_source says what is wrong
@@ -77,6 +78,8 @@ def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
     if not any(key.startswith("data.tokenizer") for key in keys):
         cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
+    if "peft" in recorded and not any(key.startswith("peft") for key in keys):  # its LoRA adapters: its model's
+        cfg.peft = OmegaConf.merge(cfg.peft, recorded["peft"])
 
 
 def check_checkpoint_model(cfg: DictConfig) -> None:
@@ -85,7 +88,7 @@ def check_checkpoint_model(cfg: DictConfig) -> None:
     if resume not in ("auto", "none"):
         check_same_model(Path(resume), OmegaConf.to_container(cfg.model, resolve=True),
                          remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own model "
-                                "(see {meta})")
+                                "(see {meta})", peft=OmegaConf.to_container(cfg.peft, resolve=True))
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:

@@ -68,7 +68,8 @@ def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, prompt: str, chat: boo
 
 
 def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None:
-    """With checkpoint.resume: the model and tokenizer of the run that saved it, from its recorded config."""
+    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run that saved it,
+    from its recorded config."""
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none"):
         return
@@ -82,6 +83,8 @@ def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None
     recorded = read_meta(Path(resume))["config"]
     cfg.model = OmegaConf.merge(cfg.model, recorded["model"])
     cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
+    if "peft" in recorded:
+        cfg.peft = OmegaConf.merge(cfg.peft, recorded["peft"])
 
 
 def check_generation(cfg: DictConfig, degrees: dict, prompts: list[list[int]]) -> None:

@@ -121,6 +121,7 @@ def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int, probe_eff
 def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], probe_effects: bool
                 ) -> None:
     from hydra import compose, initialize_config_module
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from composer3d.config import register_configs, resolve_model_config
     from composer3d.launch import distributed
@@ -132,6 +133,10 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         for (run_dir, overrides), port in zip(jobs, ports):
             os.environ["MASTER_PORT"] = str(port)
+            # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the same ranks and
+            # names compares equal to this job's: its cached outputs would carry that mesh, whose process groups
+            # are gone ("Could not resolve the process group") unless they happened to get the same names.
+            _clear_sharding_prop_cache()  # the Python cache and the C++ dispatch's
             if probe_effects:
                 os.environ["COMPOSER3D_TEST_EFFECTS"] = str(Path(run_dir) / "effects")
                 if str(FAULT_INJECTION) not in sys.path:

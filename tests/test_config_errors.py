@@ -42,6 +42,11 @@ VALIDATION_CASES = [
     ("activation_offload_with_eager_op_level_selective", 2,
      ["memory.activation_offload=true", "memory.activation_checkpointing=selective"],
      ["memory.activation_offload", "checkpoint's own cache", "compile.enabled=true", "memory.ac_every>=1"]),
+    # LoRA's patterns are matched on the model (built on meta) before any worker starts
+    ("lora_targets_naming_no_linear", 2, ["peft=lora", "peft.target_modules=[wqkv]"],
+     ["peft.target_modules", "names no linear layer", "[wq, wk, wv, wo, w1, w2, w3]"]),
+    # tiny's 64x64 projections hold less than one NF4 block of scales (64 x 256 values)
+    ("qlora_weights_smaller_than_nf4_blocks", 2, ["peft=qlora"], ["peft.method", "NF4 blocks of 16384", "peft=lora"]),
 ]
 
 
@@ -223,6 +228,20 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["generate.stop=[END,'']"], "generate.stop", "Drop the empty one"),
     (1, ["generate.cache=paged"], "generate.cache", "Choose one of ('static', 'dynamic', 'none')"),
     (1, ["generate.cache=dynamic"], "generate.cache", "Use generate.cache=static (or none)"),  # native: static only
+    # LoRA / QLoRA (peft)
+    (1, ["peft.method=dora"], "peft.method", "Choose one of ('none', 'lora', 'qlora')"),
+    (1, ["peft=lora", "peft.rank=0"], "peft.rank", "must be >= 1, got 0"),
+    (1, ["peft=lora", "peft.alpha=0"], "peft.alpha", "must be > 0"),
+    (1, ["peft=lora", "peft.dropout=1.0"], "peft.dropout", "must be in [0, 1)"),
+    (1, ["peft=lora", "peft.target_modules=[]"], "peft.target_modules", "nothing would train"),
+    (2, ["peft=lora", "peft.dropout=0.1", "parallel.tp=2"], "peft.dropout", "Use peft.dropout=0 with tensor parallel"),
+    (1, ["model=tiny_moe", "peft=lora", "peft.target_modules=[wq,moe.experts]"], "peft.target_modules",
+     "routed experts"),
+    (1, ["peft=lora", "precision.float8.enabled=true"], "precision.float8.enabled", "Use precision.float8.enabled=false"),
+    (2, ["peft=qlora", "parallel.tp=2"], "parallel.tp", "NF4 weights split only by rows"),
+    (2, ["peft=qlora", "parallel.zero_stage=1"], "parallel.zero_stage", "Use parallel.zero_stage=3 or 2"),
+    (2, ["peft=qlora", "parallel.dp_replicate=2", "parallel.dp_shard=1"], "parallel.zero_stage", "DDP"),
+    (1, ["peft=qlora", "parallel.offload=cpu"], "parallel.offload", "Use parallel.offload=none"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

@@ -265,7 +265,7 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
-        check_same_model(path, self.config_dict["model"])
+        check_same_model(path, self.config_dict["model"], peft=self.config_dict.get("peft"))
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)

@@ -19,7 +19,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from composer3d.config import ConfigError, ModelConfig
+from composer3d.config.schema import PeftConfig
 from composer3d.models import build_model
+from composer3d.parallel.peft import apply_peft
 from composer3d.parallel.tied import from_checkpoint_names, shared_second_names, to_checkpoint_names
 
 log = logging.getLogger("composer3d")
@@ -183,14 +185,17 @@ def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
 
 
 def check_same_model(path: Path, current: dict,
-                     remedy: str = "Resume with its model config (see {meta})") -> None:
+                     remedy: str = "Resume with its model config (see {meta})", peft: dict | None = None) -> None:
     """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change),
     naming the first that differs with both shapes; ``remedy`` ends the line (``{meta}``: its recorded config).
+    ``peft``: the run's peft section; LoRA's adapters and wrapped base linears are part of the model's names.
 
     What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
     need the directory it was trained from, which may have moved since."""
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
+    if peft is not None and peft.get("method", "none") != "none":
+        apply_peft(model, OmegaConf.merge(OmegaConf.structured(PeftConfig), peft))
     # A tied head is stored once, as the embedding (checkpoints before that also held it under its own name).
     tied = shared_second_names(model)
     before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()

@@ -161,6 +161,23 @@ class MemoryConfig:
 
 
 @dataclass
+class PeftConfig:
+    # none: train every weight | lora: low-rank adapters on the targeted linears, the rest frozen | qlora: lora with
+    # the targeted base weights stored in 4-bit NF4 (torchao), dequantized in the forward. Pick with peft=lora|qlora
+    method: str = "none"
+    rank: int = 8  # the adapters' rank r (lora_A: r x in, lora_B: out x r)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    # module-name patterns (PEFT's rule: a name or the end of one, shell wildcards allowed) of the blocks' linears
+    # to adapt; default: the attention and MLP projections of the native and Hugging Face models
+    target_modules: list[str] = field(default_factory=lambda: [
+        "wq", "wk", "wv", "wo", "w1", "w2", "w3",
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    # modules trained whole beside the adapters (same patterns), e.g. [output] for the head
+    modules_to_save: list[str] = field(default_factory=list)
+
+
+@dataclass
 class CompileConfig:
     enabled: bool = False  # torch.compile each block (after activation checkpointing, before FSDP)
 
@@ -327,6 +344,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

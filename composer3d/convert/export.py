@@ -43,6 +43,10 @@ def _read_checkpoint_meta(path: Path) -> dict:
         raise ConvertError(f"{path / META_FILE} has no config.model")
     if model.get("name") not in ("llama", "hf"):
         raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; 'llama' and 'hf' export to Hugging Face")
+    method = ((meta.get("config") or {}).get("peft") or {}).get("method", "none")
+    if method != "none":  # its linears are LoRA-wrapped (base_layer, lora_A, lora_B): no Hugging Face name fits
+        raise ConvertError(f"the checkpoint was trained with peft={method}; exporting LoRA adapters (PEFT's "
+                           "adapter_config.json and adapter_model.safetensors) is not built yet")
     if model.get("name") == "llama" and (model.get("moe") or {}).get("experts", 0) > 0:
         mismatches = mixtral_mismatches(model_config(model))
         if mismatches:

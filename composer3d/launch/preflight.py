@@ -29,6 +29,7 @@ from composer3d.data import check_prepared, check_same_corpus, check_sources, ev
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
+from composer3d.parallel.peft import check_targets
 
 log = logging.getLogger("composer3d")
 
@@ -50,6 +51,8 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
     if (Path(cfg.run.dir) / "metrics.jsonl").is_file():  # what a resume continues: readable, or refused now
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
+    if cfg.peft.method != "none":  # the linears the patterns name, on the model (on meta)
+        check_targets(build_model(cfg.model), cfg.peft, degrees["dp_shard"] * degrees["cp"])
     weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
@@ -113,7 +116,8 @@ def check_resumable(cfg, directory: Path) -> Path | None:
         raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
                           "directory, or start afresh in a new run.dir with checkpoint.resume=none") from None
     try:
-        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True))
+        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True),
+                         peft=OmegaConf.to_container(cfg.peft, resolve=True))
     except ConfigError:
         raise
     except Exception:  # an unreadable index: resume=auto falls back to an older checkpoint when it loads

@@ -9,12 +9,15 @@ layouts. Generating whole tensors costs one full parameter of temporary memory a
 from __future__ import annotations
 
 import zlib
+from functools import partial
 from typing import Callable
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
+
+from composer3d.models.lora import adapter_init, base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
 
 InitRule = Callable[[tuple[int, ...], torch.Generator, torch.device], torch.Tensor]
 
@@ -61,7 +64,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
                 aliases: dict[str, str] | None = None) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
 
-    ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers.
+    ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers; LoRA
+    adapters are initialized even then, since pretrained weights do not hold them.
 
     ``buffer_device``: where the buffers (rotary tables) go when it is not ``device``: with FSDP's CPU offload the
     parameters live in host memory, which FSDP requires of them, while the forward runs on the accelerator.
@@ -76,16 +80,24 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
     for root in fsdp_roots:
         root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
-    for name, param in model.named_parameters() if init_params else ():
-        source = (aliases or {}).get(name, name)
+    for name, param in model.named_parameters():
+        if not (init_params or is_adapter(name)):
+            continue
+        # A LoRA-wrapped linear's base weight keeps the seed and rule of its unwrapped name (``models.lora``); a tied
+        # head's twin those of the embedding (``aliases``).
+        source = base_name((aliases or {}).get(name, name))
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, source))
-        full = model.init_rule(source)(tuple(param.shape), generator, device)
+        rule = partial(adapter_init, name) if is_adapter(name) else model.init_rule(source)
+        full = rule(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param
+        if is_nf4(local):  # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors
+            local = param._local_tensor if isinstance(param, DTensor) else param  # QLoRA: quantized whole, then cut, so every layout holds the same
+            full = to_nf4(full)
         shard = local_shard(full, param)
         if shard.shape != local.shape:
             raise RuntimeError(f"init of {name}: computed shard {tuple(shard.shape)} but the rank holds "
                                f"{tuple(local.shape)} under placements {param.placements}")
-        local.copy_(shard)
+        copy_nf4_(local, shard) if is_nf4(local) else local.copy_(shard)
     buffer_device = buffer_device or device
     model.init_buffers(buffer_device)
     if buffer_device != device:  # buffers a model recomputes in place stay where to_empty put them

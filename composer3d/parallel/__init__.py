@@ -1,14 +1,15 @@
 """``parallelize``: the one function that knows the composition order.
 
-1. pipeline split (this rank keeps its stages' layers), 2. float8 conversion, 3. tensor/sequence parallel, then the
-experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over the cp
-ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation checkpointing, 5.
-compile per block, then activation offload around each block's call (outside its compiled graph and FSDP's hooks), 6.
-FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one rank (or for CPU offload),
-and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the same fp32-master,
-low-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the DTensor params TP
-produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's float8 TP styles shard
-Float8Linear modules (the design card's order had it after TP).
+1. pipeline split (this rank keeps its stages' layers), then LoRA adapters around the targeted linears (``peft``),
+the rest frozen, 2. float8 conversion, 3. tensor/sequence parallel, then
+the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
+the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
+checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
+and FSDP's hooks), 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one
+rank (or for CPU offload), and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the
+same fp32-master, low-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the
+DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's
+float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
 from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
+from composer3d.parallel.peft import apply_peft
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
 from composer3d.parallel.tied import split_tied_embedding
@@ -45,6 +47,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
         split_tied_embedding(model, mesh.world.mesh, device, mesh.timeout)
         prune_to_stages(model, plans)
         stages = [StageModule(model, plan) for plan in plans]
+    if cfg.peft.method != "none":  # adapters before TP, which splits each with its base linear
+        apply_peft(model, cfg.peft)
     float8 = precision_cfg.float8.enabled
     if float8:
         convert_to_float8(model, precision_cfg.float8.recipe, device,

@@ -11,6 +11,7 @@ from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.parallel import parallelize, shards_or_replicates
+from composer3d.parallel.peft import trainable_params
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
 from composer3d.parallel.tied import check_twins_match, init_aliases
@@ -22,6 +23,7 @@ class ParallelModel:
     model: nn.Module
     stages: list[StageModule]  # this rank's pipeline stages ([] without PP)
     num_params: int  # of the whole model, before any split
+    trainable_params: int  # of those, what the optimizer updates (``peft``: the adapters and modules_to_save)
     active_params: int  # that one token goes through (mixture of experts: only top_k routed experts a layer)
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
@@ -36,6 +38,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     m = cfg.model
     flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
+    trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     stages = parallelize(model, spec, mesh, cfg, device)
     weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
     offload = cfg.parallel.offload == "cpu"
@@ -47,4 +50,4 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     check_twins_match(model)
     if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
-    return ParallelModel(model, stages, num_params, active_params, flops)
+    return ParallelModel(model, stages, num_params, trainable, active_params, flops)

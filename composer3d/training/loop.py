@@ -18,7 +18,7 @@ from composer3d.errors import StoppedBySignal, TrainingDiverged
 from composer3d.launch.stop_signals import StopSignals
 from composer3d.training.console import human_bytes
 from composer3d.training.garbage import StepGarbageCollection
-from composer3d.training.metrics import MetricsSink, max_over_ranks, memory_breakdown
+from composer3d.training.metrics import MetricsSink, local_bytes, max_over_ranks, memory_breakdown
 
 log = logging.getLogger("composer3d")
 
@@ -43,7 +43,7 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
     run_info = {
         "layout": trainer.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
         "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
-        "num_params": trainer.num_params, "device": trainer.device.type,
+        "num_params": trainer.num_params, "trainable_params": trainer.trainable_params, "device": trainer.device.type,
         **({"num_active_params": trainer.active_params} if trainer.active_params != trainer.num_params else {}),
         "accumulation_steps": trainer.accumulation_steps, "flops_per_token": trainer.throughput.flops_per_token,
         "peak_flops_per_device": trainer.throughput.peak, **trainer.run_info_extra,
@@ -65,6 +65,12 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
         if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
             run_info["model_state_bytes_per_rank"] = int(
                 max_over_ranks(trainer.model_state_bytes(), trainer.device))
+            # the frozen base as stored (QLoRA: its NF4 blocks and scales), beside what bf16 would take
+            frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
+            if frozen:
+                run_info["frozen_param_bytes_per_rank"] = int(
+                    max_over_ranks(sum(local_bytes(p) for p in frozen), trainer.device))
+                log.info("frozen parameters: %s per rank, as stored", human_bytes(run_info["frozen_param_bytes_per_rank"]))
             sink.write_run_info(run_info)
             log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
                      human_bytes(run_info["model_state_bytes_per_rank"]))

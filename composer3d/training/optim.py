@@ -19,8 +19,9 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None,
     """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
     and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a step), which also reduces the
     gradients and saves and loads that state, is returned with it. ``offload="optimizer"``: its state
-    and step on the host (or in files under ``offload_dir``), parameters and gradients on ``device``."""
-    params = list(model.parameters())
+    and step on the host (or in files under ``offload_dir``), parameters and gradients on ``device``. Frozen
+    parameters (``peft``: the base model) get no state."""
+    params = [p for p in model.parameters() if p.requires_grad]
     decays = [p.ndim >= 2 for p in params]
     sharder = OptimizerStateSharder(params, zero1_mesh, **(zero1 or {})) if zero1_mesh is not None else None
     targets = sharder.shards if sharder else params

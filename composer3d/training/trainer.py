@@ -64,7 +64,7 @@ class Trainer:
         t, p = cfg.train, cfg.parallel
         built = build_parallel_model(cfg, mesh, device, from_checkpoint)
         self.model, self.num_params, stages = built.model, built.num_params, built.stages
-        self.active_params = built.active_params
+        self.active_params, self.trainable_params = built.active_params, built.trainable_params
         self.throughput = Throughput(built.flops_per_token, peak_flops(device, cfg.precision.param_dtype,
                                                                        cfg.logging.peak_tflops),
                                      mesh.layout.world_size)

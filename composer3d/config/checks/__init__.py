@@ -6,9 +6,10 @@ Validation runs before any process group exists, on every rank alike (and once i
 starts), so a bad config fails fast with one message naming the key instead of hanging in a collective.
 
 The areas: ``layout`` (parallel degrees, sharding, tensor/sequence, expert and pipeline parallel), ``model`` (the
-architecture and its MoE layers), ``training`` (batch, loop, optimizer, precision, memory, generation), ``data``
-and ``runtime`` (checkpoints, launch, logging); ``common`` holds ``_require``, through which every check fails.
-This module holds the entry points and the checks no area owns: unknown keys, and what only fails on some devices.
+architecture and its MoE layers), ``peft`` (LoRA, QLoRA), ``training`` (batch, loop, optimizer, precision, memory,
+generation), ``data`` and ``runtime`` (checkpoints, launch, logging); ``common`` holds ``_require``, through which
+every check fails. This module holds the entry points and the checks no area owns: unknown keys, and what only
+fails on some devices.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from composer3d.config.checks.common import _require
 from composer3d.config.checks.data import _check_data
 from composer3d.config.checks.layout import _check_layout, _check_pipeline, pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.model import _check_model, resolve_model_config
+from composer3d.config.checks.peft import _check_peft
 from composer3d.config.checks.runtime import _check_checkpoint, _check_launch_and_logging
 from composer3d.config.checks.training import (
     _check_batch,
@@ -51,6 +53,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_optimizer(cfg.optim, cfg.parallel)
     _check_precision(cfg.precision, degrees["tp"])
     _check_memory(cfg, degrees)
+    _check_peft(cfg, degrees)
     _check_data(cfg.data, cfg.model)
     _check_checkpoint(cfg.checkpoint)
     _check_launch_and_logging(cfg.launch, cfg.logging, cfg.checkpoint)

@@ -15,6 +15,8 @@ from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
 from composer3d.models.hf.conversion import CheckpointMap, Fused, map_checkpoint
+from composer3d.models.init import local_shard
+from composer3d.models.lora import base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
 
 if TYPE_CHECKING:
     from composer3d.models.hf.model import HFCausalLM
@@ -79,16 +81,29 @@ def load_pretrained(model: HFCausalLM, path: str) -> None:
 
     index = safetensors_index(path)
     mapped = check_checkpoint_keys(model, index, path)
-    params = dict(model.named_parameters())  # this rank's parameters (a pipeline stage has only its own)
+    # this rank's parameters (a pipeline stage has only its own) by their names in the files: a LoRA-wrapped
+    # linear's base by its unwrapped name, its adapters (initialized, not in the files) left out
+    params = {base_name(name): p for name, p in model.named_parameters() if not is_adapter(name)}
+    quantized = {name for name, param in params.items() if is_nf4(_local(param))}
     # The last pipeline stage's head twin of a tied embedding is the embedding's tensor (a file has no other).
     sources = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(model.config, "tie_word_embeddings", False) \
         else {}
-    whole = {mapped.plain[sources.get(name, name)]: param for name, param in params.items() if name not in mapped.fused}
+    whole = {mapped.plain[sources.get(name, name)]: param for name, param in params.items()
+             if name not in mapped.fused and name not in quantized}
     load(whole, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
+    for name in sorted(quantized):  # QLoRA's NF4 weights: each read whole, quantized whole, then cut to the rank's
+        param = params[name]
+        full = torch.empty(model.full_shapes[name], device=param.device)
+        load({mapped.plain[name]: full}, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
+        copy_nf4_(param._local_tensor if isinstance(param, DTensor) else param, local_shard(to_nf4(full), param))
     files = ExpertFiles(path, index)
     for name, param in params.items():
         if name in mapped.fused:
             _load_fused(param, mapped.fused[name], files)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 class ExpertFiles:

@@ -1,0 +1,257 @@
+"""LoRA and QLoRA (``peft=lora|qlora``): adapters trained on a frozen base under every layout, against plain PyTorch.
+
+The layouts run through ``composer3d.train.run`` in one 8-process group (start-up paid once); the one-process
+references through the command. fp32 throughout, so every layout follows the one-process curve within 1e-4.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import FAST, spawn, train, train_in_one_group
+from hf_models import make_model
+from hydra import compose, initialize_config_module
+
+from composer3d.config import register_configs
+
+# A learning rate at which the adapters move the loss within 10 steps (LoRA's are higher than full fine-tuning's).
+LORA = ["peft=lora", "optim.lr=1e-2", "optim.warmup_steps=2", "train.steps=10"]
+LAYOUTS = {  # the default run: each parallelism on 2 ranks (2 processes on CI's 2 cores)
+    "pp2": ["parallel.pp=2", "parallel.dp_shard=1", "checkpoint.interval=5"],
+    "fsdp2_ac": ["parallel.dp_shard=2", "memory.activation_checkpointing=full"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"],
+}
+# 8 processes take ~7 minutes on 2 cores: slow. Their parts (FSDP, TP + SP, PP) run in the default run above.
+LAYOUTS_8 = {
+    "pp2_fsdp2_tp2_sp": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                         "train.micro_batch_size=1"],
+    "fsdp8": ["parallel.dp_shard=8", "train.micro_batch_size=1"],
+    "tp2_sp_fsdp4": ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=4",
+                     "train.micro_batch_size=1"],
+    "pp2_fsdp4": ["parallel.pp=2", "parallel.dp_shard=4", "train.micro_batch_size=1"],
+}
+# Linears dominate: 2 layers of 512 wide, MLP 4096 wide (14.2M of 14.7M parameters).
+QLORA_MODEL = ["model.dim=512", "model.ffn_hidden_dim=4096", "model.n_heads=8", "model.n_kv_heads=4"]
+QLORA = ["peft=qlora", "optim.lr=3e-3", "optim.warmup_steps=2", "train.steps=4", *QLORA_MODEL]
+
+
+# A tiny random Qwen3 (transformers), its pretrained weights loaded into the LoRA-wrapped linears
+HF = [o for o in FAST if not o.startswith("model=")] + [
+    "model=hf", "train.seq_len=32", "data.max_tokens=30000", "checkpoint.enabled=false", "train.micro_batch_size=1"]
+
+
+@pytest.fixture(scope="session")
+def qwen3(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("lora_ref"), *FAST, *LORA)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, qwen3):
+    """The LoRA layouts, a resume of the PP run's step-5 checkpoint under TP + SP, QLoRA under FSDP, and a Hugging
+    Face model's LoRA under TP + SP beside its full fine-tune's first step, in one group of 2 processes."""
+    root = tmp_path_factory.mktemp("lora_layouts")
+    jobs = [(root / name, [*FAST, *LORA, *overrides]) for name, overrides in LAYOUTS.items()]
+    step5 = root / "pp2" / "checkpoints" / "step-00000005"
+    jobs.append((root / "resumed_tp2_sp", [*FAST, *LORA, *LAYOUTS["tp2_sp"], f"checkpoint.resume={step5}"]))
+    jobs.append((root / "qlora_fsdp2", [*FAST, *QLORA, "parallel.dp_shard=2"]))
+    hf = [*HF, f"model.path={qwen3}"]
+    jobs.append((root / "hf_lora_tp2_sp", [*hf, *LORA, *LAYOUTS["tp2_sp"]]))
+    jobs.append((root / "hf_full_fsdp2", [*hf, "train.steps=1", "parallel.dp_shard=2"]))
+    names = [*LAYOUTS, "resumed_tp2_sp", "qlora_fsdp2", "hf_lora_tp2_sp", "hf_full_fsdp2"]
+    return dict(zip(names, train_in_one_group(jobs, nproc=2)))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_lora_follows_the_one_process_curve(name, reference, runs):
+    _assert_follows(reference, runs[name], name)
+
+
+@pytest.mark.slow  # 8 processes; FSDP, TP + SP and PP each follow the curve in the default run
+def test_lora_follows_the_one_process_curve_on_8_ranks(reference, tmp_path):
+    jobs = [(tmp_path / name, [*FAST, *LORA, *overrides]) for name, overrides in LAYOUTS_8.items()]
+    for name, run in zip(LAYOUTS_8, train_in_one_group(jobs, nproc=8)):
+        _assert_follows(reference, run, name)
+
+
+def _assert_follows(reference, run, name):
+    assert len(reference.losses) == len(run.losses) == 10
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"{name}: per-step |Δloss| {diffs}\nref {reference.losses}\ngot {run.losses}"
+    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(grad_diffs) < 1e-3, f"{name}: grad norms differ {grad_diffs}"
+    assert run.run_info["trainable_params"] == reference.run_info["trainable_params"]
+
+
+def test_hugging_face_lora_loads_the_pretrained_base_and_follows_one_process(tmp_path, qwen3, runs):
+    """Qwen3 (q/k norms, GQA) with its pretrained weights under the adapters: the first step (B = 0) is the full
+    model's own loss; TP 2 + SP follows the one-process curve."""
+    one = train(tmp_path / "one", *HF, f"model.path={qwen3}", *LORA)
+    sharded, full = runs["hf_lora_tp2_sp"], runs["hf_full_fsdp2"]
+    assert abs(one.losses[0] - full.losses[0]) < 1e-5, (one.losses[0], full.losses[0])
+    diffs = [abs(a - b) for a, b in zip(one.losses, sharded.losses)]
+    assert len(sharded.losses) == 10 and max(diffs) < 1e-4, (one.losses, sharded.losses)
+    assert one.losses[-1] < one.losses[0] and one.run_info["trainable_params"] < full.run_info["num_params"] / 5
+
+
+def test_lora_trains_only_the_adapters(reference):
+    info = reference.run_info
+    # tiny: dim 64, 4 kv heads of 16 (kv width 32), MLP 192; rank 8 on q, k, v, o, w1, w2, w3 of 2 layers
+    per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 192) * 3)
+    assert info["trainable_params"] == 2 * per_layer < info["num_params"] / 5
+    assert reference.losses[-1] < reference.losses[0] - 0.3, reference.losses  # the adapters learn
+
+
+def test_lora_resumes_under_another_layout(reference, runs):
+    """PP 2 saved step 5 (adapters, their Adam state, the frozen base); TP 2 + SP resumed it and continued the
+    one-process curve."""
+    resumed = runs["resumed_tp2_sp"].metrics
+    assert [m["step"] for m in resumed] == list(range(6, 11))
+    diffs = [abs(m["loss"] - ref) for m, ref in zip(resumed, reference.losses[5:])]
+    assert max(diffs) < 1e-4, diffs
+
+
+def test_qlora_stores_the_base_in_nf4_and_follows_one_process_under_fsdp(tmp_path, runs):
+    one = train(tmp_path / "qlora", *FAST, *QLORA)
+    sharded = runs["qlora_fsdp2"]
+    diffs = [abs(a - b) for a, b in zip(one.losses, sharded.losses)]
+    assert len(one.losses) == 4 and max(diffs) < 1e-4, (one.losses, sharded.losses)
+    assert one.losses[-1] < one.losses[0], one.losses
+    for run, ranks in ((one, 1), (sharded, 2)):
+        info = run.run_info
+        frozen = info["num_params"]  # every parameter of the base is frozen (no modules_to_save)
+        bf16 = 2 * frozen / ranks
+        assert info["frozen_param_bytes_per_rank"] <= 0.35 * bf16, (info["frozen_param_bytes_per_rank"], bf16)
+
+
+def test_lora_math_matches_plain_pytorch_for_a_step():
+    """One step of composer3d's LoRA model and optimizer against a plain PyTorch reference: the same base model
+    without adapters (same seed: the same weights), each targeted linear's output plus alpha/r · x Aᵀ Bᵀ by forward
+    hooks, AdamW over A and B alone. The losses before and after the step and the updated adapters agree."""
+    from composer3d.models import build_model
+    from composer3d.models.init import materialize
+    from composer3d.parallel.peft import apply_peft
+    from composer3d.training.optim import build_optimizer
+
+    cfg = _compose(["model=tiny", "peft=lora", "peft.rank=4", "peft.alpha=8", "optim.warmup_steps=1"])
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 33), generator=torch.Generator().manual_seed(0))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    lora = build_model(cfg.model)
+    apply_peft(lora, cfg.peft)
+    materialize(lora, torch.device("cpu"), seed=0)
+    optimizer, _ = build_optimizer(lora, cfg.optim)
+    frozen = [p for p in lora.parameters() if not p.requires_grad]
+    assert sum(p.numel() for p in frozen) == sum(p.numel() for p in build_model(cfg.model).parameters())
+
+    plain = build_model(cfg.model)
+    materialize(plain, torch.device("cpu"), seed=0)
+    plain.requires_grad_(False)
+    adapters = {}
+    for name, module in plain.named_modules():
+        if name.rpartition(".")[2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3"):
+            a = lora.get_submodule(name).lora_A.weight.detach().clone().requires_grad_()
+            b = lora.get_submodule(name).lora_B.weight.detach().clone().requires_grad_()
+            adapters[name] = (a, b)
+            module.register_forward_hook(lambda m, args, out, a=a, b=b: out + 2.0 * (args[0] @ a.T) @ b.T)
+    reference_optimizer = torch.optim.AdamW([p for ab in adapters.values() for p in ab], lr=cfg.optim.lr,
+                                            betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                            weight_decay=cfg.optim.weight_decay)
+    assert len(adapters) == 14 and all((b == 0).all() for _, b in adapters.values())
+
+    def loss(model):
+        return F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+
+    for model, opt in ((lora, optimizer), (plain, reference_optimizer)):
+        before = loss(model)
+        before.backward()
+        opt.step()
+        model.after = loss(model).item()
+        model.before = before.item()
+    assert abs(lora.before - plain.before) < 1e-6 and abs(lora.after - plain.after) < 1e-6
+    assert lora.after != lora.before
+    for name, (a, b) in adapters.items():
+        torch.testing.assert_close(lora.get_submodule(name).lora_B.weight, b, rtol=0, atol=1e-6)
+        torch.testing.assert_close(lora.get_submodule(name).lora_A.weight, a, rtol=0, atol=1e-6)
+        assert (b != 0).any()
+    assert all(p.grad is None for p in frozen) and not any(id(p) in map(id, frozen) for p in optimizer.state)
+
+
+def test_frozen_base_has_no_optimizer_state_and_no_gradient_collectives(tmp_path):
+    spawn(_count_collectives, 2, tmp_path)
+
+
+def _count_collectives(rank, world_size):
+    """FSDP over 2 ranks: the reduce-scatters carry exactly the adapters' gradients (padded to the shard size),
+    the all-gathers the whole model (the frozen base is gathered for the forward, as it must be)."""
+    from composer3d.config import validate
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.training.assemble import build_parallel_model
+    from composer3d.training.optim import build_optimizer
+
+    cfg = _compose([*FAST, "peft=lora", "launch.nproc_per_node=2", "precision.param_dtype=float32"])
+    mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
+    model = build_parallel_model(cfg, mesh, torch.device("cpu")).model
+    optimizer, _ = build_optimizer(model, cfg.optim)
+    carried = {"reduce_scatter": 0, "all_gather": 0}
+
+    def counting(name, original):
+        def collective(*args, **kwargs):
+            carried[name] += kwargs.get("input", args[1] if len(args) > 1 else None).numel()
+            return original(*args, **kwargs)
+        return collective
+
+    originals = {"reduce_scatter_tensor": dist.reduce_scatter_tensor, "all_gather_into_tensor": dist.all_gather_into_tensor}
+    for attr in ("reduce_scatter_single", "all_gather_single"):
+        if hasattr(dist, attr):
+            originals[attr] = getattr(dist, attr)
+    try:
+        for attr, original in originals.items():
+            setattr(dist, attr, counting("reduce_scatter" if "reduce" in attr else "all_gather", original))
+        tokens = torch.randint(0, cfg.model.vocab_size, (2, 65), generator=torch.Generator().manual_seed(rank))
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+    finally:
+        for attr, original in originals.items():
+            setattr(dist, attr, original)
+    params = dict(model.named_parameters())
+    trainable = {n: p for n, p in params.items() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    padded = sum(math.ceil(p.shape[0] / world_size) * world_size * p[0].numel() for p in trainable.values())
+    assert carried["reduce_scatter"] == padded, (carried, padded)
+    assert carried["all_gather"] * world_size >= sum(p.numel() for p in params.values())  # each rank sends its shard
+    assert all(p.grad is None for n, p in params.items() if n not in trainable)
+    assert all(p.grad is not None for p in trainable.values())
+    state_ids = {id(p) for p in optimizer.state}
+    assert state_ids == {id(p) for p in trainable.values()}
+
+
+def _compose(overrides: list[str]):
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=["run.dir=unused", *overrides])
+    cfg.precision.param_dtype = "float32"
+    return cfg
+
+
+def test_modules_to_save_train_whole_beside_the_adapters():
+    from composer3d.models import build_model
+    from composer3d.parallel.peft import apply_peft, trainable_params
+
+    cfg = _compose(["model=tiny", "peft=lora", "peft.modules_to_save=[output]", "peft.target_modules=[wq,wv]"])
+    model = build_model(cfg.model)
+    counted = trainable_params(model, cfg.peft)
+    apply_peft(model, cfg.peft)
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    assert set(trainable) == {"output.weight"} | {f"layers.{i}.attention.{w}.lora_{ab}.weight"
+                                                  for i in range(2) for w in ("wq", "wv") for ab in "AB"}
+    assert counted == sum(trainable.values()) == 512 * 64 + 2 * 8 * ((64 + 64) + (64 + 32))
+    assert not model.layers["0"].attention.wk.weight.requires_grad  # not targeted: frozen, not wrapped
