@@ -175,6 +175,10 @@ class PeftConfig:
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     # modules trained whole beside the adapters (same patterns), e.g. [output] for the head
     modules_to_save: list[str] = field(default_factory=list)
+    # a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g. composer3d-convert export's)
+    # whose lora_A/lora_B (and modules_to_save) start this run instead of fresh adapters; its r and lora_alpha must
+    # be peft.rank and peft.alpha, its tensors those of the targeted linears. A resumed checkpoint takes precedence
+    init_from: str | None = None
 
 
 @dataclass

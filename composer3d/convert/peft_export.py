@@ -5,7 +5,7 @@ lora_alpha, target_modules and modules_to_save by their Hugging Face names, task
 ``adapter_model.safetensors`` under PEFT's keys (``base_model.model.<module>.lora_A.weight``; a saved module's
 tensors as ``base_model.model.<module>.weight``). The base a PEFT user loads: ``model=hf`` with pretrained weights,
 the run's ``model.path`` (the base never trained); otherwise (the native model, or ``model=hf`` from its seed) the
-run's frozen base, written into OUT beside the adapter as the full export writes a model. QLoRA's adapters were
+run's frozen base, written into OUT/base as the full export writes a model. QLoRA's adapters were
 trained on the NF4-rounded base: PEFT applies them to the original weights. ``merge`` writes W + scaling·B·A
 (fp32, then ``dtype``) as the full export writes a model; under QLoRA W is the dequantized NF4 base, so the merged
 weights carry NF4's rounding.
@@ -32,10 +32,10 @@ from composer3d.convert.export import (
 )
 from composer3d.dtypes import DTYPES
 from composer3d.models.lora import ADAPTERS, BASE, base_name
+from composer3d.models.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_weight_names, peft_key, rope_heads
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
+BASE_DIR = "base"  # where the base is written when no directory holds it
+
 
 
 def export_peft(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
@@ -54,12 +54,13 @@ def export_peft(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_
     base_dir = model_fields.get("path") if model_fields["name"] == "hf" and model_fields.get("pretrained") else None
     _prepare_adapter_dir(out, overwrite)
     written = []
-    if base_dir is None:  # no directory holds the base the adapters trained on: write it beside them
-        written = write_model(meta, base, out, dtype, max_shard_size, overwrite)
-        base_dir = str(out.resolve())
+    if base_dir is None:  # no directory holds the base the adapters trained on: write it under OUT/base (not in
+        # OUT itself: transformers would load OUT's adapter into a base read from there)
+        written = write_model(meta, base, out / BASE_DIR, dtype, max_shard_size, overwrite)
+        base_dir = str((out / BASE_DIR).resolve())
     names = _hf_module_names(model_fields, base)
     saved = _saved_modules(peft.get("modules_to_save") or [], base, adapters)
-    tensors = adapter_tensors(model_fields, base, adapters, saved, names)
+    tensors = adapter_tensors(model_fields, base, adapters, saved)
     from safetensors.torch import save_file
 
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in tensors.items()}, str(out / ADAPTER_WEIGHTS),
@@ -152,27 +153,21 @@ def _saved_modules(patterns: list[str], base: dict[str, torch.Tensor], adapters:
     return sorted(saved)
 
 
-def adapter_tensors(model_fields: dict, base: dict, adapters: dict, saved: list[str], names: dict[str, str]
-                    ) -> dict[str, torch.Tensor]:
+def adapter_tensors(model_fields: dict, base: dict, adapters: dict, saved: list[str]) -> dict[str, torch.Tensor]:
     """The adapters and saved modules under PEFT's keys; the native model's q/k rows permuted as its export
-    permutes the base weights (lora_B's rows are the weight's output rows)."""
-    native = model_fields["name"] == "llama"
-    if native:
-        from composer3d.models import llama
+    permutes the base weights (``models.peft_adapters``)."""
+    from composer3d.models import llama
 
-        cfg = model_config(model_fields)
+    cfg = model_config(model_fields)
+    names = hf_weight_names(cfg)
     tensors = {}
     for module, (a, b) in adapters.items():
-        if native:  # the permutation of W's rows, applied to B (B·A's rows are B's)
-            b = llama.hf_state_dict_from_native({f"{module}.weight": b}, cfg, {f"{module}.weight": "b"})["b"]
-        tensors[f"{PEFT_PREFIX}{names[module]}.lora_A.weight"] = a
-        tensors[f"{PEFT_PREFIX}{names[module]}.lora_B.weight"] = b
-    for module in saved:
-        for name in [n for n in base if n.startswith(f"{module}.")]:
-            tensor = base[name]
-            if native:
-                tensor = llama.hf_state_dict_from_native({name: tensor}, cfg, {name: "t"})["t"]
-            tensors[f"{PEFT_PREFIX}{names[module]}{name[len(module):]}"] = tensor
+        heads = rope_heads(f"{module}.lora_B.weight", cfg)
+        tensors[peft_key(f"{module}.lora_A.weight", names)] = a
+        tensors[peft_key(f"{module}.lora_B.weight", names)] = \
+            b if heads is None else llama.rope_interleaved_to_half(b, heads)
+    for name in [n for n in base if any(n.startswith(f"{module}.") for module in saved)]:
+        tensors[peft_key(name, names)] = base[name]
     return tensors
 
 
