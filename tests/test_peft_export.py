@@ -40,6 +40,7 @@ HF = [o for o in FAST if not o.startswith("model=")] + [
 FSDP2 = ["parallel.dp_shard=2"]
 TP2_SP = ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"]
 CONTINUE = ["train.steps=2", "checkpoint.interval=100"]
+QLORA_MODEL = ["model.dim=512", "model.ffn_hidden_dim=1024", "model.n_heads=8", "model.n_kv_heads=4"]  # NF4 blocks
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,10 @@ def trained(tmp_path_factory, models):
     directory (``peft.init_from``) beside the same weights resumed from its checkpoint."""
     root = tmp_path_factory.mktemp("peft_export")
     model = {"llama_fsdp2": [*HF, f"model.path={models['llama']}"], "qwen3_tp2_sp": [*HF, f"model.path={models['qwen3']}"],
-             "native_fsdp2": [*FAST, "peft.modules_to_save=[output]"]}
-    layout = {"llama_fsdp2": FSDP2, "qwen3_tp2_sp": TP2_SP, "native_fsdp2": FSDP2}
+             "native_fsdp2": [*FAST, "peft.modules_to_save=[output]"], "native_qlora_fsdp2": [*FAST, *QLORA_MODEL]}
+    layout = {"llama_fsdp2": FSDP2, "qwen3_tp2_sp": TP2_SP, "native_fsdp2": FSDP2, "native_qlora_fsdp2": FSDP2}
     jobs = [(root / name, [*model[name], *LORA, *layout[name]]) for name in model]
+    jobs[-1][1].append("peft=qlora")
     runs = dict(zip(model, train_in_one_group(jobs, nproc=2)))
     out = {}
     for name, run in runs.items():
@@ -141,3 +143,30 @@ def test_init_from_an_adapter_continues_as_resuming_its_checkpoint(trained, name
     assert len(init_from) == len(resumed) == 2
     assert max(abs(a - b) for a, b in zip(init_from, resumed)) <= ATOL, (init_from, resumed)
     assert abs(init_from[0] - entry["run"].losses[0]) > 1e-3, (init_from, entry["run"].losses)
+
+
+@torch.no_grad()
+def test_qlora_exports_adapters_and_a_merge_of_the_dequantized_nf4_base(trained):
+    """QLoRA's base is read back from its NF4 tensors and dequantized: the native base written beside the adapter
+    holds at most 16 values in each block of 64 (NF4's levels × the block's scale), the merge is that base plus
+    scaling·B·A, and PEFT's adapter on that base computes the merged model's logits."""
+    from safetensors.torch import load_file
+
+    entry = trained["native_qlora_fsdp2"]
+    adapter, merged_dir = entry["adapter"], entry["merged"]
+    base = load_file(str(adapter / "base" / "model.safetensors"))
+    merged = load_file(str(merged_dir / "model.safetensors"))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    w = base[f"{name}.weight"]
+    assert max(len(torch.unique(block)) for block in w.reshape(-1, 64)) <= 16  # NF4's rounding, dequantized
+    a, b = lora[f"base_model.model.{name}.lora_A.weight"], lora[f"base_model.model.{name}.lora_B.weight"]
+    assert b.abs().max() > 0  # trained
+    torch.testing.assert_close(merged[f"{name}.weight"], w + 2.0 * (b @ a), rtol=0, atol=1e-6)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    base_model = AutoModelForCausalLM.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32)
+    adapted = peft.PeftModel.from_pretrained(base_model, adapter).eval()
+    full = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    assert (adapted(x).logits - full(x).logits).abs().max().item() <= ATOL
+    assert "NF4" in (adapter / "README.md").read_text()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -87,20 +86,38 @@ def load_lora_state(checkpoint: Path, meta: dict) -> dict[str, torch.Tensor]:
 
 
 def _load_nf4(checkpoint: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """QLoRA's base weights, saved as torchao NF4 tensors, read into NF4 tensors of their shape and dequantized.
-    torch.load's weights-only unpickler is told only NF4Tensor's own classes."""
-    import torch.distributed.checkpoint as dcp
-    from torchao.quantization import NF4Tensor, to_nf4
+    """QLoRA's base weights, saved as torchao NF4 tensors (under FSDP one per rank's rows), each block read as saved,
+    dequantized (fp32) and put at its rows. An NF4 tensor cannot be narrowed to another rank's rows, so DCP's own
+    load does not re-assemble it; torch.load's weights-only unpickler is told only NF4Tensor's own classes."""
+    import io
+
+    from torchao.quantization import NF4Tensor
 
     from composer3d.checkpoint import SafeFileSystemReader
 
     nf4_module = sys.modules[NF4Tensor.__module__]
-    state = {"model": {name: to_nf4(torch.zeros(shape)) for name, shape in shapes.items()}}
-    with warnings.catch_warnings(), torch.serialization.safe_globals(
-            [NF4Tensor, nf4_module.SubclassTensorArgs, torch.Size]):
-        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, storage_reader=SafeFileSystemReader(checkpoint), no_dist=True)
-    return {name: tensor.get_original_weight().float() for name, tensor in state["model"].items()}
+    metadata = SafeFileSystemReader(checkpoint).read_metadata()
+    blocks = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("model.") and index.fqn[len("model."):] in shapes:
+            if getattr(info, "transform_descriptors", None):
+                raise ConvertError(f"{checkpoint}: {index.fqn} is stored transformed ({info.transform_descriptors}), "
+                                   "which this export does not read")
+            blocks.setdefault(index.fqn[len("model."):], []).append((index.offset, info))
+    state = {}
+    with torch.serialization.safe_globals([NF4Tensor, nf4_module.SubclassTensorArgs, torch.Size]):
+        for name, shape in shapes.items():
+            if name not in blocks:
+                raise ConvertError(f"{checkpoint}'s metadata lists model.{name} but no stored block of it")
+            whole = torch.empty(shape)
+            for offset, info in blocks[name]:
+                with open(checkpoint / info.relative_path, "rb") as file:
+                    file.seek(info.offset)
+                    block = torch.load(io.BytesIO(file.read(info.length)), map_location="cpu", weights_only=True)
+                block = block.get_original_weight() if isinstance(block, NF4Tensor) else block
+                whole[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block.float()
+            state[name] = whole
+    return state
 
 
 def split_adapters(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:
