@@ -242,6 +242,8 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["peft=qlora", "parallel.zero_stage=1"], "parallel.zero_stage", "Use parallel.zero_stage=3 or 2"),
     (2, ["peft=qlora", "parallel.dp_replicate=2", "parallel.dp_shard=1"], "parallel.zero_stage", "DDP"),
     (1, ["peft=qlora", "parallel.offload=cpu"], "parallel.offload", "Use parallel.offload=none"),
+    (1, ["peft.init_from=/no/adapter"], "peft.init_from", "peft.method is none"),
+    (1, ["peft=lora", "peft.init_from=/no/adapter"], "peft.init_from", "/no/adapter is not a directory"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:
@@ -249,6 +251,49 @@ def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hi
     message = str(error.value)
     assert message.startswith(key + ": "), message
     assert hint in message, message
+
+
+def _adapter_dir(path, tensors: dict, **config):
+    """A PEFT adapter directory as PeftModel.save_pretrained writes one (the fields ``peft.init_from`` reads)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16.0, **config}))
+    save_file({k: torch.zeros(shape) for k, shape in tensors.items()}, str(path / "adapter_model.safetensors"))
+    return path
+
+
+@pytest.mark.parametrize("config, key, hint", [
+    ({"r": 16}, "peft.rank", "Use peft.rank=16"),
+    ({"lora_alpha": 32}, "peft.alpha", "Use peft.alpha=32"),
+    ({"use_dora": True}, "peft.init_from", "Name a plain LoRA adapter"),
+])
+def test_init_from_an_adapter_of_another_rank_or_alpha_names_the_key(compose_cfg, tmp_path, config, key, hint):
+    adapter = _adapter_dir(tmp_path / "adapter", {}, **config)
+    with pytest.raises(ConfigError) as error:
+        validate(compose_cfg("peft=lora", f"peft.init_from={adapter}"), 1)
+    assert str(error.value).startswith(key + ": ") and hint in str(error.value), error.value
+
+
+def test_init_from_an_adapter_of_other_targets_exits_2_before_any_worker(tmp_path):
+    """Checked on the model (on meta) in the parent: the adapter lacks the run's w1-w3 adapters and holds one
+    for a linear the run does not target."""
+    prefix = "base_model.model.model.layers.{}.self_attn.{}_proj.lora_{}.weight"
+    shapes = {prefix.format(i, p, "A"): (8, 64) for i in range(2) for p in "qkvo"}
+    shapes.update({prefix.format(i, p, "B"): (64 if p in "qo" else 32, 8) for i in range(2) for p in "qkvo"})
+    shapes["base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight"] = (8, 64)
+    adapter = _adapter_dir(tmp_path / "adapter", shapes)
+    run = train(tmp_path / "run", "peft=lora", f"peft.init_from={adapter}", nproc=2, check=False,
+                timeout=HANG_GUARD_S)
+    assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output
+    message = run.output[run.output.index(PREFIX) + len(PREFIX):]
+    assert message.startswith("peft.init_from: "), run.output
+    assert "lacks ['base_model.model.model.layers.0.mlp.down_proj.lora_A.weight'" in message, run.output
+    assert "x_proj" in message and "peft.target_modules" in message, run.output
+    assert not (tmp_path / "run").exists()
 
 
 # Hugging Face models under context parallel: what composer3d's attention in transformers' interface cannot compute

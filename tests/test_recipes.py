@@ -51,6 +51,9 @@ GPU_MEMORY = 80e9  # the recipes are sized for 80 GB GPUs (H100/A100 80GB)
 # Native-model recipes laid out by composer3d-plan: recipe -> (world size, the planner's command line)
 PLANNED = {"llama3_8b_131k": (8, ["model=llama3_8b", "train.seq_len=131072", "train.global_batch_size=8",
                                   "cluster.nodes=1", "cluster.device=h100"])}
+# LoRA / QLoRA recipes on one GPU: recipe -> (model, the GPU memory it is sized for)
+PEFT_RECIPES = {"llama3_1_8b_lora": ("llama3_1_8b", 80e9), "llama3_1_8b_qlora": ("llama3_1_8b", 24e9)}
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # 4 bits, an int8 scale per 64 values, an fp32 scale per 256 scales
 
 
 def compose_recipe(name: str, *overrides: str):
@@ -86,13 +89,13 @@ def needs_hf_model():
 
 def test_every_recipe_is_tested():
     shipped = sorted(p.name.removesuffix(".yaml") for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml"))
-    assert shipped == sorted([*RECIPES, *PLANNED])
+    assert shipped == sorted([*RECIPES, *PLANNED, *PEFT_RECIPES])
 
 
 def test_every_recipe_has_a_row_in_the_recipes_readme():
     readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
-    assert rows == {*RECIPES, *PLANNED}
+    assert rows == {*RECIPES, *PLANNED, *PEFT_RECIPES}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -162,6 +165,35 @@ def test_recipe_validates_at_its_world_size_with_the_real_sizes(name, tmp_path):
     if world == 64:
         with pytest.raises(ConfigError, match=r"^parallel\."):
             validate(cfg, 8)
+
+
+@pytest.mark.parametrize("name", sorted(PEFT_RECIPES))
+def test_peft_recipe_validates_on_one_gpu_and_its_state_fits_by_its_arithmetic(name, tmp_path):
+    """The recipe's memory arithmetic (the planner does not model frozen or NF4 weights): the adapters the model
+    gets (counted on it, built on meta with the published sizes), the frozen base at 4 B (fp32) or NF4's bytes,
+    the adapters at 16 B, within half the GPU (the rest: activations); a full fine-tune would not fit."""
+    needs_hf_model()
+    from composer3d.models import build_model
+    from composer3d.parallel.peft import check_targets, targets, trainable_params
+
+    model_name, gpu = PEFT_RECIPES[name]
+    cfg = compose_recipe(name, "data.paths=[/data/sft/*.jsonl]")
+    fill_published_sizes(cfg, model_name, write_config_json(tmp_path, model_name))
+    assert cfg.run.name == name and cfg.peft.method == name.rpartition("_")[2]
+    assert (cfg.peft.rank, cfg.peft.alpha) == (16, 32.0) and 1e-4 <= cfg.optim.lr <= 3e-4
+    assert cfg.model.pretrained and cfg.checkpoint.model_only_final and cfg.precision.param_dtype == "bfloat16"
+    assert validate(cfg, 1)["dp_shard"] == 1
+    model = build_model(cfg.model)  # on meta
+    check_targets(model, cfg.peft, 1)  # QLoRA: every adapted weight holds whole NF4 blocks
+    adapters = trainable_params(model, cfg.peft)
+    assert adapters == 41_943_040  # r 16 × (in + out) of 7 projections × 32 layers, as the recipe says
+    _, params, _ = PUBLISHED[model_name]
+    adapted = sum(linear.weight.numel() for _, linear in targets(model, cfg.peft.target_modules))
+    base = (adapted * NF4_BYTES + (params - adapted) * 4) if cfg.peft.method == "qlora" else params * 4
+    state = base + 16 * adapters
+    assert state < 0.5 * gpu and 16 * params > gpu, (state / 2**30, gpu)
+    if cfg.peft.method == "lora":  # the recipe's comment: on 24 GB its fp32 base alone does not fit
+        assert base > 24e9
 
 
 def test_70b_pipeline_alternative_in_its_comments_validates(tmp_path):

@@ -1,7 +1,8 @@
 """Typed configuration schema: the public interface.
 
-Every key a user may type on the command line is a field here. The dataclasses are registered in Hydra's
-ConfigStore so overrides are type-checked by OmegaConf; ``checks.validate`` checks what types cannot express.
+Every key a user may type on the command line is a field here (the ``peft`` section's in ``peft_schema``, kept
+apart for this module's length). The dataclasses are registered in Hydra's ConfigStore so overrides are
+type-checked by OmegaConf; ``checks.validate`` checks what types cannot express.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omegaconf import MISSING
+
+from composer3d.config.peft_schema import PeftConfig
 
 
 @dataclass
@@ -158,23 +161,6 @@ class MemoryConfig:
     # the tensors autograd saves in each block's forward (under checkpointing: what it keeps) go to pinned host
     # memory and come back ahead of their backward, the next block's prefetched (side stream on an accelerator)
     activation_offload: bool = False
-
-
-@dataclass
-class PeftConfig:
-    # none: train every weight | lora: low-rank adapters on the targeted linears, the rest frozen | qlora: lora with
-    # the targeted base weights stored in 4-bit NF4 (torchao), dequantized in the forward. Pick with peft=lora|qlora
-    method: str = "none"
-    rank: int = 8  # the adapters' rank r (lora_A: r x in, lora_B: out x r)
-    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapters' input (training only)
-    # module-name patterns (PEFT's rule: a name or the end of one, shell wildcards allowed) of the blocks' linears
-    # to adapt; default: the attention and MLP projections of the native and Hugging Face models
-    target_modules: list[str] = field(default_factory=lambda: [
-        "wq", "wk", "wv", "wo", "w1", "w2", "w3",
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    # modules trained whole beside the adapters (same patterns), e.g. [output] for the head
-    modules_to_save: list[str] = field(default_factory=list)
 
 
 @dataclass

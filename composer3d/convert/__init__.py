@@ -9,7 +9,8 @@ loads (a native mixture of experts: ``MixtralForCausalLM``, when its settings ar
 A run of ``model=hf`` (any transformers causal LM) already uses the checkpoint's own names: its export
 writes them unchanged, next to the source directory's config.json, tokenizer and generation config. ``import``
 (native Llama only) writes a model-only composer3d checkpoint (fp32) that training loads as pretrained weights with
-``checkpoint.resume=<dir>``, and prints the overrides that reproduce the model config. The name mapping and the
+``checkpoint.resume=<dir>``, and prints the overrides that reproduce the model config. A ``peft=lora|qlora``
+checkpoint exports as PEFT's adapter directory, or with ``--merge`` as the merged full model (``peft_export``). The name mapping and the
 RoPE permutation live in ``composer3d.models.llama``. Nothing is unpickled: safetensors, JSON, and DCP through
 ``SafeFileSystemReader``.
 """

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from composer3d.dtypes import DTYPES
 from composer3d.convert.common import ConvertError, hydra_overrides
-from composer3d.convert.export import export
+from composer3d.convert.export import export, peft_method, read_checkpoint_meta
 from composer3d.convert.import_hf import import_hf
 
 
@@ -29,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
                          "--dtype float32 keeps a float32 checkpoint's weights exactly)")
     ex.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (e.g. 5GB, 500MB)")
     ex.add_argument("--overwrite", action="store_true", help="replace model files already in the output directory")
+    ex.add_argument("--merge", action="store_true",
+                    help="a peft=lora|qlora checkpoint: write the merged full model (W + alpha/r·B·A, in fp32 then "
+                         "--dtype; QLoRA's from its dequantized NF4 base) instead of PEFT's adapter directory "
+                         "(adapter_config.json, adapter_model.safetensors)")
     im = sub.add_parser("import", help="Hugging Face Llama directory -> model-only composer3d checkpoint")
     im.add_argument("hf_dir", type=Path, help="directory with config.json and model*.safetensors")
     im.add_argument("out", type=Path, help="new checkpoint directory (must not exist or be empty)")
@@ -41,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "export":
-            written = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite)
+            if peft_method(read_checkpoint_meta(args.checkpoint)) != "none" or args.merge:
+                from composer3d.convert.peft_export import export_peft
+
+                written = export_peft(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite,
+                                      args.merge)
+            else:
+                written = export(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite)
             print(f"exported {args.checkpoint} to {args.out} ({args.dtype}): {', '.join(p.name for p in written)}")
         else:
             fields = import_hf(args.hf_dir, args.out, args.ignore_rope_scaling)

@@ -19,7 +19,9 @@ from composer3d.convert.mixtral import (
 from composer3d.dtypes import DTYPES
 
 
-def _read_checkpoint_meta(path: Path) -> dict:
+def read_checkpoint_meta(path: Path) -> dict:
+    """The checkpoint's composer3d.json, once the directory is shown to be a complete checkpoint of a model that
+    exports."""
     from composer3d.checkpoint import META_FILE, committed_checkpoints, read_meta
 
     if not path.is_dir():
@@ -43,10 +45,6 @@ def _read_checkpoint_meta(path: Path) -> dict:
         raise ConvertError(f"{path / META_FILE} has no config.model")
     if model.get("name") not in ("llama", "hf"):
         raise ConvertError(f"the checkpoint's model is {model.get('name')!r}; 'llama' and 'hf' export to Hugging Face")
-    method = ((meta.get("config") or {}).get("peft") or {}).get("method", "none")
-    if method != "none":  # its linears are LoRA-wrapped (base_layer, lora_A, lora_B): no Hugging Face name fits
-        raise ConvertError(f"the checkpoint was trained with peft={method}; exporting LoRA adapters (PEFT's "
-                           "adapter_config.json and adapter_model.safetensors) is not built yet")
     if model.get("name") == "llama" and (model.get("moe") or {}).get("experts", 0) > 0:
         mismatches = mixtral_mismatches(model_config(model))
         if mismatches:
@@ -128,27 +126,51 @@ def _copy_hf_model_files(source: str | None, out: Path, dtype: str) -> list[Path
     return written
 
 
+def peft_method(meta: dict) -> str:
+    """How the checkpoint's run fine-tuned: none, lora or qlora (``convert.peft_export`` writes the last two)."""
+    return ((meta.get("config") or {}).get("peft") or {}).get("method", "none")
+
+
 def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
            overwrite: bool = False) -> list[Path]:
     """Write ``checkpoint``'s model as a Hugging Face directory; returns the files written."""
+    meta = read_checkpoint_meta(checkpoint)
+    if peft_method(meta) != "none":  # its linears are LoRA-wrapped (base_layer, lora_A, lora_B)
+        raise ConvertError(f"the checkpoint was trained with peft={peft_method(meta)}: export its adapters with "
+                           "convert.peft_export.export_peft (composer3d-convert export does so)")
+    model_fields = meta["config"]["model"]
+    if model_fields["name"] == "hf":
+        state = load_hf_model_state(checkpoint, model_fields)
+    else:
+        from composer3d.models import llama
+
+        cfg = model_config(model_fields)
+        names = native_names(cfg) if cfg.moe.experts > 0 else list(llama.hf_names(cfg))
+        state = load_native_state(checkpoint, cfg, names)
+    return write_model(meta, state, out, dtype, max_shard_size, overwrite)
+
+
+def write_model(meta: dict, state: dict[str, torch.Tensor], out: Path, dtype: str, max_shard_size: str,
+                overwrite: bool) -> list[Path]:
+    """Whole model tensors under composer3d's names (``state``) as a Hugging Face directory: safetensors shards in
+    ``dtype``, config and tokenizer; returns the files written."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
-    meta = _read_checkpoint_meta(checkpoint)
     model_fields = meta["config"]["model"]
-    _prepare_out_dir(out, overwrite)
+    prepare_out_dir(out, overwrite)
     if model_fields["name"] == "hf":
         written = _copy_hf_model_files(model_fields.get("path"), out, dtype)
-        hf_state = _hf_state(checkpoint, model_fields, dtype)
+        hf_state = _hf_state(state, model_fields, dtype)
     else:
-        hf_state = _llama_hf_state(checkpoint, model_fields, dtype)
+        hf_state = _llama_hf_state(state, model_fields, dtype)
         written = []
 
     split = split_torch_state_dict_into_shards(hf_state, filename_pattern="model{suffix}.safetensors",
                                                max_shard_size=max_shard_size)
     for filename, keys in split.filename_to_tensors.items():
         save_file({k: hf_state[k] for k in keys}, str(out / filename), metadata={"format": "pt"})
-        _follow_umask(out / filename)
+        follow_umask(out / filename)
         written.append(out / filename)
     if split.is_sharded:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in hf_state.values())},
@@ -161,7 +183,7 @@ def export(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size:
     return written
 
 
-def _follow_umask(path: Path) -> None:
+def follow_umask(path: Path) -> None:
     """safetensors creates its files 0600 whatever the umask; give them the mode any new file gets here (0644 under
     the usual 022), like the config and tokenizer beside them, so whoever may read the directory may load it."""
     mask = os.umask(0)
@@ -169,12 +191,12 @@ def _follow_umask(path: Path) -> None:
     path.chmod(0o666 & ~mask)
 
 
-def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
-    """A ``model=hf`` checkpoint's tensors under the names and in the form transformers' save_pretrained writes them
+def _hf_state(state: dict[str, torch.Tensor], model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """A ``model=hf`` model's tensors under the names and in the form transformers' save_pretrained writes them
     (a mixture of experts' fused parameters split into one tensor per expert, by transformers' own mapping)."""
     from composer3d.models.hf import load_hf_config, to_checkpoint_names
 
-    state = to_checkpoint_names(load_hf_config(model_fields["path"]), load_hf_model_state(checkpoint, model_fields))
+    state = to_checkpoint_names(load_hf_config(model_fields["path"]), dict(state))
     written = {}
     for name in list(state):
         tensor = state.pop(name).to(DTYPES[dtype]).contiguous()
@@ -183,18 +205,18 @@ def _hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, tor
     return written
 
 
-def _llama_hf_state(checkpoint: Path, model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
-    """A native checkpoint's tensors as LlamaForCausalLM's, or a mixture of experts' as MixtralForCausalLM's."""
+def _llama_hf_state(state: dict[str, torch.Tensor], model_fields: dict, dtype: str) -> dict[str, torch.Tensor]:
+    """A native model's tensors as LlamaForCausalLM's, or a mixture of experts' as MixtralForCausalLM's."""
     from composer3d.models import llama
 
     cfg = model_config(model_fields)
     if cfg.moe.experts > 0:
         try:
-            state = mixtral_state_from_native(load_native_state(checkpoint, cfg, native_names(cfg)), cfg)
+            state = mixtral_state_from_native(state, cfg)
         except ValueError as error:
             raise ConvertError(f"the checkpoint's model cannot be exported as Mixtral: {error}") from None
     else:
-        state = llama.hf_state_dict_from_native(load_native_state(checkpoint, cfg, list(llama.hf_names(cfg))), cfg)
+        state = llama.hf_state_dict_from_native(state, cfg)
     return {k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()}
 
 
@@ -238,7 +260,7 @@ def _write_llama_config(meta: dict, out: Path, dtype: str, eos_id: int) -> list[
     return [config_file, out / "generation_config.json"]
 
 
-def _prepare_out_dir(out: Path, overwrite: bool) -> None:
+def prepare_out_dir(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)

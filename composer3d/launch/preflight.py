@@ -29,7 +29,7 @@ from composer3d.data import check_prepared, check_same_corpus, check_sources, ev
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.parallel.peft import check_targets
+from composer3d.parallel.peft import check_init_from, check_targets
 
 log = logging.getLogger("composer3d")
 
@@ -53,6 +53,8 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
     if cfg.peft.method != "none":  # the linears the patterns name, on the model (on meta)
         check_targets(build_model(cfg.model), cfg.peft, degrees["dp_shard"] * degrees["cp"])
+        if cfg.peft.init_from and resumes_from is None:  # a checkpoint's adapters would replace them
+            check_init_from(build_model(cfg.model), cfg.peft, cfg.model)
     weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)

@@ -59,6 +59,29 @@ def check_targets(model: nn.Module, cfg, shards: int) -> None:
                               "peft.target_modules, or use peft=lora")
 
 
+def check_init_from(model: nn.Module, cfg, model_cfg) -> None:
+    """Before launch, on the whole model (on meta): ``peft.init_from``'s tensors are exactly the adapters of the
+    targeted linears and the modules_to_save, in their shapes, under PEFT's keys."""
+    from composer3d.models.peft_adapters import adapter_shapes, hf_weight_names, peft_key
+
+    names = hf_weight_names(model_cfg)
+    expected = {}
+    for name, linear in targets(model, cfg.target_modules):
+        expected[peft_key(f"{name}.lora_A.weight", names)] = (cfg.rank, linear.in_features)
+        expected[peft_key(f"{name}.lora_B.weight", names)] = (linear.out_features, cfg.rank)
+    for name, module in model.named_modules():
+        if name and matches(name, cfg.modules_to_save):
+            expected.update({peft_key(f"{name}.{p}", names): tuple(t.shape) for p, t in module.named_parameters()})
+    found = adapter_shapes(cfg.init_from)
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
+    if missing or extra or wrong:
+        problems = [f"{what} {keys[:3]}" for what, keys in (("lacks", missing), ("has, beyond this run's targets",
+                                                            extra), ("has in other shapes", wrong)) if keys]
+        raise ConfigError(f"peft.init_from: {cfg.init_from} {'; '.join(problems)}. Set peft.target_modules and "
+                          "peft.modules_to_save as the adapter was trained (its adapter_config.json names them)")
+
+
 def apply_peft(model: nn.Module, cfg) -> None:
     """Wrap the targeted linears in ``LoRALinear`` (QLoRA: with NF4 base weights) and freeze every parameter but
     the adapters and the modules ``cfg.modules_to_save`` names. ``cfg``: the run's ``peft`` section."""

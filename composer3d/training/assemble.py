@@ -10,6 +10,7 @@ import torch.nn as nn
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
+from composer3d.models.peft_adapters import load_adapters
 from composer3d.parallel import parallelize, shards_or_replicates
 from composer3d.parallel.peft import trainable_params
 from composer3d.parallel.pipeline import StageModule
@@ -47,6 +48,8 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
                 init_params=weights is None and not from_checkpoint, buffer_device=device, aliases=init_aliases(model))
     if weights is not None:
         spec.load_pretrained(model, weights)
+    if cfg.peft.init_from and not from_checkpoint:  # a PEFT adapter directory's adapters instead of fresh ones
+        load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
     if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)

@@ -3,6 +3,7 @@ with. Which linears the patterns name is checked before launch on the model itse
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from composer3d.config.checks.common import _require
@@ -14,6 +15,8 @@ def _check_peft(cfg: Any, degrees: dict[str, int]) -> None:
     f, p = cfg.peft, cfg.parallel
     _require(f.method in METHODS, "peft.method", f"unknown method {f.method!r}", f"Choose one of {METHODS} "
              "(peft=lora or peft=qlora)")
+    _require(f.method != "none" or not f.init_from, "peft.init_from", "loads adapters, and peft.method is none",
+             "Add peft=lora (or peft=qlora) with the adapter's rank and alpha")
     if f.method == "none":
         return
     _require(f.rank >= 1, "peft.rank", f"must be >= 1, got {f.rank}", "Use e.g. 8 or 16")
@@ -21,6 +24,8 @@ def _check_peft(cfg: Any, degrees: dict[str, int]) -> None:
     _require(0 <= f.dropout < 1, "peft.dropout", f"must be in [0, 1), got {f.dropout}", "Use 0, or e.g. 0.05")
     _require(len(f.target_modules) > 0, "peft.target_modules", "is empty: nothing would train",
              "Name the linears to adapt, e.g. [wq,wk,wv,wo,w1,w2,w3]")
+    if f.init_from:
+        _check_init_from(f)
     _require(f.dropout == 0 or degrees["tp"] == 1, "peft.dropout", f"{f.dropout} with parallel.tp={degrees['tp']}: "
              "the tp ranks would each draw their own dropout mask over the input they share, and their adapter "
              "outputs would disagree", "Use peft.dropout=0 with tensor parallel")
@@ -39,3 +44,29 @@ def _check_peft(cfg: Any, degrees: dict[str, int]) -> None:
              "DDP) does not carry them (untested)", "Use parallel.zero_stage=3 or 2 with a dp_shard dimension")
     _require(p.offload == "none", "parallel.offload", f"{p.offload} with peft=qlora: offloading NF4 weights is "
              "untested", "Use parallel.offload=none (the 4-bit base is small already)")
+
+
+def _check_init_from(f: Any) -> None:
+    """The adapter directory is there, PEFT's LoRA, with this run's rank and alpha (its tensors' names and shapes
+    are checked against the model's targeted linears before launch: ``parallel.peft.check_init_from``)."""
+    from composer3d.models.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+
+    directory = Path(f.init_from)
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (directory / name).is_file()]
+    _require(directory.is_dir() and not missing, "peft.init_from",
+             f"{directory} {'lacks ' + ' and '.join(missing) if directory.is_dir() else 'is not a directory'}",
+             "Name a PEFT adapter directory (what composer3d-convert export writes for a peft=lora run, or "
+             "PeftModel.save_pretrained)")
+    try:
+        adapter = read_adapter_config(directory)
+    except (OSError, ValueError) as error:
+        _require(False, "peft.init_from", f"{directory / ADAPTER_CONFIG} is unreadable ({error})",
+                 "Name a directory PEFT wrote")
+    _require(adapter.get("peft_type") == "LORA" and not adapter.get("use_rslora") and not adapter.get("use_dora"),
+             "peft.init_from", f"{directory} holds a {adapter.get('peft_type')} adapter"
+             f"{' with rsLoRA or DoRA' if adapter.get('peft_type') == 'LORA' else ''}", "Name a plain LoRA adapter")
+    _require(adapter.get("r") == f.rank, "peft.rank", f"is {f.rank}, but the adapter in {directory} has rank "
+             f"{adapter.get('r')}", f"Use peft.rank={adapter.get('r')} to continue from it")
+    _require(float(adapter.get("lora_alpha", 8)) == float(f.alpha), "peft.alpha", f"is {f.alpha}, but the adapter "
+             f"in {directory} was trained with lora_alpha {adapter.get('lora_alpha')}",
+             f"Use peft.alpha={adapter.get('lora_alpha')} so its output keeps its scale")
