@@ -42,6 +42,7 @@ from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.peft import QLORA_NOT_RESUMABLE
 from composer3d.training import console
 from composer3d.training.trainer import Trainer, prepare_rank
 
@@ -55,6 +56,8 @@ def check_weights_source(cfg: DictConfig) -> None:
             raise ConfigError(f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
                               "step-N directory (its model weights are evaluated), or leave it out to evaluate "
                               "model.path's weights")
+        if (read_meta(Path(resume))["config"].get("peft") or {}).get("method") == "qlora":
+            raise ConfigError(QLORA_NOT_RESUMABLE.format(key="checkpoint.resume", path=resume))
         return
     if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
         raise ConfigError(f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "

@@ -130,6 +130,9 @@ def test_qlora_stores_the_base_in_nf4_and_follows_one_process_under_fsdp(tmp_pat
         frozen = info["num_params"]  # every parameter of the base is frozen (no modules_to_save)
         bf16 = 2 * frozen / ranks
         assert info["frozen_param_bytes_per_rank"] <= 0.35 * bf16, (info["frozen_param_bytes_per_rank"], bf16)
+    # Its checkpoint cannot be loaded back (DCP restores no NF4 tensor): refused before any worker, not a crash
+    again = train(tmp_path / "qlora", *FAST, *QLORA, "train.steps=6", check=False)
+    assert again.returncode == 2 and "is a QLoRA (peft=qlora) checkpoint" in again.output, again.output[-3000:]
 
 
 def test_lora_math_matches_plain_pytorch_for_a_step():

@@ -29,7 +29,7 @@ from composer3d.data import check_prepared, check_same_corpus, check_sources, ev
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.parallel.peft import check_init_from, check_targets
+from composer3d.parallel.peft import QLORA_NOT_RESUMABLE, check_init_from, check_targets
 
 log = logging.getLogger("composer3d")
 
@@ -51,6 +51,8 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
     if (Path(cfg.run.dir) / "metrics.jsonl").is_file():  # what a resume continues: readable, or refused now
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
+    if cfg.peft.method == "qlora" and resumes_from is not None:
+        raise ConfigError(QLORA_NOT_RESUMABLE.format(key="checkpoint.resume", path=resumes_from))
     if cfg.peft.method != "none":  # the linears the patterns name, on the model (on meta)
         check_targets(build_model(cfg.model), cfg.peft, degrees["dp_shard"] * degrees["cp"])
         if cfg.peft.init_from and resumes_from is None:  # a checkpoint's adapters would replace them
