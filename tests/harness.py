@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -44,6 +45,9 @@ class RunResult:
 
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
+# Where the composer3d these tests import lives: the checkout under an editable install, site-packages under a wheel
+# (whose mapped conf/ the checkout's own tree lacks).
+PACKAGE_ROOT = Path(importlib.util.find_spec("composer3d").origin).parents[1]
 
 
 def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
@@ -96,8 +100,8 @@ def _child_env(env: dict | None, faults: dict | None) -> dict:
     if faults:
         child_env.update(faults)
         # The hooks import composer3d at interpreter start-up, before `python -m` puts the working directory on
-        # sys.path: name this checkout's package first, so the hooks patch the code the run executes.
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), str(FAULT_INJECTION.parents[1]),
+        # sys.path: name the tests' own composer3d first, so the hooks patch the code the run executes.
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), str(PACKAGE_ROOT),
                                                                 child_env.get("PYTHONPATH")]))
     return child_env
 

@@ -235,7 +235,15 @@ def test_offload_lowers_device_memory_held_between_forward_and_backward():
         return kept, [inp.grad, *(p.grad for p in model.parameters())], offload
 
     plain, reference, _ = held(False)
+    _, rerun, _ = held(False)
     offloaded, grads, offload = held(True)
     assert offload.counters.bytes_offloaded > 0.8 * plain, (offload.counters, plain)
     assert offloaded < 0.4 * plain, (offloaded, plain)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-5) for a, b in zip(reference, grads))
+    # An accelerator's attention backward is not bit-reproducible (atomic adds): the gradients must differ from the
+    # plain run's by no more than a second plain run does (a wrong tensor restored would be off by its whole size).
+    def relative(a, b):
+        return (a - b).abs().max().item() / b.abs().max().item()
+
+    noise = max(relative(again, ref) for again, ref in zip(rerun, reference))
+    assert noise < 1e-3, noise
+    assert all(relative(got, ref) <= 4 * noise + 1e-6 for got, ref in zip(grads, reference)), noise
