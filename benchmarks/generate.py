@@ -1,14 +1,16 @@
 """Generation speed with the KV cache against recomputing the whole sequence per token, side by side.
 
     python benchmarks/generate.py [--shape cpu|400m] [--device auto|cpu|cuda|…] [--new-tokens 128] [--prompt 32]
-                                  [--batch 1] [--json]
+                                  [--batch 1] [--no-compile] [--json]
 
 Builds the native model of ``--shape`` (random weights) on the device — bf16 compute on an accelerator, fp32 on
-the CPU, as ``precision.param_dtype=auto`` — and generates greedily from the same random prompt twice through
-``composer3d.generation``: ``generate.cache=none`` (the whole sequence through the model each step) and the static
-KV cache (the prompt once, then a token a step). Each path runs once untimed (warm-up), then timed; every step
-reads its token back to the host, as composer3d-generate does, so the time is the device's. Prints tokens/s of
-each path, their ratio, and whether they generated the same tokens.
+the CPU, as ``precision.param_dtype=auto`` — and generates greedily from the same random prompt through
+``composer3d.generation`` three ways: ``generate.cache=none`` (the whole sequence through the model each step),
+the static KV cache (the prompt once, then a token a step), and that cache with compiled steps
+(``generate.compile``: CUDA graphs on a GPU). Each path runs once untimed (warm-up; the compiled one with the
+timed run's shapes, so the timed run replays the graph it compiled), then timed; every step reads its token back
+to the host, as composer3d-generate does, so the time is the device's. Prints tokens/s of each path, their ratios,
+and whether they generated the same tokens.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ SHAPES = {
 }
 
 
-def timed(model, prompt: list[int], cache: str, new_tokens: int, batch: int, device, dtype) -> tuple[float, list]:
-    settings = GenerateConfig(max_new_tokens=new_tokens, stop_at_eos=False, cache=cache)
+def timed(model, prompt: list[int], cache: str, new_tokens: int, batch: int, device, dtype,
+          compile: bool = False) -> tuple[float, list]:
+    settings = GenerateConfig(max_new_tokens=new_tokens, stop_at_eos=False, cache=cache, compile=compile)
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        warm = GenerateConfig(max_new_tokens=4, stop_at_eos=False, cache=cache)
+        # compiled: the warm-up has the timed run's shapes, so its graphs (and cache) are the ones replayed
+        warm = settings if compile else GenerateConfig(max_new_tokens=4, stop_at_eos=False, cache=cache)
         generate(model, [prompt] * batch, warm, None, str, device)
         started = time.perf_counter()
         results = generate(model, [prompt] * batch, settings, None, str, device)
@@ -50,6 +54,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--batch", type=int, default=1, help="copies of the prompt generated as one batch")
+    parser.add_argument("--no-compile", action="store_true", help="leave out the compiled steps (no compiler wait)")
     parser.add_argument("--json", action="store_true", help="one JSON line instead of the table")
     args = parser.parse_args()
     device = resolve_device(args.device)
@@ -61,10 +66,13 @@ def main() -> None:
     prompt = torch.randint(cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     recompute, recompute_ids = timed(model, prompt, "none", args.new_tokens, args.batch, device, dtype)
     cached, cached_ids = timed(model, prompt, "static", args.new_tokens, args.batch, device, dtype)
+    compiled, compiled_ids = ((float("nan"), cached_ids) if args.no_compile else
+                              timed(model, prompt, "static", args.new_tokens, args.batch, device, dtype, compile=True))
     result = {"device": str(device), "shape": args.shape, "params": count_params(model), "dtype": str(dtype),
               "prompt": args.prompt, "new_tokens": args.new_tokens, "batch": args.batch,
               "recompute_tokens_per_s": recompute, "cached_tokens_per_s": cached, "ratio": cached / recompute,
-              "same_tokens": cached_ids == recompute_ids}
+              "compiled_tokens_per_s": compiled, "compiled_ratio": compiled / recompute,
+              "same_tokens": cached_ids == recompute_ids, "compiled_same_tokens": compiled_ids == cached_ids}
     if args.json:
         print(json.dumps(result))
         return
@@ -73,7 +81,10 @@ def main() -> None:
     print(f"{'path':<28}{'tokens/s':>12}")
     print(f"{'recompute (cache=none)':<28}{recompute:>12.1f}")
     print(f"{'KV cache (cache=static)':<28}{cached:>12.1f}")
+    print(f"{'KV cache, compiled steps':<28}{compiled:>12.1f}")
     print(f"cached / recompute: {result['ratio']:.1f}x; same tokens: {result['same_tokens']}")
+    print(f"compiled / recompute: {result['compiled_ratio']:.1f}x; same tokens as the eager cache: "
+          f"{result['compiled_same_tokens']}")
 
 
 if __name__ == "__main__":

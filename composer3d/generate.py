@@ -93,6 +93,10 @@ def check_generation(cfg: DictConfig, degrees: dict, prompts: list[list[int]]) -
     if others:
         raise ConfigError(f"parallel: composer3d-generate runs on one process or under tensor parallel alone, and "
                           f"this layout has {others}. Use launch.nproc_per_node=N parallel.tp=N (N = 1 for one process)")
+    if cfg.generate.compile and (degrees.get("tp", 1) > 1 or cfg.model.moe.experts > 0):
+        raise ConfigError("generate.compile: compiled decoding is built and tested for a dense model on one process "
+                          "(routed experts have data-dependent shapes; tensor parallel is untested). Use "
+                          "generate.compile=false")
     if not all(prompts):
         key = "generate.prompts" if cfg.generate.prompts else "generate.prompt"
         raise ConfigError(f"{key}: empty (no tokens to continue). Give the text to continue, e.g. "

@@ -139,6 +139,19 @@ def test_native_kv_cache_is_static_written_in_place_and_exact(tiny_native):
             torch.testing.assert_close(step[row], alone[-1], rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_decode_steps_are_one_graph_and_decode_as_eager(tiny_native):
+    """generate.compile: every one-token step after the prompt runs one compiled graph (the shapes never change:
+    attention reads the whole cache), in this generation and the next of the same shape, and the tokens are the
+    eager cache's."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run_native(tiny_native, PROMPTS, compile=True)
+    again = run_native(tiny_native, PROMPTS, compile=True)  # the same shapes: the graph (and its cache) reused
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
+    assert [g.completion_ids for g in again] == [g.completion_ids for g in compiled]
+    assert [g.completion_ids for g in compiled] == [g.completion_ids for g in run_native(tiny_native, PROMPTS)]
+
+
 def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_native):
     greedy = [g.completion_ids for g in run_native(tiny_native, PROMPTS)]
     top1 = [g.completion_ids for g in run_native(tiny_native, PROMPTS, temperature=1.0, top_k=1, seed=5)]
@@ -257,6 +270,7 @@ def test_hf_model_under_tensor_parallel_generates_what_transformers_generates(tm
     (1, ["generate.max_new_tokens=2000"], "generate.max_new_tokens"),  # past model.max_seq_len (1024)
     (1, ["generate.chat=true"], "generate.chat"),  # the byte-level tokenizer has no chat template
     (2, ["parallel.tp=2", "generate.cache=dynamic"], "generate.cache"),  # the native model's cache is static
+    (2, ["parallel.tp=2", "generate.compile=true"], "generate.compile"),  # compiled decoding: one process
 ])
 def test_refusals_before_any_worker_starts(native_run, nproc, overrides, key):
     step, _ = native_run

@@ -60,7 +60,7 @@ def generate(model: torch.nn.Module, prompts: list[list[int]], settings, eos_id:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)  # padding's id is never read
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     decoder = (Recompute(model) if settings.cache == "none"
-               else model.decoder(width + settings.max_new_tokens, settings.cache))
+               else model.decoder(width + settings.max_new_tokens, settings.cache, settings.compile))
     generator = torch.Generator().manual_seed(settings.seed)
     completions: list[list[int]] = [[] for _ in prompts]
     finish: list[str | None] = [None] * batch

@@ -67,6 +67,9 @@ def _check_generate(g: Any, model_name: str) -> None:
              f"Choose one of {GENERATE_CACHES}")
     _require(g.cache != "dynamic" or model_name == "hf", "generate.cache",
              f"the native model ({model_name}) has a static KV cache only", "Use generate.cache=static (or none)")
+    _require(not g.compile or (g.cache == "static" and model_name != "hf"), "generate.compile",
+             f"compiles the native model's static-cache decode steps, not model={model_name} with "
+             f"generate.cache={g.cache}", "Use generate.compile=false (or the native model with generate.cache=static)")
     _require(g.output in ("text", "json"), "generate.output", f"unknown output {g.output!r}", "Choose text or json")
 
 

@@ -218,9 +218,10 @@ class HFCausalLM(nn.Module):
         h = self.tok_embeddings(x)
         return h if self._embedding_multiplier is None else h * self._embedding_multiplier
 
-    def decoder(self, max_len: int, cache: str):
+    def decoder(self, max_len: int, cache: str, compiled: bool = False):
         """Generation's cached forward over at most ``max_len`` tokens a row, in transformers' ``cache`` class
-        (static: StaticCache; dynamic: DynamicCache)."""
+        (static: StaticCache; dynamic: DynamicCache). Never compiled here (the config checks refuse
+        generate.compile for model=hf)."""
         from composer3d.models.hf.generation import HFDecoder
 
         return HFDecoder(self, max_len, cache)

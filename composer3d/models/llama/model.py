@@ -145,10 +145,10 @@ class Llama(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.output(self.norm(h))
 
-    def decoder(self, max_len: int, cache: str) -> LlamaDecoder:
+    def decoder(self, max_len: int, cache: str, compiled: bool = False) -> LlamaDecoder:
         """Generation's cached forward over at most ``max_len`` tokens a row: a static KV cache (the only
-        ``cache`` kind the native model has; the config checks refuse others)."""
-        return LlamaDecoder(self, max_len)
+        ``cache`` kind the native model has; the config checks refuse others); ``compiled``: generate.compile."""
+        return LlamaDecoder(self, max_len, compiled)
 
     def linear_head(self) -> tuple[nn.Module, torch.Tensor]:
         return self.norm, self.output.weight
