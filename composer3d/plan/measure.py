@@ -33,7 +33,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.training.metrics import model_state_bytes
 from composer3d.training.trainer import Trainer, prepare_rank
 
 
@@ -84,7 +83,7 @@ def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement
         with tracker:
             trainer.train_step()
         peak = int(max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
-        state = model_state_bytes(trainer.model, trainer.optimizer)
+        state = trainer.model_state_bytes()
         trainer.zero_grad()
         times = []
         for _ in range(max(steps - 1, 1)):
