@@ -21,6 +21,8 @@ gives it and what is left idle is the schedule's bubble and the sends it waits o
 between steps, as training does (``train.gc_every``): an automatic collection inside a chunk stalls one rank for
 0.1–0.2 s.
 The model state (parameters, gradients, optimizer state) is composer3d's own (``Trainer.model_state_bytes``).
+A pipeline's stages also record what torch inferred they exchange (by messages at the first step) beside what
+``parallel.pipeline.stage_boundary`` says from the config (plan.measure builds its stages with it).
 """
 
 from __future__ import annotations
@@ -112,6 +114,26 @@ def _stage_timer(trainer, busy: list[float], schedule_time: list[float], pad_s: 
         stage.backward_weight_one_chunk = _timed(stage.backward_weight_one_chunk, busy, pad_s)
 
 
+def _meta(tensor) -> list:
+    return [list(tensor.shape), str(tensor.dtype), tensor.requires_grad]
+
+
+def stage_shapes(trainer) -> dict[str, dict]:
+    """Per stage of ``trainer``'s pipeline: its input and (but the last's, which stays on the rank) output as torch
+    inferred them, and as ``stage_boundary`` gives them."""
+    from composer3d.parallel.pipeline import stage_boundary
+
+    boundary = stage_boundary(trainer.cfg, trainer.mesh, trainer.accumulation_steps)
+    shapes = {}
+    for stage in getattr(trainer.pipeline, "_stages", None) or [trainer.pipeline._stage]:
+        given = boundary.stage_args(stage.submod.plan)
+        inferred = (stage._stage_meta.inputs[0], stage._stage_meta.outputs[0])
+        sent = 1 if stage.is_last else 2
+        shapes[str(stage.stage_index)] = {"inferred": [_meta(t) for t in inferred[:sent]],
+                                          "boundary": [_meta(t) for t in given[:sent]]}
+    return shapes
+
+
 def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, timed_steps: int, pad_s: float,
                     store: str) -> None:
     """Worker of ``mp.spawn``: each job (overrides) trained for two steps (the first creates the optimizer state);
@@ -158,6 +180,8 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                         result["peak_bytes"] = int(max(stats["Total"] for stats in
                                                        tracker.get_tracker_snapshot("peak").values()))
                         result["model_state_bytes"] = trainer.model_state_bytes()
+                        if trainer.pipeline is not None:
+                            result["stage_shapes"] = stage_shapes(trainer)
                     else:
                         trainer.train_step()
                     if step >= 2:

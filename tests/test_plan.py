@@ -414,17 +414,24 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
             validate(trial, 1)
 
 
+def _measure(*overrides: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "composer3d.plan.cli", *overrides, "cluster.device=cpu",
+                             "plan.measure=true", "plan.measure_steps=1", "plan.format=json"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _measured(proc: subprocess.Popen) -> dict:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def test_one_rank_of_an_8_rank_layout_measured_here_with_a_fake_process_group():
     """plan.measure runs rank 5 of FSDP 2 × cp 2 × TP 2 + SP alone (torch's fake backend: collectives complete without
     the other 7 ranks) with the real shapes, and its peak and model-state bytes meet the planner's for that rank
     (the bars the real multi-process measurements above are held to)."""
     layout = [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
-    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *layout, "cluster.device=cpu",
-                           "cluster.gpus_per_node=8", "plan.measure=true", "plan.measure_rank=5", "plan.measure_steps=1",
-                           "plan.format=json"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = _measured(_measure(*layout, "cluster.gpus_per_node=8", "plan.measure_rank=5"))
     measured, predicted = result["measured"], result["predicted"]
     assert (measured["rank"], measured["world_size"], result["layout"]) == (5, 8, "dp2 cp2:ring tp2+sp z3 mb2 ac:none")
     assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
@@ -432,8 +439,52 @@ def test_one_rank_of_an_8_rank_layout_measured_here_with_a_fake_process_group():
     assert measured["step_s"] and all(t > 0 for t in measured["step_s"])
 
 
-def test_measuring_a_pipeline_is_refused_naming_the_key():
-    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *MODEL, *PP_BATCH, "parallel.pp=2",
-                           "cluster.device=cpu", "cluster.gpus_per_node=2", "plan.measure=true"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "plan.measure: a pipeline's stages exchange" in proc.stderr, proc.stderr[-2000:]
+def test_a_pipeline_rank_of_an_8_rank_layout_measured_here_runs_its_part_of_the_schedule():
+    """FSDP 2 × TP 2 + SP × pp 2 under 1F1B (4 micro-batches a pipeline): rank 0 (the first stage) and rank 7 (the
+    last) each run alone, their stages built with the shapes they exchange (no other stage to ask), their sends and
+    receives the fake group's. Each meets the planner's peak and model state for its stage, and the first stage's
+    peak is the higher: 1F1B keeps pp micro-batches' activations in flight there, one on the last stage."""
+    layout = [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=2",
+              "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=1f1b", "cluster.gpus_per_node=8"]
+    first, last = (_measured(proc) for proc in [_measure(*layout, f"plan.measure_rank={rank}") for rank in (0, 7)])
+    for rank, pp_rank, result in ((0, 0, first), (7, 1, last)):
+        measured, predicted = result["measured"], result["predicted"]
+        assert (measured["rank"], measured["pp_rank"], result["layout"]) == (rank, pp_rank,
+                                                                             "pp2 dp2 tp2+sp z3 1f1b/v1/M4 mb1 ac:none")
+        assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
+        assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
+    assert first["measured"]["peak_bytes"] > 1.1 * last["measured"]["peak_bytes"], (first, last)
+    assert first["predicted"]["peak_bytes"] > last["predicted"]["peak_bytes"]
+
+
+def test_a_measured_pipeline_stage_sends_what_its_boundary_says_in_bf16():
+    """In bf16 the residual stream a first stage sends is bf16 under FSDP's mixed precision and fp32 under autocast
+    (ZeRO-1: no FSDP); the measured stage checks each micro-batch it sends against the boundary it was built with
+    (``stage_boundary``) and fails the step on a mismatch, so these runs finishing is that check passing. The model
+    state meets the planner's under both (ZeRO-1's gradient buckets counted: without them it measured 57%)."""
+    layout = [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2",
+              "precision.param_dtype=bfloat16", "cluster.gpus_per_node=4"]
+    runs = [_measure(*layout, data_parallel) for data_parallel in ("parallel.dp_shard=2", "parallel.zero_stage=1")]
+    for result, zero_stage in zip(map(_measured, runs), ("z3", "z1")):
+        assert result["layout"] == f"pp2 dp2 tp1 {zero_stage} 1f1b/v1/M4 mb1 ac:none", result
+        assert result["measured"]["pp_rank"] == 0 and result["measured"]["peak_bytes"] > 0, result
+        assert _rel(result["measured"]["model_state_bytes"], result["predicted"]["model_state_bytes"]) < 0.02, result
+
+
+def test_pipeline_stages_given_their_boundary_match_what_torch_infers(measured):
+    """plan.measure builds a pipeline's stages with the shapes they exchange (``parallel.pipeline.stage_boundary``,
+    from the config); in the real runs above torch inferred them by messages at the first step: every stage's input
+    and sent output are the same shape, dtype and gradient flag (1F1B, GPipe, TP + SP, DDP, FSDP with a tied
+    embedding, pp=4, MoE with expert parallel)."""
+    pipelines = {name: ranks for name, (ranks, _) in measured.items() if "stage_shapes" in ranks[0]}
+    assert len(pipelines) == 8, sorted(pipelines)
+    bad = [(name, rank, index, shapes) for name, ranks in pipelines.items() for rank, r in enumerate(ranks)
+           for index, shapes in r["stage_shapes"].items() if shapes["inferred"] != shapes["boundary"]]
+    assert not bad, bad
+
+
+def test_measuring_a_zero_bubble_pipeline_is_refused_naming_the_key():
+    proc = _plan(*MODEL, *PP_BATCH, "parallel.pp=2", "parallel.pp_schedule=zbv", "cluster.device=cpu",
+                 "cluster.gpus_per_node=2", "plan.measure=true")
+    assert proc.returncode == 2 and "parallel.pp_schedule" in proc.stderr and "zbv" in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 
-from composer3d.models.moe import routing_unrecorded
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from composer3d.dtypes import DTYPES
+from composer3d.models.moe import routing_unrecorded
+from composer3d.parallel.fsdp import shards_or_replicates
 
 # composer3d name → torch's schedule name
 SCHEDULES = {
@@ -167,11 +171,85 @@ class _Stage(PipelineStage):
             return super()._forward_metadata_inference(*args, **kwargs)
 
 
+@dataclass(frozen=True)
+class StageBoundary:
+    """What one micro-batch carries between stages, known from the config before any stage runs: ``rows`` of
+    ``tokens`` each (this rank's share of the sequence under context parallel; sequence parallel leaves a later
+    stage ``1/sequence_shards`` of them), the residual stream ``dim`` wide in ``dtype``; the last stage's logits hold
+    ``vocab`` columns (this rank's share under TP) in ``logits_dtype``."""
+
+    rows: int
+    tokens: int
+    sequence_shards: int
+    dim: int
+    vocab: int
+    dtype: torch.dtype
+    logits_dtype: torch.dtype
+
+    def stage_args(self, plan: StagePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stage's example input and output (meta tensors: shapes, dtypes and whether a gradient flows back, which
+        is what torch derives the gradients' buffers from)."""
+        hidden = torch.empty(self.rows, self.tokens // self.sequence_shards, self.dim, dtype=self.dtype, device="meta",
+                             requires_grad=True)
+        tokens = torch.empty(self.rows, self.tokens, dtype=torch.long, device="meta")
+        logits = torch.empty(self.rows, self.tokens, self.vocab, dtype=self.logits_dtype, device="meta",
+                             requires_grad=True)
+        return (tokens if plan.is_first else hidden), (logits if plan.is_last else hidden)
+
+
+def stage_boundary(cfg, mesh, microbatches: int) -> StageBoundary:
+    """``StageBoundary`` of a TrainConfig's pipeline on ``mesh`` at ``microbatches`` a step."""
+    t, p, layout = cfg.train, cfg.parallel, mesh.layout
+    compute = DTYPES[cfg.precision.param_dtype]
+    # FSDP's mixed precision casts each stage's input to the compute dtype; autocast (no FSDP) keeps the residual
+    # stream in the parameters' fp32, casting only inside matmuls (parallelize chooses between them so)
+    fsdp = shards_or_replicates(mesh, p.offload == "cpu", p.zero_stage)
+    return StageBoundary(rows=t.global_batch_size // (layout.dp * microbatches), tokens=t.seq_len // layout.cp,
+                         sequence_shards=layout.tp if p.sequence_parallel else 1, dim=cfg.model.dim,
+                         vocab=math.ceil(cfg.model.vocab_size / layout.tp), dtype=compute if fsdp else torch.float32,
+                         logits_dtype=compute)
+
+
+class _StaticStage(_Stage):
+    """A stage built with its boundary's shapes (``StageBoundary``), as every stage of the run is.
+
+    torch (2.13) first runs a vote down the pipeline and back, a message per stage, on whether any stage must have
+    its shapes exchanged at the first step; with every stage's given, the answer is known to be no and the vote is
+    not run. Under a fake process group (plan.measure) it could not be: each receive reads zeros, a vote for the
+    exchange, which then has no other stage to answer. (A torch without the vote builds these stages static as given.)
+    """
+
+    def _warmup_forward_vote(self, has_backward: bool, received_acc=None) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+    def _warmup_backward_result(self, received_result=None) -> torch.Tensor:
+        return torch.ones(1, dtype=torch.int32, device=self.device)
+
+
+def _check_sent(stage: StageModule, args, output: torch.Tensor, expected: torch.Tensor) -> None:
+    """What a stage built with its boundary's shapes sends is what it said it would (the next stage receives into
+    buffers of that shape): a wrong boundary fails the step instead of skewing the receiving stage's memory."""
+    if (output.shape, output.dtype) != (expected.shape, expected.dtype):
+        raise RuntimeError(f"pipeline stage {stage.plan.index} sends {tuple(output.shape)} {output.dtype}, but its "
+                           f"boundary says {tuple(expected.shape)} {expected.dtype} (pipeline.stage_boundary)")
+
+
 def build_schedule(stages: list[StageModule], schedule: str, microbatches: int, pp_group, device: torch.device,
-                   loss_fn):
-    stage_class = _Stage if hasattr(PipelineStage, "_forward_metadata_inference") else PipelineStage
-    pipeline_stages = [stage_class(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
-                       for stage in stages]
+                   loss_fn, boundary: StageBoundary | None = None):
+    """torch's ``schedule`` over this rank's ``stages``; with ``boundary``, the stages know what they send and
+    receive from the start (no exchange of shapes at the first step)."""
+    if boundary is not None:
+        pipeline_stages = []
+        for stage in stages:
+            inputs, outputs = boundary.stage_args(stage.plan)
+            if not stage.plan.is_last:
+                stage.register_forward_hook(partial(_check_sent, expected=outputs))
+            pipeline_stages.append(_StaticStage(stage, stage.plan.index, stage.plan.num_stages, device, inputs,
+                                                outputs, group=pp_group))
+    else:
+        stage_class = _Stage if hasattr(PipelineStage, "_forward_metadata_inference") else PipelineStage
+        pipeline_stages = [stage_class(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
+                           for stage in stages]
     schedule_class = get_schedule_class(SCHEDULES[schedule])
     # The loss is already divided by the global token count: gradients are summed over microbatches, not averaged.
     if issubclass(schedule_class, PipelineScheduleSingle):

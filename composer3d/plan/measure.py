@@ -5,7 +5,10 @@ group of the layout's world size whose other ranks do not exist: torch's fake ba
 once without moving data (Megatron's --fake-process-group and torchtitan's fake backend work the same way). So the
 rank allocates what it would on the cluster — its parameter, gradient and optimizer shards, the buffers FSDP
 gathers into, TP's and cp's local activations, its pipeline stages' micro-batches — and computes what it would,
-while communication takes no time. Its numbers sit beside the planner's for the same rank:
+while communication takes no time. A pipeline rank's stages are built with the shapes they exchange
+(``parallel.pipeline.stage_boundary``: there is no other stage to ask) and run the rank's part of the schedule, so
+the micro-batches 1F1B or an interleaved schedule keeps in flight there are held as on the cluster. Its numbers sit
+beside the planner's for the same rank:
 
   - peak memory: the most bytes of tensors alive at once during a step (torch's MemTracker, which counts tensors
     as the planner models them, on any device), against the planner's total for the rank's pipeline stage;
@@ -13,7 +16,9 @@ while communication takes no time. Its numbers sit beside the planner's for the 
   - compute time: the step's wall time (communication free), against the planner's compute time — comparable
     only where this device is ``cluster.device``.
 
-The values the fake collectives leave (zeros) make the loss meaningless: only sizes and times are read.
+The values the fake collectives and receives leave (zeros, or what the buffers held) make the loss meaningless:
+only sizes and times are read. The zero-bubble schedules are refused (plan/validation.py): the tracker's module hooks
+cannot follow the ``autograd.grad`` they split input from weight gradients with.
 """
 
 from __future__ import annotations
@@ -33,7 +38,6 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
 from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.training.metrics import model_state_bytes
 from composer3d.training.trainer import Trainer, prepare_rank
 
 
@@ -56,8 +60,12 @@ class RankMeasurement:
 
 
 class PeakTracker(MemTracker):
-    """MemTracker told that a module run again within a step is the next micro-batch (gradient accumulation,
-    pipeline schedules) rather than an error: only the whole rank's peak is read, which survives the reset."""
+    """MemTracker reading only the rank's peak, which it counts per tensor whatever its module hooks record.
+
+    A module run again within a step is the next micro-batch (gradient accumulation, pipeline schedules) rather
+    than an error: the per-module stats start afresh. An interleaved schedule runs another stage's forward before
+    this one's backwards: the backward hooks of a module whose stats that cleared are passed by.
+    """
 
     def _pre_fw_hook(self, module, inputs):
         try:
@@ -65,6 +73,18 @@ class PeakTracker(MemTracker):
         except NotImplementedError:
             self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
+
+    def _post_fw_hook(self, module, inputs, outputs):
+        if module in self.memory_tracking:
+            super()._post_fw_hook(module, inputs, outputs)
+
+    def _pre_bw_hook(self, module, args):
+        if module is None or module in self.memory_tracking:
+            super()._pre_bw_hook(module, args)
+
+    def _post_bw_hook(self, module, args):
+        if module is None or module in self.memory_tracking:
+            super()._post_bw_hook(module, args)
 
 
 def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement:
@@ -76,7 +96,7 @@ def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement
         torch.manual_seed(cfg.train.seed)
         sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
         mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        trainer = Trainer(cfg, mesh, device, sequences)
+        trainer = Trainer(cfg, mesh, device, sequences, static_pipeline=True)
         trainer.train_step()
         trainer.zero_grad()
         tracker = PeakTracker()
@@ -84,7 +104,7 @@ def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement
         with tracker:
             trainer.train_step()
         peak = int(max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
-        state = model_state_bytes(trainer.model, trainer.optimizer)
+        state = trainer.model_state_bytes()
         trainer.zero_grad()
         times = []
         for _ in range(max(steps - 1, 1)):

@@ -103,7 +103,7 @@ def measured(result: dict) -> str:
     """plan.measure's rank beside the prediction for it."""
     m, p, r = result["measured"], result["predicted"], result["ratio"]
     return "\n".join([
-        f"layout: {result['layout']}; rank {m['rank']} of {m['world_size']} (pipeline stage {m['pp_rank']}) run on "
+        f"layout: {result['layout']}; rank {m['rank']} of {m['world_size']} (pp rank {m['pp_rank']}) run on "
         f"{m['device']} with a fake process group (collectives free)",
         f"  {'':<18}{'measured':>14}{'predicted':>14}{'ratio':>8}",
         f"  {'peak memory':<18}{_gib(m['peak_bytes']):>14}{_gib(p['peak_bytes']):>14}{r['peak_bytes']:>8.2f}",

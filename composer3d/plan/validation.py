@@ -7,6 +7,7 @@ from typing import Any
 
 from composer3d.config.checks import _check_known_keys, _check_model, _require
 from composer3d.plan.hardware import DEVICES
+from composer3d.plan.layouts import ZERO_BUBBLE
 
 
 def validate_plan(cfg: Any) -> None:
@@ -30,10 +31,12 @@ def validate_plan(cfg: Any) -> None:
     world = c.nodes * c.gpus_per_node
     _require(0 <= p.measure_rank < world, "plan.measure_rank", f"must name a rank of the {world} (cluster.nodes × "
              f"cluster.gpus_per_node), got {p.measure_rank}", f"Use 0 to {world - 1}")
-    _require(not (p.measure and cfg.parallel.pp > 1), "plan.measure", "a pipeline's stages exchange their "
-             "activations' shapes by message at the first step, which a fake process group cannot carry (there is "
-             "no other stage to answer)", "Measure the layout's stage without the pipeline: parallel.pp=1 with the "
-             "same model.n_layers / pp layers, and the other parallel.* keys as they are")
+    schedule = cfg.parallel.pp_schedule
+    _require(not (p.measure and cfg.parallel.pp > 1 and schedule in ZERO_BUBBLE), "parallel.pp_schedule",
+             f"plan.measure cannot run {schedule}: torch's MemTracker follows the backward by hooks on each module's "
+             "inputs, which the autograd.grad call a zero-bubble schedule splits input from weight gradients with "
+             "rejects for a stage's received activations (torch 2.13)", "Measure the layout under "
+             "parallel.pp_schedule=interleaved_1f1b (two stages a rank, as zbv and dualpipev place them) or 1f1b")
     _require(p.measure_steps >= 1, "plan.measure_steps", f"must be >= 1, got {p.measure_steps}", "Use e.g. 3")
     _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
              "Use e.g. 0.9")

@@ -32,7 +32,7 @@ from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.layout import ParallelMesh
 from composer3d.parallel.context import ContextParallel
-from composer3d.parallel.pipeline import build_schedule
+from composer3d.parallel.pipeline import build_schedule, stage_boundary
 from composer3d.parallel.tied import (
     optimizer_from_checkpoint_names,
     optimizer_to_checkpoint_names,
@@ -57,9 +57,10 @@ log = logging.getLogger("composer3d")
 
 class Trainer:
     def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: PackedSequences | None,
-                 eval_windows: torch.Tensor | None = None, from_checkpoint: bool = False):
+                 eval_windows: torch.Tensor | None = None, from_checkpoint: bool = False, static_pipeline: bool = False):
         """``sequences``: the training data (None: evaluation only); ``eval_windows``: for train.eval_every;
-        ``from_checkpoint``: the weights will be loaded from a checkpoint (``build_parallel_model``)."""
+        ``from_checkpoint``: the weights will be loaded from a checkpoint (``build_parallel_model``);
+        ``static_pipeline``: pipeline stages built with the shapes they exchange (plan.measure: no other stage)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         t, p = cfg.train, cfg.parallel
         built = build_parallel_model(cfg, mesh, device, from_checkpoint)
@@ -93,8 +94,9 @@ class Trainer:
                                             device)
         self.pipeline = None
         if stages:
+            boundary = stage_boundary(cfg, mesh, self.accumulation_steps) if static_pipeline else None
             self.pipeline = build_schedule(stages, p.pp_schedule, self.accumulation_steps, mesh["pp"].get_group(),
-                                           device, self._loss)
+                                           device, self._loss, boundary)
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg, self.model, mesh, device)
