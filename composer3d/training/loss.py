@@ -8,8 +8,8 @@ logits (kept in their own dtype, bf16 in mixed precision) and the per-row log-su
 ``softmax - one_hot`` and needs nothing else. Under tensor parallel the logits are sharded on the vocabulary
 (the head's output, a DTensor ``Shard(-1)``); each chunk's max, sum of exponentials and target logit are then
 completed with one all-reduce each over the tensor-parallel group, as ``loss_parallel`` does, and no rank ever
-holds the full vocabulary. With ``compile.enabled`` the per-chunk math runs as torch.compile'd kernels, fused so that
-each reads the chunk once instead of passing fp32 temporaries through memory.
+holds the full vocabulary. With ``compile.enabled``, and on an accelerator always, the per-chunk math runs as
+torch.compile'd kernels, fused so that each reads the chunk once instead of passing fp32 temporaries through memory.
 """
 
 from __future__ import annotations

@@ -62,6 +62,9 @@ class Trainer:
         ``from_checkpoint``: the weights will be loaded from a checkpoint (``build_parallel_model``);
         ``static_pipeline``: pipeline stages built with the shapes they exchange (plan.measure: no other stage)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
+        # The loss's chunk kernels, compiled on an accelerator even in an eager run: one fused pass over each chunk
+        # of logits instead of several (on an H200, 1B head: chunked 38.9 ms eager, 22.8 compiled, log-softmax 30.8)
+        self._compiled_loss = cfg.compile.enabled or distributed.is_accelerator(device)
         t, p = cfg.train, cfg.parallel
         built = build_parallel_model(cfg, mesh, device, from_checkpoint)
         self.model, self.num_params, stages = built.model, built.num_params, built.stages
@@ -120,7 +123,7 @@ class Trainer:
         return self._normalized(self._loss_sum(logits, targets))
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, targets, compiled=self.cfg.compile.enabled)
+        return cross_entropy_sum(logits, targets, compiled=self._compiled_loss)
 
     def _normalized(self, loss: torch.Tensor) -> torch.Tensor:
         if self.evaluating:
@@ -143,10 +146,9 @@ class Trainer:
 
     def _fused_head_loss(self, h: torch.Tensor, logits_fn, targets: torch.Tensor) -> torch.Tensor:
         """The head and summed loss fused (train.loss_impl=fused), from the head's weight as the model's forward
-        holds it (FSDP's gathered one); compiled on an accelerator even without compile.enabled."""
+        holds it (FSDP's gathered one)."""
         norm, weight = self.model.linear_head()  # not None: checked with the config
-        compiled = self.cfg.compile.enabled or distributed.is_accelerator(self.device)
-        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=compiled)
+        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=self._compiled_loss)
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
