@@ -293,7 +293,7 @@ def test_plan_refuses_a_hugging_face_mixture_of_experts(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
-                                           ("plan.format=csv", "plan.format")])
+                                           ("plan.format=csv", "plan.format"), ("cluster.hbm_gbps=0", "cluster.hbm_gbps")])
 def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr
