@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from composer3d.dtypes import DTYPES
 from composer3d.plan import comm, context
+from composer3d.plan.adapters import Peft
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.host import host_fits, host_seconds
@@ -37,13 +38,14 @@ class Workload:
     memory_headroom: float
     work: Work = Work(compiled=False, float8=False)  # torch.compile, float8 GEMMs
     published_overlap: bool = False  # plan.published_overlap
+    peft: Peft | None = None  # LoRA / QLoRA: what trains (plan/adapters.py)
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
                    Work(compiled=cfg.compile.enabled, float8=cfg.precision.float8.enabled),
-                   cfg.plan.published_overlap)
+                   cfg.plan.published_overlap, Peft.from_config(cfg.peft))
 
 
 @dataclass
@@ -119,7 +121,7 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, work.optimizer) for s in sets]
+    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft) for s in sets]
     cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
             for s in sets]
     tokens_per_step = work.global_batch_size * seq
