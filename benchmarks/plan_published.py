@@ -26,8 +26,8 @@ OVERLAP = ["plan.published_overlap=true"]
 LLAMA_8B = ["model=llama3_8b", "train.seq_len=8192"]
 LLAMA_70B = ["model=llama3_70b", "train.seq_len=8192"]
 # torchtitan's H100s (both its files): Grand Teton's 96 GB HBM2e parts, 2.4 TB/s (90% of it, as the device table
-# takes of each data sheet), at a 500 W power limit
-GRAND_TETON = ["cluster.hbm_gbps=2160"]
+# takes of each data sheet), at a 500 W power limit: a dense peak "between SXM and NVL" (835-989), its middle
+GRAND_TETON = ["cluster.hbm_gbps=2160", "cluster.peak_tflops=912"]
 
 
 def _gpt(hidden: int, layers: int, heads: int, tp: int, pp: int, batch: int) -> list[str]:

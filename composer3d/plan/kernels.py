@@ -35,8 +35,8 @@ from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape, StageSet
 
 # Flash attention forward + backward, causal, head dim 128, bf16: the fraction of the dense peak its FLOPs run at.
-# FlashAttention-2 on an H100 reaches 330-400 TFLOP/s forward + backward at 8k tokens (FlashAttention-3 paper,
-# figure 5), 0.35-0.40 of 989; the value is the 1B runs' (whose attention is a third of their FLOPs at 8192).
+# FlashAttention-2 (SDPA's kernel) runs at roughly 35-40% of an H100's bf16 peak forward + backward (the
+# FlashAttention-3 paper's baselines); the value is set by the 1B runs, whose attention is a third of their FLOPs.
 ATTENTION_FRACTION = 0.38
 # HBM bytes the elementwise kernels move per byte of a block's activations (forward + backward), and per byte of
 # the logits. Eager: each op a kernel (an RMSNorm alone is five passes). Compiled: Inductor's fused kernels. From
