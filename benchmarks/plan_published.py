@@ -1,14 +1,17 @@
-"""composer3d-plan against published large-scale throughput: the README's table, regenerated.
+"""composer3d-plan against published throughput: the README's table, regenerated.
 
-    python benchmarks/plan_published.py [extra composer3d-plan overrides, e.g. cluster.achievable_fraction=0.44]
+    python benchmarks/plan_published.py [extra composer3d-plan overrides, e.g. cluster.achievable_fraction=0.75]
 
-Each row is a published H100 result (source in the README, next to the table): its model and layout are given to
-``composer3d-plan`` as they are, nothing tuned per row, and the predicted TFLOP/s per GPU is printed next to the
-published one. Where a source gives tokens/s only, its TFLOP/s is those tokens times the planner's FLOPs per token
-(6N + 6·L·H·Q·T, composer3d's convention: causal attention). Megatron-LM's TFLOP/s count the full attention matrix
-(6N + 12·L·H·Q·T): they are recounted in composer3d's convention (the same tokens/s). Megatron-LM's GPT models are Llama-shaped configs of the same
-parameters and FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h
-with two, vocabulary 131072, untied head.
+Each row is a published H100 result (source in the README, next to the table) or composer3d's own run on one H100
+(issue 29): its model and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch,
+precision incl. float8, checkpointing and its policy, eager or compiled, pipeline schedule, the overlaps the
+source turned on, the source's own GPUs where they differ from an H100 SXM), nothing tuned per row, and the
+predicted TFLOP/s per GPU is printed next to the published one. Where a source gives tokens/s only, its TFLOP/s
+is those tokens times the planner's FLOPs per token (6N + 6·L·H·Q·T, composer3d's convention: causal attention).
+Megatron-LM's TFLOP/s count the full attention matrix (6N + 12·L·H·Q·T): they are recounted in composer3d's
+convention (the same tokens/s). Megatron-LM's GPT models are Llama-shaped configs of the same parameters and
+FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h with two,
+vocabulary 131072, untied head.
 """
 
 from __future__ import annotations
@@ -17,34 +20,54 @@ import json
 import subprocess
 import sys
 
+# Megatron-LM's table and Megatron-Bridge's recipes overlap TP (--tp-comm-overlap), pipeline sends and the
+# distributed optimizer's parameter gather (--overlap-param-gather) with compute, which composer3d-train does not
+OVERLAP = ["plan.published_overlap=true"]
 LLAMA_8B = ["model=llama3_8b", "train.seq_len=8192"]
 LLAMA_70B = ["model=llama3_70b", "train.seq_len=8192"]
+# torchtitan's H100s (both its files): Grand Teton's 96 GB HBM2e parts, 2.4 TB/s (90% of it, as the device table
+# takes of each data sheet), at a 500 W power limit: a dense peak "between SXM and NVL" (835-989), its middle
+GRAND_TETON = ["cluster.hbm_gbps=2160", "cluster.peak_tflops=912"]
 
 
 def _gpt(hidden: int, layers: int, heads: int, tp: int, pp: int, batch: int) -> list[str]:
-    """Megatron-LM's model table (sequence 4096, DP 48): one micro-batch per data-parallel rank without PP, 1 with
-    (the table gives no micro-batch size), DDP for its distributed optimizer (the same bytes moved)."""
+    """Megatron-LM's model table (sequence 4096, DP 48): micro-batch 1, its distributed optimizer (ZeRO-1), its
+    fused kernels (Transformer Engine: compile.enabled stands for them), no recomputation, plain 1F1B under PP."""
     return ["model=llama3_8b", f"model.dim={hidden}", f"model.n_layers={layers}", f"model.n_heads={heads}",
             f"model.n_kv_heads={heads}", "model.vocab_size=131072",
             f"model.ffn_hidden_dim={round(8 * hidden / 3 / 64) * 64}", "train.seq_len=4096",
-            f"train.global_batch_size={batch}", f"train.micro_batch_size={batch // 48 if pp == 1 else 1}",
+            f"train.global_batch_size={batch}", "train.micro_batch_size=1", "compile.enabled=true",
             f"cluster.nodes={tp * pp * 48 // 8}", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.dp_shard=1",
-            "parallel.dp_replicate=48"] + (["parallel.sequence_parallel=true"] if tp > 1 else [])
+            "parallel.dp_replicate=48", "parallel.zero_stage=1", *OVERLAP] + (
+                ["parallel.sequence_parallel=true"] if tp > 1 else [])
+
+
+def _one_h100(compiled: bool, ac: str, *model: str) -> list[str]:
+    """composer3d's own runs on one H100 (issue 29): sequence 8192, micro-batch 1, bf16, torch 2.11."""
+    return ["model=llama3_1b", *model, "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1",
+            "cluster.nodes=1", "cluster.gpus_per_node=1", "parallel.dp_shard=1",
+            f"compile.enabled={str(compiled).lower()}", f"memory.activation_checkpointing={ac}"]
+
+
+LLAMA_3B = ["model.dim=3072", "model.n_layers=28", "model.n_heads=24", "model.ffn_hidden_dim=8192"]
+FP8 = ["precision.float8.enabled=true", "compile.enabled=true"]  # Megatron-Bridge: FP8 current scaling, TE kernels
+TITAN_SAC = ["memory.activation_checkpointing=selective", "memory.ac_policy=alternate_matmuls"]
 
 
 # (row, source, overrides, published tokens/s per GPU or None, published TFLOP/s per GPU or None)
 ROWS = [
     (1, "torchtitan Llama 3.1 8B, 8 GPUs, FSDP", [*LLAMA_8B, "train.global_batch_size=16", "train.micro_batch_size=2",
-     "cluster.nodes=1", "parallel.dp_shard=8", "memory.activation_checkpointing=selective"], 5762, None),
+     "cluster.nodes=1", "parallel.dp_shard=8", *TITAN_SAC, *GRAND_TETON], 5762, None),
     (2, "torchtitan Llama 3.1 8B, 128 GPUs, FSDP", [*LLAMA_8B, "train.global_batch_size=256",
-     "train.micro_batch_size=2", "cluster.nodes=16", "parallel.dp_shard=128", "memory.activation_checkpointing=selective"],
+     "train.micro_batch_size=2", "cluster.nodes=16", "parallel.dp_shard=128", *TITAN_SAC, *GRAND_TETON],
      5605, None),
     (3, "torchtitan Llama 3.1 8B, 64 GPUs, FSDP 8 x TP 8", [*LLAMA_8B, "train.global_batch_size=96",
      "train.micro_batch_size=12", "cluster.nodes=8", "parallel.dp_shard=8", "parallel.tp=8",
-     "parallel.sequence_parallel=true", "memory.activation_checkpointing=selective"], 4378, None),
+     "parallel.sequence_parallel=true", "compile.enabled=true", *TITAN_SAC, *GRAND_TETON], 4378, None),
     (4, "torchtitan Llama 3.1 70B, 256 GPUs, FSDP 32 x TP 8", [*LLAMA_70B, "train.global_batch_size=512",
      "train.micro_batch_size=16", "cluster.nodes=32", "parallel.dp_shard=32", "parallel.tp=8",
-     "parallel.sequence_parallel=true", "memory.activation_checkpointing=full"], 597.3, None),
+     "parallel.sequence_parallel=true", "compile.enabled=true", "memory.activation_checkpointing=full",
+     *GRAND_TETON], 597.3, None),
     *[(5 + i, f"Megatron-LM GPT {name}", _gpt(*shape), None, tflops) for i, (name, shape, tflops) in enumerate([
         ("1.7B", (2048, 24, 16, 1, 1, 192), 408.8), ("7.1B", (4096, 30, 32, 2, 1, 192), 465.9),
         ("16B", (6144, 32, 48, 4, 1, 192), 489.1), ("32B", (7168, 48, 56, 8, 1, 192), 459.6),
@@ -52,11 +75,17 @@ ROWS = [
         ("177B", (12288, 96, 96, 8, 6, 1152), 432.8), ("314B", (16384, 96, 128, 8, 8, 1536), 474.4),
         ("462B", (18432, 112, 144, 8, 16, 3072), 459.9)])],
     (14, "Megatron-Bridge Llama 3 8B, 8 GPUs, FSDP (FP8)", [*LLAMA_8B, "train.global_batch_size=128",
-     "train.micro_batch_size=1", "cluster.nodes=1", "parallel.dp_shard=8"], 14451, None),
+     "train.micro_batch_size=1", "cluster.nodes=1", "parallel.dp_shard=8", *FP8], 14451, None),
     (15, "Megatron-Bridge Llama 3 70B, 64 GPUs, TP 4 x PP 8 (v=5) (FP8)", [*LLAMA_70B, "train.global_batch_size=128",
      "train.micro_batch_size=1", "cluster.nodes=8", "parallel.dp_shard=1", "parallel.dp_replicate=2", "parallel.tp=4",
      "parallel.pp=8", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b",
-     "parallel.pp_stages_per_rank=5"], 1602, None),
+     "parallel.pp_stages_per_rank=5", "parallel.zero_stage=1", *FP8, *OVERLAP], 1602, None),
+    (16, "composer3d Llama 3.2 1B, 1 GPU, compiled", _one_h100(True, "none"), 46788, None),
+    (17, "composer3d Llama 3.2 1B, 1 GPU, compiled, selective AC", _one_h100(True, "selective"), 45750, None),
+    (18, "composer3d Llama 3.2 3B, 1 GPU, compiled, selective AC", _one_h100(True, "selective", *LLAMA_3B), 19439,
+     None),
+    (19, "composer3d Llama 3.2 1B, 1 GPU, eager, selective AC", _one_h100(False, "selective"), 27672, None),
+    (20, "composer3d Llama 3.2 1B, 1 GPU, eager", _one_h100(False, "none"), 35847, None),
 ]
 
 

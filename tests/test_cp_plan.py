@@ -61,15 +61,16 @@ def test_ring_bytes_are_the_hand_count(by_cp):
 
 def test_ring_passes_hide_behind_attention_at_long_context_not_at_short():
     """At 131k a K/V pass (128 MiB at 450 GB/s) takes far less than the attention of the block computed meanwhile,
-    so only the gradients' passes are exposed; at 4,096 tokens over cp 8 the passes outlast the blocks."""
+    so only the gradients' passes are exposed; at 2,048 tokens over cp 8 the passes outlast the blocks (at 4,096
+    they about match them: attention runs at flash attention's rate, plan/kernels.py)."""
     long, cluster = _estimate(*LONG, "parallel.dp_shard=2", "parallel.cp=4")
     grads = 4 * 32 * 4 * (2 * 8 * 128 * 32768 * 4) / cluster.intra_node_bw
     assert long.exposed_comm_s["cp"] == pytest.approx(grads, rel=1e-9)
-    short, cluster = _estimate(*LONG, "train.seq_len=4096", "parallel.dp_shard=1", "parallel.cp=8")
+    short, cluster = _estimate(*LONG, "train.seq_len=2048", "parallel.dp_shard=1", "parallel.cp=8")
     shape = Workload.from_config(_config(*LONG)).shape
-    exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 4096, cluster)
-    grads = 8 * 32 * 8 * (2 * 8 * 128 * 512 * 4) / cluster.intra_node_bw
-    assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, "the K/V passes add to the gradients' at 4,096"
+    exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster)
+    grads = 8 * 32 * 8 * (2 * 8 * 128 * 256 * 4) / cluster.intra_node_bw
+    assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, "the K/V passes add to the gradients' at 2,048"
 
 
 @pytest.mark.parametrize("style, extra", [("allgather", "all_gather"), ("ulysses", "all_to_all")])

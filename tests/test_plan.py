@@ -152,6 +152,29 @@ def test_model_state_bytes_within_2_percent(measured):
     assert not bad, f"model state off by more than 2% (layout, predicted, measured, error): {bad}"
 
 
+# LoRA / QLoRA on a model whose linears dominate (2 layers of 512, MLP 4096: every targeted weight whole NF4
+# blocks), the head trained whole beside the adapters; one process.
+PEFT_MODEL = ["model=tiny", "model.dim=512", "model.ffn_hidden_dim=4096", "model.n_heads=8", "model.n_kv_heads=4",
+              *RUN, *BATCH, "parallel.dp_shard=1"]
+PEFT_JOBS = {"lora": [*PEFT_MODEL, "peft=lora", "peft.modules_to_save=[output]"],
+             "qlora": [*PEFT_MODEL, "peft=qlora", "peft.modules_to_save=[output]"]}
+
+
+def test_peft_model_state_is_the_trainable_parameters_and_the_frozen_bytes(tmp_path):
+    """A frozen parameter has no gradient and no optimizer state, QLoRA's base is NF4 (half a byte a value and
+    its scales): the planner's model-state bytes for LoRA and QLoRA against the real model's after a step (sum of
+    its parameters', gradients' and optimizer state's tensor bytes) within 2%, where 16 B per parameter (the full
+    fine-tune's state, held to the real one by test_model_state_bytes_within_2_percent) is 3× (LoRA) and 10×
+    (QLoRA) more."""
+    runs = run_measurements(list(PEFT_JOBS.values()), 1, tmp_path)
+    got = {name: ranks[0]["model_state_bytes"] for name, ranks in zip(PEFT_JOBS, runs)}
+    predicted = {name: _predict(job, 1).memory.model_state for name, job in PEFT_JOBS.items()}
+    for name in PEFT_JOBS:
+        assert _rel(predicted[name], got[name]) < 0.02, (name, predicted[name], got[name])
+    full = _predict(PEFT_MODEL, 1).memory.model_state
+    assert got["lora"] < full / 3 and got["qlora"] < full / 10, (got, full)
+
+
 def test_peak_memory_within_15_percent(measured):
     rows = []
     for name, (ranks, est) in measured.items():
@@ -293,7 +316,7 @@ def test_plan_refuses_a_hugging_face_mixture_of_experts(tmp_path):
 
 
 @pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
-                                           ("plan.format=csv", "plan.format")])
+                                           ("plan.format=csv", "plan.format"), ("cluster.hbm_gbps=0", "cluster.hbm_gbps")])
 def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr

@@ -250,13 +250,14 @@ class ClusterConfig:
     peak_tflops: float | None = None  # dense peak for the compute dtype; None: composer3d.training.flops' table
     intra_node_gbps: float | None = None  # GB/s per device within a node (NVLink...); None: the table's
     inter_node_gbps: float | None = None  # GB/s per device across nodes (its network share); None: the table's
-    achievable_fraction: float = 0.6  # of peak FLOP/s a transformer step's compute reaches (one value, all layouts)
+    achievable_fraction: float = 0.8  # of the dense peak FLOP/s that large GEMMs reach (the rest: plan/kernels.py)
     # the memory options' host side: GB/s per device to and from host memory (all devices copying at once), the fp32
     # parameter GB/s the host's AdamW updates per device (parallel.offload), host memory per node; None: the table's
     host_link_gbps: float | None = None
     host_optimizer_gbps: float | None = None
     host_memory_gib: float | None = None
     disk_gbps: float | None = None  # GB/s per device to and from parallel.offload_dir's files; None: 5
+    hbm_gbps: float | None = None  # GB/s the device's memory gives its elementwise kernels; None: the table's
 
 
 @dataclass
@@ -272,6 +273,9 @@ class PlanConfig:
     measure: bool = False
     measure_rank: int = 0  # plan.measure: which rank of the cluster.nodes × cluster.gpus_per_node to run
     measure_steps: int = 3  # plan.measure: timed steps (after one warm-up step and one tracked for memory)
+    # price overlaps other stacks publish and composer3d-train does not run (to compare with their results): TP/SP
+    # collectives inside the GEMMs (async TP), pipeline sends behind compute, ZeRO-1's gather in bf16 during forward
+    published_overlap: bool = False
 
 
 @dataclass

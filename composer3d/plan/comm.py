@@ -43,6 +43,9 @@ class Collective:
     group_size: int
     bytes: float  # per step on this rank
     overlapped: bool  # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
+    # the share of the step's compute it can hide behind: the last micro-batch's backward for gradients reduced
+    # once a step (ZeRO-1's buckets, FSDP under PP), all of it for what repeats every micro-batch
+    window: float = 1.0
 
 
 def _gathered(s: tuple[int, ...], n: int) -> int:
@@ -52,6 +55,7 @@ def _gathered(s: tuple[int, ...], n: int) -> int:
 
 def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int) -> list[Collective]:
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
+    window = 2 / 3 / c.microbatches if c.pp > 1 else 1.0  # ... during its last micro-batch's backward
     out = []
     if fsdp_shards(c):
         reshard = c.zero_stage == 3 and c.pp == 1
@@ -70,16 +74,17 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
             grads = rank_sum(mine, lambda p, u: _gathered(p, shard_degree(c, u)))
             if n > 1:  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
                 out.append(Collective(dim, "all_gather", n, m * gathers * compute_bytes, True))
-                out.append(Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True))
+                out.append(Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True, window))
             if c.dp_replicate > 1:
-                out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True))
+                out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True,
+                                      window))
         return out
     if c.dp > 1:
         n = whole(units)
         if c.zero_stage == 1:
             # the gradients reduce-scattered in buckets once a step, as the backward completes each; the fp32
             # parameters all-gathered after the optimizer step (the buckets' padding: under dp elements each)
-            out.append(Collective("dp", "reduce_scatter", c.dp, n * reduce_bytes, True))
+            out.append(Collective("dp", "reduce_scatter", c.dp, n * reduce_bytes, True, 2 / 3 / c.microbatches))
             out.append(Collective("dp", "all_gather", c.dp, n * 4, False))
         else:
             out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * n * reduce_bytes, True))
@@ -158,8 +163,14 @@ def _stride(c: Candidate, dim: str) -> int:
 
 
 def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
-    """Per-GPU bandwidth of the slowest link a group of ``dim`` crosses: within a node or across nodes."""
-    return cluster.intra_node_bw if _stride(c, dim) * group_size <= cluster.gpus_per_node else cluster.inter_node_bw
+    """Per-GPU bandwidth of a group of ``dim``: NVLink within a node; across nodes, each ring crosses a node's
+    boundary once, and NCCL runs a ring (channel) per NIC, so the k members a node holds share its traffic over k
+    NICs: k times a GPU's share of the network, at most NVLink's."""
+    stride = _stride(c, dim)
+    if stride * group_size <= cluster.gpus_per_node:
+        return cluster.intra_node_bw
+    members = max(1, min(group_size, cluster.gpus_per_node // stride))
+    return min(cluster.intra_node_bw, members * cluster.inter_node_bw)
 
 
 def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:

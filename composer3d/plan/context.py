@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from composer3d.plan.comm import Collective, seconds
 from composer3d.plan.hardware import Cluster
+from composer3d.plan.kernels import ATTENTION_FRACTION
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape, StageSet
 
@@ -59,7 +60,7 @@ def attention_compute_s(shape: ModelShape, c: Candidate, seq_len: int, cluster: 
     """The forward attention (scores and weighted sum, causal: half the full matrix) of one layer and micro-batch
     on this rank."""
     flops = 2 * 2 * shape.n_heads / c.tp * shape.head_dim * seq_len * seq_len / 2 * c.micro_batch_size / c.cp
-    return flops / (cluster.peak_flops * cluster.achievable_fraction)
+    return flops / (cluster.peak_flops * ATTENTION_FRACTION)
 
 
 def exposed_seconds(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster) -> float:

@@ -1,13 +1,13 @@
 """A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put together.
 
 Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is the rank's
-model FLOPs (6·N + 6·L·H·Q·T per token, causal attention: composer3d.training.flops) over its tokens (its
-data-parallel rank's over tp and cp) plus recomputation (full checkpointing reruns each block's forward: +1/3 of
-its FLOPs), at ``cluster.achievable_fraction`` of the device's dense peak —
-one number for all layouts and models, not a fit per row. Exposed communication: TP/SP, pipeline sends and
-ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus
-the first block's gather, which nothing precedes; context parallel's traffic as plan/context.py says (the ring's
-K/V passes hide behind the attention of the block held); the memory options' host step and copies (``host``) as
+kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or compiled, recomputation, the
+optimizer step), from physical constants shared by every layout and model, nothing per row. Exposed
+communication: TP/SP, pipeline sends and ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides
+behind compute except what exceeds it, plus the first block's gather, which nothing precedes; gradients reduced
+once a step (ZeRO-1, FSDP under PP) hide behind the last micro-batch's backward only; ``plan.published_overlap``
+prices the overlaps other stacks publish; context parallel's traffic as plan/context.py says (the ring's K/V
+passes hide behind the attention of the block held); the memory options' host step and copies (``host``) as
 plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory hold it.
 """
 
@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 
 from composer3d.dtypes import DTYPES
 from composer3d.plan import comm, context
+from composer3d.plan.adapters import Peft
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.host import host_fits, host_seconds
+from composer3d.plan.kernels import Work, step_compute
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import Memory, memory
-from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
+from composer3d.plan.memory import OPTIMIZER_STATE_BYTES, Memory, memory
+from composer3d.plan.shapes import ModelShape, stage_sets
 
 
 @dataclass(frozen=True)
@@ -34,11 +36,16 @@ class Workload:
     optimizer: str
     reduce_dtype: str
     memory_headroom: float
+    work: Work = Work(compiled=False, float8=False)  # torch.compile, float8 GEMMs
+    published_overlap: bool = False  # plan.published_overlap
+    peft: Peft | None = None  # LoRA / QLoRA: what trains (plan/adapters.py)
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
-                   cfg.precision.reduce_dtype, cfg.plan.memory_headroom)
+                   cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
+                   Work(compiled=cfg.compile.enabled, float8=cfg.precision.float8.enabled),
+                   cfg.plan.published_overlap, Peft.from_config(cfg.peft))
 
 
 @dataclass
@@ -77,23 +84,35 @@ class Estimate:
         }
 
 
-def rank_flops_per_token(shape: ModelShape, stages: StageSet, seq_len: int) -> float:
-    """Model FLOPs per token of this pipeline rank's layers (and head, if it has it): its part of 6·N + 6·L·H·Q·T,
-    N the parameters a token goes through (a MoE layer's top_k experts)."""
-    attention = 6 * shape.n_heads * shape.head_dim * seq_len  # causal: half the score matrix
-    dense = 6 * shape.block_numel + attention
-    moe = 6 * shape.moe_active_numel + attention if stages.moe_layers else 0
-    head = 6 * (shape.dim + shape.vocab * shape.dim) if stages.last else 0
-    return stages.dense_layers * dense + stages.moe_layers * moe + head
-
-
-def recompute_factor(c: Candidate) -> float:
-    """Hardware FLOPs over model FLOPs for the blocks: full checkpointing reruns each forward (+1/3 of 6·N's 2+4)."""
-    if c.activation_checkpointing == "full":
-        return 4 / 3
-    if c.activation_checkpointing == "selective" and c.ac_every:
-        return 1 + 1 / (3 * c.ac_every)
-    return 1.0  # op-level selective recomputes only elementwise ops
+def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, compute: float, layers: int,
+                  published_overlap: bool) -> dict[str, float]:
+    """Seconds a rank waits for each dimension's collectives (cp's apart: plan/context.py). On the critical path
+    (TP, pipeline sends, ZeRO-1's gather) in full; those FSDP/DDP overlap share the step's compute, their excess
+    waited for (attributed to their dimensions by share) plus the first block's gather, which nothing precedes;
+    those reduced once a step hide behind their window only (the last micro-batch's backward).
+    ``published_overlap`` (plan.published_overlap): TP and pipeline traffic hide behind compute as async TP and
+    Megatron's overlapped sends do, and ZeRO-1's gather moves bf16 parameters during the first forward."""
+    out: dict[str, float] = {}
+    pool: dict[str, float] = {}
+    for col in cols:
+        if col.dim == "cp":
+            continue
+        t, window, overlapped = comm.seconds(col, c, cluster), col.window, col.overlapped
+        if published_overlap and not overlapped:
+            overlapped = True
+            if col.dim == "dp" and col.kind == "all_gather":
+                t, window = t * cluster.compute_bytes / 4, 1 / 3 / c.microbatches
+        if overlapped and window < 1:
+            out[col.dim] = out.get(col.dim, 0.0) + max(0.0, t - window * compute)
+        elif overlapped:
+            pool[col.dim] = pool.get(col.dim, 0.0) + t
+        else:
+            out[col.dim] = out.get(col.dim, 0.0) + t
+    total = sum(pool.values())
+    for dim, t in pool.items():
+        first_gather = t / max(1, 2 * layers) if dim != "tp" else 0.0  # about one block's traffic, never hidden
+        out[dim] = out.get(dim, 0.0) + max(0.0, total - compute) * t / total + first_gather
+    return out
 
 
 def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
@@ -102,29 +121,18 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, work.optimizer) for s in sets]
+    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft) for s in sets]
     cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
             for s in sets]
     tokens_per_step = work.global_batch_size * seq
-    tokens_per_rank = tokens_per_step / c.dp / c.tp / c.cp  # each TP and CP rank: its share of its dp rank's work
-    rate = cluster.peak_flops * cluster.achievable_fraction
-    compute = [rank_flops_per_token(shape, s, seq) * tokens_per_rank * recompute_factor(c) / rate for s in sets]
+    state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
+    compute = [step_compute(shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work).total
+               for s, m in zip(sets, mems)]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
     bubble = compute[busiest] * bubble_ratio(c)
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
     for i, rank_cols in enumerate(cols):
-        mine: dict[str, float] = {}
-        hidden_pool = 0.0
-        for col in rank_cols:
-            if col.dim == "cp":
-                continue  # hidden behind attention or not, per style: context.exposed_seconds
-            if col.overlapped:
-                hidden_pool += comm.seconds(col, c, cluster)
-            else:
-                mine[col.dim] = mine.get(col.dim, 0.0) + comm.seconds(col, c, cluster)
-        if hidden_pool:
-            first_gather = hidden_pool / max(1, 2 * sets[i].n_layers)  # about one block's traffic, never hidden
-            mine["dp"] = max(0.0, hidden_pool - compute[i]) + first_gather
+        mine = _exposed_comm(rank_cols, c, cluster, compute[i], sets[i].n_layers, work.published_overlap)
         if c.cp > 1:
             mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster)
         host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])

@@ -28,18 +28,23 @@ class Device:
     # alone; the node's host links are shared), and the host memory of a node (DGX-class machines).
     host_link_bw: float = 25 * GB
     host_memory_bytes: float = 2048 * GIB
+    # device memory bandwidth a large copy reaches: ~90% of the data sheet's (H100 SXM 3.35 TB/s, H200 4.8, B200 8,
+    # A100 80 GB 2.04, MI300X 5.3, L40S 0.86); the bound of the step's elementwise kernels (plan/kernels.py)
+    hbm_bw: float = 3000 * GB
 
 
 DEVICES: dict[str, Device] = {
     "h100": Device(79 * GIB, "H100", 360 * GB, 40 * GB),
-    "h200": Device(139 * GIB, "H200", 360 * GB, 40 * GB),
-    "b200": Device(178 * GIB, "B200", 720 * GB, 40 * GB, host_memory_bytes=4096 * GIB),
-    "a100": Device(79 * GIB, "A100", 230 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=1024 * GIB),
-    "mi300x": Device(190 * GIB, "MI300X", 300 * GB, 40 * GB),
-    "l40s": Device(45 * GIB, "L40S", 24 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=512 * GIB),  # PCIe
+    "h200": Device(139 * GIB, "H200", 360 * GB, 40 * GB, hbm_bw=4300 * GB),
+    "b200": Device(178 * GIB, "B200", 720 * GB, 40 * GB, host_memory_bytes=4096 * GIB, hbm_bw=7200 * GB),
+    "a100": Device(79 * GIB, "A100", 230 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=1024 * GIB,
+                   hbm_bw=1800 * GB),
+    "mi300x": Device(190 * GIB, "MI300X", 300 * GB, 40 * GB, hbm_bw=4700 * GB),
+    "l40s": Device(45 * GIB, "L40S", 24 * GB, 20 * GB, host_link_bw=12 * GB, host_memory_bytes=512 * GIB,  # PCIe
+                   hbm_bw=780 * GB),
     # The CPU (gloo): nominal rates, enough to rank layouts for a development run; memory: this host's, shared by
     # its local processes ("host" memory is the same memory: offloading moves nothing across a link).
-    "cpu": Device(0, "", 5 * GB, 1 * GB, host_link_bw=float("inf"), host_memory_bytes=0),
+    "cpu": Device(0, "", 5 * GB, 1 * GB, host_link_bw=float("inf"), host_memory_bytes=0, hbm_bw=10 * GB),
 }
 # fp32 parameter bytes a second that the host's fused AdamW updates for one GPU (parallel.offload). Measured: 500M
 # parameters in 0.17 s, their gradients' and parameters' copies included (11.7 GB/s), on the 16 host cores an H100
@@ -60,12 +65,13 @@ class Cluster:
     peak_flops: float  # dense, for the compute dtype
     intra_node_bw: float
     inter_node_bw: float
-    achievable_fraction: float  # of peak that a transformer step's compute reaches (matmuls, attention, the rest)
+    achievable_fraction: float  # of peak that large GEMMs reach (the other kernels: plan/kernels.py)
     compute_bytes: int  # bytes per element of the compute dtype (bf16 on accelerators, fp32 on the CPU)
     host_link_bw: float = float("inf")  # bytes/s per GPU between its memory and the host's
     host_optimizer_bw: float = HOST_OPTIMIZER_BW  # fp32 parameter bytes/s the host's AdamW updates per GPU
     host_memory_bytes: float = 0.0  # per node; 0: the host is the device (the CPU), nothing to check apart
     disk_bw: float = DISK_BW  # bytes/s per GPU to and from parallel.offload_dir's files
+    hbm_bw: float = 3000 * GB  # bytes/s between the device's memory and its cores
 
     @property
     def world_size(self) -> int:
@@ -101,4 +107,4 @@ def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
         host_link_bw=(c.host_link_gbps or device.host_link_bw / GB) * GB,
         host_optimizer_bw=(c.host_optimizer_gbps or HOST_OPTIMIZER_BW / GB) * GB,
         host_memory_bytes=(c.host_memory_gib * GIB if c.host_memory_gib else device.host_memory_bytes),
-        disk_bw=(c.disk_gbps or DISK_BW / GB) * GB)
+        disk_bw=(c.disk_gbps or DISK_BW / GB) * GB, hbm_bw=(c.hbm_gbps or device.hbm_bw / GB) * GB)

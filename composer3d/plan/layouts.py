@@ -37,6 +37,7 @@ class Candidate:
     microbatches: int  # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
     activation_checkpointing: str
     ac_every: int = 0
+    ac_policy: str = "all_matmuls"  # memory.ac_policy: what op-level selective checkpointing saves
     offload: str = "none"
     offload_dir: bool = False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
     activation_offload: bool = False
@@ -71,6 +72,8 @@ class Candidate:
                f"parallel.zero_stage={self.zero_stage}",
                f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        if self.activation_checkpointing == "selective" and self.ac_policy != "all_matmuls":
+            out.append(f"memory.ac_policy={self.ac_policy}")
         if self.cp > 1:
             out.append(f"parallel.cp_style={self.cp_style}")
         out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
@@ -120,6 +123,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      else 1,
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
+                     ac_policy=cfg.memory.ac_policy,
                      offload=p.offload, offload_dir=bool(p.offload_dir), reshard_after_forward=p.reshard_after_forward,
                      tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                      activation_offload=cfg.memory.activation_offload)
@@ -166,6 +170,7 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                         for mbs in _divisors(local_batch):
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
                                              local_batch // mbs, "none", ep=ep, cp=cp, cp_style=style,
+                                             ac_policy=cfg.memory.ac_policy,
                                              tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                                              offload=p.offload, offload_dir=bool(p.offload_dir),
                                              activation_offload=cfg.memory.activation_offload)
@@ -235,5 +240,6 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None
     cfg.train.micro_batch_size = candidate.micro_batch_size
     cfg.memory.activation_checkpointing = candidate.activation_checkpointing
+    cfg.memory.ac_policy = candidate.ac_policy
     cfg.memory.activation_offload = candidate.activation_offload
 

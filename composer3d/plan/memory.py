@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from composer3d.plan.adapters import BLOCK_MODULES, Peft, Split, nf4_bytes, split_block, split_root
 from composer3d.plan.bubble import microbatches_in_flight
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
@@ -93,17 +94,40 @@ def whole(units: list[Unit]) -> float:
     return rank_sum(units, lambda s, u: math.prod(s))
 
 
-def model_state(units: list[Unit], c: Candidate, optimizer: str) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state."""
+def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | None = None
+                ) -> tuple[float, float, float]:
+    """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state. Under
+    ``peft`` (plan/adapters.py) only the adapters and modules_to_save have gradients and state; the frozen weights
+    are their bytes, QLoRA's NF4 ones theirs."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
+    trainable, frozen = (units, 0.0) if peft is None else _peft_units(units, c, peft)
     if fsdp_shards(c):
-        local = rank_sum(units, lambda s, u: shard_numel(s, shard_degree(c, u)))
-        return 4 * local, 4 * local, opt * local
-    n = whole(units)
+        local = rank_sum(trainable, lambda s, u: shard_numel(s, shard_degree(c, u)))
+        return frozen + 4 * local, 4 * local, opt * local
+    n = whole(trainable)
     if c.zero_stage == 1 and c.dp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
         owned = n / c.dp
-        return 4 * n, 4 * n + 4 * owned, opt * owned
-    return 4 * n, 4 * n, opt * n
+        return frozen + 4 * n, 4 * n + 4 * owned, opt * owned
+    return frozen + 4 * n, 4 * n, opt * n
+
+
+def _peft_units(units: list[Unit], c: Candidate, peft: Peft) -> tuple[list[Unit], float]:
+    """The trainable parameters of ``units`` as units of their own, and the bytes of the frozen ones on this rank
+    (FSDP's shard of each, an NF4 shard being an NF4 tensor of its own)."""
+    trainable, frozen = [], 0.0
+    for u in units:
+        if u.kind == "block" and len(u.params) == len(BLOCK_MODULES):
+            split = split_block(list(u.params), peft, c.tp)
+        elif u.kind == "root":
+            split = split_root(list(u.params), list(u.names), peft)
+        else:  # a MoE block's or routed experts' parameters: peft leaves experts and routers frozen (checks)
+            split = Split([], list(u.params), [])
+        n = shard_degree(c, u) if fsdp_shards(c) else 1
+        frozen += u.count * (sum(4 * shard_numel(s, n) for s in split.frozen)
+                             + sum(nf4_bytes((math.ceil(s[0] / n), *s[1:])) for s in split.nf4))
+        if split.trainable:
+            trainable.append(Unit(tuple(split.trainable), u.count, u.kind))
+    return trainable, frozen
 
 
 @dataclass(frozen=True)
@@ -201,9 +225,9 @@ def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: i
 
 
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
-           optimizer: str = "adamw") -> Memory:
+           optimizer: str = "adamw", peft: Peft | None = None) -> Memory:
     units = stages.units(shape, c.tp, c.ep)
-    params, grads, opt = model_state(units, c, optimizer)
+    params, grads, opt = model_state(units, c, optimizer, peft)
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
@@ -256,7 +280,9 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         elif in_backward:  # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
             buffers += 2 * layer / cb * 4
     else:
-        n = whole(units)
+        # what trains: a frozen weight has no gradient to all-reduce, and autocast keeps no cast of it (it caches
+        # those of leaves that require a gradient; NF4 weights are dequantized op by op)
+        n = whole(units if peft is None else _peft_units(units, c, peft)[0])
         if c.dp > 1 and c.zero_stage != 1:  # replicas' all-reduce copies the whole gradients into a buffer
             buffers += n * 4
         if cb != 4:

@@ -46,6 +46,7 @@ class Unit:
     params: tuple[tuple[int, ...], ...]
     count: int
     kind: str  # block | experts | root
+    names: tuple[str, ...] = ()  # the root's: embedding, norm, head (plan/adapters.py matches them)
 
     @property
     def numel(self) -> int:
@@ -178,7 +179,9 @@ class StageSet:
                       Unit(tuple(shape.expert_params(tp, ep)), self.moe_layers, "experts")]
         root = ((shape.embedding_params(tp) if self.first else [])
                 + (shape.head_params(tp, twin=not self.first) if self.last else []))
-        return [u for u in units + [Unit(tuple(root), 1, "root")] if u.count and u.params]
+        names = (("embedding",) if self.first else ()) + (("norm", "head")[:len(root) - self.first] if self.last
+                                                          else ())
+        return [u for u in units + [Unit(tuple(root), 1, "root", names)] if u.count and u.params]
 
 
 @cache

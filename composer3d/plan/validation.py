@@ -20,12 +20,12 @@ def validate_plan(cfg: Any) -> None:
     for key in ("nodes", "gpus_per_node"):
         _require(getattr(c, key) >= 1, f"cluster.{key}", f"must be >= 1, got {getattr(c, key)}", "Use 1 or more")
     for key in ("memory_gib", "peak_tflops", "intra_node_gbps", "inter_node_gbps", "host_link_gbps",
-                "host_optimizer_gbps", "host_memory_gib", "disk_gbps"):
+                "host_optimizer_gbps", "host_memory_gib", "disk_gbps", "hbm_gbps"):
         value = getattr(c, key)
         _require(value is None or value > 0, f"cluster.{key}", f"must be > 0, got {value}",
                  "Use null for the device table's value")
     _require(0 < c.achievable_fraction <= 1, "cluster.achievable_fraction", f"must be in (0, 1], got "
-             f"{c.achievable_fraction}", "Use e.g. 0.6")
+             f"{c.achievable_fraction}", "Use e.g. 0.8")
     _require(p.format in ("table", "json"), "plan.format", f"unknown format {p.format!r}", "Choose table or json")
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
     world = c.nodes * c.gpus_per_node

@@ -1,0 +1,157 @@
+"""Compute time of one pipeline rank's step on its device, from the shapes of the work, not one flat efficiency.
+
+Four kinds of kernel, each with its own bound (a roofline per kernel, compute and memory time added: a kernel
+this size overlaps little of its loads with its math):
+  GEMMs: every linear's forward, input-gradient and weight-gradient matmul, 2·m·n·k FLOPs each at the fraction of
+    peak that large cuBLAS GEMMs reach (``cluster.achievable_fraction``) plus its operands' and output's bytes over
+    HBM. A GEMM of a small hidden size or a small micro-batch has less work per byte: that is why a 2048-wide model
+    or a TP-split 8B runs further below peak than a 70B. Float8 (torchao / Transformer Engine): the same GEMMs at
+    twice the dense rate with 1-byte operands, plus the casts that scale each operand (read for its amax, read
+    again and written in 1 byte); the rest of the step is unchanged.
+  Attention (flash attention, causal): forward 2 matmuls over half the score matrix, backward 5 (it recomputes the
+    scores; Dao 2023): 7·s·H·Q FLOPs per token and layer at ``ATTENTION_FRACTION`` of peak.
+  Elementwise work (norms, RoPE, SwiGLU, residual adds, casts, the loss's softmax): memory-bound, so bytes over
+    HBM bandwidth: passes over the block's activations and the logits, many in eager mode (one kernel per op, each
+    reading its inputs and writing its output), few when torch.compile fuses them.
+  The optimizer step: fused AdamW reads and writes every local fp32 parameter, gradient and moment once.
+Recomputation by checkpointing mode: full reruns the forward (GEMMs, attention, elementwise); op-level selective
+(``all_matmuls``) reruns the forward's elementwise work, torchtitan's ``alternate_matmuls`` also every other
+forward GEMM; and in eager mode op-level selective checkpointing routes every op of a block through a Python
+dispatch mode, a fixed host cost per block and micro-batch that the device waits for (``EAGER_SAC_S``).
+
+The free constants (four, each measured, each the same for every layout and model):
+  ATTENTION_FRACTION, ELEMENTWISE_PASSES (eager and compiled) and EAGER_SAC_S, from composer3d's own single-H100
+  runs (issue 29: Llama 3.2 1B and 3B at 8192 tokens, eager and compiled, with and without selective AC).
+  ``cluster.achievable_fraction`` (the large-GEMM fraction) is the fourth, and the devices' HBM bandwidths are
+  their data sheets' (plan/hardware.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from composer3d.plan.hardware import Cluster
+from composer3d.plan.layouts import Candidate
+from composer3d.plan.shapes import ModelShape, StageSet
+
+# Flash attention forward + backward, causal, head dim 128, bf16: the fraction of the dense peak its FLOPs run at.
+# FlashAttention-2 (SDPA's kernel) runs at roughly 35-40% of an H100's bf16 peak forward + backward (the
+# FlashAttention-3 paper's baselines); the value is set by the 1B runs, whose attention is a third of their FLOPs.
+ATTENTION_FRACTION = 0.38
+# HBM bytes the elementwise kernels move per byte of a block's activations (forward + backward), and per byte of
+# the logits. Eager: each op a kernel (an RMSNorm alone is five passes). Compiled: Inductor's fused kernels. From
+# the 1B's eager and compiled steps without checkpointing (35,847 and 46,788 tok/s on one H100).
+ELEMENTWISE_PASSES = {False: 16.0, True: 6.0}  # keyed by compiled
+# Host seconds per block and micro-batch that eager op-level selective checkpointing adds (torch's selective
+# checkpoint dispatch mode runs in Python for every op, forward and recomputation): the 1B's eager step with
+# selective AC against without (27,672 against 35,847 tok/s; torchtitan's own eager pair loses as much).
+EAGER_SAC_S = 3.0e-3
+# fused AdamW per local parameter: fp32 parameter, gradient and two moments read (16 B), parameter and moments
+# written (12 B), the gradient zeroed (4 B)
+OPTIMIZER_BYTES = 32
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the device does in one step, in the terms its time comes from."""
+    compiled: bool
+    float8: bool
+
+
+def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> float:
+    """One GEMM [m, k] × [k, n] (forward, or either backward one: the same shapes permuted)."""
+    cb = cluster.compute_bytes
+    if float8:
+        flops_s = 2 * m * n * k / (2 * cluster.peak_flops * cluster.achievable_fraction)
+        bytes_ = m * k + n * k + m * n * cb + (m * k + n * k) * (2 * cb + 1)  # operands, output, their casts
+    else:
+        flops_s = 2 * m * n * k / (cluster.peak_flops * cluster.achievable_fraction)
+        bytes_ = (m * k + n * k + m * n) * cb
+    return flops_s + bytes_ / cluster.hbm_bw
+
+
+def _linears(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
+    """(out, in) of one dense block's linears on a TP rank."""
+    h, q, kv, f = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.ffn
+    return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp), (f // tp, h), (f // tp, h), (h, f // tp)]
+
+
+def _moe_linears(shape: ModelShape, tp: int) -> list[tuple[int, int, float]]:
+    """(out, in, rows per token) of a MoE block's linears on a TP rank: attention, router, shared experts (every
+    token), routed experts (top_k rows per token, spread over the experts)."""
+    h, m = shape.dim, shape.moe
+    out = [(o, i, 1.0) for o, i in _linears(shape, tp)[:4]] + [(m.experts, h, 1.0)]
+    s = m.shared * m.hidden
+    if s:
+        out += [(s // tp, h, 1.0), (s // tp, h, 1.0), (h, s // tp, 1.0)]
+    f = m.hidden // tp
+    return out + [(f, h, m.top_k), (f, h, m.top_k), (h, f, m.top_k)]
+
+
+def _activation_elements(shape: ModelShape, tp: int, moe: bool) -> float:
+    """Elements per token a block's forward writes (plan/memory.py's terms without checkpointing, MoE's routed
+    copies counted per copy)."""
+    h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
+    if moe:
+        mlp = 4 * shape.moe.shared * shape.moe.hidden / tp + shape.moe.top_k * (2 * h + 4 * shape.moe.hidden / tp)
+    else:
+        mlp = 4 * shape.ffn / tp
+    return 4 * h + (4 * q + 2 * kv + heads) / tp + mlp
+
+
+@dataclass(frozen=True)
+class StepCompute:
+    """Seconds of one step's compute on a rank, by kind (recomputation included in each)."""
+    gemm: float
+    attention: float
+    elementwise: float
+    optimizer: float
+    host: float  # eager selective checkpointing's dispatch
+
+    @property
+    def total(self) -> float:
+        return self.gemm + self.attention + self.elementwise + self.optimizer + self.host
+
+
+def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, local_params: float,
+                 cluster: Cluster, work: Work) -> StepCompute:
+    """One step of this pipeline rank: every micro-batch's forward and backward, recomputation, the optimizer step.
+    ``seq_len``: the tokens of a sequence this rank holds (seq_len / cp); ``local_params``: the parameters its
+    optimizer steps (after FSDP's or ZeRO-1's sharding)."""
+    rows = c.micro_batch_size * seq_len  # a GEMM's m: SP gathers the sequence back before each matmul
+    full = c.activation_checkpointing == "full"
+    every = c.ac_every if c.activation_checkpointing == "selective" else 0
+    op_level = c.activation_checkpointing == "selective" and not every
+    layers = stages.dense_layers + stages.moe_layers
+    # forward GEMMs rerun per block: full checkpointing all of them, alternate_matmuls every other one
+    rerun_gemm = 1.0 if full else 1 / every if every else (
+        0.5 if op_level and c.ac_policy == "alternate_matmuls" else 0.0)
+    rerun_fwd = 1.0 if full else 1 / every if every else 0.0  # attention's forward and the whole block's
+    rerun_elementwise = 1.0 if (full or op_level) else 1 / every if every else 0.0
+
+    def block_gemms(linears) -> float:
+        return sum(_gemm_s(rows * r, o, i, cluster, work.float8) for o, i, r in linears)
+
+    dense = block_gemms([(o, i, 1.0) for o, i in _linears(shape, c.tp)])
+    moe = block_gemms(_moe_linears(shape, c.tp)) if stages.moe_layers else 0.0
+    forward_gemm = stages.dense_layers * dense + stages.moe_layers * moe
+    head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0)]) if stages.last else 0.0
+    gemm = (3 + rerun_gemm) * forward_gemm + 3 * head
+
+    # causal flash attention: forward 2·s·H·Q per token and layer, backward 2.5× that; cp: a rank's queries
+    # against the whole sequence's keys, half of them masked on average
+    attention_fwd = 2 * shape.n_heads / c.tp * shape.head_dim * seq_len * c.cp * rows
+    attention = layers * attention_fwd * (3.5 + rerun_fwd) / (cluster.peak_flops * ATTENTION_FRACTION)
+
+    passes = ELEMENTWISE_PASSES[work.compiled]
+    block_bytes = rows * cluster.compute_bytes * (
+        stages.dense_layers * _activation_elements(shape, c.tp, False)
+        + stages.moe_layers * (_activation_elements(shape, c.tp, True) if stages.moe_layers else 0.0))
+    logits_bytes = rows * 4 * shape.vocab / c.tp if stages.last else 0.0  # the loss works in fp32
+    # forward is about a third of the elementwise traffic: what recomputation repeats
+    elementwise = (passes * (block_bytes + logits_bytes) + passes / 3 * rerun_elementwise * block_bytes) / cluster.hbm_bw
+
+    host = layers * EAGER_SAC_S if op_level and not work.compiled else 0.0
+    m = c.microbatches
+    optimizer = local_params * OPTIMIZER_BYTES / cluster.hbm_bw
+    return StepCompute(m * gemm, m * attention, m * elementwise, optimizer, m * host)
