@@ -108,6 +108,11 @@ def test_lora_trains_only_the_adapters(reference):
     per_layer = 8 * ((64 + 64) * 2 + (64 + 32) * 2 + (64 + 192) * 3)
     assert info["trainable_params"] == 2 * per_layer < info["num_params"] / 5
     assert reference.losses[-1] < reference.losses[0] - 0.3, reference.losses  # the adapters learn
+    # MFU's FLOPs: forward and activation gradients through base and adapters (4·N), weight gradients for the
+    # adapters alone (2·A), causal attention 6·L·H·Q·T; a full fine-tune's 6·N is well above it
+    matmul, adapters, attention = info["num_params"] - 512 * 64, 2 * per_layer, 6 * 2 * 64 * 64
+    assert info["flops_per_token"] == 4 * (matmul + adapters) + 2 * adapters + attention
+    assert info["flops_per_token"] < 0.7 * (6 * matmul + attention)
 
 
 def test_lora_resumes_under_another_layout(reference, runs):

@@ -39,12 +39,20 @@ def targets(model: nn.Module, patterns) -> list[tuple[str, nn.Linear]]:
             if isinstance(module, nn.Linear) and matches(f"layers.{i}.{name}", patterns)]
 
 
+def adapter_params(model: nn.Module, cfg) -> int:
+    """The parameters of the adapters ``apply_peft`` adds, counted on the whole model before any split."""
+    return sum(cfg.rank * (linear.in_features + linear.out_features) for _, linear in targets(model, cfg.target_modules))
+
+
+def saved_params(model: nn.Module, cfg) -> dict[int, nn.Parameter]:
+    """The parameters of the modules ``peft.modules_to_save`` trains whole, by id (a shared one once)."""
+    return {id(p): p for name, module in model.named_modules() if name and matches(name, cfg.modules_to_save)
+            for p in module.parameters()}
+
+
 def trainable_params(model: nn.Module, cfg) -> int:
     """What ``apply_peft`` leaves trainable, counted on the whole model before any split (run.json)."""
-    adapters = sum(cfg.rank * (linear.in_features + linear.out_features) for _, linear in targets(model, cfg.target_modules))
-    saved = {id(p): p.numel() for name, module in model.named_modules() if name and matches(name, cfg.modules_to_save)
-             for p in module.parameters()}
-    return adapters + sum(saved.values())
+    return adapter_params(model, cfg) + sum(p.numel() for p in saved_params(model, cfg).values())
 
 
 def check_targets(model: nn.Module, cfg, shards: int) -> None:

@@ -12,7 +12,7 @@ from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.models.peft_adapters import load_adapters
 from composer3d.parallel import parallelize, shards_or_replicates
-from composer3d.parallel.peft import trainable_params
+from composer3d.parallel.peft import adapter_params, saved_params, trainable_params
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
 from composer3d.parallel.tied import check_twins_match, init_aliases
@@ -37,7 +37,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     num_params = count_params(model)
     active_params = num_params - model.inactive_params()
     m = cfg.model
-    flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
+    flops = flops_per_token(*_matmul_params(model, active_params, cfg.peft), m.n_layers,
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     stages = parallelize(model, spec, mesh, cfg, device)
@@ -54,3 +54,16 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, trainable, active_params, flops)
+
+
+def _matmul_params(model: nn.Module, active_params: int, peft) -> tuple[int, int, int | None]:
+    """``flops_per_token``'s counts, on the whole model before any split: (the active parameters, with LoRA's
+    adapters; the embedding tables'; with peft, those that get a weight gradient in a matmul: the adapters and
+    the saved modules but an embedding table, else None: all)."""
+    embedding = embedding_params(model)
+    if peft.method == "none":
+        return active_params, embedding, None
+    adapters = adapter_params(model, peft)
+    tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    saved = sum(p.numel() for key, p in saved_params(model, peft).items() if key not in tables)
+    return active_params + adapters, embedding, adapters + saved
