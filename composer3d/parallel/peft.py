@@ -18,14 +18,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from composer3d.errors import ConfigError
 from composer3d.models.lora import BASE, NF4_BLOCK, LoRALinear, quantize_base
 
-# A QLoRA checkpoint saves its NF4 base, which DCP writes but cannot load back into the model's NF4 tensors (they
-# stay unfilled, on meta), so resuming or evaluating one is refused before any worker starts rather than crashing.
-QLORA_NOT_RESUMABLE = (
-    "{key}: {path} is a QLoRA (peft=qlora) checkpoint, and composer3d cannot load one back yet: DCP writes the NF4 "
-    "base but does not restore NF4 tensors. Export its adapters (composer3d-convert export {path} <dir>) and continue "
-    "from them in a new run.dir with peft.init_from=<dir>, or use them with PEFT on the original base")
-
-
 def matches(name: str, patterns) -> bool:
     """PEFT's rule: a module is targeted when its name is a pattern or ends with ``.pattern``; shell wildcards
     (``*``, ``?``) match across dots."""

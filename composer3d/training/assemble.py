@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from composer3d.checkpoint.peft_base import base_source, fill_base
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
@@ -29,25 +30,33 @@ class ParallelModel:
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 
-def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_checkpoint: bool = False) -> ParallelModel:
+def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_checkpoint: bool = False,
+                         base: dict | None = None) -> ParallelModel:
     """``from_checkpoint``: a checkpoint's weights replace every parameter next, so they are only allocated (no
-    init, no read of model.path's weights, which need not be there any more)."""
+    init, no read of model.path's weights, which need not be there any more). A peft run's checkpoint holds only
+    what trains: its frozen base is built from ``base`` (``checkpoint.peft_base``; None: this config's source)."""
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
     active_params = num_params - model.inactive_params()
     m = cfg.model
-    flops = flops_per_token(*_matmul_params(model, active_params, cfg.peft), m.n_layers,
-                            m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
+    matmul, embedding, trained = _matmul_params(model, active_params, cfg.peft)
+    flops = flops_per_token(matmul, embedding, m.n_layers, m.n_heads * (m.head_dim or m.dim // m.n_heads),
+                            cfg.train.seq_len, trained)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     stages = parallelize(model, spec, mesh, cfg, device)
-    weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
     offload = cfg.parallel.offload == "cpu"
     # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
-    materialize(model, torch.device("cpu") if offload else device, cfg.train.seed, fsdp_roots=stages,
-                init_params=weights is None and not from_checkpoint, buffer_device=device, aliases=init_aliases(model))
-    if weights is not None:
-        spec.load_pretrained(model, weights)
+    placement = {"fsdp_roots": stages, "buffer_device": device, "aliases": init_aliases(model)}
+    if cfg.peft.method != "none":
+        fill_base(model, spec, cfg.model, base or base_source(cfg), cfg.train.seed,
+                  torch.device("cpu") if offload else device, **placement)
+    else:
+        weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
+        materialize(model, torch.device("cpu") if offload else device, cfg.train.seed,
+                    init_params=weights is None and not from_checkpoint, **placement)
+        if weights is not None:
+            spec.load_pretrained(model, weights)
     if cfg.peft.init_from and not from_checkpoint:  # a PEFT adapter directory's adapters instead of fresh ones
         load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
