@@ -72,6 +72,7 @@ def runs(tmp_path_factory, qwen3):
     qlora = [*FAST, *QLORA, "parallel.dp_shard=2"]
     jobs["qlora_fsdp2"] = [*qlora, "checkpoint.interval=2", "train.eval_every=4", f"eval.path={root / 'valid.txt'}"]
     jobs["qlora_resumed_fsdp2"] = [*qlora, f"checkpoint.resume={_step(root / 'qlora_fsdp2', 2)}"]
+    jobs["qlora_resumed_pp2"] = [*FAST, *QLORA, *LAYOUTS["pp2"], f"checkpoint.resume={_step(root / 'qlora_fsdp2', 2)}"]
     hf = [*HF, f"model.path={qwen3}"]
     jobs["hf_lora_tp2_sp"] = [*hf, *LORA, *LAYOUTS["tp2_sp"]]
     jobs["hf_full_fsdp2"] = [*hf, "train.steps=1", "parallel.dp_shard=2"]
@@ -188,11 +189,13 @@ def test_qlora_stores_the_base_in_nf4_and_follows_one_process_under_fsdp(tmp_pat
 
 def test_qlora_resumes_bit_exact_and_evaluates_from_its_rebuilt_nf4_base(runs):
     """The checkpoints hold the adapters, not the NF4 base: resuming step 2 re-quantizes the base (whole, then cut
-    to each rank's rows) and continues bit for bit; composer3d-eval of step 4 in one process rebuilds it from the
-    recorded seed (not its own train.seed) to the loss the run measured."""
-    run, resumed = runs["qlora_fsdp2"], runs["qlora_resumed_fsdp2"]
-    assert [m["step"] for m in resumed.metrics] == [3, 4]
+    to each rank's rows) and continues bit for bit, and under PP 2 (each stage's layers whole) on the curve;
+    composer3d-eval of step 4 in one process rebuilds it from the recorded seed (not its own train.seed) to the loss
+    the run measured."""
+    run, resumed, pp2 = runs["qlora_fsdp2"], runs["qlora_resumed_fsdp2"], runs["qlora_resumed_pp2"]
+    assert [m["step"] for m in resumed.metrics] == [m["step"] for m in pp2.metrics] == [3, 4]
     assert resumed.losses == run.losses[2:], (resumed.losses, run.losses)
+    assert max(abs(a - b) for a, b in zip(pp2.losses, run.losses[2:])) < 1e-4, (pp2.losses, run.losses)
     assert not any("base_layer" in name for name in stored_model_shapes(_step(run.run_dir, 2)))
     measured = next(m["eval_loss"] for m in run.metrics if m["step"] == 4)
     proc = subprocess.run([sys.executable, "-m", "composer3d.evaluate", "launch.device=cpu", "train.seq_len=64",
