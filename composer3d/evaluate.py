@@ -34,6 +34,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
+from composer3d.checkpoint.peft_base import checkpoint_base
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
 from composer3d.data.tokenizers import build_tokenizer
@@ -42,7 +43,6 @@ from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
 from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.peft import QLORA_NOT_RESUMABLE
 from composer3d.training import console
 from composer3d.training.trainer import Trainer, prepare_rank
 
@@ -56,8 +56,6 @@ def check_weights_source(cfg: DictConfig) -> None:
             raise ConfigError(f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
                               "step-N directory (its model weights are evaluated), or leave it out to evaluate "
                               "model.path's weights")
-        if (read_meta(Path(resume))["config"].get("peft") or {}).get("method") == "qlora":
-            raise ConfigError(QLORA_NOT_RESUMABLE.format(key="checkpoint.resume", path=resume))
         return
     if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
         raise ConfigError(f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
@@ -116,7 +114,8 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:
 def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor | None,
                        resume: str) -> dict | None:
     mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timedelta(minutes=cfg.launch.timeout_minutes))
-    trainer = Trainer(cfg, mesh, device, sequences=None, from_checkpoint=resume not in ("auto", "none"))
+    trainer = Trainer(cfg, mesh, device, sequences=None, from_checkpoint=resume not in ("auto", "none"),
+                      base=checkpoint_base(cfg, resume))
     if resume not in ("auto", "none"):
         load_model_weights(trainer.model, Path(resume))
     if windows is not None:

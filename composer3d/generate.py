@@ -31,6 +31,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
+from composer3d.checkpoint.peft_base import checkpoint_base
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.dtypes import DTYPES
@@ -123,7 +124,7 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> list[Generation]:
     try:
         mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
         from_checkpoint = resume not in ("auto", "none")
-        model = build_parallel_model(cfg, mesh, device, from_checkpoint).model
+        model = build_parallel_model(cfg, mesh, device, from_checkpoint, checkpoint_base(cfg, resume)).model
         if from_checkpoint:
             load_model_weights(model, Path(resume))
         # The compute dtype training used where FSDP does not run (parallel.autocast wraps the forward only; the

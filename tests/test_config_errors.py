@@ -244,6 +244,7 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["peft=qlora", "parallel.offload=cpu"], "parallel.offload", "Use parallel.offload=none"),
     (1, ["peft.init_from=/no/adapter"], "peft.init_from", "peft.method is none"),
     (1, ["peft=lora", "peft.init_from=/no/adapter"], "peft.init_from", "/no/adapter is not a directory"),
+    (1, ["peft.base_from=/a/full/step-4"], "peft.base_from", "checkpoint.resume=/a/full/step-4"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:
@@ -514,3 +515,42 @@ def test_max_restarts_where_the_local_launcher_runs_is_not_refused(monkeypatch, 
     monkeypatch.setattr("sys.argv", ["composer3d-train", *argv])
     overrides = [a for a in argv if not a.startswith("-")]
     check_sweep("pkg://composer3d.conf", "train", ["run.dir=unused", *overrides])
+
+
+def _checkpoint(path, peft: dict, **meta):
+    """A committed checkpoint as far as the resume checks read one: composer3d.json and a DCP index."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {"x": torch.zeros(1)}}, checkpoint_id=path, no_dist=True)
+    config = {"model": {"name": "llama"}, "peft": peft, "train": {"seed": 0}}
+    (path / "composer3d.json").write_text(json.dumps({"format": 1, "step": 2, "model_only": False, "config": config,
+                                                      **meta}))
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
+@pytest.mark.parametrize("case", ["base_gone", "base_not_named", "resume_full", "base_is_adapters"])
+def test_a_peft_base_that_cannot_be_found_or_is_no_base_exits_2_naming_the_key(monkeypatch, capsys, tmp_path, case):
+    """A LoRA checkpoint holds no base, only where it came from: at resume that source must be there and be what
+    this run's config builds; a full checkpoint is LoRA's base through peft.base_from, not checkpoint.resume."""
+    gone = tmp_path / "full" / "step-00000004"  # the full run's weights the adapters trained on, deleted since
+    lora = _checkpoint(tmp_path / "lora" / "step-00000002", {"method": "lora", "base_from": str(gone)},
+                       peft_base={"checkpoint": str(gone)})
+    full = _checkpoint(tmp_path / "other" / "step-00000004", {"method": "none"})
+    argv, expected = {
+        "base_gone": ([f"peft.base_from={gone}", f"checkpoint.resume={lora}"],
+                      f"peft.base_from: {gone} is not a composer3d checkpoint"),
+        "base_not_named": ([f"checkpoint.resume={lora}"], f"checkpoint.resume: {lora}'s adapters were trained on the "
+                           f"full checkpoint {gone} (peft.base_from), and this run's config builds its base from the "
+                           f"initialization from train.seed=0. To resume, set peft.base_from={gone}"),
+        "resume_full": ([f"checkpoint.resume={full}"], f"start with peft.base_from={full}"),
+        "base_is_adapters": ([f"peft.base_from={lora}"], f"peft.base_from: {lora} is a peft=lora checkpoint: it holds "
+                             f"adapters, not a base. Continue it with checkpoint.resume={lora}, or name the base"),
+    }[case]
+    code = _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+                            "model=tiny", "peft=lora", "launch.nproc_per_node=2", *argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count(PREFIX) == 1 and expected in err, err

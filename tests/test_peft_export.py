@@ -21,8 +21,8 @@ from composer3d.checkpoint import SafeFileSystemReader, read_meta
 from composer3d.config.schema import PeftConfig
 from composer3d.convert import main as convert
 from composer3d.convert.common import model_config
-from composer3d.models import build_model
-from composer3d.models.init import materialize
+from composer3d.checkpoint.peft_base import fill_base
+from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.parallel.peft import apply_peft
 from composer3d.parallel.tied import to_checkpoint_names
 
@@ -79,13 +79,15 @@ def trained(tmp_path_factory, models):
 
 
 def composer3d_model(ckpt: Path) -> tuple[torch.nn.Module, int]:
-    """The LoRA model of checkpoint ``ckpt``, loaded in this process (no process group), and its vocabulary size."""
+    """The LoRA model of checkpoint ``ckpt``, loaded in this process (no process group), and its vocabulary size:
+    the base rebuilt from the source the checkpoint records, the adapters (and saved modules) the checkpoint's."""
     meta = read_meta(ckpt)
     cfg = model_config(meta["config"]["model"])
     model = build_model(cfg)
     apply_peft(model, PeftConfig(**meta["config"]["peft"]))
-    materialize(model, torch.device("cpu"), seed=123)  # overwritten below
-    state = to_checkpoint_names(model, model.state_dict())
+    fill_base(model, MODEL_REGISTRY[cfg.name], cfg, meta["peft_base"], 123, torch.device("cpu"))
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    state = {k: v for k, v in to_checkpoint_names(model, model.state_dict()).items() if k in trained}
     dcp.load({"model": state}, storage_reader=SafeFileSystemReader(ckpt), no_dist=True)
     return model.eval(), cfg.vocab_size
 
@@ -147,9 +149,10 @@ def test_init_from_an_adapter_continues_as_resuming_its_checkpoint(trained, name
 
 @torch.no_grad()
 def test_qlora_exports_adapters_and_a_merge_of_the_dequantized_nf4_base(trained):
-    """QLoRA's base is read back from its NF4 tensors and dequantized: the native base written beside the adapter
-    holds at most 16 values in each block of 64 (NF4's levels × the block's scale), the merge is that base plus
-    scaling·B·A, and PEFT's adapter on that base computes the merged model's logits."""
+    """QLoRA's base (not in the checkpoint) is rebuilt from its recorded source, quantized to NF4 and dequantized:
+    the native base written beside the adapter holds at most 16 values in each block of 64 (NF4's levels × the
+    block's scale), the merge is that base plus scaling·B·A, and PEFT's adapter on that base computes the merged
+    model's logits."""
     from safetensors.torch import load_file
 
     entry = trained["native_qlora_fsdp2"]

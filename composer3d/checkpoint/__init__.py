@@ -5,6 +5,7 @@ A checkpoint is a directory ``<checkpoint.dir>/step-<8 digits>/`` holding
     ``torch.distributed.checkpoint.state_dict`` gives them: DTensor shards that DCP re-slices for any layout;
   - ``composer3d.json``: ours, plain JSON — step, config, data-loader and LR-schedule state, layout;
   - ``rng/rank<N>.json``: each rank's RNG states (restored only when the world size is unchanged).
+A peft run's checkpoint leaves its frozen base out and records where it came from (``peft_base``).
 It is written as ``step-N.partial`` and renamed to ``step-N`` by rank 0 only after every rank's data and the
 DCP metadata are on disk, so a crash mid-save leaves at most a ``.partial`` directory, never a half checkpoint
 that looks whole. Loading never unpickles arbitrary objects: DCP's tensor files are read with

@@ -37,6 +37,7 @@ from composer3d.checkpoint.format import (
     set_model_state,
     verified_checkpoints,
 )
+from composer3d.checkpoint.peft_base import BASE_KEY, base_source
 from composer3d.checkpoint.rng import rng_state, set_rng_state
 from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
@@ -85,6 +86,8 @@ class Checkpointer:
         t = self.trainer
         meta = {"format": FORMAT_VERSION, "step": step, "model_only": model_only, "config": self.config_dict,
                 "layout": t.mesh.layout.as_dict(), "world_size": dist.get_world_size()}
+        if (self.config_dict.get("peft") or {}).get("method", "none") != "none":  # the base is not saved: its source
+            meta[BASE_KEY] = base_source(self.config_dict)
         if not model_only:
             meta.update({"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())})
             if t.scaler is not None:  # fp16: resume with the scale reached, not loss_scale_init

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from composer3d.config import ConfigError, ModelConfig
 from composer3d.config.schema import PeftConfig
@@ -149,12 +149,16 @@ def committed_checkpoints(directory: Path) -> list[Path]:
 
 
 def model_state(model: torch.nn.Module) -> dict:
-    """The model's FQN-keyed state as a checkpoint holds it: a tied weight once, under the embedding's name."""
-    return to_checkpoint_names(model, get_model_state_dict(model))
+    """The model's FQN-keyed state as a checkpoint holds it: a tied weight once, under the embedding's name; frozen
+    parameters (a peft run's base, rebuilt from its source: ``peft_base``) left out."""
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return to_checkpoint_names(model, state)
 
 
 def set_model_state(model: torch.nn.Module, state: dict) -> None:
-    set_model_state_dict(model, from_checkpoint_names(model, state))
+    """``model_state`` loaded back: every parameter, or with a frozen base only the others."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    set_model_state_dict(model, from_checkpoint_names(model, state), options=StateDictOptions(strict=not frozen))
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
@@ -196,11 +200,12 @@ def check_same_model(path: Path, current: dict,
     model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
     if peft is not None and peft.get("method", "none") != "none":
         apply_peft(model, OmegaConf.merge(OmegaConf.structured(PeftConfig), peft))
-    # A tied head is stored once, as the embedding (checkpoints before that also held it under its own name).
-    tied = shared_second_names(model)
+    # A tied head is stored once, as the embedding (checkpoints before that also held it under its own name); a
+    # frozen base not at all (checkpoints before that held it: not compared, it is rebuilt from its source).
+    skipped = {*shared_second_names(model), *(n for n, p in model.named_parameters() if not p.requires_grad)}
     before = {key[len("model."):]: tuple(entry.size) for key, entry in stored.items()
-              if key.startswith("model.") and hasattr(entry, "size") and key[len("model."):] not in tied}
-    now = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in tied}
+              if key.startswith("model.") and hasattr(entry, "size") and key[len("model."):] not in skipped}
+    now = {name: tuple(t.shape) for name, t in model.state_dict().items() if name not in skipped}
     if before != now:
         # One both hold first: its two shapes say the most.
         differing = sorted((k for k in set(before) | set(now) if before.get(k) != now.get(k)),

@@ -25,3 +25,7 @@ class PeftConfig:
     # whose lora_A/lora_B (and modules_to_save) start this run instead of fresh adapters; its r and lora_alpha must
     # be peft.rank and peft.alpha, its tensors those of the targeted linears. A resumed checkpoint takes precedence
     init_from: str | None = None
+    # a full composer3d checkpoint (step-N of a run without peft) whose model weights are the frozen base (and where
+    # the modules_to_save start), in place of model.path's weights or the initialization; the adapters start fresh.
+    # A peft checkpoint never holds its base: it records this source, and a resume reads the base from it again
+    base_from: str | None = None

@@ -14,7 +14,6 @@ weights carry NF4's rounding.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ from composer3d.convert.export import (
     write_model,
 )
 from composer3d.dtypes import DTYPES
-from composer3d.models.lora import ADAPTERS, BASE, base_name
+from composer3d.models.lora import ADAPTERS, base_name
 from composer3d.models.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_weight_names, peft_key, rope_heads
 
 BASE_DIR = "base"  # where the base is written when no directory holds it
@@ -72,52 +71,18 @@ def export_peft(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_
 
 
 def load_lora_state(checkpoint: Path, meta: dict) -> dict[str, torch.Tensor]:
-    """Every model tensor of the checkpoint, whole, under its stored name; QLoRA's NF4 bases dequantized (fp32)."""
+    """Every model tensor, whole, under its name in the LoRA model: the adapters (and modules_to_save) as the
+    checkpoint holds them; the frozen base rebuilt from the source the checkpoint records (``checkpoint.peft_base``;
+    QLoRA's NF4 base dequantized, fp32)."""
+    from composer3d.checkpoint.peft_base import whole_base
+
+    base = whole_base(meta)
     shapes = stored_model_shapes(checkpoint)
     model_fields = meta["config"]["model"]
     if model_fields["name"] == "hf" and model_fields.get("tie_embeddings"):
         shapes.pop("lm_head.weight", None)  # a tied head is stored as the embedding
-    quantized = {n: s for n, s in shapes.items() if n.endswith(f".{BASE}.weight")} \
-        if peft_method(meta) == "qlora" else {}
-    state = load_model_tensors(checkpoint, {n: s for n, s in shapes.items() if n not in quantized})
-    if quantized:
-        state.update(_load_nf4(checkpoint, quantized))
-    return state
-
-
-def _load_nf4(checkpoint: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """QLoRA's base weights, saved as torchao NF4 tensors (under FSDP one per rank's rows), each block read as saved,
-    dequantized (fp32) and put at its rows. An NF4 tensor cannot be narrowed to another rank's rows, so DCP's own
-    load does not re-assemble it; torch.load's weights-only unpickler is told only NF4Tensor's own classes."""
-    import io
-
-    from torchao.quantization import NF4Tensor
-
-    from composer3d.checkpoint import SafeFileSystemReader
-
-    nf4_module = sys.modules[NF4Tensor.__module__]
-    metadata = SafeFileSystemReader(checkpoint).read_metadata()
-    blocks = {}
-    for index, info in metadata.storage_data.items():
-        if index.fqn.startswith("model.") and index.fqn[len("model."):] in shapes:
-            if getattr(info, "transform_descriptors", None):
-                raise ConvertError(f"{checkpoint}: {index.fqn} is stored transformed ({info.transform_descriptors}), "
-                                   "which this export does not read")
-            blocks.setdefault(index.fqn[len("model."):], []).append((index.offset, info))
-    state = {}
-    with torch.serialization.safe_globals([NF4Tensor, nf4_module.SubclassTensorArgs, torch.Size]):
-        for name, shape in shapes.items():
-            if name not in blocks:
-                raise ConvertError(f"{checkpoint}'s metadata lists model.{name} but no stored block of it")
-            whole = torch.empty(shape)
-            for offset, info in blocks[name]:
-                with open(checkpoint / info.relative_path, "rb") as file:
-                    file.seek(info.offset)
-                    block = torch.load(io.BytesIO(file.read(info.length)), map_location="cpu", weights_only=True)
-                block = block.get_original_weight() if isinstance(block, NF4Tensor) else block
-                whole[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block.float()
-            state[name] = whole
-    return state
+    # checkpoints from before the base was left out hold it too: it is rebuilt all the same
+    return {**base, **load_model_tensors(checkpoint, {n: s for n, s in shapes.items() if n not in base})}
 
 
 def split_adapters(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, tuple]]:

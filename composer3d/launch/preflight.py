@@ -24,12 +24,13 @@ from composer3d.checkpoint import (
     read_meta,
     verified_checkpoints,
 )
+from composer3d.checkpoint.peft_base import check_base_from, check_same_base
 from composer3d.config import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.parallel.peft import QLORA_NOT_RESUMABLE, check_init_from, check_targets
+from composer3d.parallel.peft import check_init_from, check_targets
 
 log = logging.getLogger("composer3d")
 
@@ -46,19 +47,20 @@ def preflight(cfg, world_size: int) -> dict[str, int]:
         check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    if cfg.peft.method != "none" and cfg.peft.base_from:  # first: a resume, too, rebuilds the base from there
+        check_base_from(cfg)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
     if (Path(cfg.run.dir) / "metrics.jsonl").is_file():  # what a resume continues: readable, or refused now
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
-    if cfg.peft.method == "qlora" and resumes_from is not None:
-        raise ConfigError(QLORA_NOT_RESUMABLE.format(key="checkpoint.resume", path=resumes_from))
-    if cfg.peft.method != "none":  # the linears the patterns name, on the model (on meta)
+    peft = cfg.peft.method != "none"
+    if peft:  # the linears the patterns name, on the model (on meta)
         check_targets(build_model(cfg.model), cfg.peft, degrees["dp_shard"] * degrees["cp"])
         if cfg.peft.init_from and resumes_from is None:  # a checkpoint's adapters would replace them
             check_init_from(build_model(cfg.model), cfg.peft, cfg.model)
-    weights = MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
-    if weights is not None and resumes_from is None:  # a checkpoint's weights would replace them
+    weights = None if cfg.peft.base_from else MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
+    if weights is not None and (resumes_from is None or peft):  # a full checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
     # Last: these create the directories, which a refused run should not leave behind.
     check_writable("run.dir", Path(cfg.run.dir))
@@ -119,6 +121,12 @@ def check_resumable(cfg, directory: Path) -> Path | None:
     except ValueError as error:  # a foreign format version, or JSON that does not parse
         raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
                           "directory, or start afresh in a new run.dir with checkpoint.resume=none") from None
+    if cfg.peft.method != "none":
+        if (meta["config"].get("peft") or {}).get("method", "none") == "none":
+            raise ConfigError(f"checkpoint.resume: {path} is a full checkpoint (trained without peft), and this run "
+                              f"trains peft={cfg.peft.method} adapters. To train them on its weights, start with "
+                              f"peft.base_from={path} (checkpoint.resume continues a run of the same kind)")
+        check_same_base(path, meta, cfg)
     try:
         check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True),
                          peft=OmegaConf.to_container(cfg.peft, resolve=True))

@@ -61,7 +61,8 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = (),
                 init_params: bool = True, buffer_device: torch.device | None = None,
-                aliases: dict[str, str] | None = None) -> None:
+                aliases: dict[str, str] | None = None,
+                read: Callable[[str, tuple[int, ...]], torch.Tensor] | None = None) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
 
     ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers; LoRA
@@ -75,6 +76,9 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
 
     ``aliases``: parameters initialized as another one, by its name's seed and rule (the last pipeline stage's twin
     of a tied embedding).
+
+    ``read``: every parameter but the adapters is the whole tensor ``read(name, shape)`` gives instead of its init
+    rule's (a peft run's base from a full checkpoint), by its unwrapped and unaliased name.
     """
     model.to_empty(device=device)
     for root in fsdp_roots:
@@ -87,7 +91,12 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
         # head's twin those of the embedding (``aliases``).
         source = base_name((aliases or {}).get(name, name))
         generator = torch.Generator(device=device).manual_seed(param_seed(seed, source))
-        rule = partial(adapter_init, name) if is_adapter(name) else model.init_rule(source)
+        if is_adapter(name):
+            rule = partial(adapter_init, name)
+        elif read is not None:
+            rule = lambda shape, generator, device, source=source: read(source, shape).to(device)  # noqa: E731
+        else:
+            rule = model.init_rule(source)
         full = rule(tuple(param.shape), generator, device)
         local = param.to_local() if isinstance(param, DTensor) else param
         if is_nf4(local):  # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors

@@ -18,14 +18,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from composer3d.errors import ConfigError
 from composer3d.models.lora import BASE, NF4_BLOCK, LoRALinear, quantize_base
 
-# A QLoRA checkpoint saves its NF4 base, which DCP writes but cannot load back into the model's NF4 tensors (they
-# stay unfilled, on meta), so resuming or evaluating one is refused before any worker starts rather than crashing.
-QLORA_NOT_RESUMABLE = (
-    "{key}: {path} is a QLoRA (peft=qlora) checkpoint, and composer3d cannot load one back yet: DCP writes the NF4 "
-    "base but does not restore NF4 tensors. Export its adapters (composer3d-convert export {path} <dir>) and continue "
-    "from them in a new run.dir with peft.init_from=<dir>, or use them with PEFT on the original base")
-
-
 def matches(name: str, patterns) -> bool:
     """PEFT's rule: a module is targeted when its name is a pattern or ends with ``.pattern``; shell wildcards
     (``*``, ``?``) match across dots."""
@@ -39,12 +31,20 @@ def targets(model: nn.Module, patterns) -> list[tuple[str, nn.Linear]]:
             if isinstance(module, nn.Linear) and matches(f"layers.{i}.{name}", patterns)]
 
 
+def adapter_params(model: nn.Module, cfg) -> int:
+    """The parameters of the adapters ``apply_peft`` adds, counted on the whole model before any split."""
+    return sum(cfg.rank * (linear.in_features + linear.out_features) for _, linear in targets(model, cfg.target_modules))
+
+
+def saved_params(model: nn.Module, cfg) -> dict[int, nn.Parameter]:
+    """The parameters of the modules ``peft.modules_to_save`` trains whole, by id (a shared one once)."""
+    return {id(p): p for name, module in model.named_modules() if name and matches(name, cfg.modules_to_save)
+            for p in module.parameters()}
+
+
 def trainable_params(model: nn.Module, cfg) -> int:
     """What ``apply_peft`` leaves trainable, counted on the whole model before any split (run.json)."""
-    adapters = sum(cfg.rank * (linear.in_features + linear.out_features) for _, linear in targets(model, cfg.target_modules))
-    saved = {id(p): p.numel() for name, module in model.named_modules() if name and matches(name, cfg.modules_to_save)
-             for p in module.parameters()}
-    return adapters + sum(saved.values())
+    return adapter_params(model, cfg) + sum(p.numel() for p in saved_params(model, cfg).values())
 
 
 def check_targets(model: nn.Module, cfg, shards: int) -> None:

@@ -142,7 +142,7 @@ def from_checkpoint_names(model: nn.Module, state: dict) -> dict:
     twins = twins_of(model)
     if twins is not None and twins.head in dict(model.named_parameters()):
         state = {(twins.head if k == twins.embedding else k): v for k, v in state.items()}
-    return {**state, **{name: state[first] for name, first in shared_second_names(model).items()}}
+    return {**state, **{name: state[first] for name, first in shared_second_names(model).items() if first in state}}
 
 
 def optimizer_to_checkpoint_names(model: nn.Module, state: dict) -> dict:

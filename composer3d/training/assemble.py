@@ -7,12 +7,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from composer3d.checkpoint.peft_base import base_source, fill_base
 from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.models.peft_adapters import load_adapters
 from composer3d.parallel import parallelize, shards_or_replicates
-from composer3d.parallel.peft import trainable_params
+from composer3d.parallel.peft import adapter_params, saved_params, trainable_params
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
 from composer3d.parallel.tied import check_twins_match, init_aliases
@@ -29,28 +30,49 @@ class ParallelModel:
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 
-def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_checkpoint: bool = False) -> ParallelModel:
+def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_checkpoint: bool = False,
+                         base: dict | None = None) -> ParallelModel:
     """``from_checkpoint``: a checkpoint's weights replace every parameter next, so they are only allocated (no
-    init, no read of model.path's weights, which need not be there any more)."""
+    init, no read of model.path's weights, which need not be there any more). A peft run's checkpoint holds only
+    what trains: its frozen base is built from ``base`` (``checkpoint.peft_base``; None: this config's source)."""
     spec = MODEL_REGISTRY[cfg.model.name]
     model = build_model(cfg.model)
     num_params = count_params(model)
     active_params = num_params - model.inactive_params()
     m = cfg.model
-    flops = flops_per_token(active_params, embedding_params(model), m.n_layers,
-                            m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len)
+    matmul, embedding, trained = _matmul_params(model, active_params, cfg.peft)
+    flops = flops_per_token(matmul, embedding, m.n_layers, m.n_heads * (m.head_dim or m.dim // m.n_heads),
+                            cfg.train.seq_len, trained)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     stages = parallelize(model, spec, mesh, cfg, device)
-    weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
     offload = cfg.parallel.offload == "cpu"
     # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
-    materialize(model, torch.device("cpu") if offload else device, cfg.train.seed, fsdp_roots=stages,
-                init_params=weights is None and not from_checkpoint, buffer_device=device, aliases=init_aliases(model))
-    if weights is not None:
-        spec.load_pretrained(model, weights)
+    placement = {"fsdp_roots": stages, "buffer_device": device, "aliases": init_aliases(model)}
+    if cfg.peft.method != "none":
+        fill_base(model, spec, cfg.model, base or base_source(cfg), cfg.train.seed,
+                  torch.device("cpu") if offload else device, **placement)
+    else:
+        weights = None if from_checkpoint else spec.pretrained_weights(cfg.model)
+        materialize(model, torch.device("cpu") if offload else device, cfg.train.seed,
+                    init_params=weights is None and not from_checkpoint, **placement)
+        if weights is not None:
+            spec.load_pretrained(model, weights)
     if cfg.peft.init_from and not from_checkpoint:  # a PEFT adapter directory's adapters instead of fresh ones
         load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
     if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, trainable, active_params, flops)
+
+
+def _matmul_params(model: nn.Module, active_params: int, peft) -> tuple[int, int, int | None]:
+    """``flops_per_token``'s counts, on the whole model before any split: (the active parameters, with LoRA's
+    adapters; the embedding tables'; with peft, those that get a weight gradient in a matmul: the adapters and
+    the saved modules but an embedding table, else None: all)."""
+    embedding = embedding_params(model)
+    if peft.method == "none":
+        return active_params, embedding, None
+    adapters = adapter_params(model, peft)
+    tables = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    saved = sum(p.numel() for key, p in saved_params(model, peft).items() if key not in tables)
+    return active_params + adapters, embedding, adapters + saved

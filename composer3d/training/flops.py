@@ -6,6 +6,9 @@ scores and their weighted sum: 12·L·H·Q·T over the full T × T matrix (L lay
 length), of which a causal model's attention needs half, 6·L·H·Q·T: the PaLM paper counts the full matrix, which
 overstates MFU the more the longer the sequence (at 131k tokens attention is most of an 8B model's FLOPs).
 Activation recomputation is not counted: MFU measures useful work, so checkpointing lowers it.
+The 6·N is 2·N forward, 2·N for the activations' gradients and 2·N for the weights' gradients; a frozen weight
+(``peft``: the base) gets none of the last, so a LoRA run counts 4·N + 2·(its trainable matmul parameters), N
+including the adapters' own matmuls.
 """
 
 from __future__ import annotations
@@ -39,9 +42,13 @@ def embedding_params(model: nn.Module) -> int:
 
 
 def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, attention_width: int,
-                    seq_len: int) -> int:
-    """6·N + 6·L·H·Q·T (``attention_width`` = H·Q, the query projection's width; causal attention)."""
-    return 6 * (num_params - num_embedding_params) + 6 * n_layers * attention_width * seq_len
+                    seq_len: int, trainable_matmul_params: int | None = None) -> int:
+    """4·N + 2·N_trained + 6·L·H·Q·T (``attention_width`` = H·Q, the query projection's width; causal attention).
+    N: the matmul parameters (``num_params`` without the embedding tables); N_trained: those that get a weight
+    gradient (``trainable_matmul_params``; all of N when None), so 6·N when every weight trains."""
+    matmul = num_params - num_embedding_params
+    trained = matmul if trainable_matmul_params is None else trainable_matmul_params
+    return 4 * matmul + 2 * trained + 6 * n_layers * attention_width * seq_len
 
 
 def compute_dtype_key(param_dtype: str) -> str:

@@ -57,16 +57,18 @@ log = logging.getLogger("composer3d")
 
 class Trainer:
     def __init__(self, cfg: DictConfig, mesh: ParallelMesh, device: torch.device, sequences: PackedSequences | None,
-                 eval_windows: torch.Tensor | None = None, from_checkpoint: bool = False, static_pipeline: bool = False):
+                 eval_windows: torch.Tensor | None = None, from_checkpoint: bool = False, base: dict | None = None,
+                 static_pipeline: bool = False):
         """``sequences``: the training data (None: evaluation only); ``eval_windows``: for train.eval_every;
-        ``from_checkpoint``: the weights will be loaded from a checkpoint (``build_parallel_model``);
-        ``static_pipeline``: pipeline stages built with the shapes they exchange (plan.measure: no other stage)."""
+        ``from_checkpoint``, ``base``: the weights will be loaded from a checkpoint, a peft run's base from its
+        source (``build_parallel_model``); ``static_pipeline``: pipeline stages built with the shapes they exchange
+        (plan.measure: no other stage)."""
         self.cfg, self.mesh, self.device = cfg, mesh, device
         # The loss's chunk kernels, compiled on an accelerator even in an eager run: one fused pass over each chunk
         # of logits instead of several (on an H200, 1B head: chunked 38.9 ms eager, 22.8 compiled, log-softmax 30.8)
         self._compiled_loss = cfg.compile.enabled or distributed.is_accelerator(device)
         t, p = cfg.train, cfg.parallel
-        built = build_parallel_model(cfg, mesh, device, from_checkpoint)
+        built = build_parallel_model(cfg, mesh, device, from_checkpoint, base)
         self.model, self.num_params, stages = built.model, built.num_params, built.stages
         self.active_params, self.trainable_params = built.active_params, built.trainable_params
         self.throughput = Throughput(built.flops_per_token, peak_flops(device, cfg.precision.param_dtype,

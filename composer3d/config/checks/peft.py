@@ -17,6 +17,9 @@ def _check_peft(cfg: Any, degrees: dict[str, int]) -> None:
              "(peft=lora or peft=qlora)")
     _require(f.method != "none" or not f.init_from, "peft.init_from", "loads adapters, and peft.method is none",
              "Add peft=lora (or peft=qlora) with the adapter's rank and alpha")
+    _require(f.method != "none" or not f.base_from, "peft.base_from", "is the frozen base of LoRA adapters, and "
+             "peft.method is none", f"Add peft=lora (or peft=qlora), or continue full training with "
+             f"checkpoint.resume={f.base_from}")
     if f.method == "none":
         return
     _require(f.rank >= 1, "peft.rank", f"must be >= 1, got {f.rank}", "Use e.g. 8 or 16")
