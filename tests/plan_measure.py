@@ -171,11 +171,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
                         _stage_timer(trainer, busy, schedule_time, pad_s)
                     busy.clear()
                     schedule_time.clear()
-                    if step == 1 and not timed_steps and cfg.peft.method != "none":
-                        # torch's MemTracker hooks every parameter's gradient, and a frozen one has none
-                        trainer.train_step()
-                        result["model_state_bytes"] = trainer.model_state_bytes()
-                    elif step == 1 and not timed_steps:
+                    if step == 1 and not timed_steps:
                         comms, tracker = CollectiveBytes(), PeakTracker()
                         tracker.track_external(trainer.model, trainer.optimizer)
                         with tracker, comms:

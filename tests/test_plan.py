@@ -462,6 +462,15 @@ def test_one_rank_of_an_8_rank_layout_measured_here_with_a_fake_process_group():
     assert measured["step_s"] and all(t > 0 for t in measured["step_s"])
 
 
+def test_a_lora_rank_is_measured_its_frozen_base_without_gradients():
+    """plan.measure of a LoRA layout (torch's MemTracker refuses a gradient hook on a frozen weight: it crashed):
+    the rank's model state is the planner's (adapters trained, the base frozen) and its peak within the bar."""
+    result = _measured(_measure(*MODEL, *BATCH, "peft=lora", "parallel.dp_shard=2", "cluster.gpus_per_node=2"))
+    measured, predicted = result["measured"], result["predicted"]
+    assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
+    assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
+
+
 def test_a_pipeline_rank_of_an_8_rank_layout_measured_here_runs_its_part_of_the_schedule():
     """FSDP 2 × TP 2 + SP × pp 2 under 1F1B (4 micro-batches a pipeline): rank 0 (the first stage) and rank 7 (the
     last) each run alone, their stages built with the shapes they exchange (no other stage to ask), their sends and

@@ -59,13 +59,28 @@ class RankMeasurement:
         return {**asdict(self), "median_step_s": self.median_step_s}
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+_NO_HOOK = _NoHook()
+
+
 class PeakTracker(MemTracker):
     """MemTracker reading only the rank's peak, which it counts per tensor whatever its module hooks record.
 
     A module run again within a step is the next micro-batch (gradient accumulation, pipeline schedules) rather
     than an error: the per-module stats start afresh. An interleaved schedule runs another stage's forward before
-    this one's backwards: the backward hooks of a module whose stats that cleared are passed by.
+    this one's backwards: the backward hooks of a module whose stats that cleared are passed by. A frozen
+    parameter (a peft run's base) has no gradient to follow, and torch refuses a gradient hook on it.
     """
+
+    def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
+        for param in module.parameters():
+            if not param.requires_grad:  # as if hooked already: MemTracker then hooks only what trains
+                self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _pre_fw_hook(self, module, inputs):
         try:
