@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from composer3d.config.schema import GenerateConfig
 from composer3d.data import IGNORE_INDEX
 from composer3d.data.tokenizers import HFTokenizer
 from composer3d.errors import ConfigError
@@ -181,9 +181,9 @@ class ComposerLM(TemplateLM):
                 raise ConfigError(f"train.seq_len: {requests[indices[0]].task_name} generates up to {new_tokens} "
                                   f"tokens, which leaves no room for its context in {self.seq_len}. Use "
                                   f"train.seq_len>{new_tokens}")
-            settings = SimpleNamespace(max_new_tokens=new_tokens, temperature=float(options.get("temperature", 0.0)),
-                                       top_k=int(options.get("top_k") or 0), top_p=float(options.get("top_p") or 1.0),
-                                       seed=self.trainer.cfg.train.seed, stop_at_eos=True, stop=until, cache="static")
+            settings = GenerateConfig(max_new_tokens=new_tokens, temperature=float(options.get("temperature", 0.0)),
+                                      top_k=int(options.get("top_k") or 0), top_p=float(options.get("top_p") or 1.0),
+                                      seed=self.trainer.cfg.train.seed, stop_at_eos=True, stop=until, cache="static")
             for start in range(0, len(indices), self.rows):
                 batch = indices[start:start + self.rows]
                 prompts = [self.tok_encode(requests[i].args[0])[-room:] for i in batch]
