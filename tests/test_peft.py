@@ -207,6 +207,21 @@ def test_qlora_resumes_bit_exact_and_evaluates_from_its_rebuilt_nf4_base(runs):
     assert abs(got["loss"] - measured) < 1e-4, (got, measured)
 
 
+def test_composer3d_generate_runs_a_qlora_checkpoint_cached_as_recomputed(runs):
+    """composer3d-generate of a QLoRA checkpoint rebuilds its NF4 base from the record and adds the adapters:
+    greedy tokens through the KV cache equal those of the whole-sequence recompute path."""
+    step = _step(runs["qlora_fsdp2"].run_dir, 4)
+    tokens = []
+    for cache in ("static", "none"):
+        proc = subprocess.run([sys.executable, "-m", "composer3d.generate", "launch.device=cpu", "generate.output=json",
+                               f"checkpoint.resume={step}", "generate.prompt=hello there", "generate.max_new_tokens=8",
+                               "generate.stop_at_eos=false", f"generate.cache={cache}"], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        tokens.append(json.loads(proc.stdout.strip().splitlines()[-1])["completion_ids"])
+    assert len(tokens[0]) == 8 and tokens[0] == tokens[1], tokens
+
+
 def test_lora_math_matches_plain_pytorch_for_a_step():
     """One step of composer3d's LoRA model and optimizer against a plain PyTorch reference: the same base model
     without adapters (same seed: the same weights), each targeted linear's output plus alpha/r · x Aᵀ Bᵀ by forward
