@@ -21,6 +21,7 @@ generation of the same shape (batch, heads, max_len, dtype), which then reuses t
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -100,14 +101,12 @@ def _write(keys: dict, values: dict, layer_id: str, k: torch.Tensor, v: torch.Te
 
 # Each model's compiled cache, kept for its next compiled decoder (weakly: it goes with the model)
 _kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_compiled: list = []
 
 
+@functools.cache
 def _compiled_decode_step():
     """``decode_step`` compiled once per process (its graphs are guarded by the tensors and shapes they take)."""
-    if not _compiled:
-        _compiled.append(torch.compile(decode_step, mode="reduce-overhead", dynamic=False))
-    return _compiled[0]
+    return torch.compile(decode_step, mode="reduce-overhead", dynamic=False)
 
 
 def _visible(real: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
