@@ -29,7 +29,7 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,13 +57,14 @@ SIDES = ("composer3d", "plain")
 NOISY_SPREAD = 1.25  # median / minimum step time above which the table warns of other load
 
 
-def build_config(shape: str, device: str, compile_: bool) -> tuple[DictConfig, dict, torch.device]:
+def build_config(shape: str, device: str, compile_: bool, overrides: Sequence[str] = ()
+                 ) -> tuple[DictConfig, dict, torch.device]:
     """The run's config as composer3d-train would resolve it (degrees for one rank, device, compute dtype)."""
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         cfg = compose("train", overrides=[
             "data=synthetic", "run.dir=unused", "checkpoint.enabled=false", "logging.progress_bar=false",
-            f"launch.device={device}", f"compile.enabled={str(compile_).lower()}", *SHAPES[shape]])
+            f"launch.device={device}", f"compile.enabled={str(compile_).lower()}", *SHAPES[shape], *overrides])
     degrees, resolved = prepare_rank(cfg, None)
     return cfg, degrees, resolved
 

@@ -37,6 +37,34 @@ def test_throughput_benchmark_runs_both_sides_on_cpu():
     assert math.isfinite(result["ratio_step_time"]) and result["ratio_step_time"] > 0
 
 
+def test_step_profile_groups_the_step_by_kernel_family():
+    """The CPU run exercises the profiler path (host ATen ops stand for the kernels); the GPU's kernel names are
+    sorted by the same table, checked here on names cuBLAS, flash, inductor and NCCL kernels carry."""
+    stdout = _run("step_profile.py", "--device", "cpu", "--steps", "1", "--warmup", "1", "--json",
+                  "memory.activation_checkpointing=full")
+    result = json.loads(stdout)
+    assert result["device"] == "cpu" and result["activation_checkpointing"] == "full", result
+    families = result["families_ms"]
+    for fam in ("matmul", "attention", "elementwise", "optimizer"):
+        assert families.get(fam, 0) > 0, (fam, families)
+    tops = [ms for _, ms in result["top"]]
+    assert tops == sorted(tops, reverse=True) and sum(tops) <= result["kernel_ms"] + 1e-6, result
+    assert result["matmul_tflops"] > 0 and result["mfu"] is None, result  # no known peak for the CPU
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from step_profile import family
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert family("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64") == "matmul"
+    assert family("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_16x16_128x1_tn_align8>") == "matmul"
+    assert family("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits>") == "attention"
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3") == "attention"
+    assert family("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0") == "compiled"
+    assert family("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "communication"
+    assert family("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert family("Memcpy DtoD (Device -> Device)") == "copy"
+
+
 def test_pipeline_bubble_benchmark_measures_each_schedule():
     stdout = _run("pipeline_bubble.py", "--dim", "64", "--layers", "4", "--steps", "1", "--schedules", "1f1b", "zbv",
                   "--device", "cpu")
