@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import torch
@@ -47,6 +48,11 @@ def timed(model, prompt: list[int], cache: str, new_tokens: int, batch: int, dev
     return batch * len(results[0].completion_ids) / seconds, results[0].completion_ids
 
 
+def progress(line: str) -> None:
+    """Each path's rate as it is known, on stderr: a compile that runs long still leaves the eager rows behind."""
+    print(f"[{time.strftime('%X')}] {line}", file=sys.stderr, flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="cpu")
@@ -65,7 +71,9 @@ def main() -> None:
     model.eval()
     prompt = torch.randint(cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(0)).tolist()
     recompute, recompute_ids = timed(model, prompt, "none", args.new_tokens, args.batch, device, dtype)
+    progress(f"recompute: {recompute:.1f} tokens/s")
     cached, cached_ids = timed(model, prompt, "static", args.new_tokens, args.batch, device, dtype)
+    progress(f"KV cache: {cached:.1f} tokens/s")
     compiled, compiled_ids = ((float("nan"), cached_ids) if args.no_compile else
                               timed(model, prompt, "static", args.new_tokens, args.batch, device, dtype, compile=True))
     result = {"device": str(device), "shape": args.shape, "params": count_params(model), "dtype": str(dtype),

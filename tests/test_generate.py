@@ -139,17 +139,20 @@ def test_native_kv_cache_is_static_written_in_place_and_exact(tiny_native):
             torch.testing.assert_close(step[row], alone[-1], rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_decode_steps_are_one_graph_and_decode_as_eager(tiny_native):
+@pytest.mark.parametrize("rows", [3, 1], ids=["batch3", "batch1"])
+def test_compiled_decode_steps_are_one_graph_and_decode_as_eager(tiny_native, rows):
     """generate.compile: every one-token step after the prompt runs one compiled graph (the shapes never change:
     attention reads the whole cache), in this generation and the next of the same shape, and the tokens are the
-    eager cache's."""
+    eager cache's. A batch of one too: its slices count as contiguous whatever their strides (an H200 saw it
+    recompile at every token)."""
+    prompts = PROMPTS[:rows]
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = run_native(tiny_native, PROMPTS, compile=True)
-    again = run_native(tiny_native, PROMPTS, compile=True)  # the same shapes: the graph (and its cache) reused
+    compiled = run_native(tiny_native, prompts, compile=True)
+    again = run_native(tiny_native, prompts, compile=True)  # the same shapes: the graph (and its cache) reused
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(torch._dynamo.utils.counters["stats"])
     assert [g.completion_ids for g in again] == [g.completion_ids for g in compiled]
-    assert [g.completion_ids for g in compiled] == [g.completion_ids for g in run_native(tiny_native, PROMPTS)]
+    assert [g.completion_ids for g in compiled] == [g.completion_ids for g in run_native(tiny_native, prompts)]
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_native):

@@ -49,7 +49,10 @@ class LlamaDecoder:
         start, end = self.length, self.length + tokens.shape[1]
         if end > self.max_len:
             raise ValueError(f"the KV cache holds {self.max_len} tokens, {end} asked")
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, start:end].contiguous()  # a fixed stride
+        # A fresh tensor: a slice keeps the row stride of the growing mask, which a compiled step guards on (so a
+        # batch of one, whose slice already counts as contiguous, recompiled at every token)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, start:end].clone(
+            memory_format=torch.contiguous_format)
         real = attention_mask.new_zeros(attention_mask.shape[0], self.max_len, dtype=torch.bool)
         real[:, :end] = attention_mask.bool()
         slots = torch.arange(start, end, device=tokens.device)
