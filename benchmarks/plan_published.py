@@ -26,8 +26,10 @@ OVERLAP = ["plan.published_overlap=true"]
 LLAMA_8B = ["model=llama3_8b", "train.seq_len=8192"]
 LLAMA_70B = ["model=llama3_70b", "train.seq_len=8192"]
 # torchtitan's H100s (both its files): Grand Teton's 96 GB HBM2e parts, 2.4 TB/s (90% of it, as the device table
-# takes of each data sheet), at a 500 W power limit: a dense peak "between SXM and NVL" (835-989), its middle
-GRAND_TETON = ["cluster.hbm_gbps=2160", "cluster.peak_tflops=912"]
+# takes of each data sheet), at a 500 W power limit: a dense peak "between SXM and NVL" (835-989), its middle; and
+# its attention: SDPA on torch nightlies of 2024-12 and 2025-06 ran FlashAttention-2 on an H100 (cuDNN's kernel
+# became SDPA's default there in torch 2.9)
+GRAND_TETON = ["cluster.hbm_gbps=2160", "cluster.peak_tflops=912", "plan.attention_kernel=flash2"]
 
 
 def _gpt(hidden: int, layers: int, heads: int, tp: int, pp: int, batch: int) -> list[str]:
@@ -86,6 +88,11 @@ ROWS = [
      None),
     (19, "composer3d Llama 3.2 1B, 1 GPU, eager, selective AC", _one_h100(False, "selective"), 27672, None),
     (20, "composer3d Llama 3.2 1B, 1 GPU, eager", _one_h100(False, "none"), 35847, None),
+    # torchtitan's Table 2, first row: FSDP 8, CP 1, sequence 32,768, local batch 1, full AC, compile + float8
+    (22, "torchtitan Llama 3.1 8B, 8 GPUs, FSDP, 32,768 tokens (FP8)", ["model=llama3_8b", "train.seq_len=32768",
+     "train.global_batch_size=8", "train.micro_batch_size=1", "cluster.nodes=1", "parallel.dp_shard=8",
+     "memory.activation_checkpointing=full", "compile.enabled=true", "precision.float8.enabled=true",
+     *GRAND_TETON], 3890, None),
 ]
 
 

@@ -254,3 +254,16 @@ def test_context_parallel_benchmark_prints_the_balances_side_by_side():
     for head_tail, documents in zip(rows[::2], rows[1::2]):
         assert documents["work_busiest_over_mean"] <= 1.1 < head_tail["work_busiest_over_mean"], (head_tail, documents)
         assert head_tail["max_error"] < 1e-5 and documents["max_error"] < 1e-5, (head_tail, documents)
+
+
+def test_attention_rate_benchmark_times_each_kernel_and_the_block():
+    """On the CPU (fp32, small shapes): the flash kernel and SDPA's own pick timed for expanded and native GQA at
+    each length with positive rates, cuDNN's kernel reported missing, the block timed per token at each length."""
+    stdout = _run("attention_rate.py", "--lengths", "32", "64", "--steps", "1")
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in (["flash"], ["default"])]
+    assert [(r[0], r[3], r[4]) for r in rows] == [(kernel, gqa, s) for kernel in ("flash", "default")
+                                                  for gqa in ("expand", "native") for s in ("32", "64")], stdout
+    assert all(float(r[5]) > 0 and float(r[7]) > 0 and float(r[9]) > 0 for r in rows), stdout
+    assert "cudnn        4   16  expand     32  not available here" in stdout, stdout
+    block = [line.split() for line in stdout.splitlines() if line.startswith("  seq ")]
+    assert [b[1] for b in block] == ["32", "64"] and all(float(b[2]) > 0 for b in block), stdout

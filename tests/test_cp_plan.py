@@ -68,7 +68,7 @@ def test_ring_passes_hide_behind_attention_at_long_context_not_at_short():
     assert long.exposed_comm_s["cp"] == pytest.approx(grads, rel=1e-9)
     short, cluster = _estimate(*LONG, "train.seq_len=2048", "parallel.dp_shard=1", "parallel.cp=8")
     shape = Workload.from_config(_config(*LONG)).shape
-    exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster)
+    exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster, "sdpa")
     grads = 8 * 32 * 8 * (2 * 8 * 128 * 256 * 4) / cluster.intra_node_bw
     assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, "the K/V passes add to the gradients' at 2,048"
 

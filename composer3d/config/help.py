@@ -1,6 +1,7 @@
 """``--help``: every key of the schema with its value in the composed config and the schema's own comment on it,
-and the recipes. The comments in ``schema.py`` (and ``peft_schema.py``) are the documentation; this reads them from
-their source, so a key documented there is documented here, with no second copy to fall out of date.
+and the recipes. The comments in ``schema.py`` (and ``peft_schema.py``, ``plan_schema.py``) are the documentation;
+this reads them from their source, so a key documented there is documented here, with no second copy to fall out of
+date.
 
 Hydra prints the help (``hydra.help.template`` in conf/train.yaml, which lists the config groups itself); the
 resolvers here fill in what it does not know, the running command's banner and examples among them (every
@@ -18,7 +19,7 @@ from importlib.resources import files
 
 from omegaconf import OmegaConf
 
-from composer3d.config import peft_schema, schema
+from composer3d.config import peft_schema, plan_schema, schema
 
 _FIELD = re.compile(r"^    (\w+): [^#]*?(?:#\s*(.*))?$")
 _COMMENT = re.compile(r"^    #\s?(.*)$")
@@ -48,7 +49,7 @@ def field_comments() -> dict[tuple[str, str], str]:
     """(dataclass name, field) → the comment above the field and at the end of its line, joined."""
     comments: dict[tuple[str, str], str] = {}
     owner, pending = None, []
-    for line in (inspect.getsource(schema) + inspect.getsource(peft_schema)).splitlines():
+    for line in "".join(inspect.getsource(m) for m in (schema, peft_schema, plan_schema)).splitlines():
         if match := _CLASS.match(line):
             owner, pending = match.group(1), []
         elif match := _COMMENT.match(line):

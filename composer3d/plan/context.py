@@ -56,14 +56,15 @@ def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int,
     return [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]
 
 
-def attention_compute_s(shape: ModelShape, c: Candidate, seq_len: int, cluster: Cluster) -> float:
+def attention_compute_s(shape: ModelShape, c: Candidate, seq_len: int, cluster: Cluster, kernel: str) -> float:
     """The forward attention (scores and weighted sum, causal: half the full matrix) of one layer and micro-batch
-    on this rank."""
+    on this rank, at ``kernel``'s rate (plan.attention_kernel)."""
     flops = 2 * 2 * shape.n_heads / c.tp * shape.head_dim * seq_len * seq_len / 2 * c.micro_batch_size / c.cp
-    return flops / (cluster.peak_flops * ATTENTION_FRACTION)
+    return flops / (cluster.peak_flops * ATTENTION_FRACTION[kernel])
 
 
-def exposed_seconds(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster) -> float:
+def exposed_seconds(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
+                    kernel: str) -> float:
     """Seconds a step waits for cp's traffic. The ring: each K/V pass against the attention of the block held
     meanwhile (1/cp of the layer's, twice that in backward), the gradients' passes in full; the other styles'
     collectives in full."""
@@ -75,7 +76,7 @@ def exposed_seconds(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
     layers = stages.dense_layers + stages.moe_layers
     kv = Collective("cp", "send", c.cp, kv_bytes(shape, c, seq_len, cb), False)
     pass_s = seconds(kv, c, cluster)
-    block_s = attention_compute_s(shape, c, seq_len, cluster) / c.cp
+    block_s = attention_compute_s(shape, c, seq_len, cluster, kernel) / c.cp
     forward = (c.cp - 1) * max(0.0, pass_s - block_s)
     backward = (c.cp - 1) * max(0.0, pass_s - 2 * block_s) + c.cp * pass_s / cb * 4
     return c.microbatches * ((layers + _reruns(c, layers)) * forward + layers * backward)

@@ -44,7 +44,7 @@ class Workload:
     def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
-                   Work(compiled=cfg.compile.enabled, float8=cfg.precision.float8.enabled),
+                   Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel),
                    cfg.plan.published_overlap, Peft.from_config(cfg.peft))
 
 
@@ -134,7 +134,7 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     for i, rank_cols in enumerate(cols):
         mine = _exposed_comm(rank_cols, c, cluster, compute[i], sets[i].n_layers, work.published_overlap)
         if c.cp > 1:
-            mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster)
+            mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster, work.work.attention)
         host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])
         if host_exposed or host_overlapped:  # the copies over the host link hide behind compute, not the host step
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])

@@ -9,7 +9,9 @@ this size overlaps little of its loads with its math):
     twice the dense rate with 1-byte operands, plus the casts that scale each operand (read for its amax, read
     again and written in 1 byte); the rest of the step is unchanged.
   Attention (flash attention, causal): forward 2 matmuls over half the score matrix, backward 5 (it recomputes the
-    scores; Dao 2023): 7·s·H·Q FLOPs per token and layer at ``ATTENTION_FRACTION`` of peak.
+    scores; Dao 2023): 7·s·H·Q FLOPs per token and layer at the fraction of peak its kernel reaches
+    (``ATTENTION_FRACTION``, by ``plan.attention_kernel``): the kernel sets it, not the length (past a few thousand
+    tokens a flash kernel's rate is flat in it), and kernels differ: on an H100 cuDNN's runs ~1.6× FlashAttention-2's.
   Elementwise work (norms, RoPE, SwiGLU, residual adds, casts, the loss's softmax): memory-bound, so bytes over
     HBM bandwidth: passes over the block's activations and the logits, many in eager mode (one kernel per op, each
     reading its inputs and writing its output), few when torch.compile fuses them.
@@ -20,8 +22,9 @@ forward GEMM; and in eager mode op-level selective checkpointing routes every op
 dispatch mode, a fixed host cost per block and micro-batch that the device waits for (``EAGER_SAC_S``).
 
 The free constants (four, each measured, each the same for every layout and model):
-  ATTENTION_FRACTION, ELEMENTWISE_PASSES (eager and compiled) and EAGER_SAC_S, from composer3d's own single-H100
-  runs (issue 29: Llama 3.2 1B and 3B at 8192 tokens, eager and compiled, with and without selective AC).
+  ATTENTION_FRACTION's sdpa rate, ELEMENTWISE_PASSES (eager and compiled) and EAGER_SAC_S, from composer3d's own
+  single-H100 runs (issue 29: Llama 3.2 1B and 3B at 8192 tokens, eager and compiled, with and without selective
+  AC); its flash2 rate is FlashAttention-2's own published H100 benchmark, set on no training run.
   ``cluster.achievable_fraction`` (the large-GEMM fraction) is the fourth, and the devices' HBM bandwidths are
   their data sheets' (plan/hardware.py).
 """
@@ -34,10 +37,14 @@ from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape, StageSet
 
-# Flash attention forward + backward, causal, head dim 128, bf16: the fraction of the dense peak its FLOPs run at.
-# FlashAttention-2 (SDPA's kernel) runs at roughly 35-40% of an H100's bf16 peak forward + backward (the
-# FlashAttention-3 paper's baselines); the value is set by the 1B runs, whose attention is a third of their FLOPs.
-ATTENTION_FRACTION = 0.38
+# Causal attention forward + backward, bf16: the fraction of the dense peak its FLOPs run at, by kernel
+# (plan.attention_kernel). sdpa: torch's scaled_dot_product_attention since 2.9 (cuDNN's fused kernel on Hopper and
+# Blackwell, pytorch#162073), what composer3d-train runs; set by its 1B runs (torch 2.11), whose attention is a third
+# of their FLOPs. flash2: FlashAttention-2, SDPA's flash backend (torch's default on Hopper before 2.9: torchtitan's
+# published H100 runs): it issues Ampere's warp-level MMAs, not Hopper's wgmma, and reaches about a third of an
+# H100's peak: 335 TFLOP/s causal forward and 322 backward at head dim 128, 16k tokens, flat from 4k on
+# (FlashAttention-3 paper, Shah et al. 2024, H100 SXM5 figures): 3.5 / (1/335 + 2.5/322) = 326 of 989.
+ATTENTION_FRACTION = {"sdpa": 0.38, "flash2": 0.33}
 # HBM bytes the elementwise kernels move per byte of a block's activations (forward + backward), and per byte of
 # the logits. Eager: each op a kernel (an RMSNorm alone is five passes). Compiled: Inductor's fused kernels. From
 # the 1B's eager and compiled steps without checkpointing (35,847 and 46,788 tok/s on one H100).
@@ -56,6 +63,7 @@ class Work:
     """What the device does in one step, in the terms its time comes from."""
     compiled: bool
     float8: bool
+    attention: str = "sdpa"  # plan.attention_kernel
 
 
 def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> float:
@@ -141,7 +149,7 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
     # causal flash attention: forward 2·s·H·Q per token and layer, backward 2.5× that; cp: a rank's queries
     # against the whole sequence's keys, half of them masked on average
     attention_fwd = 2 * shape.n_heads / c.tp * shape.head_dim * seq_len * c.cp * rows
-    attention = layers * attention_fwd * (3.5 + rerun_fwd) / (cluster.peak_flops * ATTENTION_FRACTION)
+    attention = layers * attention_fwd * (3.5 + rerun_fwd) / (cluster.peak_flops * ATTENTION_FRACTION[work.attention])
 
     passes = ELEMENTWISE_PASSES[work.compiled]
     block_bytes = rows * cluster.compute_bytes * (

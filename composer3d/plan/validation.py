@@ -7,6 +7,7 @@ from typing import Any
 
 from composer3d.config.checks import _check_known_keys, _check_model, _require
 from composer3d.plan.hardware import DEVICES
+from composer3d.plan.kernels import ATTENTION_FRACTION
 from composer3d.plan.layouts import ZERO_BUBBLE
 
 
@@ -27,6 +28,8 @@ def validate_plan(cfg: Any) -> None:
     _require(0 < c.achievable_fraction <= 1, "cluster.achievable_fraction", f"must be in (0, 1], got "
              f"{c.achievable_fraction}", "Use e.g. 0.8")
     _require(p.format in ("table", "json"), "plan.format", f"unknown format {p.format!r}", "Choose table or json")
+    _require(p.attention_kernel in ATTENTION_FRACTION, "plan.attention_kernel", f"unknown kernel "
+             f"{p.attention_kernel!r}", f"Choose one of {sorted(ATTENTION_FRACTION)}")
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
     world = c.nodes * c.gpus_per_node
     _require(0 <= p.measure_rank < world, "plan.measure_rank", f"must name a rank of the {world} (cluster.nodes × "
