@@ -368,7 +368,7 @@ def test_mixture_of_experts_checkpoints_load_on_one_process_and_under_fsdp_pp_an
 
     for arch, path in moe_models.items():
         model = build_model(train_config(path).model)
-        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, compute_device=torch.device("cpu"))
         load_pretrained(model, str(path))
         with torch.no_grad():
             error = (model.eval()(_tokens()) - moe_references[arch]).abs().max().item()
@@ -397,7 +397,7 @@ def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_p
         expected = [torch.bincount(logits.topk(k, dim=-1).indices.flatten(), minlength=experts).float()
                     for logits in router_logits]
         model = build_model(train_config(path).model)
-        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, compute_device=torch.device("cpu"))
         load_pretrained(model, str(path))
         modules = hf_expert_modules(model)
         count_routing(modules, torch.device("cpu"))
@@ -447,7 +447,7 @@ def test_router_loss_is_transformers_own(moe_models, tmp_path):
         expected.loss.backward()
         want = {name: p.grad for name, p in reference.named_parameters()}
         model = build_model(train_config(path).model)
-        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, compute_device=torch.device("cpu"))
         load_pretrained(model, str(path))
         for grad_scale in (0.5, 0.0):  # one micro-batch: the coefficient; then none
             model.zero_grad()
@@ -486,7 +486,7 @@ def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_model
     AutoModelForCausalLM.from_pretrained(moe_models["mixtral"]).save_pretrained(fused, save_original_format=False)
     assert "model.layers.0.mlp.experts.gate_up_proj" in load_file(fused / "model.safetensors")
     model = build_model(train_config(fused).model)
-    materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+    materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, compute_device=torch.device("cpu"))
     load_pretrained(model, str(fused))
     with torch.no_grad():
         assert (model.eval()(_tokens()) - reference_logits(moe_models["mixtral"], _tokens())).abs().max() < ATOL
@@ -548,7 +548,7 @@ def test_every_architecture_decodes_in_transformers_caches_as_transformers_gener
         expected = [ids[:ids.index(COMMON["eos_token_id"]) + 1] if COMMON["eos_token_id"] in ids else ids
                     for ids in expected]
         model = build_model(train_config(path).model)
-        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=False, compute_device=torch.device("cpu"))
         load_pretrained(model, str(path))
         for cache in ("static", "dynamic"):
             results = generate(model.eval(), prompts, GenerateConfig(max_new_tokens=20, cache=cache),
@@ -564,7 +564,7 @@ def test_attention_masks_are_built_without_the_keyword_transformers_deprecates(m
 
     for arch in ("llama", "mistral"):
         model = build_model(train_config(models[arch]).model)
-        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=True, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, fsdp_roots=[], init_params=True, compute_device=torch.device("cpu"))
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("error", FutureWarning)
             model.eval()(_tokens())

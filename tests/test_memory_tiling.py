@@ -164,7 +164,7 @@ def test_hugging_face_tiles_give_the_same_loss_and_gradients(tmp_path, arch):
 
     def build():
         model = build_model(cfg.model)
-        materialize(model, torch.device("cpu"), 0, init_params=False, buffer_device=torch.device("cpu"))
+        materialize(model, torch.device("cpu"), 0, init_params=False, compute_device=torch.device("cpu"))
         load_pretrained(model, str(path))
         return model
 

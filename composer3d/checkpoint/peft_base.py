@@ -104,7 +104,7 @@ def fill_base(model: torch.nn.Module, spec, model_cfg, base: dict, seed: int, de
               **placement: Any) -> None:
     """Allocate ``model`` (a peft model on meta) on ``device`` and fill its base from ``base``, its adapters fresh
     from ``seed`` (a base initialized from a seed: that seed). ``placement``: ``materialize``'s fsdp_roots,
-    buffer_device and aliases."""
+    compute_device and aliases."""
     read = tensor_reader(Path(base["checkpoint"])) if "checkpoint" in base else None
     weights = None if read is not None else spec.pretrained_weights(model_cfg)
     materialize(model, device, base.get("seed", seed), init_params=weights is None, read=read, **placement)

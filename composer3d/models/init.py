@@ -60,7 +60,7 @@ def local_shard(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: list[nn.Module] = (),
-                init_params: bool = True, buffer_device: torch.device | None = None,
+                init_params: bool = True, compute_device: torch.device | None = None,
                 aliases: dict[str, str] | None = None,
                 read: Callable[[str, tuple[int, ...]], torch.Tensor] | None = None) -> None:
     """Allocate ``model`` (on meta) on ``device`` and fill every parameter by its ``init_rule``.
@@ -68,8 +68,11 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
     ``init_params=False`` only allocates them (pretrained weights are loaded next) and computes the buffers; LoRA
     adapters are initialized even then, since pretrained weights do not hold them.
 
-    ``buffer_device``: where the buffers (rotary tables) go when it is not ``device``: with FSDP's CPU offload the
-    parameters live in host memory, which FSDP requires of them, while the forward runs on the accelerator.
+    ``compute_device``: where the forward runs, when it is not ``device``: with FSDP's CPU offload the parameters
+    live in host memory, which FSDP requires of them, while the forward runs on the accelerator. The buffers
+    (rotary tables) go there, and every parameter's values are drawn there and copied to ``device``: each device
+    type's generator draws its own numbers for a seed, and an offloaded run must start from the model it would
+    start from on the accelerator.
 
     ``fsdp_roots``: FSDP roots outside the model's own tree (pipeline stage modules); FSDP re-registers the
     sharded parameters it manages only when its own module is moved.
@@ -84,20 +87,21 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
     for root in fsdp_roots:
         root.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module its own new tensor, which unties shared weights
+    compute_device = compute_device or device
     for name, param in model.named_parameters():
         if not (init_params or is_adapter(name)):
             continue
         # A LoRA-wrapped linear's base weight keeps the seed and rule of its unwrapped name (``models.lora``); a tied
         # head's twin those of the embedding (``aliases``).
         source = base_name((aliases or {}).get(name, name))
-        generator = torch.Generator(device=device).manual_seed(param_seed(seed, source))
+        generator = torch.Generator(device=compute_device).manual_seed(param_seed(seed, source))
         if is_adapter(name):
             rule = partial(adapter_init, name)
         elif read is not None:
             rule = lambda shape, generator, device, source=source: read(source, shape).to(device)  # noqa: E731
         else:
             rule = model.init_rule(source)
-        full = rule(tuple(param.shape), generator, device)
+        full = rule(tuple(param.shape), generator, compute_device)
         local = param.to_local() if isinstance(param, DTensor) else param
         if is_nf4(local):  # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors
             local = param._local_tensor if isinstance(param, DTensor) else param  # QLoRA: quantized whole, then cut, so every layout holds the same
@@ -107,9 +111,8 @@ def materialize(model: nn.Module, device: torch.device, seed: int, fsdp_roots: l
             raise RuntimeError(f"init of {name}: computed shard {tuple(shard.shape)} but the rank holds "
                                f"{tuple(local.shape)} under placements {param.placements}")
         copy_nf4_(local, shard) if is_nf4(local) else local.copy_(shard)
-    buffer_device = buffer_device or device
-    model.init_buffers(buffer_device)
-    if buffer_device != device:  # buffers a model recomputes in place stay where to_empty put them
+    model.init_buffers(compute_device)
+    if compute_device != device:  # buffers a model recomputes in place stay where to_empty put them
         for module in model.modules():
             for name, buffer in module.named_buffers(recurse=False):
-                module._buffers[name] = buffer.to(buffer_device)
+                module._buffers[name] = buffer.to(compute_device)

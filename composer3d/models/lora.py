@@ -70,7 +70,7 @@ def copy_nf4_(dst: torch.Tensor, src: torch.Tensor) -> None:
     for name in dst.__tensor_flatten__()[0]:
         inner = getattr(dst, name)
         if inner.is_meta:
-            setattr(dst, name, getattr(src, name).clone().to(inner.dtype))
+            setattr(dst, name, getattr(src, name).to(device=dst.device, dtype=inner.dtype, copy=True))
         else:
             inner.copy_(getattr(src, name))
 

@@ -47,7 +47,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     stages = parallelize(model, spec, mesh, cfg, device)
     offload = cfg.parallel.offload == "cpu"
     # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
-    placement = {"fsdp_roots": stages, "buffer_device": device, "aliases": init_aliases(model)}
+    placement = {"fsdp_roots": stages, "compute_device": device, "aliases": init_aliases(model)}
     if cfg.peft.method != "none":
         fill_base(model, spec, cfg.model, base or base_source(cfg), cfg.train.seed,
                   torch.device("cpu") if offload else device, **placement)
