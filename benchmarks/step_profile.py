@@ -64,6 +64,8 @@ def kernel_times(prof, on_device: bool) -> dict[str, float]:
     ATen operators' self time on the CPU (where they are the kernels)."""
     times: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
+        if event.is_user_annotation:  # a named region (the optimizer step's) spans kernels counted on their own
+            continue
         if on_device and event.device_type != DeviceType.CPU:
             times[event.key] += event.self_device_time_total
         elif not on_device and event.device_type == DeviceType.CPU and event.key.startswith("aten::"):
