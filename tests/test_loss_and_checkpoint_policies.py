@@ -106,13 +106,26 @@ def test_fused_loss_in_bf16_rounds_where_the_full_logits_do(monkeypatch, compile
         assert (grad != reference).float().mean().item() < 0.01  # the rare element fp32's last bit rounds over
 
 
+class _Matmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
 def test_fused_loss_without_gradients_is_the_same_loss():
-    """Evaluation (no_grad): the loss alone, the same as with gradients."""
+    """Evaluation (no_grad): the loss alone, the same as with gradients, from the head's matmul alone (inputs that
+    require gradients do not make it compute them)."""
     x, weight, targets = _inputs()
-    with torch.no_grad():
+    with torch.no_grad(), _Matmuls() as matmuls:
         loss = fused_linear_cross_entropy_sum(x, weight, targets)
+    with torch.no_grad():
         expected = F.cross_entropy((x @ weight.t()).flatten(0, 1), targets.flatten(), reduction="sum")
     assert not loss.requires_grad
+    assert matmuls.count == 1, matmuls.count  # one chunk's logits; with gradients four matmuls
     assert abs(loss.item() - expected.item()) <= 1e-5 * expected.item()
 
 

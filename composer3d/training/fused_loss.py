@@ -93,6 +93,8 @@ def fused_linear_cross_entropy_sum(x: torch.Tensor, weight: torch.Tensor, target
                          "shards): use train.loss_impl=chunked")
     device_type = x.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else weight.dtype
+    if not torch.is_grad_enabled():  # evaluation: the loss alone (a Function's forward sees inputs' requires_grad)
+        x, weight = x.detach(), weight.detach()
     grad_scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=x.device)
     kernels = compiled_kernels() if compiled else EAGER_KERNELS
     with torch.autocast(device_type, enabled=False):
