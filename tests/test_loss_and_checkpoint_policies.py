@@ -101,8 +101,8 @@ def test_fused_loss_in_bf16_rounds_where_the_full_logits_do(monkeypatch, compile
     assert abs(loss.item() - expected[0].item()) <= 1e-6 * expected[0].item()  # fp32's summation order only
     for grad, reference in zip(grads, expected[1:]):
         assert grad.dtype == reference.dtype == torch.float32
-        half_ulp = 2**-9 * reference.abs().max().item()  # half a bf16 step at the largest element
-        torch.testing.assert_close(grad, reference, rtol=0, atol=half_ulp)
+        bf16_step = 2**-8 * reference.abs().max().item()  # one bf16 step at the largest element
+        torch.testing.assert_close(grad, reference, rtol=0, atol=bf16_step)
         assert (grad != reference).float().mean().item() < 0.01  # the rare element fp32's last bit rounds over
 
 
