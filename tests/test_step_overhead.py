@@ -279,3 +279,46 @@ def test_flops_per_token_and_peak_table(monkeypatch):
     assert peak_flops(cuda, "bfloat16") is None
     assert peak_flops(cuda, "bfloat16", override_tflops=500) == 500e12
     assert peak_flops(CPU, "float32") is None
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this one process (a Trainer's mesh needs one), gone after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compile_enabled, accelerator, expect_compiled", [
+    (False, False, False), (True, False, True), (False, True, True)], ids=["eager", "compile", "accelerator"])
+@pytest.mark.parametrize("loss_impl", ["chunked", "fused"])
+def test_loss_kernels_compile_with_compile_enabled_or_on_an_accelerator(monkeypatch, one_rank_group, loss_impl,
+                                                                         compile_enabled, accelerator,
+                                                                         expect_compiled):
+    """Trainer._compiled_loss: the step's loss asks for its compiled chunk kernels (``compiled_kernels``, whose
+    graphs test_chunked_cross_entropy_matches_torch counts) with compile.enabled, and on an accelerator in an eager
+    run too; an eager run on the CPU runs them eagerly. The same loss either way."""
+    from composer3d.launch import distributed
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.training import fused_loss
+    from composer3d.training.trainer import Trainer, prepare_rank
+
+    requested = []
+
+    def spy():  # the eager kernels: the test counts requests, it does not pay for inductor
+        requested.append(True)
+        return loss_module.EAGER_KERNELS
+    for module in (loss_module, fused_loss):
+        monkeypatch.setattr(module, "compiled_kernels", spy)
+    monkeypatch.setattr(distributed, "is_accelerator", lambda device: accelerator)  # what the Trainer asks
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda *args, **kwargs: None)  # blocks eager: only the loss
+    cfg = compose_cfg(["model=tiny", "train.seq_len=16", "train.global_batch_size=2", "train.micro_batch_size=2",
+                       f"compile.enabled={compile_enabled}", f"train.loss_impl={loss_impl}"])
+    degrees, device = prepare_rank(cfg, None)
+    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, None)
+    inputs = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    trainer._model_loss(inputs, inputs.roll(-1, 1)).backward()
+    assert trainer._compiled_loss == expect_compiled
+    assert bool(requested) == expect_compiled, requested

@@ -189,8 +189,8 @@ class TrainLoopConfig:
     # automatic one strikes mid-step on one rank, and the others wait on it at the next collective); 0: Python's own
     gc_every: int = 50
     # the head and cross-entropy (each compiled on an accelerator): chunked (the head's logits, then the loss chunk
-    # by chunk; any layout) | fused (the head's matmul, loss and gradients per chunk of rows: the full logits never
-    # exist; needs a bias-free head without logit scaling, parallel.tp=1, parallel.pp=1, memory.tile_loss=0)
+    # by chunk; any layout) | fused (matmul, loss, gradients per chunk of rows, the weight's per chunk of the vocab:
+    # no full logits; needs a bias-free head without logit scaling, parallel.tp=1, parallel.pp=1, memory.tile_loss=0)
     loss_impl: str = "chunked"
 
 

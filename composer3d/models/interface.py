@@ -121,3 +121,12 @@ class ComposerModel(Protocol):
     def use_context_parallel(self, context) -> None:
         """Hold ``context``'s share of each sequence (``parallel.context.ContextParallel``: token indices, the
         gather of keys and values over cp, the mask); a family refuses what it cannot (``context_parallel_problem``)."""
+
+
+def has_submodule(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` holds a submodule at the dotted ``name`` (a plan's or a layout's module names)."""
+    try:
+        module.get_submodule(name)
+        return True
+    except AttributeError:
+        return False

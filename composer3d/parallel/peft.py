@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
 
 from composer3d.errors import ConfigError
+from composer3d.models.interface import has_submodule
 from composer3d.models.lora import BASE, NF4_BLOCK, LoRALinear, quantize_base
 
 def matches(name: str, patterns) -> bool:
@@ -118,7 +119,7 @@ def tensor_parallel_styles(block: nn.Module, plan: dict[str, ParallelStyle]) -> 
     """
     styles = {}
     for name, style in plan.items():
-        module = block.get_submodule(name) if "*" not in name and _present(block, name) else None
+        module = block.get_submodule(name) if "*" not in name and has_submodule(block, name) else None
         if not isinstance(module, LoRALinear):
             styles[name] = style
             continue
@@ -156,11 +157,3 @@ def _replicated_input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh)
     if isinstance(x, DTensor):
         return (x.redistribute(device_mesh, [Replicate()]), *inputs[1:])
     return (DTensor.from_local(x, device_mesh, [Replicate()], run_check=False), *inputs[1:])
-
-
-def _present(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False

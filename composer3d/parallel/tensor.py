@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from composer3d.models import ModelSpec
+from composer3d.models.interface import has_submodule
 from composer3d.parallel.peft import tensor_parallel_styles
 
 
@@ -19,9 +20,9 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
         # A mixture-of-experts block has no dense feed-forward: its experts are split by ``parallel.experts``.
         # LoRA adapters are split with their base linears (``peft``)
         parallelize_module(block, tp_mesh, tensor_parallel_styles(block, {
-            name: style for name, style in block_plan.items() if "*" in name or _present(block, name)}))
+            name: style for name, style in block_plan.items() if "*" in name or has_submodule(block, name)}))
     # A pipeline stage may have dropped the embedding or the head.
-    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items() if _present(model, name)})
+    parallelize_module(model, tp_mesh, {name: style for name, style in root_plan.items() if has_submodule(model, name)})
     if sequence_parallel and hasattr(model, "sequence_shards"):
         model.sequence_shards = tp_mesh.size()  # stages after the first see 1/tp of the sequence
     # The plan replaced the embedding and the head weights one by one; a tied model must share them again.
@@ -30,13 +31,6 @@ def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
-
-
-def _present(model: nn.Module, name: str) -> bool:
-    try:
-        return model.get_submodule(name) is not None
-    except AttributeError:
-        return False
 
 
 def keep_grads_in_param_layout(model: nn.Module) -> None:

@@ -148,9 +148,12 @@ class Trainer:
 
     def _fused_head_loss(self, h: torch.Tensor, logits_fn, targets: torch.Tensor) -> torch.Tensor:
         """The head and summed loss fused (train.loss_impl=fused), from the head's weight as the model's forward
-        holds it (FSDP's gathered one)."""
+        holds it (FSDP's gathered one). Its gradients are computed in forward for the output gradient the step
+        will send (``_normalized``'s), so they are rounded where autograd through the full logits rounds them."""
         norm, weight = self.model.linear_head()  # not None: checked with the config
-        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=self._compiled_loss)
+        grad_scale = self._normalized(torch.ones((), device=self.device))
+        return fused_linear_cross_entropy_sum(norm(h), weight, targets, compiled=self._compiled_loss,
+                                              grad_scale=grad_scale)
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
         """This rank's share of the step's loss (a sum of already-normalized microbatch losses).

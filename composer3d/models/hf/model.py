@@ -34,7 +34,7 @@ from composer3d.models.hf.conversion import model_conversions
 from composer3d.models.hf.experts import count_routing, hf_expert_modules, inactive_params, use_expert_parallel
 from composer3d.models.hf.router_loss import RouterLoss, wants_router_loss
 from composer3d.models.init import InitRule
-from composer3d.models.interface import Routing
+from composer3d.models.interface import Routing, has_submodule
 
 # Layer type (config.layer_types) → transformers' function building its attention mask.
 _MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
@@ -69,7 +69,7 @@ class HFCausalLM(nn.Module):
 
         config = load_hf_config(resolve_model_dir(cfg.path), cfg.attn_implementation)
         causal = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        missing = [name for name in _REQUIRED if not _has_submodule(causal, name)]
+        missing = [name for name in _REQUIRED if not has_submodule(causal, name)]
         if missing:
             raise ConfigError(f"model.path: {type(causal).__name__} lacks {missing}; composer3d runs decoder-only "
                               "text models laid out as transformers' Llama family (model.embed_tokens, model.layers, "
@@ -279,11 +279,3 @@ class HFCausalLM(nn.Module):
         if self.router_loss is not None:
             h = self.router_loss.attach(h)
         return self.logits(h) if head_loss is None else head_loss(h, self.logits)
-
-
-def _has_submodule(module: nn.Module, name: str) -> bool:
-    try:
-        module.get_submodule(name)
-        return True
-    except AttributeError:
-        return False
