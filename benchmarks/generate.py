@@ -23,7 +23,7 @@ import time
 import torch
 
 from composer3d.config.schema import GenerateConfig, ModelConfig
-from composer3d.generation import generate
+from composer3d.generation import Recompute, generate
 from composer3d.launch.distributed import resolve_device
 from composer3d.models import build_model, count_params
 from composer3d.models.init import materialize
@@ -46,6 +46,27 @@ def timed(model, prompt: list[int], cache: str, new_tokens: int, batch: int, dev
         results = generate(model, [prompt] * batch, settings, None, str, device)
         seconds = time.perf_counter() - started
     return batch * len(results[0].completion_ids) / seconds, results[0].completion_ids
+
+
+def divergence(model, prompt: list[int], reference: list[int], other: list[int], device, dtype) -> dict | None:
+    """Where two paths' greedy tokens part (None: they do not), and why: both paths' logits along the reference's
+    tokens at that step, their largest difference beside the reference's margin between its top two. A margin below
+    the difference is a near-tie flipped by rounding (bf16 kernels that sum in another order); a margin far above
+    it is a wrong cache."""
+    step = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), None)
+    if step is None:
+        return None
+    ids = torch.tensor([prompt + reference[:step]], device=device)
+    logits = []
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        for decoder in (Recompute(model), model.decoder(ids.shape[1] + 1, "static")):
+            last = decoder(ids[:, :len(prompt)], torch.ones_like(ids[:, :len(prompt)]))
+            for i in range(len(prompt), ids.shape[1]):
+                last = decoder(ids[:, i:i + 1], torch.ones_like(ids[:, :i + 1]))
+            logits.append(last[0].float())
+    top = logits[0].topk(2).values
+    return {"step": step, "logit_difference": (logits[0] - logits[1]).abs().max().item(),
+            "top_two_margin": (top[0] - top[1]).item()}
 
 
 def progress(line: str) -> None:
@@ -80,7 +101,8 @@ def main() -> None:
               "prompt": args.prompt, "new_tokens": args.new_tokens, "batch": args.batch,
               "recompute_tokens_per_s": recompute, "cached_tokens_per_s": cached, "ratio": cached / recompute,
               "compiled_tokens_per_s": compiled, "compiled_ratio": compiled / recompute,
-              "same_tokens": cached_ids == recompute_ids, "compiled_same_tokens": compiled_ids == cached_ids}
+              "same_tokens": cached_ids == recompute_ids, "compiled_same_tokens": compiled_ids == cached_ids,
+              "cache_vs_recompute": divergence(model, prompt, recompute_ids, cached_ids, device, dtype)}
     if args.json:
         print(json.dumps(result))
         return
@@ -90,7 +112,11 @@ def main() -> None:
     print(f"{'recompute (cache=none)':<28}{recompute:>12.1f}")
     print(f"{'KV cache (cache=static)':<28}{cached:>12.1f}")
     print(f"{'KV cache, compiled steps':<28}{compiled:>12.1f}")
-    print(f"cached / recompute: {result['ratio']:.1f}x; same tokens: {result['same_tokens']}")
+    parting = result["cache_vs_recompute"]
+    print(f"cached / recompute: {result['ratio']:.1f}x; " + (
+        "the same tokens" if parting is None else
+        f"tokens part at step {parting['step']}: there the paths' logits differ by up to "
+        f"{parting['logit_difference']:.3g}, the recompute path's top two are {parting['top_two_margin']:.3g} apart"))
     print(f"compiled / recompute: {result['compiled_ratio']:.1f}x; same tokens as the eager cache: "
           f"{result['compiled_same_tokens']}")
 

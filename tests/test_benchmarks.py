@@ -223,6 +223,29 @@ def test_generate_benchmark_prints_cached_and_recompute_speed():
     assert result["device"] == "cpu" and result["new_tokens"] == 16
     assert result["recompute_tokens_per_s"] > 0 and result["cached_tokens_per_s"] > 0, result
     assert result["same_tokens"], result  # the cache changes the speed, not the tokens
+    assert result["cache_vs_recompute"] is None, result
+
+
+def test_generate_benchmark_explains_where_two_paths_part():
+    """Where tokens part, the benchmark sets the paths' logit difference beside the reference's top-two margin: on
+    the CPU in fp32 the paths agree to rounding, so a forced parting shows a difference far below the margin."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from generate import SHAPES, divergence
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    from composer3d.config.schema import ModelConfig
+    from composer3d.models import build_model
+    from composer3d.models.init import materialize
+
+    cfg = ModelConfig(name="llama", max_seq_len=32, **SHAPES["cpu"])
+    model = build_model(cfg)
+    materialize(model, torch.device("cpu"), seed=0)
+    model.eval()
+    prompt, reference = [5, 17, 3, 99], [7, 8, 9, 10, 11]
+    assert divergence(model, prompt, reference, reference, torch.device("cpu"), torch.float32) is None
+    parting = divergence(model, prompt, reference, [7, 8, 1, 10, 11], torch.device("cpu"), torch.float32)
+    assert parting["step"] == 2 and parting["logit_difference"] < 1e-4 < parting["top_two_margin"], parting
 
 
 def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
