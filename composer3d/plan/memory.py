@@ -14,10 +14,11 @@ input, the two norm outputs and the attention residual (4·h), q's projection an
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
 2·f); torchtitan's ``alternate_matmuls`` every other linear's of them (``block_matmul_outputs``: 2·h + 2·q + kv +
-heads + f), as tests/test_plan.py measures. A MoE layer's feed-forward part: ``_mlp_elements``. Logits: the
-head's output and its gradient in the compute dtype, plus the loss's fp32 chunks (loss.py). Sequence tiling
-(``memory.tile_mlp``, ``memory.tile_loss``) leaves one tile's MLP hidden and one tile's logits, recomputed in
-backward: those terms over the tile count.
+heads + f); both keep the outputs of TP's collectives too (SP: the gathered 2·h, whole on every rank, and the
+reduce-scattered 2·h/tp; without SP the all-reduced 2·h), as tests/test_plan.py measures. A MoE layer's
+feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the compute dtype, plus the
+loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``) leaves one tile's MLP
+hidden and one tile's logits, recomputed in backward: those terms over the tile count.
 Activation offload keeps on the device the saved tensors of two blocks (the one in
 backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
 
@@ -202,8 +203,11 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
+        # The policy keeps TP's collectives' outputs too: SP's all-gathered inputs and reduce-scattered outputs,
+        # without SP the all-reduced outputs (of attention and MLP each)
+        collectives = gathered + (2 * h / t if c.sequence_parallel else 2 * h if t > 1 else 0)
         # + wo, w2 outputs (residual width)
-        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + cp_saved
+        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved
         if c.ac_policy == "alternate_matmuls":
             saved -= sum(block_matmul_outputs(shape, c, moe, compute_bytes)[1::2])
         return LayerActivations(saved, full - saved + backward_temporaries)
