@@ -13,9 +13,12 @@ block (models/llama/) and verified by tests/test_plan.py's measurements: per tok
 input, the two norm outputs and the attention residual (4·h), q's projection and rotation, attention's output and
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
-2·f). A MoE layer's feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the
-compute dtype, plus the loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``)
-leaves one tile's MLP hidden and one tile's logits, recomputed in backward: those terms over the tile count.
+2·f); torchtitan's ``alternate_matmuls`` every other linear's of them (``block_matmul_outputs``: 2·h + 2·q + kv +
+heads + f); both keep the outputs of TP's collectives too (SP: the gathered 2·h, whole on every rank, and the
+reduce-scattered 2·h/tp; without SP the all-reduced 2·h), as tests/test_plan.py measures. A MoE layer's
+feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the compute dtype, plus the
+loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``) leaves one tile's MLP
+hidden and one tile's logits, recomputed in backward: those terms over the tile count.
 Activation offload keeps on the device the saved tensors of two blocks (the one in
 backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
 
@@ -159,6 +162,25 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
     return full, selective, 2 * shared / t + 2 * k * f / t + k * h
 
 
+def block_matmul_outputs(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> list[float]:
+    """A block's linear matmuls' outputs per token (elements of the compute dtype), in the order they run: what
+    ``alternate_matmuls`` (parallel/activation.py) counts afresh in each block, keeping the 1st, 3rd, … and
+    recomputing the others.
+
+    Attention: wq wk wv wo. Dense: w1 w3 w2, so alternate_matmuls recomputes wk, wo and w3. MoE: the router's
+    fp32 logits and the shared experts' w1 w3 w2 (the routed experts' grouped matmuls are not counted: always
+    kept), so wk, wo, shared w1 and w2. Under ``tile_mlp`` attention's only: the tiled feed-forward is counted as
+    its tiles' own checkpoint keeps it, though the policy sees the tiles' matmuls too and caches their outputs (a
+    measured TP-less rank at tile_mlp=2 peaked 40% above the prediction: not modelled yet)."""
+    t, h = c.tp, shape.dim
+    q, kv = shape.n_heads * shape.head_dim / t, shape.n_kv_heads * shape.head_dim / t
+    attention = [q, kv, kv, h]
+    if not moe:
+        return attention + ([] if c.tile_mlp > 1 else [shape.ffn / t, shape.ffn / t, h])
+    shared = shape.moe.shared * shape.moe.hidden / t
+    return attention + [shape.moe.experts * 4 / compute_bytes] + ([shared, shared, h] if shared else [])
+
+
 def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int, cp_saved: float = 0.0,
                       cp_transient: float = 0.0) -> LayerActivations:
     """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling; ``cp_saved`` and
@@ -182,8 +204,13 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
+        # The policy keeps TP's collectives' outputs too: SP's all-gathered inputs and reduce-scattered outputs,
+        # without SP the all-reduced outputs (of attention and MLP each)
+        collectives = gathered + (2 * h / t if c.sequence_parallel else 2 * h if t > 1 else 0)
         # + wo, w2 outputs (residual width)
-        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + cp_saved
+        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved
+        if c.ac_policy == "alternate_matmuls":
+            saved -= sum(block_matmul_outputs(shape, c, moe, compute_bytes)[1::2])
         return LayerActivations(saved, full - saved + backward_temporaries)
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
