@@ -92,8 +92,10 @@ def test_rope_rotates_each_pair_by_its_angle(dtype):
         return graph.forward
 
     compiled = torch.compile(apply_rope, backend=backend, fullgraph=True)
+    low = cos.to(dtype), sin.to(dtype)  # a model cast whole to bf16 casts its tables with it
     for tables, expected_tables in (((cos, sin), (cos[:32], sin[:32])),
-                                    ((cos[positions], sin[positions]), (cos[positions], sin[positions]))):
+                                    ((cos[positions], sin[positions]), (cos[positions], sin[positions])),
+                                    (low, (low[0][:32], low[1][:32]))):
         reference = written_out(x, *expected_tables)
         reference_grad, = torch.autograd.grad(reference, x, grad)
         for rope in (apply_rope, compiled):

@@ -36,7 +36,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
     # Eager: each pair a complex number turned by e^{iθ}, in fp32, the same numbers as the products written out in
     # a third of the kernels (each a pass over q or k, which selective AC runs again in backward)
-    turn = torch.complex(cos, sin).unsqueeze(-2)
+    turn = torch.complex(cos.float(), sin.float()).unsqueeze(-2)  # tables cast with a bf16 model too
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
