@@ -161,3 +161,30 @@ def test_resuming_with_another_model_shape_is_refused(tmp_path):
     run = train(tmp_path, *FAST, "train.steps=4", "model.n_layers=3", check=False)
     assert run.returncode == 2 and "invalid configuration: model: the checkpoint" in run.output
     assert "layers.2." in run.output, "names a parameter that differs"
+
+
+def test_peft_base_reader_reads_every_tensor_whole_and_the_index_once(tmp_path, monkeypatch):
+    """``peft.base_from``'s reader (checkpoint/peft_base.py): each tensor as saved, whatever its dtype, and the DCP
+    index unpickled once for all of them (it lists every saved chunk of every tensor)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from composer3d.checkpoint import format as checkpoint_format
+    from composer3d.checkpoint.peft_base import tensor_reader
+    from composer3d.config import ConfigError
+
+    saved = {f"layers.{i}.w": torch.randn(3 + i, 5, dtype=torch.bfloat16 if i % 2 else torch.float32)
+             for i in range(6)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": saved}, checkpoint_id=str(tmp_path), no_dist=True)
+    unpickled = []
+    real_load = checkpoint_format._MetadataUnpickler.load
+    monkeypatch.setattr(checkpoint_format._MetadataUnpickler, "load", lambda self: unpickled.append(1) or real_load(self))
+    read = tensor_reader(tmp_path)
+    for name, tensor in saved.items():
+        assert torch.equal(read(name, tuple(tensor.shape)), tensor.float())
+    assert len(unpickled) == 1, f"the index was unpickled {len(unpickled)} times for {len(saved)} tensors"
+    with pytest.raises(ConfigError, match=r"holds no tensor model.layers.0.w of shape \(4, 5\)"):
+        read("layers.0.w", (4, 5))

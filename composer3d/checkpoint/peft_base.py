@@ -112,10 +112,23 @@ def fill_base(model: torch.nn.Module, spec, model_cfg, base: dict, seed: int, de
         spec.load_pretrained(model, weights)
 
 
+class _IndexedReader(SafeFileSystemReader):
+    """A reader for many loads of one checkpoint: its index unpickled on the first, kept for the others (each load
+    still takes its own id)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any):
+        if not hasattr(self, "_index"):
+            self._index = super().read_metadata(*args, **kwargs)
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+
 def tensor_reader(path: Path) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
     """Whole model tensors of checkpoint ``path`` by name, each read as asked (one at a time, whatever layout saved
-    it; no collective, so pipeline stages may each read their own)."""
-    stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
+    it; no collective, so pipeline stages may each read their own). The checkpoint's index is read once: each load
+    would otherwise unpickle it again, every saved chunk of every tensor, once per tensor."""
+    reader = _IndexedReader(path)
+    stored = reader.read_metadata().state_dict_metadata
 
     def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         entry = stored.get(f"model.{name}")
@@ -125,7 +138,7 @@ def tensor_reader(path: Path) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
         state = {"model": {name: torch.empty(shape, dtype=entry.properties.dtype)}}
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load(state, storage_reader=SafeFileSystemReader(path), no_dist=True)
+            dcp.load(state, storage_reader=reader, no_dist=True)
         return state["model"][name].float()
 
     return read
