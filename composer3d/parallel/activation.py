@@ -23,7 +23,7 @@ decides what the compiled graph saves.
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -89,10 +89,9 @@ def _alternate_matmuls_context(saved: set):
 POLICIES = {"all_matmuls": _all_matmuls_context, "alternate_matmuls": _alternate_matmuls_context}
 
 
-@cache
-def policy_context(policy: str, save_gathers: bool):
+def _policy_context(policy: str, save_gathers: bool):
     """The ``context_fn`` of ``POLICIES[policy]`` keeping ``SAVE_OPS``' outputs, and the all-gathers' with
-    ``save_gathers``: a plain function (dynamo passes one through to the compiled graph as it is), one per pair."""
+    ``save_gathers``."""
     saved = frozenset(SAVE_OPS | GATHERS) if save_gathers else frozenset(SAVE_OPS)
 
     def context():
@@ -101,11 +100,16 @@ def policy_context(policy: str, save_gathers: bool):
     return context
 
 
-def checkpointed_forward(forward, context_fn, *args, **kwargs):
-    """``forward(*args, **kwargs)``, its activations recomputed in backward: all (``context_fn`` None), or those
-    its policy (``policy_context``) does not keep. (Full takes checkpoint's default context: dynamo cannot trace
-    one passed in.)"""
-    context = {"context_fn": context_fn} if context_fn else {}
+# One per (policy, save_gathers), looked up inside the traced forward by those constants, which dynamo guards on:
+# a context function passed in is not guarded, and a block compiled under one policy would serve another's graph.
+CONTEXTS = {(policy, keep): _policy_context(policy, keep) for policy in POLICIES for keep in (False, True)}
+
+
+def checkpointed_forward(forward, policy: str | None, save_gathers: bool, *args, **kwargs):
+    """``forward(*args, **kwargs)``, its activations recomputed in backward: all (``policy`` None), or those
+    ``POLICIES[policy]`` does not keep (with the all-gathers' outputs under ``save_gathers``). (Full takes
+    checkpoint's default context: dynamo cannot trace one passed in.)"""
+    context = {"context_fn": CONTEXTS[policy, save_gathers]} if policy else {}
     return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **context, **kwargs)
 
 
@@ -119,11 +123,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int, poli
     wrapped = 0
     for layer_id, block in model.layers.items():
         if mode == "full" or (every >= 1 and int(layer_id) % every == 0):
-            context_fn = None
+            block_policy = None
         elif every == 0:
-            context_fn = policy_context(policy, save_gathers)
+            block_policy = policy
         else:
             continue
-        block.forward = partial(checkpointed_forward, block.forward, context_fn)
+        block.forward = partial(checkpointed_forward, block.forward, block_policy, save_gathers)
         wrapped += 1
     return wrapped
