@@ -11,8 +11,8 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
     the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
   SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
-    Op-level selective checkpointing gathers each block's two inputs again in backward, but under
-    memory.ac_save_gathers (parallel/activation.py).
+    Op-level selective checkpointing gathers each block's two inputs again in backward, unless
+    memory.ac_save_gathers=true (parallel/activation.py).
   MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of the input and a
     reduce-scatter of the output under SP, the reduce-scatter's all-gather in backward), and in backward one
     all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per

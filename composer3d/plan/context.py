@@ -13,8 +13,8 @@ Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim · local toke
   gradients reduce-scattered in backward; one mask of local queries × all keys per micro-batch.
 - ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in forward and in
   backward; one mask of all queries × all keys per micro-batch.
-Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (but under
-memory.ac_save_gathers). None of the styles' traffic is hidden but the ring's K/V passes.
+Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
+memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes.
 The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/memory.py's
 (``cp_attention``, ``cp_mask_bytes``).
 """
