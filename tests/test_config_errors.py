@@ -180,6 +180,12 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
      "Choose one of ('all_matmuls', 'alternate_matmuls')"),
     (1, ["memory.activation_checkpointing=full", "memory.ac_policy=alternate_matmuls"], "memory.ac_policy",
      "Add memory.activation_checkpointing=selective memory.ac_every=0"),
+    # keeping the all-gathers' outputs: only op-level selective over blocks that all-gather (SP, cp's allgather)
+    (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "memory.activation_checkpointing=full",
+         "memory.ac_save_gathers=true"], "memory.ac_save_gathers",
+     "Use it with memory.activation_checkpointing=selective memory.ac_every=0 and parallel.tp>1"),
+    (2, ["parallel.tp=2", "parallel.dp_shard=1", "memory.activation_checkpointing=selective",
+         "memory.ac_save_gathers=true"], "memory.ac_save_gathers", "sequence_parallel=False, cp=1"),
     # the fused loss runs the head from its whole weight inside the model's forward
     (1, ["train.loss_impl=liger"], "train.loss_impl", "Choose chunked or fused"),
     (2, ["train.loss_impl=fused", "parallel.tp=2"], "train.loss_impl", "Use train.loss_impl=chunked with parallel.tp>1"),

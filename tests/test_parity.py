@@ -17,8 +17,15 @@ LAYOUTS = {
                          "parallel.zero_stage=1"],
     "zero2_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=2"],
     "ddp4": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
+    # op-level selective checkpointing over SP's all-gathers: regathered in backward (default) or kept
+    "tp2_sp": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true", "checkpoint.enabled=false"],
+    "tp2_sp_ac_regather": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true",
+                           "memory.activation_checkpointing=selective", "memory.ac_every=0", "checkpoint.enabled=false"],
+    "tp2_sp_ac_keep_gathers": ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=true",
+                               "memory.activation_checkpointing=selective", "memory.ac_every=0",
+                               "memory.ac_save_gathers=true", "checkpoint.enabled=false"],
 }
-WORLD = {"tp2": 2}
+WORLD = {"tp2": 2, "tp2_sp": 2, "tp2_sp_ac_regather": 2, "tp2_sp_ac_keep_gathers": 2}
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +62,18 @@ def test_zero1_curve_equals_zero3_and_one_process(reference, layout_runs):
     for other in (reference, layout_runs["fsdp4"]):
         diffs = [abs(a - b) for a, b in zip(other.losses, layout_runs["zero1_dp4"].losses)]
         assert len(diffs) == 10 and max(diffs) < 1e-5, diffs
+
+
+def test_regathering_in_backward_keeps_the_curve(layout_runs):
+    """Op-level selective checkpointing under tp=2 + SP, its all-gathers redone in backward or kept
+    (memory.ac_save_gathers): the same losses and gradient norms as each other, exactly (the recomputed gather
+    returns the same shards), and as the run without checkpointing (fp32 rounding)."""
+    plain, regather, keep = (layout_runs[n] for n in ("tp2_sp", "tp2_sp_ac_regather", "tp2_sp_ac_keep_gathers"))
+    assert len(regather.metrics) == len(keep.metrics) == len(plain.metrics) == 10
+    for a, b in zip(regather.metrics, keep.metrics):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (a, b)
+    for a, b in zip(plain.metrics, regather.metrics):
+        assert abs(a["loss"] - b["loss"]) < 1e-6 and abs(a["grad_norm"] - b["grad_norm"]) < 1e-6, (a, b)
 
 
 # Model-state bytes per rank (fp32 param + grad + 2 Adam moments = 16 bytes per parameter), by layout.

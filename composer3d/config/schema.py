@@ -154,6 +154,10 @@ class MemoryConfig:
     # (recomputes norms, activations, RoPE) | alternate_matmuls: every other matmul's and attention's (torchtitan's
     # policy: less memory, one matmul in two recomputed)
     ac_policy: str = "all_matmuls"
+    # op-level selective: also keep the all-gathers' outputs (sequence parallel's gathered inputs of attention and
+    # the feed-forward, cp_style=allgather's K/V): tp× (cp×) the memory of the shards they gather, for no
+    # all-gather redone in backward. false: each is gathered again in backward (Megatron-LM's and torchtitan's way)
+    ac_save_gathers: bool = False
     # N >= 2: each dense feed-forward runs over N tiles of the sequence, each recomputed in backward, so only one
     # tile's hidden (seq/N x ffn) exists at a time; 0 or 1: off. N must divide the tokens a rank holds (seq_len / cp)
     tile_mlp: int = 0

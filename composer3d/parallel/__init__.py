@@ -63,7 +63,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks run per tile
     tile_feed_forwards(model, cfg.memory.tile_mlp)
     apply_activation_checkpointing(model, cfg.memory.activation_checkpointing, cfg.memory.ac_every,
-                                   cfg.memory.ac_policy)
+                                   cfg.memory.ac_policy, cfg.memory.ac_save_gathers)
     if cfg.compile.enabled:
         for block in model.layers.values():
             block.compile()  # in place: parameter names unchanged

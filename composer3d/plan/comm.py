@@ -11,6 +11,8 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
     the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
   SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
+    Op-level selective checkpointing gathers each block's two inputs again in backward, unless
+    memory.ac_save_gathers=true (parallel/activation.py).
   MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of the input and a
     reduce-scatter of the output under SP, the reduce-scatter's all-gather in backward), and in backward one
     all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per
@@ -91,6 +93,11 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
     return out
 
 
+def regathers(c: Candidate) -> bool:
+    """Whether op-level selective checkpointing gathers each block's all-gathered inputs again in backward."""
+    return c.activation_checkpointing == "selective" and c.ac_every == 0 and not c.ac_save_gathers
+
+
 def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
                     ) -> list[Collective]:
     if c.tp == 1:
@@ -109,7 +116,9 @@ def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
     if c.sequence_parallel:
         # The norms' weight gradients are partial sums over the sequence shards: all-reduced per micro-batch.
         norms = (2 * layers + last) * shape.dim * compute_bytes * c.microbatches
-        return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * rerun + first + last) * act, False),
+        regathered = layers if regathers(c) else 0  # op-level selective: the block's gathers, not its reductions
+        return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * (rerun + regathered) + first + last) * act,
+                           False),
                 Collective("tp", "reduce_scatter", c.tp, (4 * dense + 3 * moe + rerun + first + last) * act, False),
                 Collective("tp", "all_reduce", c.tp, moe * act + mixing + norms + loss, False)]
     return [Collective("tp", "all_reduce", c.tp, (7 * dense + 6 * moe + rerun + first + last) * act + mixing + loss,

@@ -13,14 +13,15 @@ Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim · local toke
   gradients reduce-scattered in backward; one mask of local queries × all keys per micro-batch.
 - ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in forward and in
   backward; one mask of all queries × all keys per micro-batch.
-Full checkpointing reruns the forward's traffic. None of the styles' traffic is hidden but the ring's K/V passes.
+Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
+memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes.
 The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/memory.py's
 (``cp_attention``, ``cp_mask_bytes``).
 """
 
 from __future__ import annotations
 
-from composer3d.plan.comm import Collective, seconds
+from composer3d.plan.comm import Collective, regathers, seconds
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.kernels import ATTENTION_FRACTION
 from composer3d.plan.layouts import Candidate
@@ -50,7 +51,8 @@ def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int,
         return [Collective("cp", "send", c.cp, (forwards + backwards) * (c.cp - 1) * kv, True),
                 Collective("cp", "send", c.cp, backwards * c.cp * kv / compute_bytes * 4, False)]
     if c.cp_style == "allgather":  # counted by the whole sequence's K/V: gathered, then their gradients scattered
-        return [Collective("cp", "all_gather", c.cp, forwards * c.cp * kv, False),
+        gathers = forwards + (backwards if regathers(c) else 0)
+        return [Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
                 Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False)]
     q = kv / (2 * shape.n_kv_heads) * shape.n_heads  # this rank's queries (and the attention output)
     return [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]

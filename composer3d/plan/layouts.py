@@ -38,6 +38,7 @@ class Candidate:
     activation_checkpointing: str
     ac_every: int = 0
     ac_policy: str = "all_matmuls"  # memory.ac_policy: what op-level selective checkpointing saves
+    ac_save_gathers: bool = False  # memory.ac_save_gathers: op-level selective keeps the all-gathers' outputs
     offload: str = "none"
     offload_dir: bool = False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
     activation_offload: bool = False
@@ -55,6 +56,13 @@ class Candidate:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp * self.cp
+
+    @property
+    def keeps_gathers(self) -> bool:
+        """memory.ac_save_gathers where it has an effect: op-level selective over blocks that all-gather (sequence
+        parallel's inputs, cp_style=allgather's K/V)."""
+        gathers = (self.tp > 1 and self.sequence_parallel) or (self.cp > 1 and self.cp_style == "allgather")
+        return self.ac_save_gathers and self.activation_checkpointing == "selective" and self.ac_every == 0 and gathers
 
     def degrees(self) -> dict[str, int]:
         return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
@@ -74,6 +82,8 @@ class Candidate:
                f"memory.activation_checkpointing={self.activation_checkpointing}"]
         if self.activation_checkpointing == "selective" and self.ac_policy != "all_matmuls":
             out.append(f"memory.ac_policy={self.ac_policy}")
+        if self.keeps_gathers:
+            out.append("memory.ac_save_gathers=true")
         if self.cp > 1:
             out.append(f"parallel.cp_style={self.cp_style}")
         out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
@@ -123,7 +133,7 @@ def candidate_from_config(cfg, world_size: int) -> Candidate:
                      else 1,
                      micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
                      activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-                     ac_policy=cfg.memory.ac_policy,
+                     ac_policy=cfg.memory.ac_policy, ac_save_gathers=cfg.memory.ac_save_gathers,
                      offload=p.offload, offload_dir=bool(p.offload_dir), reshard_after_forward=p.reshard_after_forward,
                      tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                      activation_offload=cfg.memory.activation_offload)
@@ -171,6 +181,7 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                             base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
                                              local_batch // mbs, "none", ep=ep, cp=cp, cp_style=style,
                                              ac_policy=cfg.memory.ac_policy,
+                                             ac_save_gathers=cfg.memory.ac_save_gathers,
                                              tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
                                              offload=p.offload, offload_dir=bool(p.offload_dir),
                                              activation_offload=cfg.memory.activation_offload)
@@ -241,5 +252,6 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     cfg.train.micro_batch_size = candidate.micro_batch_size
     cfg.memory.activation_checkpointing = candidate.activation_checkpointing
     cfg.memory.ac_policy = candidate.ac_policy
+    cfg.memory.ac_save_gathers = candidate.keeps_gathers
     cfg.memory.activation_offload = candidate.activation_offload
 

@@ -14,8 +14,9 @@ input, the two norm outputs and the attention residual (4·h), q's projection an
 o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
 product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
 2·f); torchtitan's ``alternate_matmuls`` every other linear's of them (``block_matmul_outputs``: 2·h + 2·q + kv +
-heads + f); both keep the outputs of TP's collectives too (SP: the gathered 2·h, whole on every rank, and the
-reduce-scattered 2·h/tp; without SP the all-reduced 2·h), as tests/test_plan.py measures. A MoE layer's
+heads + f); both keep the outputs of TP's reductions too (SP: the reduce-scattered 2·h/tp; without SP the
+all-reduced 2·h), and under ``memory.ac_save_gathers`` SP's gathered 2·h (whole on every rank) and the all-gather
+style's K/V, which they otherwise gather again in backward, as tests/test_plan.py measures. A MoE layer's
 feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the compute dtype, plus the
 loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``) leaves one tile's MLP
 hidden and one tile's logits, recomputed in backward: those terms over the tile count.
@@ -204,8 +205,11 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
-        # The policy keeps TP's collectives' outputs too: SP's all-gathered inputs and reduce-scattered outputs,
-        # without SP the all-reduced outputs (of attention and MLP each)
+        # The policy keeps TP's reductions' outputs too: SP's reduce-scattered outputs, without SP the all-reduced
+        # ones (of attention and MLP each); the all-gathered inputs (SP's, cp's K/V) only under ac_save_gathers,
+        # else recomputed with the rest of the block
+        if not c.ac_save_gathers:
+            gathered, cp_saved = 0.0, 0.0
         collectives = gathered + (2 * h / t if c.sequence_parallel else 2 * h if t > 1 else 0)
         # + wo, w2 outputs (residual width)
         saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved

@@ -116,6 +116,14 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              "memory.ac_policy", f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run "
              f"has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
              "Add memory.activation_checkpointing=selective memory.ac_every=0")
+    gathers = (degrees["tp"] > 1 and p.sequence_parallel) or (degrees["cp"] > 1 and p.cp_style == "allgather")
+    _require(not mem.ac_save_gathers or (mem.activation_checkpointing == "selective" and mem.ac_every == 0 and gathers),
+             "memory.ac_save_gathers", "it keeps the all-gathers' outputs of op-level selective checkpointing, and "
+             f"this run has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}, "
+             f"tp={degrees['tp']}, sequence_parallel={p.sequence_parallel}, cp={degrees['cp']}, "
+             f"cp_style={p.cp_style}", "Use it with memory.activation_checkpointing=selective memory.ac_every=0 and "
+             "parallel.tp>1 parallel.sequence_parallel=true (or parallel.cp>1 parallel.cp_style=allgather), "
+             "or leave it false")
     _require(not (cfg.logging.memory_breakdown and pp > 1), "logging.memory_breakdown", "the memory tracker follows "
              "one FSDP root, and a pipeline rank has one per stage", "Use it with parallel.pp=1")
     zero_bubble = ("interleaved_zero_bubble", "zbv", "dualpipev")
