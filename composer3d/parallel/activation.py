@@ -6,7 +6,8 @@ every k-th block fully recomputed, the others keep their activations. ``selectiv
 op-level, in every block, by ``memory.ac_policy``: ``all_matmuls`` keeps the outputs of the expensive ops
 (matmuls, attention, and the collectives TP runs) and recomputes the cheap elementwise ones (norms, activations,
 RoPE); ``alternate_matmuls`` (torchtitan's op-level policy) keeps only every other matmul's output besides
-attention's and the collectives', trading one recomputed matmul in two for less memory.
+attention's and the collectives', trading one recomputed matmul in two for less memory. Both keep nothing of a
+sequence tile (``memory.tile_mlp``, parallel/tiling.py): the tile's own checkpoint recomputes it, one at a time.
 
 Why not torch's composable ``checkpoint`` (forward hooks): under ``compile.enabled`` its selective policy never sees
 the compiled graph's ops, so backward recomputed every matmul and the attention, as full checkpointing does.
@@ -21,6 +22,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from composer3d.parallel.tiling import in_sequence_tile
 
 aten = torch.ops.aten
 
@@ -54,7 +57,7 @@ LINEAR_MATMULS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS and not in_sequence_tile() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _all_matmuls_context():
@@ -63,11 +66,12 @@ def _all_matmuls_context():
 
 def _alternate_matmuls_context():
     """A fresh count per checkpointed call: the forward and its recomputation see the matmuls in the same order,
-    each counted on its own, so both decide alike which are kept."""
+    each counted on its own, so both decide alike which are kept. A sequence tile's matmuls are not counted: the
+    tile keeps none of them."""
     seen = {False: 0, True: 0}  # linear matmuls so far, in the forward (False) and in the recomputation (True)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in LINEAR_MATMULS:
+        if op in LINEAR_MATMULS and not in_sequence_tile():
             seen[ctx.is_recompute] += 1
             if seen[ctx.is_recompute] % 2 == 0:  # the 2nd, 4th, … are recomputed
                 return CheckpointPolicy.PREFER_RECOMPUTE
