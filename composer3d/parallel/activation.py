@@ -57,7 +57,9 @@ LINEAR_MATMULS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS and not in_sequence_tile() else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in SAVE_OPS and not in_sequence_tile():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _all_matmuls_context():

@@ -54,16 +54,16 @@ def join_sequence(pieces: list[torch.Tensor]) -> torch.Tensor:
     return DTensor.from_local(joined, first.device_mesh, first.placements, run_check=False)
 
 
-TILE_MARK = "composer3d_sequence_tile"
+_TILE_MARK = "composer3d_sequence_tile"
 
 
 def in_sequence_tile() -> bool:
     """Whether the op being run (or traced by torch.compile) is inside a sequence tile."""
-    return fx_traceback.current_meta.get("custom", {}).get(TILE_MARK, False)
+    return fx_traceback.current_meta.get("custom", {}).get(_TILE_MARK, False)
 
 
 def _marked(fn: Callable, *args):
-    with fx_traceback.annotate({TILE_MARK: True}):
+    with fx_traceback.annotate({_TILE_MARK: True}):
         return fn(*args)
 
 
