@@ -13,7 +13,9 @@ torchtitan do: sequence parallel's gathered inputs of attention and the feed-for
 gathered K/V) are the whole sequence, tp× (cp×) what they are gathered from, and cost one all-gather each to redo
 in backward. The recomputation gathers the same shards again (the norm's output it recomputes first), and every
 rank of the group recomputes the same blocks in the same order, so the redone collectives stay matched. The
-reduce-scatters, all-reduces and all-to-alls stay kept: they hold no more than the tensors they come from.
+reduce-scatters, all-reduces and all-to-alls stay kept: they hold no more than the tensors they come from. Both
+keep nothing of a sequence tile (``memory.tile_mlp``, parallel/tiling.py): the tile's own checkpoint recomputes it,
+one at a time.
 
 Why not torch's composable ``checkpoint`` (forward hooks): under ``compile.enabled`` its selective policy never sees
 the compiled graph's ops, so backward recomputed every matmul and the attention, as full checkpointing does.
@@ -28,6 +30,8 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from composer3d.parallel.tiling import in_sequence_tile
 
 aten = torch.ops.aten
 
@@ -64,7 +68,9 @@ LINEAR_MATMULS = {aten.mm.default, aten.addmm.default, aten._scaled_mm.default}
 
 
 def _save_expensive(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+    if op in saved and not in_sequence_tile():
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _all_matmuls_context(saved: set):
@@ -73,11 +79,12 @@ def _all_matmuls_context(saved: set):
 
 def _alternate_matmuls_context(saved: set):
     """A fresh count per checkpointed call: the forward and its recomputation see the matmuls in the same order,
-    each counted on its own, so both decide alike which are kept."""
+    each counted on its own, so both decide alike which are kept. A sequence tile's matmuls are not counted: the
+    tile keeps none of them."""
     seen = {False: 0, True: 0}  # linear matmuls so far, in the forward (False) and in the recomputation (True)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-        if op in LINEAR_MATMULS:
+        if op in LINEAR_MATMULS and not in_sequence_tile():
             seen[ctx.is_recompute] += 1
             if seen[ctx.is_recompute] % 2 == 0:  # the 2nd, 4th, … are recomputed
                 return CheckpointPolicy.PREFER_RECOMPUTE

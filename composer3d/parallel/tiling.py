@@ -10,6 +10,15 @@ Tiles are cut from what each rank holds of the sequence. Under sequence parallel
 then every tp rank's i-th piece of its slice, which the modules' own tensor-parallel hooks gather and scatter back
 (the feed-forward is tiled around its ``__call__``, hooks included), so every output lands where its input was;
 the loss takes its targets in the same order.
+
+Under op-level selective checkpointing a tiled feed-forward runs inside its block's checkpoint, whose policy
+sees every op, the tiles' too: were it to keep their matmul outputs, every tile's hidden would stay until the
+block's backward and tiling would save nothing. A tile therefore runs under an ``fx.traceback.annotate`` mark
+(``in_sequence_tile``) that the policies (parallel/activation.py) read to keep nothing of it: the tile's own
+checkpoint keeps its input and recomputes it in its backward. The mark is torch's annotation of the ops being
+traced, which the compiled checkpoint's policy sees as the eager one does (a flag set in Python would be a side
+effect that breaks the compiled graph at the checkpoint); the policy is consulted in the forward only (recomputation
+replays its decisions), so forward and recomputation stay aligned.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+import torch.fx.traceback as fx_traceback
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
@@ -44,9 +54,22 @@ def join_sequence(pieces: list[torch.Tensor]) -> torch.Tensor:
     return DTensor.from_local(joined, first.device_mesh, first.placements, run_check=False)
 
 
+_TILE_MARK = "composer3d_sequence_tile"
+
+
+def in_sequence_tile() -> bool:
+    """Whether the op being run (or traced by torch.compile) is inside a sequence tile."""
+    return fx_traceback.current_meta.get("custom", {}).get(_TILE_MARK, False)
+
+
+def _marked(fn: Callable, *args):
+    with fx_traceback.annotate({_TILE_MARK: True}):
+        return fn(*args)
+
+
 def _recomputed(fn: Callable, *args):
     # No RNG state kept: what is tiled (feed-forwards, head, loss) draws no random numbers (as in parallel.activation)
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return checkpoint(_marked, fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 class SequenceTiled:

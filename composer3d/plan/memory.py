@@ -19,7 +19,9 @@ all-reduced 2·h), and under ``memory.ac_save_gathers`` SP's gathered 2·h (whol
 style's K/V, which they otherwise gather again in backward, as tests/test_plan.py measures. A MoE layer's
 feed-forward part: ``_mlp_elements``. Logits: the head's output and its gradient in the compute dtype, plus the
 loss's fp32 chunks (loss.py). Sequence tiling (``memory.tile_mlp``, ``memory.tile_loss``) leaves one tile's MLP
-hidden and one tile's logits, recomputed in backward: those terms over the tile count.
+hidden and one tile's logits, recomputed in backward: those terms over the tile count. Op-level selective keeps
+nothing computed inside a tile (parallel/activation.py): no MLP matmul outputs, no w2 output and none of the MLP's
+collectives' (SP's gather and scatter, TP's all-reduce run inside the tile).
 Activation offload keeps on the device the saved tensors of two blocks (the one in
 backward and the one prefetched; parallel/activation_offload.py), the others in host memory.
 
@@ -170,9 +172,8 @@ def block_matmul_outputs(shape: ModelShape, c: Candidate, moe: bool, compute_byt
 
     Attention: wq wk wv wo. Dense: w1 w3 w2, so alternate_matmuls recomputes wk, wo and w3. MoE: the router's
     fp32 logits and the shared experts' w1 w3 w2 (the routed experts' grouped matmuls are not counted: always
-    kept), so wk, wo, shared w1 and w2. Under ``tile_mlp`` attention's only: the tiled feed-forward is counted as
-    its tiles' own checkpoint keeps it, though the policy sees the tiles' matmuls too and caches their outputs (a
-    measured TP-less rank at tile_mlp=2 peaked 40% above the prediction: not modelled yet)."""
+    kept), so wk, wo, shared w1 and w2. Under ``tile_mlp`` attention's only: the policy neither keeps nor counts
+    a sequence tile's matmuls (parallel/tiling.py), whose own checkpoint recomputes them."""
     t, h = c.tp, shape.dim
     q, kv = shape.n_heads * shape.head_dim / t, shape.n_kv_heads * shape.head_dim / t
     attention = [q, kv, kv, h]
@@ -191,7 +192,8 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
     gathered = 2 * h if c.sequence_parallel else 0  # SP: attention's and MLP's all-gathered inputs, kept by the matmuls
     mlp_tile = 0.0
-    if c.tile_mlp > 1 and not moe:
+    tiled = c.tile_mlp > 1 and not moe
+    if tiled:
         # parallel/tiling.py: the feed-forward keeps only its tiles' inputs (the norm's output, counted in the
         # residual part; SP gathers inside the tile); one tile's hidden and gradients exist at a time, in backward.
         mlp_tile = (mlp + mlp_backward) / c.tile_mlp
@@ -205,14 +207,15 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     if c.activation_checkpointing == "full":
         return LayerActivations(block_input, full + backward_temporaries)
     if c.activation_checkpointing == "selective" and c.ac_every == 0:
-        # The policy keeps TP's reductions' outputs too: SP's reduce-scattered outputs, without SP the all-reduced
-        # ones (of attention and MLP each); the all-gathered inputs (SP's, cp's K/V) only under ac_save_gathers,
-        # else recomputed with the rest of the block
+        # The policy keeps wo's and w2's outputs (residual width) and TP's reductions' too: SP's reduce-scattered
+        # outputs, without SP the all-reduced ones (of attention and MLP each); the all-gathered inputs (SP's, cp's
+        # K/V) only under ac_save_gathers, else recomputed with the rest of the block. Tiled, the MLP's (w2, its
+        # gather and scatter or all-reduce) are inside the tiles, which it keeps nothing of.
         if not c.ac_save_gathers:
             gathered, cp_saved = 0.0, 0.0
-        collectives = gathered + (2 * h / t if c.sequence_parallel else 2 * h if t > 1 else 0)
-        # + wo, w2 outputs (residual width)
-        saved = block_input + 2 * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved
+        outputs = 1 if tiled else 2
+        collectives = gathered + outputs * (h / t if c.sequence_parallel else h if t > 1 else 0)
+        saved = block_input + outputs * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved
         if c.ac_policy == "alternate_matmuls":
             saved -= sum(block_matmul_outputs(shape, c, moe, compute_bytes)[1::2])
         return LayerActivations(saved, full - saved + backward_temporaries)
