@@ -197,14 +197,17 @@ def test_zero1_bf16_gather_saves_the_fp32_masters_and_resumes_bit_identically(tm
     import torch.distributed.checkpoint as dcp
     from harness import train_in_one_group
 
-    args = [*FAST, "train.steps=6", "parallel.dp_shard=2", "parallel.zero_stage=1", "precision.param_dtype=bfloat16"]
+    bf16 = [*FAST, "train.steps=6", "parallel.dp_shard=2", "precision.param_dtype=bfloat16"]
+    args = [*bf16, "parallel.zero_stage=1"]
     saved = tmp_path / "straight" / "checkpoints" / "step-00000003"
-    straight, resumed = train_in_one_group([
+    straight, resumed, fsdp = train_in_one_group([
         (tmp_path / "straight", [*args, "checkpoint.interval=3", "checkpoint.keep_last=0",
                                  "checkpoint.async_mode=async"]),
         (tmp_path / "resumed", [*args, f"checkpoint.resume={saved}"]),
+        (tmp_path / "fsdp", [*bf16, f"checkpoint.resume={saved}"]),  # FSDP (bf16 params) reads the same masters
     ], nproc=2)
     assert _steps(resumed) == [4, 5, 6] and resumed.losses == straight.losses[3:]
+    assert max(abs(a - b) for a, b in zip(fsdp.losses, straight.losses[3:])) < 1e-3, (fsdp.losses, straight.losses)
     metadata = SafeFileSystemReader(str(saved)).read_metadata().state_dict_metadata
     weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith("model.")}
     dcp.load(weights, storage_reader=SafeFileSystemReader(str(saved)), no_dist=True)
