@@ -8,8 +8,9 @@ Trains a few steps of each data-parallel mode on ``nproc`` gloo ranks of this ma
 wrapped; the start-up, logging and checkpoints outside the steps are not counted). Bytes are what each rank sends
 under the ring algorithms: (N−1)/N of the whole buffer for a reduce-scatter or an all-gather, 2(N−1)/N for an
 all-reduce (N the ranks of its group). Φ is the parameters' bytes: Φ_r in ``precision.reduce_dtype`` (what the
-gradients travel in), Φ_p in the parameters' dtype (what the all-gathers carry: fp32 on the CPU). A reduce-scatter
-plus an all-gather move (Φ_r + Φ_p)(N−1)/N — 2Φ(N−1)/N when both dtypes agree; ZeRO-3 gathers twice.
+gradients travel in), Φ_p in ``precision.param_dtype`` (what the all-gathers carry: FSDP's mixed precision and
+ZeRO-1's gather alike; fp32 on the CPU by default). A reduce-scatter plus an all-gather move (Φ_r + Φ_p)(N−1)/N —
+2Φ(N−1)/N when both dtypes agree (bf16 and bf16: 2 + 2 bytes an element); ZeRO-3 gathers twice.
 Counts cover the data-parallel collectives (torch.distributed's); tensor parallel's DTensor collectives are not.
 """
 
@@ -163,10 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     results = measure(args.modes, args.nproc, args.steps, args.overrides)
     for r in results:
         itemsize = {name: torch.empty(0, dtype=getattr(torch, name)).element_size()
-                    for name in (r["reduce_dtype"], "float32")}
+                    for name in (r["reduce_dtype"], r["param_dtype"])}
         r["zero_paper_bytes"] = 2 * r["params"] * itemsize[r["reduce_dtype"]] * (r["ranks"] - 1) / r["ranks"]
         r["expected_bytes"] = expected_sent_bytes(r["mode"], r["params"], itemsize[r["reduce_dtype"]],
-                                                  itemsize["float32"], r["ranks"])
+                                                  itemsize[r["param_dtype"]], r["ranks"])
         r["sent_bytes_per_step"] = sum(c["sent_bytes_per_step"] for c in r["collectives"].values())
     if args.json:  # one line, the last: the workers' logs go to the same stdout
         print(json.dumps(results))

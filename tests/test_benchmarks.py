@@ -249,11 +249,12 @@ def test_generate_benchmark_explains_where_two_paths_part():
 
 
 def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
-    """ZeRO-1 on 4 gloo ranks with small buckets: a reduce-scatter and an all-gather per bucket, no all-reduce but
-    the gradient norm's one scalar, 2Φ(N−1)/N bytes within 2%; FSDP's ZeRO-2 moves the same (one micro-batch a step:
-    with more, FSDP gathers and reduce-scatters once per micro-batch)."""
+    """ZeRO-1 on 4 gloo ranks with small buckets, in bf16: a reduce-scatter and an all-gather per bucket, both bf16
+    (the parameters gathered in the compute dtype, as FSDP's mixed precision: 2 + 2 bytes an element), no all-reduce
+    but the gradient norm's one scalar, 2Φ(N−1)/N bytes within 2%; FSDP's ZeRO-2 moves the same (one micro-batch a
+    step: with more, FSDP gathers and reduce-scatters once per micro-batch)."""
     stdout = _run("zero_traffic.py", "--nproc", "4", "--steps", "2", "--modes", "zero1", "zero2", "--json", "--",
-                  "parallel.zero1_bucket_mb=0.1")
+                  "parallel.zero1_bucket_mb=0.1", "precision.param_dtype=bfloat16", "precision.reduce_dtype=bfloat16")
     zero1, zero2 = json.loads(stdout.splitlines()[-1])
     for result in (zero1, zero2):
         ratio = result["sent_bytes_per_step"] / result["zero_paper_bytes"]
@@ -262,9 +263,10 @@ def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
                                                        "buffer_bytes_per_step": 4, "dtypes": ["float32"]}
     collectives = zero1["collectives"]
     assert set(collectives) == {"reduce_scatter", "all_gather", "all_reduce"}, collectives
-    # 656 KB of fp32 gradients in 0.1 MiB buckets: each reduce-scattered once, then gathered once
+    # 328 KB of bf16 gradients in 0.1 MiB buckets: each reduce-scattered once, then gathered once
     assert collectives["reduce_scatter"]["calls_per_step"] == collectives["all_gather"]["calls_per_step"] > 1
-    assert collectives["reduce_scatter"]["dtypes"] == collectives["all_gather"]["dtypes"] == ["float32"]
+    assert collectives["reduce_scatter"]["dtypes"] == collectives["all_gather"]["dtypes"] == ["bfloat16"]
+    assert zero1["expected_bytes"] == zero1["zero_paper_bytes"]
 
 
 def test_context_parallel_benchmark_prints_the_balances_side_by_side():

@@ -188,3 +188,29 @@ def test_peft_base_reader_reads_every_tensor_whole_and_the_index_once(tmp_path, 
     assert len(unpickled) == 1, f"the index was unpickled {len(unpickled)} times for {len(saved)} tensors"
     with pytest.raises(ConfigError, match=r"holds no tensor model.layers.0.w of shape \(4, 5\)"):
         read("layers.0.w", (4, 5))
+
+
+def test_zero1_bf16_gather_saves_the_fp32_masters_and_resumes_bit_identically(tmp_path):
+    """ZeRO-1 under bf16 all-gathers bf16 parameters: the replicas hold rounded values, the optimizer fp32 masters.
+    A checkpoint (staged asynchronously) must hold the masters, and a resume must take them back: its losses then
+    equal the straight run's bit for bit; rounded values saved or not taken back would drift from the fourth step."""
+    import torch.distributed.checkpoint as dcp
+    from harness import train_in_one_group
+
+    bf16 = [*FAST, "train.steps=6", "parallel.dp_shard=2", "precision.param_dtype=bfloat16"]
+    args = [*bf16, "parallel.zero_stage=1"]
+    saved = tmp_path / "straight" / "checkpoints" / "step-00000003"
+    straight, resumed, fsdp = train_in_one_group([
+        (tmp_path / "straight", [*args, "checkpoint.interval=3", "checkpoint.keep_last=0",
+                                 "checkpoint.async_mode=async"]),
+        (tmp_path / "resumed", [*args, f"checkpoint.resume={saved}"]),
+        (tmp_path / "fsdp", [*bf16, f"checkpoint.resume={saved}"]),  # FSDP (bf16 params) reads the same masters
+    ], nproc=2)
+    assert _steps(resumed) == [4, 5, 6] and resumed.losses == straight.losses[3:]
+    assert max(abs(a - b) for a, b in zip(fsdp.losses, straight.losses[3:])) < 1e-3, (fsdp.losses, straight.losses)
+    metadata = SafeFileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    weights = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.items() if k.startswith("model.")}
+    dcp.load(weights, storage_reader=SafeFileSystemReader(str(saved)), no_dist=True)
+    assert weights and all(w.dtype == torch.float32 for w in weights.values())
+    rounded = [k for k, w in weights.items() if torch.equal(w, w.bfloat16().float())]
+    assert not rounded, f"saved as the bf16-rounded replicas, not the fp32 masters: {rounded}"

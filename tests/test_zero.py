@@ -38,11 +38,14 @@ def _recording(events: list, kind: str, name: str):
     setattr(dist, name, collective)
 
 
-def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches):
-    reduce_dtype = getattr(torch, reduce_dtype)
-    model, reference = _model(), _model()
+def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches, gather_dtype):
+    reduce_dtype, gather_dtype = getattr(torch, reduce_dtype), getattr(torch, gather_dtype)
+    model, reference, computing = _model(), _model(), _model()
     sharder = OptimizerStateSharder(list(model.parameters()), init_device_mesh("cpu", (world,)), reduce_dtype,
-                                    bucket_bytes=600 * reduce_dtype.itemsize, backwards_per_step=micro_batches)
+                                    bucket_bytes=600 * reduce_dtype.itemsize, backwards_per_step=micro_batches,
+                                    gather_dtype=gather_dtype)
+    # the reference's fp32 parameters are the masters; it computes from them rounded to the gather dtype
+    assert sharder.keeps_masters == (gather_dtype != torch.float32)
     optimizer = torch.optim.AdamW(sharder.shards, lr=1e-2)
     sharder.attach(optimizer)
     reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -73,10 +76,14 @@ def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches):
                         "micro-batch done"] and len(reduce_scatters) == 3, events
         assert all(p.grad is None for p in model.parameters()), "the buckets hold the gradients"
 
+        with torch.no_grad():
+            for c, p in zip(computing.parameters(), reference.parameters()):
+                c.copy_(p.to(gather_dtype))
         for x in inputs:  # the reference: the gradient of all ranks' micro-batches, all-reduced
-            reference(x).square().sum().backward()
-        for p in reference.parameters():
-            dist.all_reduce(p.grad)
+            computing(x).square().sum().backward()
+        for c, p in zip(computing.parameters(), reference.parameters()):
+            dist.all_reduce(c.grad)
+            p.grad, c.grad = c.grad, None
         tolerance = dict(rtol=1e-5, atol=1e-5) if reduce_dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         for shard, p, (lo, hi) in zip(sharder.shards, reference.parameters(), sharder.bounds):
             torch.testing.assert_close(shard.grad, p.grad.view(-1)[lo:hi], **tolerance)
@@ -86,16 +93,30 @@ def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches):
         events.clear()
         optimizer.step()
         reference_optimizer.step()
-        assert [e[0] for e in events] == ["all_gather"] * 3, events  # one per bucket, fp32 parameters
+        assert events == [("all_gather", str(gather_dtype))] * 3, events  # one per bucket, in the gather dtype
         for p, q in zip(model.parameters(), reference.parameters()):
-            torch.testing.assert_close(p, q, **tolerance)
+            torch.testing.assert_close(p, q.to(gather_dtype).float(), **tolerance)
+            assert torch.equal(p, p.to(gather_dtype).float()), "every rank computes from the rounded values"
+        for shard, p, q, (lo, hi) in zip(sharder.shards, model.parameters(), reference.parameters(), sharder.bounds):
+            torch.testing.assert_close(shard, q.view(-1)[lo:hi], **tolerance)  # the masters keep every bit
+            assert torch.equal(p.view(-1)[lo:hi], shard.to(gather_dtype).float())
+        if sharder.keeps_masters:
+            assert all(s.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+                       for s, p in zip(sharder.shards, model.parameters())), "masters of their own"
+            held = torch.cat([s.detach() for s in sharder.shards])
+            assert not torch.equal(held, held.to(gather_dtype).float()), "masters rounded: the updates' bits lost"
+            assert sharder.master_bytes() == 4 * held.numel()
+        else:
+            assert sharder.master_bytes() == 0
         optimizer.zero_grad(set_to_none=True)
         reference_optimizer.zero_grad(set_to_none=True)
 
 
-@pytest.mark.parametrize("reduce_dtype, micro_batches", [("float32", 1), ("bfloat16", 2)])
-def test_zero1_reduce_scatters_buckets_during_the_backward(tmp_path, reduce_dtype, micro_batches):
-    spawn(_zero1_matches_plain_adamw, 4, tmp_path, reduce_dtype, micro_batches)
+# bf16 gather: the parameters travel in the compute dtype (precision.param_dtype), fp32 masters in the optimizer
+@pytest.mark.parametrize("reduce_dtype, micro_batches, gather_dtype",
+                         [("float32", 1, "float32"), ("bfloat16", 2, "float32"), ("float32", 1, "bfloat16")])
+def test_zero1_reduce_scatters_buckets_during_the_backward(tmp_path, reduce_dtype, micro_batches, gather_dtype):
+    spawn(_zero1_matches_plain_adamw, 4, tmp_path, reduce_dtype, micro_batches, gather_dtype)
 
 
 def _norm_in_one_reduction(rank, world):

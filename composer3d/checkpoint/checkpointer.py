@@ -75,9 +75,13 @@ class Checkpointer:
 
     # -- state
 
-    def _state_dict(self, model_only: bool) -> dict:
+    def _state_dict(self, model_only: bool, saving: bool = False) -> dict:
+        """``saving``: ZeRO-1's fp32 masters in place of the parameters rounded to a narrower gather dtype; a load
+        writes into the parameters themselves (``_masters_from_params``)."""
         t = self.trainer
         state = {"model": model_state(t.model)}
+        if saving and t.sharder is not None:
+            state["model"] = t.sharder.with_masters(state["model"])
         if not model_only:
             state["optim"] = t.optimizer_state_dict()
         return state
@@ -104,7 +108,7 @@ class Checkpointer:
         final = self.dir / f"step-{step:08d}"
         partial = final.with_name(final.name + ".partial")
         model_only = self.cfg.model_only_final and step == self.trainer.total_steps
-        state = self._state_dict(model_only)
+        state = self._state_dict(model_only, saving=True)
         if model_only and self.cfg.export_dtype != "float32":
             dtype = DTYPES[self.cfg.export_dtype]
             state["model"] = {k: v.to(dtype) for k, v in state["model"].items()}
@@ -272,6 +276,7 @@ class Checkpointer:
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)
+            _masters_from_params(t)
             log.info("loaded model weights from %s (step 0, fresh optimizer)", path)
             return 0
         check_steps_left(meta, t.total_steps, path)
@@ -280,6 +285,7 @@ class Checkpointer:
         state = self._state_dict(model_only=False)
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
         set_model_state(t.model, state["model"])
+        _masters_from_params(t)
         t.load_optimizer_state_dict(state["optim"])
         scheduler_state = meta["scheduler"]
         if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
@@ -296,6 +302,12 @@ class Checkpointer:
             set_rng_state(json.loads(rng_file.read_text()), t.device)
         log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
         return meta["step"]
+
+
+def _masters_from_params(trainer) -> None:
+    """After a load into the parameters (fp32 values): ZeRO-1's masters take them, the parameters their rounding."""
+    if trainer.sharder is not None:
+        trainer.sharder.take_masters()
 
 
 def _step(path: Path) -> int:

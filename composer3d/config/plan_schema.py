@@ -42,7 +42,7 @@ class PlanConfig:
     measure_rank: int = 0  # plan.measure: which rank of the cluster.nodes × cluster.gpus_per_node to run
     measure_steps: int = 3  # plan.measure: timed steps (after one warm-up step and one tracked for memory)
     # price overlaps other stacks publish and composer3d-train does not run (to compare with their results): TP/SP
-    # collectives inside the GEMMs (async TP), pipeline sends behind compute, ZeRO-1's gather in bf16 during forward
+    # collectives inside the GEMMs (async TP), pipeline sends behind compute, ZeRO-1's gather during the forward
     published_overlap: bool = False
     # the attention kernel the planner times attention at (plan/kernels.py): sdpa (torch >= 2.9's
     # scaled_dot_product_attention: cuDNN's fused kernel on Hopper, what composer3d-train runs) | flash2

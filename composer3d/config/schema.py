@@ -139,7 +139,9 @@ class Float8Config:
 
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = "auto"  # compute dtype of params: auto = bfloat16 on an accelerator, float32 on the CPU
+    # compute dtype of params: auto = bfloat16 on an accelerator, float32 on the CPU. FSDP and ZeRO-1 all-gather
+    # parameters in it (ZeRO-1 then keeps fp32 masters of its slices in the optimizer; checkpoints hold fp32)
+    param_dtype: str = "auto"
     reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
     loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
     loss_scale_growth_interval: int = 2000  # float16: steps without overflow before the loss scale doubles

@@ -6,6 +6,14 @@ summed gradient of the slices it owns; the optimizer steps only those slices —
 extra copy of the weights — and one all-gather per bucket puts every rank's updated slices back into the full
 parameters. 2Φ(N−1)/N bytes a step leave each rank (Φ the parameter bytes), where an all-reduce of the gradients
 and an all-gather of the parameters moved 3Φ(N−1)/N.
+
+With a compute dtype narrower than the parameters' fp32 (``gather_dtype``: precision.param_dtype bf16 or fp16) the
+gather carries that dtype, as FSDP2's mixed precision and Megatron's distributed optimizer do: half the bytes. The
+ranks must still compute from identical parameters, so the optimizer steps fp32 master copies of this rank's slices
+(tensors of their own: Φ·4/N more memory) and every rank's parameters hold the gathered values, the masters rounded
+to the compute dtype (in their fp32 storage). Matmuls under autocast round their weights so anyway; norms' weights and
+the embedding now compute from rounded values too, as under FSDP's param_dtype. A checkpoint saves the masters
+(``with_masters``), and a load takes them back from the loaded parameters (``take_masters``).
 """
 
 from __future__ import annotations
@@ -21,16 +29,23 @@ from composer3d.parallel.zero_buckets import local as _local
 
 class OptimizerStateSharder:
     def __init__(self, params: list[torch.Tensor], dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = 40 * 2**20, backwards_per_step: int = 1):
+                 bucket_bytes: int = 40 * 2**20, backwards_per_step: int = 1,
+                 gather_dtype: torch.dtype = torch.float32):
         """``backwards_per_step``: the micro-batches of a step (gradient accumulation or pipeline micro-batches);
-        only the last one's gradients are reduced."""
+        only the last one's gradients are reduced. ``gather_dtype``: what the updated parameters travel in."""
         self.params = params
         self.group = dp_mesh.get_group()
         self.buckets = GradientBuckets(params, self.group, reduce_dtype, bucket_bytes, backwards_per_step)
         self.owned = [self.buckets.owned(i) for i in range(len(params))]
         self.bounds = [(lo, hi) for lo, hi, _, _ in self.owned]
-        # The optimizer's parameters: leaf views of this rank's slice of each parameter.
-        self.shards = [_local(p).detach().view(-1)[lo:hi].requires_grad_(True) for p, (lo, hi) in zip(params, self.bounds)]
+        self.gather_dtype = gather_dtype
+        # a narrower gather than the parameters' dtype: the rounding would lose the updates' low bits, so the
+        # optimizer keeps them in masters of its own
+        self.keeps_masters = gather_dtype.itemsize < self.buckets.dtype.itemsize
+        # The optimizer's parameters: leaf views of this rank's slice of each parameter, or their master copies.
+        views = [_local(p).detach().view(-1)[lo:hi] for p, (lo, hi) in zip(params, self.bounds)]
+        self.shards = [(v.clone() if self.keeps_masters else v).requires_grad_(True) for v in views]
+        self._round_params()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_post_hook(lambda *_: self._all_gather_params())
@@ -45,23 +60,66 @@ class OptimizerStateSharder:
         """Bytes of the gradient buffers (the parameters' own .grad are freed into them)."""
         return self.buckets.buffer_bytes()
 
+    def master_bytes(self) -> int:
+        """Bytes of the fp32 masters (none when the optimizer steps views of the parameters)."""
+        return sum(s.numel() * s.element_size() for s in self.shards) if self.keeps_masters else 0
+
     @torch.no_grad()
     def _all_gather_params(self) -> None:
         ranks = self.buckets.ranks
         pending = []
         for bucket in self.buckets.buckets:
             width = bucket.length // ranks
-            mine = torch.zeros(width, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+            mine = torch.zeros(width, dtype=self.gather_dtype, device=bucket.buffer.device)
             for index in bucket.members:
                 lo, hi, _, start = self.owned[index]
-                mine[start:start + hi - lo] = self.shards[index]
-            # the gradients were reduced: the buffer carries the gathered parameters until the next backward
-            pending.append((bucket, mine, all_gather(bucket.buffer, mine, self.group)))
-        for bucket, _, work in pending:
+                mine[start:start + hi - lo] = self.shards[index]  # rounded to the gather dtype here
+            # the gradients were reduced: the buffer carries the gathered parameters until the next backward (a
+            # narrower dtype in the front of its storage)
+            gathered = bucket.buffer.view(self.gather_dtype)[:bucket.length]
+            pending.append((bucket, gathered, all_gather(gathered, mine, self.group)))
+        for bucket, gathered, work in pending:
             work.wait()
             for index, offset in zip(bucket.members, bucket.offsets):
                 flat = _local(self.params[index]).view(-1)
-                flat.copy_(bucket.buffer[offset:offset + flat.numel()])
+                flat.copy_(gathered[offset:offset + flat.numel()])
+
+    @torch.no_grad()
+    def _round_params(self) -> None:
+        """The parameters as the gather leaves them: rounded to its dtype (the same on every rank, which all start
+        from the same values)."""
+        if self.keeps_masters:
+            for param in self.params:
+                _local(param).copy_(_local(param).to(self.gather_dtype))
+
+    @torch.no_grad()
+    def take_masters(self) -> None:
+        """After the parameters were loaded (a checkpoint's fp32 values): the masters from them, the parameters
+        rounded."""
+        if self.keeps_masters:
+            for shard, param, (lo, hi) in zip(self.shards, self.params, self.bounds):
+                shard.copy_(_local(param).view(-1)[lo:hi])
+            self._round_params()
+
+    @torch.no_grad()
+    def with_masters(self, state: dict) -> dict:
+        """A model state dict as DCP's ``get_model_state_dict`` gives it (its values share the parameters' storage)
+        with each whole fp32 master, in its parameter's layout, in place of the rounded parameter: what a checkpoint
+        saves. Collective over the data-parallel ranks; ``state`` itself when there are no masters."""
+        if not self.keeps_masters:
+            return state
+        masters = {}
+        for param, shard, bounds in zip(self.params, self.shards, self.bounds):
+            value = self._full_local(shard.detach(), param, bounds)
+            masters[_local(param).data_ptr()] = DTensor.from_local(
+                value, param.device_mesh, param.placements, run_check=False) if isinstance(param, DTensor) else value
+        replaced = {k: masters.get(_local(v).data_ptr(), v) for k, v in state.items()}
+        found = {_local(v).data_ptr() for v in state.values()}
+        missing = [i for i, p in enumerate(self.params) if _local(p).numel() and _local(p).data_ptr() not in found]
+        if missing:
+            raise RuntimeError(f"the model state dict holds copies of ZeRO-1's parameters {missing}, not the "
+                               "parameters: their masters would not be saved")
+        return replaced
 
     # -- checkpointing: the same FQN-keyed, parameter-shaped form DCP's get_optimizer_state_dict gives for an
     # unsharded optimizer, so a ZeRO-1 checkpoint loads under FSDP or TP layouts and the other way round.

@@ -6,7 +6,7 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     backward, so all of it repeats M times. Under PP composer3d keeps stages gathered, and the pipeline syncs
     gradients at the last micro-batch only: one all-gather and one reduce-scatter a step.
   HSDP: the reduce-scatter's output is then all-reduced over dp_replicate. Replicas (DDP; ZeRO-1's parameters):
-    gradients all-reduced per micro-batch. ZeRO-1: the updated fp32 slices all-gathered once a step.
+    gradients all-reduced per micro-batch. ZeRO-1: the updated slices all-gathered once a step, in the compute dtype.
   TP (DTensor): forward all-reduces after o and down projections and the vocab-parallel embedding; backward one
     all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
     the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
@@ -84,10 +84,10 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
     if c.dp > 1:
         n = whole(units)
         if c.zero_stage == 1:
-            # the gradients reduce-scattered in buckets once a step, as the backward completes each; the fp32
-            # parameters all-gathered after the optimizer step (the buckets' padding: under dp elements each)
+            # the gradients reduce-scattered in buckets once a step, as the backward completes each; the parameters
+            # all-gathered in the compute dtype after the optimizer step (the buckets' padding: under dp elements each)
             out.append(Collective("dp", "reduce_scatter", c.dp, n * reduce_bytes, True, 2 / 3 / c.microbatches))
-            out.append(Collective("dp", "all_gather", c.dp, n * 4, False))
+            out.append(Collective("dp", "all_gather", c.dp, n * compute_bytes, False))
         else:
             out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * n * reduce_bytes, True))
     return out

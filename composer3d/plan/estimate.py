@@ -91,7 +91,7 @@ def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, c
     waited for (attributed to their dimensions by share) plus the first block's gather, which nothing precedes;
     those reduced once a step hide behind their window only (the last micro-batch's backward).
     ``published_overlap`` (plan.published_overlap): TP and pipeline traffic hide behind compute as async TP and
-    Megatron's overlapped sends do, and ZeRO-1's gather moves bf16 parameters during the first forward."""
+    Megatron's overlapped sends do, and ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward."""
     out: dict[str, float] = {}
     pool: dict[str, float] = {}
     for col in cols:
@@ -101,7 +101,7 @@ def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, c
         if published_overlap and not overlapped:
             overlapped = True
             if col.dim == "dp" and col.kind == "all_gather":
-                t, window = t * cluster.compute_bytes / 4, 1 / 3 / c.microbatches
+                window = 1 / 3 / c.microbatches
         if overlapped and window < 1:
             out[col.dim] = out.get(col.dim, 0.0) + max(0.0, t - window * compute)
         elif overlapped:

@@ -100,11 +100,12 @@ def whole(units: list[Unit]) -> float:
     return rank_sum(units, lambda s, u: math.prod(s))
 
 
-def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | None = None
+def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | None = None, compute_bytes: int = 4
                 ) -> tuple[float, float, float]:
-    """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state. Under
-    ``peft`` (plan/adapters.py) only the adapters and modules_to_save have gradients and state; the frozen weights
-    are their bytes, QLoRA's NF4 ones theirs."""
+    """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state (and
+    ZeRO-1's fp32 masters of its slices when its gather carries a narrower ``compute_bytes``). Under ``peft``
+    (plan/adapters.py) only the adapters and modules_to_save have gradients and state; the frozen weights are
+    their bytes, QLoRA's NF4 ones theirs."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     trainable, frozen = (units, 0.0) if peft is None else _peft_units(units, c, peft)
     if fsdp_shards(c):
@@ -113,7 +114,8 @@ def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | No
     n = whole(trainable)
     if c.zero_stage == 1 and c.dp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
         owned = n / c.dp
-        return frozen + 4 * n, 4 * n + 4 * owned, opt * owned
+        masters = 4 * owned if compute_bytes < 4 else 0.0
+        return frozen + 4 * n, 4 * n + 4 * owned, opt * owned + masters
     return frozen + 4 * n, 4 * n, opt * n
 
 
@@ -261,7 +263,7 @@ def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: i
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
            optimizer: str = "adamw", peft: Peft | None = None) -> Memory:
     units = stages.units(shape, c.tp, c.ep)
-    params, grads, opt = model_state(units, c, optimizer, peft)
+    params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes)
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0

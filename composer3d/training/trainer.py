@@ -77,7 +77,7 @@ class Trainer:
         self.param_names = [name for name, _ in self.model.named_parameters()]
         self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
         zero1 = {"reduce_dtype": DTYPES[cfg.precision.reduce_dtype], "bucket_bytes": int(p.zero1_bucket_mb * 2**20),
-                 "backwards_per_step": self.accumulation_steps}
+                 "backwards_per_step": self.accumulation_steps, "gather_dtype": DTYPES[cfg.precision.param_dtype]}
         self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
                                                        zero1_mesh=mesh.loss if p.zero_stage == 1 else None,  # dp × cp
                                                        offload=p.offload, offload_dir=p.offload_dir, device=device,
@@ -255,8 +255,9 @@ class Trainer:
                               self.expert_load, self.throughput)
 
     def model_state_bytes(self) -> int:
-        """Parameters, gradients (ZeRO-1's: its buckets) and optimizer state this rank holds."""
-        return model_state_bytes(self.model, self.optimizer, self.sharder.gradient_bytes() if self.sharder else 0)
+        """Parameters, gradients (ZeRO-1's: its buckets) and optimizer state (ZeRO-1's masters) this rank holds."""
+        held = self.sharder.gradient_bytes() + self.sharder.master_bytes() if self.sharder else 0
+        return model_state_bytes(self.model, self.optimizer, held)
 
     def optimizer_state_dict(self) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and re-shards)."""
