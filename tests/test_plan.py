@@ -257,6 +257,20 @@ def test_readme_table_is_what_the_planner_predicts():
     assert table == predicted
 
 
+def test_readme_what_fits_rows_are_what_the_planner_prints():
+    """The README's plan.what_fits example: its command, rerun, prints every row the README shows, to the digit."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("$ composer3d-plan model=llama3_8b cluster.gpus_per_node=1", 1)[1].split("```", 1)[0]
+    command, shown = block.split("plan.what_fits=true\n", 1)
+    overrides = ["model=llama3_8b", "cluster.gpus_per_node=1", *command.replace("\\", " ").split(), "plan.what_fits=true"]
+    out = _plan(*overrides)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in shown.splitlines() if line.startswith("  ") and line.strip() != "…"]
+    assert len(rows) >= 8
+    printed = set(out.stdout.splitlines())
+    assert [row for row in rows if row not in printed] == [], out.stdout
+
+
 def test_attention_kernel_times_attention_at_its_rate_and_nothing_else():
     """plan.attention_kernel: Llama 3 8B at 32,768 tokens under full checkpointing (torchtitan's Table 2 layout)
     predicted with FlashAttention-2's rate (flash2) and SDPA's (sdpa). The compute differs by the attention alone,
