@@ -17,8 +17,9 @@ block's backward and tiling would save nothing. A tile therefore runs under an `
 (``in_sequence_tile``) that the policies (parallel/activation.py) read to keep nothing of it: the tile's own
 checkpoint keeps its input and recomputes it in its backward. The mark is torch's annotation of the ops being
 traced, which the compiled checkpoint's policy sees as the eager one does (a flag set in Python would be a side
-effect that breaks the compiled graph at the checkpoint); the policy is consulted in the forward only (recomputation
-replays its decisions), so forward and recomputation stay aligned.
+effect that breaks the compiled graph at the checkpoint). Every run of a tile carries the mark (forward, the block's
+recomputation, the tile's own), so forward and recomputation decide alike: torch 2.13 consults the policy in the
+forward only and replays its decisions, torch 2.11 consults it in the recomputation too.
 """
 
 from __future__ import annotations
