@@ -251,6 +251,12 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (1, ["peft.init_from=/no/adapter"], "peft.init_from", "peft.method is none"),
     (1, ["peft=lora", "peft.init_from=/no/adapter"], "peft.init_from", "/no/adapter is not a directory"),
     (1, ["peft.base_from=/a/full/step-4"], "peft.base_from", "checkpoint.resume=/a/full/step-4"),
+    # how one rank reaches the compute dtype
+    (1, ["precision.cast=once"], "precision.cast", "Choose one of ('auto', 'params', 'autocast')"),
+    (2, ["precision.cast=params", "parallel.tp=2"], "precision.cast", "Use precision.cast=auto"),
+    (1, ["precision.cast=params", "precision.param_dtype=float32"], "precision.cast", "precision.param_dtype=bfloat16"),
+    (1, ["precision.cast=params", "parallel.zero_stage=1"], "precision.cast", "parallel.zero_stage=3"),
+    (1, ["precision.cast=params", "peft=qlora"], "precision.cast", "autocast with peft=qlora"),
 ])
 def test_validate_error_names_key_and_fix(compose_cfg, world, overrides, key, hint):
     with pytest.raises(ConfigError) as error:

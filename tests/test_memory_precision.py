@@ -98,6 +98,14 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             # the head computes in the low precision (FSDP's policy or autocast), on the ranks that have it
             assert rank["output_dtypes"] in ([low], []), rank["output_dtypes"]
             assert rank["loss_scaler"] == (dtype == "float16")  # fp16 needs loss scaling, bf16 none
+            cast = settings.get("precision.cast")
+            if cast == "params":  # one rank: FSDP's copies in the low dtype, and the residual stream with them
+                assert [g["param_dtype"] for g in rank["fsdp"]] == [low] * len(rank["fsdp"]) and rank["fsdp"]
+                assert rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [low], rank
+                assert not any(rank["collective_dtypes"].values()), rank["collective_dtypes"]  # none on one rank
+            if cast == "autocast":  # fp32 parameters and residual stream; the matmuls cast as they run
+                assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [
+                    "torch.float32"], rank
             if shards:
                 # FSDP's policy: gathered params in the low dtype, gradients reduced in fp32 (reduce_dtype's
                 # default), and the collectives indeed carried those dtypes
@@ -155,6 +163,9 @@ def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, n
     (["precision.float8.enabled=true"], ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 0.02),
     (["precision.param_dtype=bfloat16"], ["parallel.dp_shard=2"], 2, 0.05),
     (["precision.param_dtype=float16"], ["parallel.dp_shard=2"], 2, 0.05),
+    # one rank: a bf16 copy of the parameters once a step (FSDP's one-rank path), or autocast's casts at each op
+    (["precision.param_dtype=bfloat16", "precision.cast=params"], [], 1, 0.05),
+    (["precision.param_dtype=bfloat16", "precision.cast=autocast"], [], 1, 0.05),
     (["optim.name=adamw_8bit"], ["parallel.dp_shard=2"], 2, 0.02),
     # torchao's other low-bit states run with -m slow; 8-bit, through the same torchao optimizer path, runs here
     pytest.param(["optim.name=adamw_4bit"], ["parallel.dp_shard=2"], 2, 0.05, marks=pytest.mark.slow),
@@ -269,6 +280,25 @@ ON_ACCELERATOR = [arg for arg in FAST if not arg.startswith("launch.device=")] +
 
 
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_one_device_bf16_casts_once_eager_and_per_op_compiled_on_the_accelerator(tmp_path):
+    """precision.cast=auto on one accelerator: params eager (FSDP's one-rank copies: bf16 weights and residual
+    stream in the blocks, fp32 state, no collective), autocast compiled; both curves within bf16's reach of each
+    other, and a params checkpoint resumes under autocast."""
+    args = [*ON_ACCELERATOR, "train.steps=4", "checkpoint.interval=2", "precision.param_dtype=bfloat16"]
+    eager = train(tmp_path / "eager", *args, probe_effects=True)
+    compiled = train(tmp_path / "compiled", *args, "compile.enabled=true")
+    per_op = train(tmp_path / "autocast", *args, "precision.cast=autocast")
+    step2 = tmp_path / "eager" / "checkpoints" / "step-00000002"
+    resumed = train(tmp_path / "resumed", *args, "precision.cast=autocast", f"checkpoint.resume={step2}")
+    assert "cast: params" in (tmp_path / "eager" / "config.yaml").read_text()
+    assert "cast: autocast" in (tmp_path / "compiled" / "config.yaml").read_text()
+    assert_switch_effect(eager.effects, ["precision.param_dtype=bfloat16", "precision.cast=params"], [])
+    for other in (compiled, per_op):
+        assert max(abs(a - b) for a, b in zip(eager.losses, other.losses)) < 0.05, (eager.losses, other.losses)
+    assert len(resumed.losses) == 2 and abs(resumed.losses[-1] - per_op.losses[-1]) < 0.05
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
 @pytest.mark.parametrize("mode", ["cpu", "optimizer"])
 def test_offload_on_the_accelerator(tmp_path, mode):
     """On an accelerator the offloaded model state is in host memory (offload=cpu: parameter shards, gradients and
@@ -336,8 +366,32 @@ def test_activation_checkpointing_with_zero_bubble_schedule_is_refused(tmp_path)
 def test_auto_precision_is_fp32_on_cpu(tmp_path):
     run = train(tmp_path, *FAST, "train.steps=1")
     assert "param_dtype: float32" in (tmp_path / "config.yaml").read_text()
+    assert "cast: autocast" in (tmp_path / "config.yaml").read_text()  # the resolved choice is recorded
     assert json.loads((tmp_path / "run.json").read_text())["device"] == "cpu"
     assert len(run.metrics) == 1
+
+
+def test_auto_cast_is_params_only_for_an_eager_run_on_one_accelerator(monkeypatch):
+    """precision.cast=auto by measurement: params (one cast a step) eager on one accelerator; autocast compiled,
+    on the CPU, on several ranks (where FSDP casts wherever it shards, and params is refused), and where params
+    cannot run (ZeRO-1, QLoRA)."""
+    from types import SimpleNamespace
+
+    from composer3d.launch import distributed
+    from composer3d.training.precision import resolve_cast
+
+    def cfg(compiled=False, zero_stage=3, peft="none"):
+        return SimpleNamespace(compile=SimpleNamespace(enabled=compiled), parallel=SimpleNamespace(
+            zero_stage=zero_stage), peft=SimpleNamespace(method=peft))
+
+    monkeypatch.setattr(distributed, "is_accelerator", lambda device: device.type != "cpu")
+    accelerator = torch.device("cuda")  # a name only: nothing is allocated
+    assert resolve_cast(cfg(), accelerator, 1) == resolve_cast(cfg(peft="lora"), accelerator, 1) == "params"
+    assert resolve_cast(cfg(compiled=True), accelerator, 1) == "autocast"
+    assert resolve_cast(cfg(), accelerator, 2) == "autocast"
+    assert resolve_cast(cfg(zero_stage=1), accelerator, 1) == "autocast"
+    assert resolve_cast(cfg(peft="qlora"), accelerator, 1) == "autocast"
+    assert resolve_cast(cfg(), torch.device("cpu"), 1) == "autocast"
 
 
 def test_memory_breakdown_shows_activation_checkpointing_effect(tmp_path):

@@ -10,3 +10,64 @@ def test_bf16_params_fp32_reduce_tracks_fp32(tmp_path):
     diffs = [abs(a - b) for a, b in zip(fp32.losses, bf16.losses)]
     assert len(diffs) == 5 and max(diffs) < 0.05, diffs
     assert diffs != [0.0] * 5, "bf16 compute should not be bit-identical to fp32: was the policy applied?"
+
+
+def _one_rank_cast_worker(rank, world, out_path):
+    """One rank, bf16, precision.cast=params: the trainer's model against a plain PyTorch copy of its fp32 weights
+    cast whole to bf16 (``Module.to``), forward and backward on the same tokens."""
+    import json
+
+    import torch
+    from hydra import compose, initialize_config_module
+    from torch.distributed.tensor import DTensor
+
+    from composer3d.config import register_configs, validate
+    from composer3d.data import build_sequences
+    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.models.llama import Llama
+    from composer3d.training.trainer import Trainer
+
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=["run.dir=unused", "checkpoint.enabled=false", "data=synthetic", *FAST,
+                                          "precision.param_dtype=bfloat16", "precision.cast=params"])
+    degrees = validate(cfg, world)
+    sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), "cpu"), torch.device("cpu"), sequences)
+    whole = lambda t: t.full_tensor() if isinstance(t, DTensor) else t  # noqa: E731
+    params = dict(trainer.model.named_parameters())
+    plain = Llama(cfg.model)
+    plain.load_state_dict({name: whole(p).detach() for name, p in params.items()})
+    plain.init_buffers(torch.device("cpu"))
+    plain.to(torch.bfloat16)  # its RoPE tables too, as FSDP casts them among each block's inputs
+    tokens = sequences.tokens[:2, :-1]
+    losses, grads = [], []
+    for model in (trainer.model, plain):
+        logits = model(tokens)
+        loss = logits.float().logsumexp(-1).mean()
+        loss.backward()
+        losses.append(loss.item())
+        grads.append({name: whole(p.grad).float() for name, p in model.named_parameters()})
+    result = {
+        "logits_dtype": str(logits.dtype),
+        "losses": losses,
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in trainer.model.parameters()}),
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "max_grad_diff": max((grads[0][n] - grads[1][n]).abs().max().item() for n in params),
+        "grad_scale": max(g.abs().max().item() for g in grads[1].values()),
+    }
+    json.dump(result, open(out_path, "w"))
+
+
+def test_one_rank_cast_params_computes_as_the_model_cast_to_bf16(tmp_path):
+    """On one rank, precision.cast=params runs FSDP's one-rank path: the forward and backward of the model cast
+    whole to bf16 (the same logits and gradients to the bit), with fp32 parameters and gradients for the step."""
+    import json
+
+    from harness import spawn
+    out = tmp_path / "result.json"
+    spawn(_one_rank_cast_worker, 1, tmp_path, str(out))
+    result = json.loads(out.read_text())
+    assert result["param_dtypes"] == result["grad_dtypes"] == ["torch.float32"], result
+    assert result["losses"][0] == result["losses"][1], result["losses"]
+    assert result["grad_scale"] > 0 and result["max_grad_diff"] == 0.0, result

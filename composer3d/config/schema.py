@@ -143,6 +143,13 @@ class PrecisionConfig:
     # parameters in it (ZeRO-1 then keeps fp32 masters of its slices in the optimizer; checkpoints hold fp32)
     param_dtype: str = "auto"
     reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
+    # how compute reaches param_dtype where no data-parallel dim shards or replicates the parameters (a world of
+    # one device; elsewhere FSDP casts and this key does nothing). params: a param_dtype copy of every parameter
+    # made once per step and kept through backward (FSDP2's mixed-precision policy on a one-rank mesh; the residual
+    # stream in param_dtype, as on every FSDP run) | autocast: each op casts its inputs, weights again in each
+    # recomputation (fp32 residual stream and norms; torchtitan's one-device way) | auto: params for an eager run
+    # on one accelerator, else autocast (the faster of the two by measurement). Under float32 nothing is cast
+    cast: str = "auto"
     loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
     loss_scale_growth_interval: int = 2000  # float16: steps without overflow before the loss scale doubles
     float8: Float8Config = field(default_factory=Float8Config)

@@ -5,9 +5,10 @@ the rest frozen, 2. float8 conversion, 3. tensor/sequence parallel, then
 the experts of mixture-of-experts layers by expert (ep) and width (tp), then context parallel's attention over
 the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (``tiling``), 4. activation
 checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
-and FSDP's hooks), 6. FSDP2 per block, then per root — only where a data-parallel dim (or cp) has more than one
-rank (or for CPU offload), and not under ZeRO-1 (its own gradient buckets, ``zero``); otherwise autocast gives the
-same fp32-master, low-precision compute without FSDP's buffers and copies. TP comes before FSDP so FSDP shards the
+and FSDP's hooks), 6. FSDP2 per block, then per root — where a data-parallel dim (or cp) has more than one
+rank (or for CPU offload), and not under ZeRO-1 (its own gradient buckets, ``zero``); on a world of one rank with
+``precision.cast=params`` (FSDP's one-rank path: one cast of each parameter a step, no collectives); otherwise
+autocast gives fp32-master, low-precision compute by casting at every op. TP comes before FSDP so FSDP shards the
 DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's
 float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
@@ -25,7 +26,7 @@ from composer3d.parallel.autocast import autocast_forward
 from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
-from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, shards_or_replicates
+from composer3d.parallel.fsdp import apply_data_parallel, mixed_precision, runs_fsdp
 from composer3d.parallel.peft import apply_peft
 from composer3d.parallel.pipeline import StageModule, default_stages_per_rank, plan_stages, prune_to_stages
 from composer3d.parallel.tensor import apply_tensor_parallel
@@ -69,11 +70,13 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
             block.compile()  # in place: parameter names unchanged
     if cfg.memory.activation_offload:  # around each block's call: outside its compiled graph and FSDP's hooks
         apply_activation_offload(model, device)
-    offload = parallel_cfg.offload == "cpu"
-    if shards_or_replicates(mesh, offload, parallel_cfg.zero_stage):
+    if runs_fsdp(mesh, parallel_cfg, precision_cfg):
+        # one rank (cast=params): the copies are kept through backward by default, or it would cast them again there
+        one_rank = parallel_cfg.reshard_after_forward == "default" and mesh.layout.world_size == 1
         apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
                             mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
-                            parallel_cfg.reshard_after_forward, roots=list(stages), offload=offload)
-    else:  # no data-parallel dim, or ZeRO-1: fp32 parameters as under FSDP, low-precision compute by autocast
+                            "never" if one_rank else parallel_cfg.reshard_after_forward, roots=list(stages),
+                            offload=parallel_cfg.offload == "cpu")
+    else:  # no data-parallel dim, or ZeRO-1, or cast=autocast: fp32 parameters, low-precision compute by autocast
         autocast_forward(stages or [model], precision_cfg.param_dtype, device)
     return stages

@@ -107,6 +107,12 @@ def _policy_context(policy: str, save_gathers: bool):
     return context
 
 
+def blocks_all_gather(tp: int, sequence_parallel: bool, cp: int, cp_style: str) -> bool:
+    """Whether a block's forward all-gathers, which ``save_gathers`` can keep: sequence parallel's inputs of
+    attention and the feed-forward, cp_style=allgather's K/V."""
+    return (tp > 1 and sequence_parallel) or (cp > 1 and cp_style == "allgather")
+
+
 # One per (policy, save_gathers), looked up inside the traced forward by those constants, which dynamo guards on:
 # a context function passed in is not guarded, and a block compiled under one policy would serve another's graph.
 CONTEXTS = {(policy, keep): _policy_context(policy, keep) for policy in POLICIES for keep in (False, True)}

@@ -1,4 +1,5 @@
-"""Low-precision compute over fp32 parameters where FSDP does not run (one device, TP-only, PP-only layouts).
+"""Low-precision compute over fp32 parameters where FSDP does not run (TP-only, PP-only, ZeRO-1 layouts; one device
+with ``precision.cast=autocast``, compiled runs' default there).
 
 FSDP's mixed-precision policy casts the gathered parameters; with no data-parallel dim there is nothing to gather,
 so the roots' forwards run under ``torch.autocast`` instead: matmuls and attention in bf16/fp16, parameters,

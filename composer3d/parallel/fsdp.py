@@ -20,13 +20,19 @@ from composer3d.layout import ParallelMesh
 
 
 def shards_or_replicates(mesh: ParallelMesh, offload: bool, zero_stage: int) -> bool:
-    """Whether FSDP2 has work to do: a data-parallel dim over more than one rank (but for ZeRO-1, which reduces
-    its gradients itself), or offloading to host memory.
-
-    On a mesh of one rank FSDP would still copy every parameter into its all-gather buffer and every gradient
-    into its reduce-scatter buffer each step, for nothing (about 20 ms a step for 1.5B parameters on an H100).
-    """
+    """Whether a data-parallel dim needs FSDP2: more than one rank on it (but for ZeRO-1, which reduces its
+    gradients itself), or offloading to host memory."""
     return (mesh.layout.dp * mesh.layout.cp > 1 and zero_stage != 1) or offload
+
+
+def runs_fsdp(mesh: ParallelMesh, parallel_cfg, precision_cfg) -> bool:
+    """Whether ``parallelize`` puts FSDP2 around the blocks: where a data-parallel dim needs it, and on a world of
+    one rank with ``precision.cast=params``, where FSDP's one-rank path (no collectives) casts each parameter into
+    its param_dtype copy once a step — one pass over the weights, where autocast casts each weight in every forward
+    and recomputation, and each activation at every matmul it enters (``precision_cfg.cast`` resolved)."""
+    casts_params = (precision_cfg.cast == "params" and precision_cfg.param_dtype != "float32"
+                    and mesh.layout.world_size == 1)
+    return shards_or_replicates(mesh, parallel_cfg.offload == "cpu", parallel_cfg.zero_stage) or casts_params
 
 
 def replicates_params(mesh: ParallelMesh) -> bool:
@@ -77,6 +83,8 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
     roots = roots or [model]
     for root in roots:
         wrap(root)  # embedding, final norm and head (those this rank kept); gathered through backward
+    if mesh.layout.dp * mesh.layout.cp == 1:
+        return  # one rank: FSDP neither divides nor reduces (a factor would cost a pass over the gradients)
     for module in {m for root in roots for m in root.modules()}:
         if isinstance(module, FSDPModule):
             # The loss is already divided by the global token count, so gradients are summed over ranks, not

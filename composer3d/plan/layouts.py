@@ -17,6 +17,7 @@ from composer3d.config.checks import pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.activation import blocks_all_gather
 from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.pipeline import SCHEDULES, V_SHAPED, default_stages_per_rank, schedule_problem
 
@@ -61,7 +62,7 @@ class Candidate:
     def keeps_gathers(self) -> bool:
         """memory.ac_save_gathers where it has an effect: op-level selective over blocks that all-gather (sequence
         parallel's inputs, cp_style=allgather's K/V)."""
-        gathers = (self.tp > 1 and self.sequence_parallel) or (self.cp > 1 and self.cp_style == "allgather")
+        gathers = blocks_all_gather(self.tp, self.sequence_parallel, self.cp, self.cp_style)
         return self.ac_save_gathers and self.activation_checkpointing == "selective" and self.ac_every == 0 and gathers
 
     def degrees(self) -> dict[str, int]:

@@ -12,7 +12,7 @@ from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.models.peft_adapters import load_adapters
-from composer3d.parallel import parallelize, shards_or_replicates
+from composer3d.parallel import parallelize, runs_fsdp
 from composer3d.parallel.peft import adapter_params, saved_params, trainable_params
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
@@ -60,7 +60,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     if cfg.peft.init_from and not from_checkpoint:  # a PEFT adapter directory's adapters instead of fresh ones
         load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
-    if not shards_or_replicates(mesh, offload, cfg.parallel.zero_stage):  # after materialize: it makes the parameters
+    if not runs_fsdp(mesh, cfg.parallel, cfg.precision):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, trainable, active_params, flops)
 

@@ -49,7 +49,7 @@ from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
 from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
-from composer3d.training.precision import DynamicLossScaler
+from composer3d.training.precision import DynamicLossScaler, resolve_precision
 from composer3d.training.readback import window_records
 
 log = logging.getLogger("composer3d")
@@ -342,6 +342,5 @@ def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[dict, to
     degrees = validate(cfg, env.world_size if env else 1)
     device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
     validate_for_device(cfg, degrees, device.type)
-    if cfg.precision.param_dtype == "auto":  # bf16 compute where it is fast; fp32 on the CPU
-        cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
+    resolve_precision(cfg, device, env.world_size if env else 1)
     return degrees, device

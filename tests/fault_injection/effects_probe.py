@@ -203,6 +203,10 @@ def _effects(trainer: Trainer) -> dict:
                          for _, m, _ in getattr(optimizer, "pairs", ())],
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
+        # what the (uncompiled) blocks computed from: the residual stream they got, and their weights as the
+        # projections held them during the forward (FSDP's cast copies, or autocast's fp32 parameters)
+        "block_input_dtypes": sorted(trainer._probe_block_dtypes["input"]),
+        "block_weight_dtypes": sorted(trainer._probe_block_dtypes["weight"]),
         "loss_scaler": trainer.scaler is not None,
         "compiled_blocks": [i for i, b in model.layers.items() if _compiled(b)],
         "offloaded_blocks": [i for i, b in model.layers.items() if _offloaded(b)],
@@ -231,6 +235,7 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
     head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
     if head is not None:
         head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
+    self._probe_block_dtypes = dtypes = {"input": set(), "weight": set()}
     first_tokens = lambda module, args: setattr(  # noqa: E731  (the tokens of a sequence, at the first call)
         module, "_probe_tokens", getattr(module, "_probe_tokens", None) or args[0].shape[1])
     for block in self.model.layers.values():  # what each block's attention and residual stream hold
@@ -241,6 +246,8 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
             continue
         attention.register_forward_pre_hook(first_tokens)
         block.register_forward_pre_hook(first_tokens)
+        block.register_forward_pre_hook(lambda module, args: dtypes["input"].add(str(args[0].dtype)))
+        attention.wq.register_forward_pre_hook(lambda module, args: dtypes["weight"].add(str(module.weight.dtype)))
         attention._probe_heads = {}
         for name in ("wq", "wk"):  # the heads this rank projects (a tp rank's share under tensor parallel)
             getattr(attention, name).register_forward_hook(partial(_first_heads, attention, name))

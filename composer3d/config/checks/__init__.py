@@ -51,7 +51,7 @@ def validate(cfg: Any, world_size: int) -> dict[str, int]:
     _check_loop(cfg.train, cfg.eval)
     _check_generate(cfg.generate, cfg.model.name)
     _check_optimizer(cfg.optim, cfg.parallel)
-    _check_precision(cfg.precision, degrees["tp"])
+    _check_precision(cfg.precision, degrees["tp"], world_size, cfg.parallel.zero_stage, cfg.peft.method)
     _check_memory(cfg, degrees)
     _check_peft(cfg, degrees)
     _check_data(cfg.data, cfg.model)

@@ -7,9 +7,10 @@ from typing import Any
 
 from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
 from composer3d.models import build_model
-from composer3d.parallel.activation import POLICIES as AC_POLICIES
+from composer3d.parallel.activation import POLICIES as AC_POLICIES, blocks_all_gather
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
+PRECISION_CASTS = ("auto", "params", "autocast")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
@@ -88,10 +89,23 @@ def _check_optimizer(o: Any, p: Any) -> None:
              "slicing cannot cut", "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)")
 
 
-def _check_precision(precision: Any, tp: int) -> None:
+def _check_precision(precision: Any, tp: int, world_size: int, zero_stage: int, peft_method: str) -> None:
     for key, allowed in (("param_dtype", PARAM_DTYPES), ("reduce_dtype", DTYPE_NAMES)):
         value = getattr(precision, key)
         _require(value in allowed, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {allowed}")
+    _require(precision.cast in PRECISION_CASTS, "precision.cast", f"unknown cast {precision.cast!r}",
+             f"Choose one of {PRECISION_CASTS}")
+    _require(precision.cast != "params" or world_size == 1, "precision.cast", "params casts through FSDP on a "
+             f"one-rank mesh, and this run has {world_size} ranks (FSDP casts the parameters wherever a "
+             "data-parallel dim shards them)", "Use precision.cast=auto")
+    _require(precision.cast != "params" or zero_stage != 1, "precision.cast", "params casts through FSDP, and "
+             "ZeRO-1 (parallel.zero_stage=1) runs without it", "Use precision.cast=auto, or parallel.zero_stage=3")
+    _require(precision.cast != "params" or peft_method != "qlora", "precision.cast", "FSDP's one-rank path "
+             "copies one tensor of each parameter, and QLoRA's NF4 weights are three (torch's FSDP2 gathers them "
+             "only across ranks)", "Use precision.cast=auto (autocast with peft=qlora on one rank)")
+    _require(precision.cast != "params" or precision.param_dtype != "float32", "precision.cast",
+             "params makes a param_dtype copy of the parameters, and param_dtype=float32 computes in them as they are",
+             "Use precision.param_dtype=bfloat16 with precision.cast=params, or precision.cast=auto")
     _require(precision.float8.recipe in ("tensorwise", "rowwise"), "precision.float8.recipe",
              f"unknown recipe {precision.float8.recipe!r}", "Choose tensorwise or rowwise")
     _require(precision.loss_scale_init > 0 and precision.loss_scale_growth_interval >= 1,
@@ -116,7 +130,7 @@ def _check_memory(cfg: Any, degrees: dict[str, int]) -> None:
              "memory.ac_policy", f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run "
              f"has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
              "Add memory.activation_checkpointing=selective memory.ac_every=0")
-    gathers = (degrees["tp"] > 1 and p.sequence_parallel) or (degrees["cp"] > 1 and p.cp_style == "allgather")
+    gathers = blocks_all_gather(degrees["tp"], p.sequence_parallel, degrees["cp"], p.cp_style)
     _require(not mem.ac_save_gathers or (mem.activation_checkpointing == "selective" and mem.ac_every == 0 and gathers),
              "memory.ac_save_gathers", "it keeps the all-gathers' outputs of op-level selective checkpointing, and "
              f"this run has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}, "
