@@ -53,15 +53,18 @@ def _one_rank_cast_worker(rank, world, out_path):
         "losses": losses,
         "grad_dtypes": sorted({str(p.grad.dtype) for p in trainer.model.parameters()}),
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
-        "max_grad_diff": max((grads[0][n] - grads[1][n]).abs().max().item() for n in params),
-        "grad_scale": max(g.abs().max().item() for g in grads[1].values()),
+        # per parameter: the largest difference, and the largest gradient element (for a bf16 ulp's size)
+        "diffs": {n: [(grads[0][n] - grads[1][n]).abs().max().item(), grads[1][n].abs().max().item()]
+                  for n in params},
+        "matrices": [n for n, p in params.items() if p.ndim >= 2],
     }
     json.dump(result, open(out_path, "w"))
 
 
 def test_one_rank_cast_params_computes_as_the_model_cast_to_bf16(tmp_path):
     """On one rank, precision.cast=params runs FSDP's one-rank path: the forward and backward of the model cast
-    whole to bf16 (the same logits and gradients to the bit), with fp32 parameters and gradients for the step."""
+    whole to bf16 (the same loss and matrices' gradients to the bit, the norms' within one bf16 rounding), with
+    fp32 parameters and gradients for the step."""
     import json
 
     from harness import spawn
@@ -70,4 +73,8 @@ def test_one_rank_cast_params_computes_as_the_model_cast_to_bf16(tmp_path):
     result = json.loads(out.read_text())
     assert result["param_dtypes"] == result["grad_dtypes"] == ["torch.float32"], result
     assert result["losses"][0] == result["losses"][1], result["losses"]
-    assert result["grad_scale"] > 0 and result["max_grad_diff"] == 0.0, result
+    diffs = result["diffs"]
+    assert all(diffs[n] == [0.0, diffs[n][1]] and diffs[n][1] > 0 for n in result["matrices"]), diffs
+    # The norms' weights: torch 2.15's RMSNorm backward sums their bf16 gradient in another order over FSDP's
+    # unsharded views than over a plain parameter (2.13: bit-identical too), one bf16 rounding step at most.
+    assert all(diff <= largest * 2**-7 for diff, largest in diffs.values()), diffs
