@@ -101,6 +101,8 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             cast = settings.get("precision.cast")
             if cast == "params":  # one rank: FSDP's copies in the low dtype, and the residual stream with them
                 assert [g["param_dtype"] for g in rank["fsdp"]] == [low] * len(rank["fsdp"]) and rank["fsdp"]
+                # cast once: the copies kept through backward, not cast again there
+                assert not any(g["reshards_after_forward"] for g in rank["fsdp"]), rank["fsdp"]
                 assert rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [low], rank
                 assert not any(rank["collective_dtypes"].values()), rank["collective_dtypes"]  # none on one rank
             if cast == "autocast":  # fp32 parameters and residual stream; the matmuls cast as they run

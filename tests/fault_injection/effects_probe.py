@@ -147,7 +147,9 @@ def _fsdp(trainer: Trainer) -> list[dict]:
             (param_dtype, reduce_dtype), = {(str(p.mp_policy.param_dtype), str(p.mp_policy.reduce_dtype))
                                             for p in group.fsdp_params}
             found.append({"fqn": fqn, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
-                          "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params]})
+                          "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params],
+                          # frees its gathered (cast) parameters after forward, to gather them again in backward
+                          "reshards_after_forward": group.post_forward_mesh_info is not None})
     return found
 
 
