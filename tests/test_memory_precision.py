@@ -373,27 +373,17 @@ def test_auto_precision_is_fp32_on_cpu(tmp_path):
     assert len(run.metrics) == 1
 
 
-def test_auto_cast_is_params_only_for_an_eager_run_on_one_accelerator(monkeypatch):
+def test_auto_cast_is_params_only_for_an_eager_run_on_one_accelerator():
     """precision.cast=auto by measurement: params (one cast a step) eager on one accelerator; autocast compiled,
     on the CPU, on several ranks (where FSDP casts wherever it shards, and params is refused), and where params
     cannot run (ZeRO-1, QLoRA)."""
-    from types import SimpleNamespace
+    from composer3d.parallel.autocast import auto_cast
 
-    from composer3d.launch import distributed
-    from composer3d.training.precision import resolve_cast
-
-    def cfg(compiled=False, zero_stage=3, peft="none"):
-        return SimpleNamespace(compile=SimpleNamespace(enabled=compiled), parallel=SimpleNamespace(
-            zero_stage=zero_stage), peft=SimpleNamespace(method=peft))
-
-    monkeypatch.setattr(distributed, "is_accelerator", lambda device: device.type != "cpu")
-    accelerator = torch.device("cuda")  # a name only: nothing is allocated
-    assert resolve_cast(cfg(), accelerator, 1) == resolve_cast(cfg(peft="lora"), accelerator, 1) == "params"
-    assert resolve_cast(cfg(compiled=True), accelerator, 1) == "autocast"
-    assert resolve_cast(cfg(), accelerator, 2) == "autocast"
-    assert resolve_cast(cfg(zero_stage=1), accelerator, 1) == "autocast"
-    assert resolve_cast(cfg(peft="qlora"), accelerator, 1) == "autocast"
-    assert resolve_cast(cfg(), torch.device("cpu"), 1) == "autocast"
+    one = dict(accelerator=True, world_size=1, compiled=False, zero_stage=3, peft_method="none")
+    assert auto_cast(**one) == auto_cast(**{**one, "peft_method": "lora"}) == "params"
+    for change in ({"compiled": True}, {"world_size": 2}, {"zero_stage": 1}, {"peft_method": "qlora"},
+                   {"accelerator": False}):
+        assert auto_cast(**{**one, **change}) == "autocast", change
 
 
 def test_memory_breakdown_shows_activation_checkpointing_effect(tmp_path):

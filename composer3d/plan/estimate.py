@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from composer3d.dtypes import DTYPES
+from composer3d.parallel.autocast import auto_cast
 from composer3d.plan import comm, context
 from composer3d.plan.adapters import Peft
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
@@ -39,13 +40,22 @@ class Workload:
     work: Work = Work(compiled=False, float8=False)  # torch.compile, float8 GEMMs
     published_overlap: bool = False  # plan.published_overlap
     peft: Peft | None = None  # LoRA / QLoRA: what trains (plan/adapters.py)
+    cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
                    Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel),
-                   cfg.plan.published_overlap, Peft.from_config(cfg.peft))
+                   cfg.plan.published_overlap, Peft.from_config(cfg.peft), cfg.precision.cast)
+
+    def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
+        """Whether ``c`` runs on one device with precision.cast=params (FSDP's one-rank path), as training would
+        resolve it there."""
+        cast = self.cast if self.cast != "auto" else auto_cast(
+            cluster.accelerator, c.world_size, self.work.compiled, c.zero_stage, self.peft.method if self.peft else "none")
+        # (offload=cpu runs FSDP on one rank whatever the cast, with its own resharding: not this)
+        return cast == "params" and c.world_size == 1 and cluster.compute_bytes != 4 and c.offload != "cpu"
 
 
 @dataclass
@@ -121,7 +131,7 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft) for s in sets]
+    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft, work.casts_once(c, cluster)) for s in sets]
     cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
             for s in sets]
     tokens_per_step = work.global_batch_size * seq

@@ -78,8 +78,12 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     @property
-    def has_mfu(self) -> bool:
+    def accelerator(self) -> bool:
         return self.device != "cpu"
+
+    @property
+    def has_mfu(self) -> bool:
+        return self.accelerator
 
 
 def host_memory_bytes() -> float:

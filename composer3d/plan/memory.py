@@ -260,8 +260,18 @@ def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: i
     return elements * (in_flight + 1) * compute_bytes + min(elements, LOSS_CHUNK_ELEMENTS) * 4 * 2
 
 
+def _recomputed_blocks(c: Candidate) -> float:
+    """The share of the blocks whose forward checkpointing reruns in backward."""
+    if c.activation_checkpointing == "full" or (c.activation_checkpointing == "selective" and not c.ac_every):
+        return 1.0
+    return 1 / c.ac_every if c.activation_checkpointing == "selective" else 0.0
+
+
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
-           optimizer: str = "adamw", peft: Peft | None = None) -> Memory:
+           optimizer: str = "adamw", peft: Peft | None = None, casts_once: bool = False) -> Memory:
+    """One pipeline rank's peak device memory (and host and disk bytes). ``casts_once``: one device with
+    precision.cast=params, FSDP's one-rank path (``parallel.autocast.auto_cast``); else, without a data-parallel
+    dim that shards, autocast."""
     units = stages.units(shape, c.tp, c.ep)
     params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes)
     host = 0.0
@@ -305,8 +315,10 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     kinds = ([shape.block_params(c.tp)] if stages.dense_layers else []) + (
         [shape.moe_block_params(c.tp) + shape.expert_params(c.tp, c.ep)] if stages.moe_layers else [])
     layer = max(sum(math.prod(s) for s in params) for params in kinds) * cb
-    if fsdp_shards(c):
-        keeps_gathered = c.zero_stage == 2 or c.pp > 1 or c.reshard_after_forward == "never"
+    if fsdp_shards(c) or casts_once or c.offload == "cpu":
+        # FSDP runs on one rank too: under offload=cpu, and with precision.cast=params (``casts_once``), where it
+        # keeps its param_dtype copies through backward
+        keeps_gathered = casts_once or c.zero_stage == 2 or c.pp > 1 or c.reshard_after_forward == "never"
         if c.reshard_after_forward == "always":
             keeps_gathered = False
         all_layers = sum(u.count * u.numel for u in layers) * cb
@@ -318,9 +330,16 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     else:
         # what trains: a frozen weight has no gradient to all-reduce, and autocast keeps no cast of it (it caches
         # those of leaves that require a gradient; NF4 weights are dequantized op by op)
-        n = whole(units if peft is None else _peft_units(units, c, peft)[0])
+        trained = units if peft is None else _peft_units(units, c, peft)[0]
+        n = whole(trained)
         if c.dp > 1 and c.zero_stage != 1:  # replicas' all-reduce copies the whole gradients into a buffer
             buffers += n * 4
         if cb != 4:
-            buffers += n * cb  # low-precision copies of whole weights (casts)
+            # low-precision copies of whole weights (casts), which their matmuls save for backward (an embedding
+            # lookup casts none); a checkpointed block's are cast again in its recomputation: then one at a time
+            tables = sum(math.prod(s) for u in trained if u.kind == "root"
+                         for s, name in zip(u.params, u.names) if name == "embedding")
+            recast = whole([u for u in trained if u.kind != "root"]) * _recomputed_blocks(c)
+            one_block = max(u.numel for u in trained if u.kind != "root") if recast else 0.0
+            buffers += (n - tables - recast + one_block) * cb
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts, disk)

@@ -13,26 +13,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from composer3d.launch import distributed
+from composer3d.parallel.autocast import auto_cast
 
 
 def resolve_precision(cfg, device: torch.device, world_size: int) -> None:
     """``precision.param_dtype=auto``: bf16 where it is fast, fp32 on the CPU; ``precision.cast=auto``:
-    ``resolve_cast``. In place, so the run's config.yaml records what ran."""
+    ``parallel.autocast.auto_cast``. In place, so the run's config.yaml records what ran."""
     if cfg.precision.param_dtype == "auto":
         cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
     if cfg.precision.cast == "auto":
-        cfg.precision.cast = resolve_cast(cfg, device, world_size)
-
-
-def resolve_cast(cfg, device: torch.device, world_size: int) -> str:
-    """precision.cast=auto, by measurement (H200, 1B Llama, seq 8192, selective AC; README): eager on one
-    accelerator, params (43.0k tok/s against autocast's 41.5k: one cast of each weight a step instead of one per
-    forward and recomputation, and none of each activation); compiled, autocast (48.3k against 47.5k, 2.1 GiB less:
-    Inductor fuses the activations' casts, and FSDP's one-rank copies cost more than the weights' casts left).
-    Where params cannot run, autocast: ZeRO-1 (no FSDP) and QLoRA (refused with params by the config checks)."""
-    eager_alone = world_size == 1 and not cfg.compile.enabled
-    runnable = cfg.parallel.zero_stage != 1 and cfg.peft.method != "qlora"
-    return "params" if distributed.is_accelerator(device) and eager_alone and runnable else "autocast"
+        cfg.precision.cast = auto_cast(distributed.is_accelerator(device), world_size, cfg.compile.enabled,
+                                       cfg.parallel.zero_stage, cfg.peft.method)
 
 
 class DynamicLossScaler:
