@@ -71,13 +71,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
     if cfg.memory.activation_offload:  # around each block's call: outside its compiled graph and FSDP's hooks
         apply_activation_offload(model, device)
     if runs_fsdp(mesh, parallel_cfg, precision_cfg):
-        offload = parallel_cfg.offload == "cpu"
-        # one rank (cast=params): the copies are kept through backward by default, or it would cast them again there
-        one_rank_cast = mesh.layout.world_size == 1 and not offload and parallel_cfg.reshard_after_forward == "default"
         apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
                             mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
-                            "never" if one_rank_cast else parallel_cfg.reshard_after_forward, roots=list(stages),
-                            offload=offload)
+                            parallel_cfg.reshard_after_forward, roots=list(stages),
+                            offload=parallel_cfg.offload == "cpu")
     else:  # no data-parallel dim, or ZeRO-1, or cast=autocast: fp32 parameters, low-precision compute by autocast
         autocast_forward(stages or [model], precision_cfg.param_dtype, device)
     return stages

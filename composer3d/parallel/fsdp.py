@@ -48,12 +48,14 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy
                                 reduce_dtype=None if pure_fp32 else DTYPES[reduce_dtype])
 
 
-def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int) -> bool:
+def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int, casts_only: bool = False) -> bool:
     """ZeRO-3 frees gathered params after forward; under PP it keeps them, since every microbatch would gather
-    them twice (forward and backward) — memory of one stage's full params against 2×microbatches all-gathers."""
+    them twice (forward and backward) — memory of one stage's full params against 2×microbatches all-gathers.
+    ``casts_only``: one rank, its parameters on the device (precision.cast=params), where the gathered params are
+    just their param_dtype copies: kept, or backward would cast them again."""
     if policy != "default":
         return policy == "always"
-    return zero_stage == 3 and pp == 1
+    return zero_stage == 3 and pp == 1 and not casts_only
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy,
@@ -73,8 +75,9 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
         # ZeRO-Offload: sharded params, grads and the optimizer step live in host memory.
         offload_policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if offload else OffloadPolicy()
         wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        casts_only = mesh.layout.world_size == 1 and not offload
         wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
-            reshard_policy, zero_stage, mesh.layout.pp))
+            reshard_policy, zero_stage, mesh.layout.pp, casts_only))
     if mesh.layout.ep > 1:
         for experts in model.routed_experts():
             wrap_block(experts, mesh=mesh.expert_dp)

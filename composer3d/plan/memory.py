@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from composer3d.parallel.fsdp import reshard_blocks_after_forward
 from composer3d.plan.adapters import BLOCK_MODULES, Peft, Split, nf4_bytes, split_block, split_root
 from composer3d.plan.bubble import microbatches_in_flight
 from composer3d.plan.hardware import Cluster
@@ -318,9 +319,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     if fsdp_shards(c) or casts_once or c.offload == "cpu":
         # FSDP runs on one rank too: under offload=cpu, and with precision.cast=params (``casts_once``), where it
         # keeps its param_dtype copies through backward
-        keeps_gathered = casts_once or c.zero_stage == 2 or c.pp > 1 or c.reshard_after_forward == "never"
-        if c.reshard_after_forward == "always":
-            keeps_gathered = False
+        keeps_gathered = not reshard_blocks_after_forward(c.reshard_after_forward, c.zero_stage, c.pp, casts_once)
         all_layers = sum(u.count * u.numel for u in layers) * cb
         buffers = root + (all_layers if keeps_gathered else 2 * layer)
         if c.pp > 1:  # the pipeline syncs gradients at its last micro-batch: until then they are whole
