@@ -2,8 +2,8 @@
 
     python benchmarks/plan_published.py [extra composer3d-plan overrides, e.g. cluster.achievable_fraction=0.75]
 
-Each row is a published H100 result (source in the README, next to the table) or composer3d's own run on one H100
-(issue 29): its model and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch,
+Each row is a published H100 result (source in the README, next to the table) or composer3d's own run on one GPU
+(issue 29: H100 rows from its start, H200 rows at the code since the fused loss and one-device casts): its model and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch,
 precision incl. float8, checkpointing and its policy, eager or compiled, pipeline schedule, the overlaps the
 source turned on, the source's own GPUs where they differ from an H100 SXM), nothing tuned per row, and the
 predicted TFLOP/s per GPU is printed next to the published one. Where a source gives tokens/s only, its TFLOP/s
@@ -44,13 +44,15 @@ def _gpt(hidden: int, layers: int, heads: int, tp: int, pp: int, batch: int) -> 
                 ["parallel.sequence_parallel=true"] if tp > 1 else [])
 
 
-def _one_h100(compiled: bool, ac: str, *model: str) -> list[str]:
-    """composer3d's own runs on one H100 (issue 29): sequence 8192, micro-batch 1, bf16, torch 2.11."""
+def _one_gpu(compiled: bool, ac: str, *model: str) -> list[str]:
+    """composer3d's own runs on one GPU (issue 29): sequence 8192, micro-batch 1, bf16, torch 2.11."""
     return ["model=llama3_1b", *model, "train.seq_len=8192", "train.global_batch_size=1", "train.micro_batch_size=1",
             "cluster.nodes=1", "cluster.gpus_per_node=1", "parallel.dp_shard=1",
             f"compile.enabled={str(compiled).lower()}", f"memory.activation_checkpointing={ac}"]
 
 
+# composer3d's runs on one H200 (2026-11-26, .peer-bench/bench.sh beside torchtitan): its model, untied head
+H200_1B = ["model.tie_embeddings=false", "cluster.device=h200"]
 LLAMA_3B = ["model.dim=3072", "model.n_layers=28", "model.n_heads=24", "model.ffn_hidden_dim=8192"]
 FP8 = ["precision.float8.enabled=true", "compile.enabled=true"]  # Megatron-Bridge: FP8 current scaling, TE kernels
 TITAN_SAC = ["memory.activation_checkpointing=selective", "memory.ac_policy=alternate_matmuls"]
@@ -82,18 +84,30 @@ ROWS = [
      "train.micro_batch_size=1", "cluster.nodes=8", "parallel.dp_shard=1", "parallel.dp_replicate=2", "parallel.tp=4",
      "parallel.pp=8", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b",
      "parallel.pp_stages_per_rank=5", "parallel.zero_stage=1", *FP8, *OVERLAP], 1602, None),
-    (16, "composer3d Llama 3.2 1B, 1 GPU, compiled", _one_h100(True, "none"), 46788, None),
-    (17, "composer3d Llama 3.2 1B, 1 GPU, compiled, selective AC", _one_h100(True, "selective"), 45750, None),
-    (18, "composer3d Llama 3.2 3B, 1 GPU, compiled, selective AC", _one_h100(True, "selective", *LLAMA_3B), 19439,
+    (16, "composer3d Llama 3.2 1B, 1 GPU, compiled", _one_gpu(True, "none"), 46788, None),
+    (17, "composer3d Llama 3.2 1B, 1 GPU, compiled, selective AC", _one_gpu(True, "selective"), 45750, None),
+    (18, "composer3d Llama 3.2 3B, 1 GPU, compiled, selective AC", _one_gpu(True, "selective", *LLAMA_3B), 19439,
      None),
-    (19, "composer3d Llama 3.2 1B, 1 GPU, eager, selective AC", _one_h100(False, "selective"), 27672, None),
-    (20, "composer3d Llama 3.2 1B, 1 GPU, eager", _one_h100(False, "none"), 35847, None),
+    (19, "composer3d Llama 3.2 1B, 1 H200, eager, selective AC", _one_gpu(False, "selective", *H200_1B), 43011,
+     None),
+    (20, "composer3d Llama 3.2 1B, 1 H200, eager, selective AC, autocast",
+     _one_gpu(False, "selective", *H200_1B, "precision.cast=autocast"), 41476, None),
     # torchtitan's Table 2, first row: FSDP 8, CP 1, sequence 32,768, local batch 1, full AC, compile + float8
     (22, "torchtitan Llama 3.1 8B, 8 GPUs, FSDP, 32,768 tokens (FP8)", ["model=llama3_8b", "train.seq_len=32768",
      "train.global_batch_size=8", "train.micro_batch_size=1", "cluster.nodes=1", "parallel.dp_shard=8",
      "memory.activation_checkpointing=full", "compile.enabled=true", "precision.float8.enabled=true",
      *GRAND_TETON], 3890, None),
+    (23, "composer3d Llama 3.2 1B, 1 H200, compiled, selective AC", _one_gpu(True, "selective", *H200_1B), 48307,
+     None),
+    (24, "composer3d Llama 3.2 1B, 1 H200, compiled, selective AC (alternate)",
+     _one_gpu(True, "selective", *H200_1B, "memory.ac_policy=alternate_matmuls"), 47119, None),
 ]
+
+
+def on_device(overrides: list[str]) -> list[str]:
+    """The row's overrides on its GPU: an H100 SXM unless the row names another."""
+    named = any(o.startswith("cluster.device=") for o in overrides)
+    return overrides if named else [*overrides, "cluster.device=h100"]
 
 
 def _causal_half(overrides: list[str]) -> float:
@@ -107,7 +121,7 @@ def main() -> None:
     extra = sys.argv[1:]
     print(f"{'#':>3}  {'source':<58}{'published':>10}{'predicted':>10}{'error':>8}   TFLOP/s per GPU")
     for row, source, overrides, tokens, tflops in ROWS:
-        proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *overrides, "cluster.device=h100",
+        proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *on_device(overrides),
                                "plan.format=json", *extra], check=False, capture_output=True, text=True)
         if proc.returncode:
             print(f"{row:>3}  {source:<58}{proc.stderr.strip()}")

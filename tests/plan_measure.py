@@ -75,11 +75,28 @@ class CollectiveBytes(TorchDispatchMode):
             kind, index = C10D_OPS[func]
             group = next(a for a in args if isinstance(a, torch.ScriptObject))
             self._add(kind, torch.distributed.ProcessGroup.unbox(group).size(), _nbytes(args[index]))
-        elif func in FUNCOL_OPS:
+            out = func(*args, **kwargs)
+            if kind != "send":  # a send waits for its receive, which the peer may post after a send of its own
+                works = [w for w in (out if isinstance(out, tuple) else (out,)) if isinstance(w, torch.ScriptObject)]
+                _settle(lambda: [torch.distributed.distributed_c10d.Work.unbox(w).wait() for w in works])
+            return out
+        if func in FUNCOL_OPS:
             kind = FUNCOL_OPS[func]
             size = torch.distributed.distributed_c10d._resolve_process_group(args[-1]).size()
             self._add(kind, size, _nbytes(args[0]) * (size if kind == "all_gather" else 1))
+            out = func(*args, **kwargs)
+            _settle(lambda: funcol.wait_tensor(out))
+            return out
         return func(*args, **kwargs)
+
+
+def _settle(wait) -> None:
+    """Wait for a collective where it is issued and give gloo's worker thread a moment to drop the buffers it holds.
+    Otherwise the step goes on while that thread still references them (a block's gradients reduce-scattered,
+    whose last Python reference FSDP or autograd drops at once), and when the thread next runs decides whether
+    they are alive at the next block's peak: a block's gradient buffer more or less, from one run to the next."""
+    wait()
+    time.sleep(1e-3)
 
 
 def _timed(method, into: list[float], pad_s: float = 0.0):

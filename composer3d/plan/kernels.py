@@ -22,9 +22,11 @@ forward GEMM; and in eager mode op-level selective checkpointing routes every op
 dispatch mode, a fixed host cost per block and micro-batch that the device waits for (``EAGER_SAC_S``).
 
 The free constants (four, each measured, each the same for every layout and model):
-  ATTENTION_FRACTION's sdpa rate, ELEMENTWISE_PASSES (eager and compiled) and EAGER_SAC_S, from composer3d's own
-  single-H100 runs (issue 29: Llama 3.2 1B and 3B at 8192 tokens, eager and compiled, with and without selective
-  AC); its flash2 rate is FlashAttention-2's own published H100 benchmark, set on no training run.
+  ATTENTION_FRACTION's sdpa rate and the compiled ELEMENTWISE_PASSES from composer3d's own single-H100 runs
+  (issue 29: Llama 3.2 1B and 3B at 8192 tokens, compiled, with and without selective AC); the eager
+  ELEMENTWISE_PASSES and EAGER_SAC_S from its eager 1B on an H200 at the current code (since the issue's
+  eager runs the loss is fused and one device casts once a step: the constants set on those runs predicted this
+  step 29% slow); its flash2 rate is FlashAttention-2's own published H100 benchmark, set on no training run.
   ``cluster.achievable_fraction`` (the large-GEMM fraction) is the fourth, and the devices' HBM bandwidths are
   their data sheets' (plan/hardware.py).
 """
@@ -46,13 +48,17 @@ from composer3d.plan.shapes import ModelShape, StageSet
 # (FlashAttention-3 paper, Shah et al. 2024, H100 SXM5 figures): 3.5 / (1/335 + 2.5/322) = 326 of 989.
 ATTENTION_FRACTION = {"sdpa": 0.38, "flash2": 0.33}
 # HBM bytes the elementwise kernels move per byte of a block's activations (forward + backward), and per byte of
-# the logits. Eager: each op a kernel (an RMSNorm alone is five passes). Compiled: Inductor's fused kernels. From
-# the 1B's eager and compiled steps without checkpointing (35,847 and 46,788 tok/s on one H100).
-ELEMENTWISE_PASSES = {False: 16.0, True: 6.0}  # keyed by compiled
-# Host seconds per block and micro-batch that eager op-level selective checkpointing adds (torch's selective
-# checkpoint dispatch mode runs in Python for every op, forward and recomputation): the 1B's eager step with
-# selective AC against without (27,672 against 35,847 tok/s; torchtitan's own eager pair loses as much).
-EAGER_SAC_S = 3.0e-3
+# the logits. Compiled: Inductor's fused kernels, from the 1B's compiled step without checkpointing (46,788 tok/s
+# on one H100; its selective step on an H200 at the current code, 48,307, is predicted within 1%). Eager: a kernel
+# per op, where torch has no fused one (RMSNorm has: aten::_fused_rms_norm; the loss is a compiled chunk function
+# even in eager mode): from the 1B's eager selective step on an H200 (torch 2.11, 2026-11-26), whose profile puts
+# 41.8 ms in elementwise kernels, copies and the loss (benchmarks/step_profile.py) where 8 passes predict 40.5.
+ELEMENTWISE_PASSES = {False: 8.0, True: 6.0}  # keyed by compiled
+# Host seconds per block and micro-batch the device waits for in an eager step under op-level selective
+# checkpointing (torch's selective checkpoint dispatch mode runs in Python for every op, forward and
+# recomputation): that H200 step's 43,011 tok/s less its predicted kernels (9.9 ms over 16 blocks), as its
+# autocast twin's profile shows the device idle (9.6 ms).
+EAGER_SAC_S = 0.6e-3
 # fused AdamW per local parameter: fp32 parameter, gradient and two moments read (16 B), parameter and moments
 # written (12 B), the gradient zeroed (4 B)
 OPTIMIZER_BYTES = 32
