@@ -3,9 +3,10 @@
     python benchmarks/plan_published.py [extra composer3d-plan overrides, e.g. cluster.achievable_fraction=0.75]
 
 Each row is a published H100 result (source in the README, next to the table) or composer3d's own run on one GPU
-(issue 29: H100 rows from its start, H200 rows at the code since the fused loss and one-device casts): its model and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch,
-precision incl. float8, checkpointing and its policy, eager or compiled, pipeline schedule, the overlaps the
-source turned on, the source's own GPUs where they differ from an H100 SXM), nothing tuned per row, and the
+(issue 29: H100 rows from its start, H200 rows at the code since the fused loss and one-device casts): its model
+and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch, precision incl. float8,
+checkpointing and its policy, eager or compiled, pipeline schedule, the overlaps the source turned on, the source's
+own GPUs where they differ from an H100 SXM), nothing tuned per row, and the
 predicted TFLOP/s per GPU is printed next to the published one. Where a source gives tokens/s only, its TFLOP/s
 is those tokens times the planner's FLOPs per token (6N + 6·L·H·Q·T, composer3d's convention: causal attention).
 Megatron-LM's TFLOP/s count the full attention matrix (6N + 12·L·H·Q·T): they are recounted in composer3d's
@@ -51,7 +52,7 @@ def _one_gpu(compiled: bool, ac: str, *model: str) -> list[str]:
             f"compile.enabled={str(compiled).lower()}", f"memory.activation_checkpointing={ac}"]
 
 
-# composer3d's runs on one H200 (2026-11-26, .peer-bench/bench.sh beside torchtitan): its model, untied head
+# composer3d's runs on one H200 (2026-11-26, side by side with torchtitan in one call): its model, untied head
 H200_1B = ["model.tie_embeddings=false", "cluster.device=h200"]
 LLAMA_3B = ["model.dim=3072", "model.n_layers=28", "model.n_heads=24", "model.ffn_hidden_dim=8192"]
 FP8 = ["precision.float8.enabled=true", "compile.enabled=true"]  # Megatron-Bridge: FP8 current scaling, TE kernels

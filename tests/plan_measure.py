@@ -5,7 +5,8 @@ all of them, as ``harness.train_in_one_group``). A metered group runs three mete
 steady-state ``Trainer.train_step`` (the second step: the optimizer state exists):
   - collectives: a TorchDispatchMode sees every c10d op the step runs (FSDP's all-gathers and reduce-scatters, the
     functional collectives of DTensor's TP/SP, pipeline send/recv, the gradient-norm all-reduce, ZeRO-1's all-gather)
-    and adds up the bytes each one carries, by kind and by the size of the group it runs on;
+    and adds up the bytes each one carries, by kind and by the size of the group it runs on; it waits for each
+    where it is issued (``_settle``), so that when gloo's thread lets go of a buffer cannot move the peak;
   - memory: torch's MemTracker (a dispatch mode with module and optimizer hooks, and FSDP's storage resizes; as
     composer3d-plan plan.measure=true runs it, ``plan.measure.PeakTracker``) gives
     the most bytes of tensors alive at once on the rank, parameters, gradients and optimizer state included.
