@@ -136,15 +136,39 @@ def _norm_in_one_reduction(rank, world):
     params = []
     for grad in placed:
         param = nn.Parameter(torch.zeros_like(grad))
-        param.grad = grad
+        param.grad = grad.clone()  # clipped in place below; ``placed`` stays whole for the fused step's check
         params.append(param)
     expected = torch.cat([g.reshape(-1) for g in full]).norm()
     with CommDebugMode() as comm:
         norm = clip_grad_norm_(params, 1.0, Layout(dp_shard=2, tp=2))
     assert comm.get_total_counts() == 1, comm.get_comm_counts()  # one all-reduce for every mesh and dimension
     torch.testing.assert_close(norm, expected)
-    clipped = torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).reshape(-1) for p in params])
-    torch.testing.assert_close(clipped.norm(), torch.tensor(1.0), rtol=1e-5, atol=1e-5)
+
+    def grads(ps):
+        return torch.cat([(p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).reshape(-1) for p in ps])
+    torch.testing.assert_close(grads(params).norm(), torch.tensor(1.0), rtol=1e-5, atol=1e-5)
+
+    # Handed to fused AdamW, the clip happens in its step: the gradients are left whole until then, and the step
+    # divides them by the same factor, which makes the update of the gradients clipped here
+    handed = []
+    for grad in placed:
+        param = nn.Parameter(torch.zeros_like(grad))
+        param.grad = grad
+        handed.append(param)
+
+    def adamw(group):  # one parameter group per tensor: a fused step takes no mix of meshes or of plain and DTensor
+        return torch.optim.AdamW([{"params": [p]} for p in group], lr=0.1, fused=True)
+    stepper = adamw(handed)
+    with CommDebugMode() as comm:
+        norm = clip_grad_norm_(handed, 1.0, Layout(dp_shard=2, tp=2), optimizer=stepper)
+    assert comm.get_total_counts() == 1, comm.get_comm_counts()
+    torch.testing.assert_close(grads(handed).norm(), expected)  # not scaled before the step
+    torch.testing.assert_close(stepper.grad_scale, expected)
+    adamw(params).step()
+    stepper.step()
+    for clipped_here, clipped_in_step in zip(params, handed):
+        torch.testing.assert_close(clipped_in_step.grad, clipped_here.grad, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(clipped_in_step, clipped_here, rtol=1e-6, atol=1e-7)
 
 
 def test_gradient_norm_over_several_meshes_is_one_all_reduce(tmp_path):

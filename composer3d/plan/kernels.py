@@ -60,7 +60,8 @@ ELEMENTWISE_PASSES = {False: 8.0, True: 6.0}  # keyed by compiled
 # autocast twin's profile shows the device idle (9.6 ms).
 EAGER_SAC_S = 0.6e-3
 # fused AdamW per local parameter: fp32 parameter, gradient and two moments read (16 B), parameter and moments
-# written (12 B), the gradient zeroed (4 B)
+# written (12 B), the clipped gradient stored back (4 B: the step divides by the clip, training/grad.py); the
+# norm's read of the gradients (4 B more) is left out
 OPTIMIZER_BYTES = 32
 
 

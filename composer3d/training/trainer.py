@@ -218,7 +218,7 @@ class Trainer:
             log.info("step %d: fp16 gradients overflowed; update skipped, loss scale now %g",
                      self.step + 1, self.scaler.scale)
         grad_norm = clip_grad_norm_(params, self.cfg.train.grad_clip, self.mesh.layout, self.shard_replicas,
-                                    uncounted=uncounted_in_norm(self.model))
+                                    uncounted=uncounted_in_norm(self.model), optimizer=self.optimizer)
         if stepped and self.cfg.train.on_nonfinite == "skip":
             # The global norm is the same on every rank, so all drop the update alike; reading it is a host sync.
             stepped = bool(torch.isfinite(grad_norm))
