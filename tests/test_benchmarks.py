@@ -293,3 +293,12 @@ def test_attention_rate_benchmark_times_each_kernel_and_the_block():
     assert "cudnn        4   16  expand     32  not available here" in stdout, stdout
     block = [line.split() for line in stdout.splitlines() if line.startswith("  seq ")]
     assert [b[1] for b in block] == ["32", "64"] and all(float(b[2]) > 0 for b in block), stdout
+
+
+def test_optimizer_step_times_the_clip_apart_and_in_the_step():
+    """Both ways step the same parameters alike: the clip's factor is the same, multiplied in one and divided by
+    its inverse in the other."""
+    stdout = _run("optimizer_step.py", "--steps", "2", "--rounds", "2")
+    rows = [line.split() for line in stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(rows) == 2 and all(float(apart) > 0 and float(in_step) > 0 for _, apart, in_step, _ in rows), stdout
+    assert float(stdout.rsplit("at most", 1)[1].split()[0]) < 1e-6, stdout

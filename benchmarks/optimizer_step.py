@@ -1,0 +1,86 @@
+"""The optimizer step with the gradient clip apart and handed to fused AdamW's step, one process, CPU or accelerator.
+
+    python benchmarks/optimizer_step.py [--layers 16 --dim 2048 --vocab 128256] [--steps 15] [--rounds 2]
+
+What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimizer (``divides_in_step``): apart, the
+clip reads and writes every fp32 gradient once (a foreach multiply) before AdamW reads them again; handed over, the
+fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. Over one
+model's parameters (Llama 3.2 1B's shapes with an untied head by default: the embedding, the head and each block's
+seven matrices and two norms) with random gradients: the norm, the clip and the step, the median of ``--steps``
+after three warm-ups, each way ``--rounds`` times in turn, and how far the two ways' parameters are apart after the
+same steps (the clip's factor is the same; one multiplies by it, the other divides by its inverse). On the CPU a
+small model (a smoke run: its times say little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from composer3d.launch.distributed import is_accelerator, resolve_device
+from composer3d.layout import Layout
+from composer3d.training.grad import clip_grad_norm_
+
+
+def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[int, ...]]:
+    """The parameter shapes of a Llama 3 model with an untied head (4 query heads per KV head, 8/3·4 MLP)."""
+    kv, hidden = dim // 4, 4 * dim
+    block = [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (hidden, dim), (hidden, dim), (dim, hidden), (dim,), (dim,)]
+    return [(vocab, dim), (vocab, dim), (dim,)] + layers * block
+
+
+def timed_steps(params: list[torch.nn.Parameter], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                handed: bool, steps: int, accelerator: bool) -> float:
+    """The median seconds of the norm, the clip and the step, after three warm-ups, the same gradients each time."""
+    times = []
+    for _ in range(steps + 3):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        if accelerator:
+            torch.accelerator.synchronize()
+        start = time.perf_counter()
+        clip_grad_norm_(params, 1.0, Layout(), optimizer=optimizer if handed else None)
+        optimizer.step()
+        if accelerator:
+            torch.accelerator.synchronize()
+        times.append(time.perf_counter() - start)
+        optimizer.grad_scale = None
+    return statistics.median(times[3:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int)
+    parser.add_argument("--dim", type=int)
+    parser.add_argument("--vocab", type=int)
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    device = resolve_device("auto")
+    accelerator = is_accelerator(device)
+    layers, dim, vocab = (args.layers or (16 if accelerator else 2), args.dim or (2048 if accelerator else 64),
+                          args.vocab or (128256 if accelerator else 1024))
+    generator = torch.Generator(device).manual_seed(0)
+    shapes = llama_shapes(layers, dim, vocab)
+    weights = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
+    grads = [torch.randn(s, device=device, generator=generator) for s in shapes]  # a norm far above the clip's 1
+    ways = {}
+    for handed in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        ways[handed] = params, torch.optim.AdamW(params, lr=1e-3, fused=True)
+    numel = sum(w.numel() for w in weights)
+    print(f"{device.type}: {numel / 1e6:,.1f}M fp32 parameters, fused AdamW, the clip at 1.0")
+    print(f"  {'round':>5} {'clip apart ms':>14} {'clip in the step ms':>20} {'saved ms':>9}")
+    for round_ in range(args.rounds):
+        apart, in_step = (timed_steps(ways[handed][0], grads, ways[handed][1], handed, args.steps, accelerator) * 1e3
+                          for handed in (False, True))
+        print(f"  {round_ + 1:>5} {apart:>14.2f} {in_step:>20.2f} {apart - in_step:>9.2f}")
+    spread = max((a - b).abs().max().item() for a, b in zip(ways[False][0], ways[True][0]))
+    print(f"  parameters after the same steps, the two ways at most {spread:.3g} apart")
+
+
+if __name__ == "__main__":
+    main()
