@@ -146,6 +146,8 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             torch.accelerator.synchronize(self.device)  # the gradients have arrived in the host buffers
         self.masters_stale = False
         self._init_state_in_files()
+        scale = getattr(self, "grad_scale", None)  # the clip, handed to the step (training/grad.py): the host's
+        self.inner.grad_scale = None if scale is None else scale.to("cpu")
         self.inner.step()
         for param, master, _ in self.pairs:
             # Queued on the device's stream: the next forward waits for it there, the host does not.
