@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,10 +128,13 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> list[Generation]:
         model = build_parallel_model(cfg, mesh, device, from_checkpoint, checkpoint_base(cfg, resume)).model
         if from_checkpoint:
             load_model_weights(model, Path(resume))
-        # The compute dtype training used where FSDP does not run (parallel.autocast wraps the forward only; the
-        # cached decoders call the model's modules themselves)
+        # The compute dtype training used where FSDP does not run (parallel.autocast and parallel.cast_once act at the
+        # model's forward; the cached decoders call its modules themselves): cast once for the whole generation
+        # where training would (precision.cast=params), else autocast
         dtype = cfg.precision.param_dtype
-        with torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32"):
+        casts = getattr(model, "cast_once", None)
+        with casts.held() if casts else nullcontext(), \
+                torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32" and casts is None):
             results = generate(model.eval(), prompts, cfg.generate, tokenizer.eos_id, tokenizer.decode, device)
         if env.rank == 0:
             _print(results, tokenizer, cfg.generate.output)

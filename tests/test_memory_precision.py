@@ -99,11 +99,11 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             assert rank["output_dtypes"] in ([low], []), rank["output_dtypes"]
             assert rank["loss_scaler"] == (dtype == "float16")  # fp16 needs loss scaling, bf16 none
             cast = settings.get("precision.cast")
-            if cast == "params":  # one rank: FSDP's copies in the low dtype, and the residual stream with them
-                assert [g["param_dtype"] for g in rank["fsdp"]] == [low] * len(rank["fsdp"]) and rank["fsdp"]
-                # cast once: the copies kept through backward, not cast again there
-                assert not any(g["reshards_after_forward"] for g in rank["fsdp"]), rank["fsdp"]
-                assert rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [low], rank
+            if cast == "params":  # one rank, no FSDP: the weights' copies in the low dtype, the residual stream too
+                assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [low], rank
+                # the optimizer's parameters and gradients fp32; the copies gone with the step's backward
+                assert rank["param_dtypes"] == rank["grad_dtypes"] == ["torch.float32"], rank
+                assert rank["shadowed_after_step"] == 0, rank["shadowed_after_step"]
                 assert not any(rank["collective_dtypes"].values()), rank["collective_dtypes"]  # none on one rank
             if cast == "autocast":  # fp32 parameters and residual stream; the matmuls cast as they run
                 assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [

@@ -14,11 +14,13 @@ def test_bf16_params_fp32_reduce_tracks_fp32(tmp_path):
 
 def _one_rank_cast_worker(rank, world, out_path):
     """One rank, bf16, precision.cast=params: the trainer's model against a plain PyTorch copy of its fp32 weights
-    cast whole to bf16 (``Module.to``), forward and backward on the same tokens."""
+    cast to bf16 (``Module.to``; its RoPE tables fp32, as no forward input is cast), forward and backward on the same
+    tokens."""
     import json
 
     import torch
     from hydra import compose, initialize_config_module
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from composer3d.config import register_configs, validate
@@ -38,8 +40,8 @@ def _one_rank_cast_worker(rank, world, out_path):
     params = dict(trainer.model.named_parameters())
     plain = Llama(cfg.model)
     plain.load_state_dict({name: whole(p).detach() for name, p in params.items()})
-    plain.init_buffers(torch.device("cpu"))
-    plain.to(torch.bfloat16)  # its RoPE tables too, as FSDP casts them among each block's inputs
+    plain.to(torch.bfloat16)
+    plain.init_buffers(torch.device("cpu"))  # fp32 RoPE tables
     tokens = sequences.tokens[:2, :-1]
     losses, grads = [], []
     for model in (trainer.model, plain):
@@ -50,6 +52,7 @@ def _one_rank_cast_worker(rank, world, out_path):
         grads.append({name: whole(p.grad).float() for name, p in model.named_parameters()})
     result = {
         "logits_dtype": str(logits.dtype),
+        "fsdp_modules": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
         "losses": losses,
         "grad_dtypes": sorted({str(p.grad.dtype) for p in trainer.model.parameters()}),
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters()}),
@@ -62,9 +65,9 @@ def _one_rank_cast_worker(rank, world, out_path):
 
 
 def test_one_rank_cast_params_computes_as_the_model_cast_to_bf16(tmp_path):
-    """On one rank, precision.cast=params runs FSDP's one-rank path: the forward and backward of the model cast
-    whole to bf16 (the same loss and matrices' gradients to the bit, the norms' within one bf16 rounding), with
-    fp32 parameters and gradients for the step."""
+    """On one rank, precision.cast=params (``parallel.cast_once``) runs the forward and backward of the model cast
+    to bf16 (the same loss and matrices' gradients to the bit, the norms' within one bf16 rounding), with fp32
+    parameters and gradients for the step, and no FSDP."""
     import json
 
     from harness import spawn
@@ -72,9 +75,10 @@ def test_one_rank_cast_params_computes_as_the_model_cast_to_bf16(tmp_path):
     spawn(_one_rank_cast_worker, 1, tmp_path, str(out))
     result = json.loads(out.read_text())
     assert result["param_dtypes"] == result["grad_dtypes"] == ["torch.float32"], result
+    assert result["fsdp_modules"] == 0 and result["logits_dtype"] == "torch.bfloat16", result
     assert result["losses"][0] == result["losses"][1], result["losses"]
     diffs = result["diffs"]
     assert all(diffs[n] == [0.0, diffs[n][1]] and diffs[n][1] > 0 for n in result["matrices"]), diffs
-    # The norms' weights: torch 2.15's RMSNorm backward sums their bf16 gradient in another order over FSDP's
+    # The norms' weights: torch 2.15's RMSNorm backward summed their bf16 gradient in another order over FSDP's
     # unsharded views than over a plain parameter (2.13: bit-identical too), one bf16 rounding step at most.
     assert all(diff <= largest * 2**-7 for diff, largest in diffs.values()), diffs

@@ -145,8 +145,8 @@ class PrecisionConfig:
     reduce_dtype: str = "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
     # how compute reaches param_dtype where no data-parallel dim shards or replicates the parameters (a world of
     # one device; elsewhere FSDP casts and this key does nothing). params: a param_dtype copy of every parameter
-    # made once per step and kept through backward (FSDP2's mixed-precision policy on a one-rank mesh; the residual
-    # stream in param_dtype, as on every FSDP run) | autocast: each op casts its inputs, weights again in each
+    # made once a forward and kept through its backward, where its gradient is cast back to fp32 (parallel.cast_once;
+    # FSDP's rounding, the residual stream in param_dtype, as on every FSDP run) | autocast: each op casts its inputs, weights again in each
     # recomputation (fp32 residual stream and norms; torchtitan's one-device way) | auto: params for an eager run
     # on one accelerator, else autocast (the faster of the two by measurement). Under float32 nothing is cast
     cast: str = "auto"

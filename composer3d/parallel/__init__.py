@@ -7,8 +7,8 @@ the cp ranks' shares of the sequence, then the feed-forwards in sequence tiles (
 checkpointing, 5. compile per block, then activation offload around each block's call (outside its compiled graph
 and FSDP's hooks), 6. FSDP2 per block, then per root — where a data-parallel dim (or cp) has more than one
 rank (or for CPU offload), and not under ZeRO-1 (its own gradient buckets, ``zero``); on a world of one rank with
-``precision.cast=params`` (FSDP's one-rank path: one cast of each parameter a step, no collectives); otherwise
-autocast gives fp32-master, low-precision compute by casting at every op. TP comes before FSDP so FSDP shards the
+``precision.cast=params``, each parameter cast once a forward (``cast_once``); otherwise autocast gives
+fp32-master, low-precision compute by casting at every op. TP comes before FSDP so FSDP shards the
 DTensor params TP produced over the data-parallel dims (2-D DTensors); float8 comes before TP because torchao's
 float8 TP styles shard Float8Linear modules (the design card's order had it after TP).
 """
@@ -18,11 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from composer3d.dtypes import DTYPES
 from composer3d.layout import ParallelMesh
 from composer3d.models import ModelSpec
 from composer3d.parallel.activation import apply_activation_checkpointing
 from composer3d.parallel.activation_offload import apply_activation_offload
 from composer3d.parallel.autocast import autocast_forward
+from composer3d.parallel.cast_once import CastOnce, casts_once
 from composer3d.parallel.context import ContextParallel
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.float8 import convert_to_float8
@@ -70,11 +72,13 @@ def parallelize(model: nn.Module, spec: ModelSpec, mesh: ParallelMesh, cfg, devi
             block.compile()  # in place: parameter names unchanged
     if cfg.memory.activation_offload:  # around each block's call: outside its compiled graph and FSDP's hooks
         apply_activation_offload(model, device)
-    if runs_fsdp(mesh, parallel_cfg, precision_cfg):
+    if runs_fsdp(mesh, parallel_cfg):
         apply_data_parallel(model, mesh, parallel_cfg.zero_stage,
                             mixed_precision(precision_cfg.param_dtype, precision_cfg.reduce_dtype),
                             parallel_cfg.reshard_after_forward, roots=list(stages),
                             offload=parallel_cfg.offload == "cpu")
+    elif casts_once(mesh.layout.world_size, precision_cfg, parallel_cfg.offload):
+        CastOnce(model, DTYPES[precision_cfg.param_dtype]).attach(model)
     else:  # no data-parallel dim, or ZeRO-1, or cast=autocast: fp32 parameters, low-precision compute by autocast
         autocast_forward(stages or [model], precision_cfg.param_dtype, device)
     return stages

@@ -27,8 +27,8 @@ def auto_cast(accelerator: bool, world_size: int, compiled: bool, zero_stage: in
     """What ``precision.cast=auto`` resolves to, by measurement (H200, 1B Llama, seq 8192, selective AC; README).
     Eager on one accelerator, params: 43.0k tok/s against autocast's 41.5k (one cast of each weight a step instead
     of one per forward and recomputation, and none of each activation). Compiled, autocast: 48.3k against 47.5k and
-    2.1 GiB less (Inductor fuses the activations' casts, and FSDP's one-rank copies cost more than the weights'
-    casts left). Where params cannot run, autocast: ZeRO-1 (no FSDP) and QLoRA (refused with params by the checks).
+    2.1 GiB less (Inductor fuses the activations' casts, and FSDP's one-rank copies, which params ran through then,
+    cost more than the weights' casts left; ``cast_once`` since leaves them out, not yet measured on a GPU). Where params cannot run, autocast: ZeRO-1 (no FSDP) and QLoRA (refused with params by the checks).
     The trainer (``training.precision``) and the planner resolve it here alike."""
     eager_alone = world_size == 1 and not compiled
     return "params" if accelerator and eager_alone and zero_stage != 1 and peft_method != "qlora" else "autocast"

@@ -25,14 +25,9 @@ def shards_or_replicates(mesh: ParallelMesh, offload: bool, zero_stage: int) -> 
     return (mesh.layout.dp * mesh.layout.cp > 1 and zero_stage != 1) or offload
 
 
-def runs_fsdp(mesh: ParallelMesh, parallel_cfg, precision_cfg) -> bool:
-    """Whether ``parallelize`` puts FSDP2 around the blocks: where a data-parallel dim needs it, and on a world of
-    one rank with ``precision.cast=params``, where FSDP's one-rank path (no collectives) casts each parameter into
-    its param_dtype copy once a step — one pass over the weights, where autocast casts each weight in every forward
-    and recomputation, and each activation at every matmul it enters (``precision_cfg.cast`` resolved)."""
-    casts_params = (precision_cfg.cast == "params" and precision_cfg.param_dtype != "float32"
-                    and mesh.layout.world_size == 1)
-    return shards_or_replicates(mesh, parallel_cfg.offload == "cpu", parallel_cfg.zero_stage) or casts_params
+def runs_fsdp(mesh: ParallelMesh, parallel_cfg) -> bool:
+    """Whether ``parallelize`` puts FSDP2 around the blocks: where a data-parallel dim needs it, or offload."""
+    return shards_or_replicates(mesh, parallel_cfg.offload == "cpu", parallel_cfg.zero_stage)
 
 
 def replicates_params(mesh: ParallelMesh) -> bool:
@@ -48,14 +43,12 @@ def mixed_precision(param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy
                                 reduce_dtype=None if pure_fp32 else DTYPES[reduce_dtype])
 
 
-def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int, casts_only: bool = False) -> bool:
+def reshard_blocks_after_forward(policy: str, zero_stage: int, pp: int) -> bool:
     """ZeRO-3 frees gathered params after forward; under PP it keeps them, since every microbatch would gather
-    them twice (forward and backward) — memory of one stage's full params against 2×microbatches all-gathers.
-    ``casts_only``: one rank, its parameters on the device (precision.cast=params), where the gathered params are
-    just their param_dtype copies: kept, or backward would cast them again."""
+    them twice (forward and backward) — memory of one stage's full params against 2×microbatches all-gathers."""
     if policy != "default":
         return policy == "always"
-    return zero_stage == 3 and pp == 1 and not casts_only
+    return zero_stage == 3 and pp == 1
 
 
 def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, mp_policy: MixedPrecisionPolicy,
@@ -75,9 +68,8 @@ def apply_data_parallel(model: nn.Module, mesh: ParallelMesh, zero_stage: int, m
         # ZeRO-Offload: sharded params, grads and the optimizer step live in host memory.
         offload_policy = CPUOffloadPolicy(pin_memory=torch.accelerator.is_available()) if offload else OffloadPolicy()
         wrap = partial(fully_shard, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-        casts_only = mesh.layout.world_size == 1 and not offload
         wrap_block = partial(wrap, reshard_after_forward=reshard_blocks_after_forward(
-            reshard_policy, zero_stage, mesh.layout.pp, casts_only))
+            reshard_policy, zero_stage, mesh.layout.pp))
     if mesh.layout.ep > 1:
         for experts in model.routed_experts():
             wrap_block(experts, mesh=mesh.expert_dp)

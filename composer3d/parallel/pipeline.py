@@ -203,7 +203,7 @@ def stage_boundary(cfg, mesh, microbatches: int) -> StageBoundary:
     compute = DTYPES[cfg.precision.param_dtype]
     # FSDP's mixed precision casts each stage's input to the compute dtype; autocast (no FSDP) keeps the residual
     # stream in the parameters' fp32, casting only inside matmuls (parallelize chooses between them so)
-    fsdp = runs_fsdp(mesh, p, cfg.precision)
+    fsdp = runs_fsdp(mesh, p)
     return StageBoundary(rows=t.global_batch_size // (layout.dp * microbatches), tokens=t.seq_len // layout.cp,
                          sequence_shards=layout.tp if p.sequence_parallel else 1, dim=cfg.model.dim,
                          vocab=math.ceil(cfg.model.vocab_size / layout.tp), dtype=compute if fsdp else torch.float32,

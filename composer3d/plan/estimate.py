@@ -50,7 +50,7 @@ class Workload:
                    cfg.plan.published_overlap, Peft.from_config(cfg.peft), cfg.precision.cast)
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
-        """Whether ``c`` runs on one device with precision.cast=params (FSDP's one-rank path), as training would
+        """Whether ``c`` runs on one device with precision.cast=params (``parallel.cast_once``), as training would
         resolve it there."""
         cast = self.cast if self.cast != "auto" else auto_cast(
             cluster.accelerator, c.world_size, self.work.compiled, c.zero_stage, self.peft.method if self.peft else "none")

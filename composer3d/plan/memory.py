@@ -271,7 +271,7 @@ def _recomputed_blocks(c: Candidate) -> float:
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
            optimizer: str = "adamw", peft: Peft | None = None, casts_once: bool = False) -> Memory:
     """One pipeline rank's peak device memory (and host and disk bytes). ``casts_once``: one device with
-    precision.cast=params, FSDP's one-rank path (``parallel.autocast.auto_cast``); else, without a data-parallel
+    precision.cast=params (``parallel.cast_once``; ``parallel.autocast.auto_cast``); else, without a data-parallel
     dim that shards, autocast."""
     units = stages.units(shape, c.tp, c.ep)
     params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes)
@@ -316,10 +316,10 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     kinds = ([shape.block_params(c.tp)] if stages.dense_layers else []) + (
         [shape.moe_block_params(c.tp) + shape.expert_params(c.tp, c.ep)] if stages.moe_layers else [])
     layer = max(sum(math.prod(s) for s in params) for params in kinds) * cb
-    if fsdp_shards(c) or casts_once or c.offload == "cpu":
-        # FSDP runs on one rank too: under offload=cpu, and with precision.cast=params (``casts_once``), where it
-        # keeps its param_dtype copies through backward
-        keeps_gathered = not reshard_blocks_after_forward(c.reshard_after_forward, c.zero_stage, c.pp, casts_once)
+    if casts_once:  # every parameter's low-precision copy, kept through backward; a block's gradients in it
+        buffers = whole(units) * cb + (layer if in_backward else 0.0)
+    elif fsdp_shards(c) or c.offload == "cpu":  # FSDP runs on one rank too under offload=cpu
+        keeps_gathered = not reshard_blocks_after_forward(c.reshard_after_forward, c.zero_stage, c.pp)
         all_layers = sum(u.count * u.numel for u in layers) * cb
         buffers = root + (all_layers if keeps_gathered else 2 * layer)
         if c.pp > 1:  # the pipeline syncs gradients at its last micro-batch: until then they are whole

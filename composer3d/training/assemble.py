@@ -60,7 +60,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     if cfg.peft.init_from and not from_checkpoint:  # a PEFT adapter directory's adapters instead of fresh ones
         load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
-    if not runs_fsdp(mesh, cfg.parallel, cfg.precision):  # after materialize: it makes the parameters
+    if not runs_fsdp(mesh, cfg.parallel):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
     return ParallelModel(model, stages, num_params, trainable, active_params, flops)
 

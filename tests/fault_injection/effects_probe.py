@@ -185,6 +185,11 @@ def _effects(trainer: Trainer) -> dict:
         "fsdp": _fsdp(trainer),
         "param_local_classes": dict(Counter(type(_local(p)).__name__ for p in model.parameters())),
         "param_devices": dict(Counter(str(_local(p).device) for p in model.parameters())),
+        "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        # precision.cast=params: parameters a module still shows as their low-precision copy (parallel.cast_once)
+        "shadowed_after_step": sum(name in m.__dict__ for m in model.modules() for name, _ in m.named_parameters(
+            recurse=False)),
         "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
         "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
         "moe_layers": _moe(model),

@@ -95,14 +95,15 @@ def _check_precision(precision: Any, tp: int, world_size: int, zero_stage: int, 
         _require(value in allowed, f"precision.{key}", f"unknown dtype {value!r}", f"Choose one of {allowed}")
     _require(precision.cast in PRECISION_CASTS, "precision.cast", f"unknown cast {precision.cast!r}",
              f"Choose one of {PRECISION_CASTS}")
-    _require(precision.cast != "params" or world_size == 1, "precision.cast", "params casts through FSDP on a "
-             f"one-rank mesh, and this run has {world_size} ranks (FSDP casts the parameters wherever a "
+    _require(precision.cast != "params" or world_size == 1, "precision.cast", "params casts each parameter once "
+             f"on one device, and this run has {world_size} ranks (FSDP casts the parameters wherever a "
              "data-parallel dim shards them)", "Use precision.cast=auto")
-    _require(precision.cast != "params" or zero_stage != 1, "precision.cast", "params casts through FSDP, and "
-             "ZeRO-1 (parallel.zero_stage=1) runs without it", "Use precision.cast=auto, or parallel.zero_stage=3")
-    _require(precision.cast != "params" or peft_method != "qlora", "precision.cast", "FSDP's one-rank path "
-             "copies one tensor of each parameter, and QLoRA's NF4 weights are three (torch's FSDP2 gathers them "
-             "only across ranks)", "Use precision.cast=auto (autocast with peft=qlora on one rank)")
+    _require(precision.cast != "params" or zero_stage != 1, "precision.cast", "params computes from bf16 copies of "
+             "fp32 parameters, and ZeRO-1 (parallel.zero_stage=1) keeps its own: rounded parameters and fp32 "
+             "masters", "Use precision.cast=auto, or parallel.zero_stage=3")
+    _require(precision.cast != "params" or peft_method != "qlora", "precision.cast", "params would keep a bf16 copy "
+             "of every NF4 base weight from forward through backward, the memory QLoRA saves",
+             "Use precision.cast=auto (autocast with peft=qlora on one rank)")
     _require(precision.cast != "params" or precision.param_dtype != "float32", "precision.cast",
              "params makes a param_dtype copy of the parameters, and param_dtype=float32 computes in them as they are",
              "Use precision.param_dtype=bfloat16 with precision.cast=params, or precision.cast=auto")
