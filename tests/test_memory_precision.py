@@ -165,7 +165,7 @@ def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, n
     (["precision.float8.enabled=true"], ["parallel.tp=2", "parallel.sequence_parallel=true"], 2, 0.02),
     (["precision.param_dtype=bfloat16"], ["parallel.dp_shard=2"], 2, 0.05),
     (["precision.param_dtype=float16"], ["parallel.dp_shard=2"], 2, 0.05),
-    # one rank: a bf16 copy of the parameters once a step (FSDP's one-rank path), or autocast's casts at each op
+    # one rank: a bf16 copy of the parameters once a step (parallel.cast_once), or autocast's casts at each op
     (["precision.param_dtype=bfloat16", "precision.cast=params"], [], 1, 0.05),
     (["precision.param_dtype=bfloat16", "precision.cast=autocast"], [], 1, 0.05),
     (["optim.name=adamw_8bit"], ["parallel.dp_shard=2"], 2, 0.02),
