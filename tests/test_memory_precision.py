@@ -283,8 +283,8 @@ ON_ACCELERATOR = [arg for arg in FAST if not arg.startswith("launch.device=")] +
 
 @pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
 def test_one_device_bf16_casts_once_eager_and_per_op_compiled_on_the_accelerator(tmp_path):
-    """precision.cast=auto on one accelerator: params eager (FSDP's one-rank copies: bf16 weights and residual
-    stream in the blocks, fp32 state, no collective), autocast compiled; both curves within bf16's reach of each
+    """precision.cast=auto on one accelerator: params eager (cast_once's copies: bf16 weights and residual stream in
+    the blocks, fp32 state, no FSDP), autocast compiled; both curves within bf16's reach of each
     other, and a params checkpoint resumes under autocast."""
     args = [*ON_ACCELERATOR, "train.steps=4", "checkpoint.interval=2", "precision.param_dtype=bfloat16"]
     eager = train(tmp_path / "eager", *args, probe_effects=True)
