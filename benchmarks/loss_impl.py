@@ -1,6 +1,7 @@
 """The head and cross-entropy side by side (train.loss_impl), forward + backward, one process, CPU or accelerator.
 
     python benchmarks/loss_impl.py [--tokens 8192 --dim 2048 --vocab 128256] [--steps 10] [--no-compile]
+                                   [--fused-rows 256,1024,2048]
 
 Per implementation, over the same hidden states, head weight and targets: the mean time of the head's matmul plus
 the loss, forward and backward (after two warm-up steps: compilation), its summed loss beside the reference's (a
@@ -12,7 +13,9 @@ step allocates over what existed before it ('-' on the CPU).
   - chunked: composer3d's chunked loss over the head's logits (train.loss_impl=chunked), eager and with its
     compiled kernels (compile.enabled);
   - fused: the head and loss per chunk of rows, ∂W per chunk of the vocabulary (train.loss_impl=fused), eager and
-    compiled (what an accelerator runs).
+    compiled (what an accelerator runs), its rows a chunk in the name (``CHUNK_ELEMENTS`` over the vocabulary);
+    ``--fused-rows`` adds the compiled fused loss at other row counts a chunk: its ∂x matmul is (rows × vocab) ·
+    (vocab × dim), so few rows make a long, thin GEMM, and more rows hold more logits at once.
 Defaults: a Llama-3 1B head (dim 2048, vocab 128256, 8192 tokens, bf16) on an accelerator; a small fp32 one on the
 CPU.
 """
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from composer3d.launch.distributed import is_accelerator, resolve_device
+from composer3d.training import fused_loss
 from composer3d.training.fused_loss import fused_linear_cross_entropy_sum
 from composer3d.training.loss import cross_entropy_sum
 
@@ -72,6 +76,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--no-compile", action="store_true", help="leave out the compiled rows")
+    parser.add_argument("--fused-rows", default="", help="comma-separated rows a chunk for more fused, compiled rows")
     args = parser.parse_args()
     device = resolve_device("auto")
     accelerator = is_accelerator(device)
@@ -83,16 +88,23 @@ def main() -> None:
     weight = (torch.randn(vocab, dim, device=device, generator=generator) * dim**-0.5).to(dtype).requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), device=device, generator=generator)
     print(f"{device.type}: {tokens} tokens, dim {dim}, vocab {vocab}, {str(dtype).removeprefix('torch.')}")
-    print(f"  {'implementation':<27} {'step ms':>9} {'loss - reference':>17} {'grad - reference':>17} {'peak MiB':>9}")
+    print(f"  {'implementation':<34} {'step ms':>9} {'loss - reference':>17} {'grad - reference':>17} {'peak MiB':>9}")
+    default_rows = fused_loss.CHUNK_ELEMENTS // vocab
+    runs = [(name + (f", {min(default_rows, tokens)} rows" if name.startswith("fused") else ""), loss_fn,
+             default_rows)
+            for name, loss_fn in IMPLEMENTATIONS.items()]
+    runs += [(f"fused, compiled, {rows} rows", IMPLEMENTATIONS["fused, compiled"], rows)
+             for rows in map(int, filter(None, args.fused_rows.split(",")))]
     reference = reference_grads = None
-    for name, loss_fn in IMPLEMENTATIONS.items():
+    for name, loss_fn, rows in runs:
         if args.no_compile and "compiled" in name:
             continue
+        fused_loss.CHUNK_ELEMENTS = rows * vocab  # the fused loss's rows a chunk (the chunked loss keeps its own)
         seconds, loss, grads, peak = measure(loss_fn, x, weight, targets, args.steps, accelerator)
         reference = loss if reference is None else reference
         reference_grads = grads if reference_grads is None else reference_grads
         apart = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference_grads))
-        print(f"  {name:<27} {seconds * 1e3:>9.2f} {loss - reference:>17.3g} {apart:>17.3g} "
+        print(f"  {name:<34} {seconds * 1e3:>9.2f} {loss - reference:>17.3g} {apart:>17.3g} "
               f"{'-' if peak is None else f'{peak / 2**20:.0f}':>9}")
 
 

@@ -105,10 +105,12 @@ def test_activation_policies_benchmark_prints_each_policy():
 def test_loss_impl_benchmark_times_each_implementation_on_the_same_loss():
     # Dynamo off: the compiled rows run their kernels eagerly (compile is tested by test_loss_and_checkpoint_policies)
     stdout = _run("loss_impl.py", "--tokens", "64", "--dim", "16", "--vocab", "256", "--steps", "1",
-                  env={"TORCHDYNAMO_DISABLE": "1"})
-    rows = {line[:29].strip(): line[29:].split() for line in stdout.splitlines()[2:]}
-    assert list(rows) == ["log_softmax (reference)", "chunked, eager", "chunked, compiled kernels", "fused, eager",
-                          "fused, compiled"], stdout
+                  "--fused-rows", "16", env={"TORCHDYNAMO_DISABLE": "1"})
+    rows = {line[:36].strip(): line[36:].split() for line in stdout.splitlines()[2:]}
+    # the default chunk (2**25 elements) holds all 64 tokens' logits; 16 rows make four chunks
+    assert list(rows) == ["log_softmax (reference)", "chunked, eager", "chunked, compiled kernels",
+                          "fused, eager, 64 rows", "fused, compiled, 64 rows",
+                          "fused, compiled, 16 rows"], stdout
     assert all(float(ms) > 0 and abs(float(diff)) < 1e-3 and 0 <= float(grad_diff) < 1e-5 and peak == "-"
                for ms, diff, grad_diff, peak in rows.values()), rows  # fp32 on the CPU
 
