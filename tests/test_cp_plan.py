@@ -9,7 +9,7 @@ from composer3d.plan import Workload, candidate_from_config, estimate
 from composer3d.plan.comm import seconds
 from composer3d.plan.context import exposed_seconds
 from composer3d.plan.hardware import cluster_from_config
-from composer3d.plan.memory import cp_mask_bytes
+from composer3d.plan.activations import cp_mask_bytes
 from composer3d.plan.search import best, checked
 from composer3d.plan.shapes import stage_sets
 

@@ -15,7 +15,7 @@ Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim · local toke
   backward; one mask of all queries × all keys per micro-batch.
 Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
 memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes.
-The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/memory.py's
+The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/activations.py's
 (``cp_attention``, ``cp_mask_bytes``).
 """
 

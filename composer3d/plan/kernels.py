@@ -104,7 +104,7 @@ def _moe_linears(shape: ModelShape, tp: int) -> list[tuple[int, int, float]]:
 
 
 def _activation_elements(shape: ModelShape, tp: int, moe: bool) -> float:
-    """Elements per token a block's forward writes (plan/memory.py's terms without checkpointing, MoE's routed
+    """Elements per token a block's forward writes (plan/activations.py's terms without checkpointing, MoE's routed
     copies counted per copy)."""
     h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
     if moe:
