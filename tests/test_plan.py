@@ -529,6 +529,9 @@ H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192"
     (["compile.enabled=true"], 28.2),  # compiled: autocast, each block's casts made again in its recomputation
     (["compile.enabled=true", "memory.ac_policy=alternate_matmuls"], 25.6),
     (["compile.enabled=false", "precision.cast=autocast"], 28.7),
+    # 2026-11-27: without checkpointing, compiled (autocast) and eager (params, cast_once)
+    (["compile.enabled=true", "memory.activation_checkpointing=none"], 33.0),
+    (["compile.enabled=false", "memory.activation_checkpointing=none"], 35.1),
 ])
 def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     """The peaks one H200 measured (README, 2026-11-26: Llama 3.2 1B dims, untied head, 8192 tokens, selective AC)
@@ -537,6 +540,55 @@ def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     without checkpointing keeps it, predicted the compiled rows 8-9% high."""
     est, _ = _estimate(*H200_1B, *overrides)
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
+
+
+def test_a_compiled_block_keeps_what_the_planner_counts_without_checkpointing():
+    """A compiled block without checkpointing under bf16 autocast on the CPU: the bytes its graph keeps for
+    backward (its fp32 input, autocast's residual stream, included; the weights' bf16 casts, which the planner
+    counts with the casts, left out) are the planner's per-token count to the byte. Eager keeps q's projection,
+    o's input and the SiLU output too: counting those for compiled runs predicted the H200's 33.0 GiB 7.5% high."""
+    from composer3d.models.llama import TransformerBlock, rope_tables
+    from composer3d.plan.activations import layer_activations
+    from composer3d.plan.shapes import ModelShape
+
+    dims = ["model=tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=192"]
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=[*dims, "memory.activation_checkpointing=none",
+                                          "precision.param_dtype=bfloat16"])
+    tokens = 128
+    x = torch.randn(1, tokens, 64, requires_grad=True)
+    cos, sin = rope_tables(16, tokens, 10000.0)
+
+    def kept(compiled: bool) -> int:
+        block = TransformerBlock(64, 4, 2, 192, 1e-5)
+        if compiled:
+            block.compile()
+        weights = {shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
+        tables = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}  # every block's, once
+        saved = {}
+
+        def pack(t):
+            if tuple(t.shape) not in weights and t.untyped_storage().data_ptr() not in tables:  # weights' casts
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        for _ in range(2):  # the first compiles
+            saved.clear()
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            with torch.autocast("cpu", dtype=torch.bfloat16), hooks:
+                out = block(x, cos, sin, None)
+            out.float().sum().backward()
+        return sum(saved.values())
+
+    count = layer_activations(ModelShape.from_config(cfg.model), candidate_from_config(cfg, 1), False, 2,
+                              compiled=True, fp32_residual=True).saved
+    try:
+        compiled, eager = kept(True), kept(False)
+    finally:
+        torch._dynamo.reset()  # this block's graph does not count towards other tests' recompile limits
+    assert compiled == count * tokens * 2, (compiled, count * tokens * 2)
+    assert eager > 1.2 * compiled, (eager, compiled)
 
 
 ONE_H100_8B = ["model=llama3_8b", "train.seq_len=4096", "train.global_batch_size=1", "train.micro_batch_size=1",

@@ -5,16 +5,19 @@ Activations follow Korthikanti et al. (2022) in form — saved tensors per token
 residual part also by SP, a block input only under full checkpointing — with the terms read from composer3d's own
 block (models/llama/) and verified by tests/test_plan.py's measurements: per token and layer the block keeps its
 input, the two norm outputs and the attention residual (4·h), q's projection and rotation, attention's output and
-o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and
-product (4·f). Op-level selective checkpointing keeps only matmul and attention outputs (3·h + 2·q + 2·kv + heads +
-2·f); torchtitan's ``alternate_matmuls`` every other linear's of them (``block_matmul_outputs``: 2·h + 2·q + kv +
-heads + f); both keep the outputs of TP's reductions too (SP: the reduce-scattered 2·h/tp; without SP the
-all-reduced 2·h), and under ``memory.ac_save_gathers`` SP's gathered 2·h (whole on every rank) and the all-gather
-style's K/V, which they otherwise gather again in backward, as tests/test_plan.py measures. A MoE layer's
-feed-forward part: ``_mlp_elements``. Sequence tiling (``memory.tile_mlp``) leaves one tile's MLP hidden, recomputed
-in backward: that term over the tile count. Op-level selective keeps
-nothing computed inside a tile (parallel/activation.py): no MLP matmul outputs, no w2 output and none of the MLP's
-collectives' (SP's gather and scatter, TP's all-reduce run inside the tile).
+o's input (4·q), k's rotation and v (2·kv), attention's log-sum-exp (heads) and the MLP's gate, up, SiLU and product
+(4·f). Compiled without checkpointing, Inductor's partition keeps less (measured on the CPU): the block input in the
+residual stream's dtype, the norm outputs and wo's output (3·h), q's rotation and attention's output (2·q), k's
+rotation and v (2·kv), the fp32 log-sum-exp and the norms' 1/rms, the gate, up and product (3·f); the rest of the
+pointwise work reruns in backward. Op-level selective checkpointing keeps only matmul and attention outputs (3·h +
+2·q + 2·kv + heads + 2·f); torchtitan's ``alternate_matmuls`` every other linear's of them
+(``block_matmul_outputs``: 2·h + 2·q + kv + heads + f); both keep the outputs of TP's reductions too (SP: the
+reduce-scattered 2·h/tp; without SP the all-reduced 2·h), and under ``memory.ac_save_gathers`` SP's gathered 2·h
+(whole on every rank) and the all-gather style's K/V, which they otherwise gather again in backward, as
+tests/test_plan.py measures. A MoE layer's feed-forward part: ``_mlp_elements``. Sequence tiling
+(``memory.tile_mlp``) leaves one tile's MLP hidden, recomputed in backward: that term over the tile count. Op-level
+selective keeps nothing computed inside a tile (parallel/activation.py): no MLP matmul outputs, no w2 output and
+none of the MLP's collectives' (SP's gather and scatter, TP's all-reduce run inside the tile).
 
 Context parallel (plan/context.py): every term per token counts the seq_len / cp tokens a rank holds; on top,
 ``cp_attention`` adds what its style keeps: the all-gather's whole-sequence K/V (saved), the ring's K/V and gradient
@@ -77,9 +80,11 @@ def block_matmul_outputs(shape: ModelShape, c: Candidate, moe: bool, compute_byt
 
 
 def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int, cp_saved: float = 0.0,
-                      cp_transient: float = 0.0) -> LayerActivations:
+                      cp_transient: float = 0.0, compiled: bool = False, fp32_residual: bool = False
+                      ) -> LayerActivations:
     """A block's activations per token, for the candidate's AC mode, TP, SP and MLP tiling; ``cp_saved`` and
-    ``cp_transient``: what context parallel's attention adds (``cp_attention``)."""
+    ``cp_transient``: what context parallel's attention adds (``cp_attention``); ``compiled``: torch.compile'd
+    blocks; ``fp32_residual``: the residual stream in fp32 while the matmuls run in the compute dtype (autocast)."""
     t = c.tp
     h, q, kv, heads = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim, shape.n_heads
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
@@ -95,6 +100,17 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     residual = 4 * h / t if c.sequence_parallel else 4 * h
     full = residual + gathered + (4 * q + 2 * kv + heads) / t + mlp + cp_saved
     block_input = h / t if c.sequence_parallel else h
+    kept = full
+    if compiled and not moe and not tiled:
+        # Inductor's partition of a dense block keeps the matmuls' inputs and outputs and SDPA's, and reruns the
+        # pointwise work between them: not q's projection (RoPE reruns), o's input (a view of attention's output)
+        # or the SiLU output; wo's output stands for the attention residual. The block input stays in the residual
+        # stream's dtype; the norms' 1/rms and attention's log-sum-exp are fp32.
+        fp32 = 4 / compute_bytes
+        stream = block_input * (fp32 if fp32_residual else 1)
+        rms = (2 / t if c.sequence_parallel else 2) * fp32
+        kept = (stream + 3 * residual / 4 + gathered + (2 * q + 2 * kv + heads * fp32) / t + rms
+                + 3 * shape.ffn / t + cp_saved)
     # the MLP's input gradients and the residual's, while a block runs backward (a tile's under tiling)
     backward_temporaries = mlp_backward + h + mlp_tile + cp_transient
     if c.activation_checkpointing == "full":
@@ -114,8 +130,8 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
         return LayerActivations(saved, full - saved + backward_temporaries)
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
-        return LayerActivations(share * block_input + (1 - share) * full, full + backward_temporaries)
-    return LayerActivations(full, mlp_tile + cp_transient)
+        return LayerActivations(share * block_input + (1 - share) * kept, full + backward_temporaries)
+    return LayerActivations(kept, mlp_tile + cp_transient)
 
 
 def cp_attention(shape: ModelShape, c: Candidate, compute_bytes: int) -> tuple[float, float]:

@@ -131,7 +131,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft, work.casts_once(c, cluster)) for s in sets]
+    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft, work.casts_once(c, cluster),
+                   work.work.compiled) for s in sets]
     cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
             for s in sets]
     tokens_per_step = work.global_batch_size * seq

@@ -142,7 +142,8 @@ def _recomputed_blocks(c: Candidate) -> float:
 
 
 def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
-           optimizer: str = "adamw", peft: Peft | None = None, casts_once: bool = False) -> Memory:
+           optimizer: str = "adamw", peft: Peft | None = None, casts_once: bool = False, compiled: bool = False
+           ) -> Memory:
     """One pipeline rank's peak device memory (and host and disk bytes). ``casts_once``: one device with
     precision.cast=params (``parallel.cast_once``; ``parallel.autocast.auto_cast``); else, without a data-parallel
     dim that shards, autocast."""
@@ -160,8 +161,11 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     held = seq_len // c.cp  # this rank's tokens of each sequence
     tokens = c.micro_batch_size * held
     cp_saved, cp_transient = cp_attention(shape, c, cb)
-    dense = layer_activations(shape, c, False, cb, cp_saved, cp_transient)
-    moe = layer_activations(shape, c, True, cb, cp_saved, cp_transient) if stages.moe_layers else None
+    fsdp_casts = fsdp_shards(c) or c.offload == "cpu"  # FSDP runs on one rank too under offload=cpu
+    autocast = cb != 4 and not casts_once and not fsdp_casts  # fp32 residual stream, low-precision matmuls
+    dense = layer_activations(shape, c, False, cb, cp_saved, cp_transient, compiled, autocast)
+    moe = (layer_activations(shape, c, True, cb, cp_saved, cp_transient, compiled, autocast)
+           if stages.moe_layers else None)
     in_flight = microbatches_in_flight(c, stages.rank)
     logits = logits_bytes(shape, c, held, cb, in_flight) if stages.last else 0.0
     # The peak is the end of forward (every layer's saved tensors, the logits) or, under checkpointing, a block's
@@ -191,7 +195,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     layer = max(sum(math.prod(s) for s in params) for params in kinds) * cb
     if casts_once:  # every parameter's low-precision copy, kept through backward; a block's gradients in it
         buffers = whole(units) * cb + (layer if in_backward else 0.0)
-    elif fsdp_shards(c) or c.offload == "cpu":  # FSDP runs on one rank too under offload=cpu
+    elif fsdp_casts:
         keeps_gathered = not reshard_blocks_after_forward(c.reshard_after_forward, c.zero_stage, c.pp)
         all_layers = sum(u.count * u.numel for u in layers) * cb
         buffers = root + (all_layers if keeps_gathered else 2 * layer)
