@@ -15,7 +15,8 @@ step allocates over what existed before it ('-' on the CPU).
   - fused: the head and loss per chunk of rows, ∂W per chunk of the vocabulary (train.loss_impl=fused), eager and
     compiled (what an accelerator runs), its rows a chunk in the name (``CHUNK_ELEMENTS`` over the vocabulary);
     ``--fused-rows`` adds the compiled fused loss at other row counts a chunk: its ∂x matmul is (rows × vocab) ·
-    (vocab × dim), so few rows make a long, thin GEMM, and more rows hold more logits at once.
+    (vocab × dim), so few rows make a long, thin GEMM, and more rows hold more logits at once (∂W's pass then
+    takes as many elements a chunk: rows × vocab over all the tokens).
 Defaults: a Llama-3 1B head (dim 2048, vocab 128256, 8192 tokens, bf16) on an accelerator; a small fp32 one on the
 CPU.
 """

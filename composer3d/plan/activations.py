@@ -109,7 +109,7 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
         fp32 = 4 / compute_bytes
         stream = block_input * (fp32 if fp32_residual else 1)
         rms = (2 / t if c.sequence_parallel else 2) * fp32
-        kept = (stream + 3 * residual / 4 + gathered + (2 * q + 2 * kv + heads * fp32) / t + rms
+        kept = (stream + 3 * block_input + gathered + (2 * q + 2 * kv + heads * fp32) / t + rms
                 + 3 * shape.ffn / t + cp_saved)
     # the MLP's input gradients and the residual's, while a block runs backward (a tile's under tiling)
     backward_temporaries = mlp_backward + h + mlp_tile + cp_transient
