@@ -1,14 +1,17 @@
-"""The optimizer step with the gradient clip apart and handed to fused AdamW's step, one process, CPU or accelerator.
+"""The optimizer step: fused AdamW with the gradient clip apart and handed to its step, and the compiled AdamW
+(``optim.implementation=compiled``), one process, CPU or accelerator.
 
     python benchmarks/optimizer_step.py [--layers 16 --dim 2048 --vocab 128256] [--steps 15] [--rounds 2]
 
 What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimizer (``divides_in_step``): apart, the
 clip reads and writes every fp32 gradient once (a foreach multiply) before AdamW reads them again; handed over, the
-fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. Over one
+fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. The
+compiled step (``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again,
+in kernels Inductor writes. Each row prints the bytes a parameter that way moves and the rate that makes. Over one
 model's parameters (Llama 3.2 1B's shapes with an untied head by default: the embedding, the head and each block's
 seven matrices and two norms) with random gradients: the norm, the clip and the step, the median of ``--steps``
-after three warm-ups, each way ``--rounds`` times in turn, and how far the two ways' parameters are apart after the
-same steps (the clip's factor is the same; one multiplies by it, the other divides by its inverse). On the CPU a
+after three warm-ups, each way ``--rounds`` times in turn, and how far the ways' parameters are apart after the
+same steps (the clip's factor is the same; one multiplies by it, the others divide by its inverse). On the CPU a
 small model (a smoke run: its times say little).
 """
 
@@ -17,11 +20,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from functools import partial
 
 import torch
 
 from composer3d.launch.distributed import is_accelerator, resolve_device
 from composer3d.layout import Layout
+from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.grad import clip_grad_norm_
 
 
@@ -67,20 +72,28 @@ def main() -> None:
     shapes = llama_shapes(layers, dim, vocab)
     weights = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=device, generator=generator) for s in shapes]  # a norm far above the clip's 1
-    ways = {}
-    for handed in (False, True):
+    # each way: its optimizer, whether the clip is handed to it, and the bytes a parameter it moves (the norm reads
+    # each gradient; apart, the clip reads and writes it; the step reads the weight, gradient and two moments and
+    # writes the weight and moments, and the fused kernel also the divided gradient)
+    ways = {"fused, clip apart": (partial(torch.optim.AdamW, fused=True), False, 4 + 8 + 28),
+            "fused, clip in step": (partial(torch.optim.AdamW, fused=True), True, 4 + 32),
+            "compiled, clip in step": (CompiledAdamW, True, 4 + 28)}
+    made = {}
+    for name, (optimizer_class, handed, _) in ways.items():
         params = [torch.nn.Parameter(w.clone()) for w in weights]
-        ways[handed] = params, torch.optim.AdamW(params, lr=1e-3, fused=True)
+        made[name] = params, optimizer_class(params, lr=1e-3)
     numel = sum(w.numel() for w in weights)
-    print(f"{device.type}: {numel / 1e6:,.1f}M fp32 parameters, fused AdamW, the clip at 1.0")
-    print(f"  {'round':>5} {'clip apart ms':>14} {'clip in the step ms':>20} {'saved ms':>9}")
+    print(f"{device.type}: {numel / 1e6:,.1f}M fp32 parameters, AdamW, the clip at 1.0 (the first of "
+          f"{args.steps + 3} steps compiles)")
+    print(f"  {'round':>5} {'way':<24} {'ms':>9} {'bytes/param':>12} {'GB/s':>8}")
     for round_ in range(args.rounds):
-        apart, in_step = (timed_steps(ways[handed][0], grads, ways[handed][1], handed, args.steps, accelerator) * 1e3
-                          for handed in (False, True))
-        print(f"  {round_ + 1:>5} {apart:>14.2f} {in_step:>20.2f} {apart - in_step:>9.2f}")
-    spread = max((a - b).abs().max().item() for a, b in zip(ways[False][0], ways[True][0]))
-    print(f"  parameters after the same steps, the two ways at most {spread:.3g} apart")
-
+        for name, (_, handed, moved) in ways.items():
+            params, optimizer = made[name]
+            seconds = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
+            print(f"  {round_ + 1:>5} {name:<24} {seconds * 1e3:>9.2f} {moved:>12} {moved * numel / seconds / 1e9:>8.1f}")
+    first, *others = made.values()
+    spread = max((a - b).abs().max().item() for params, _ in others for a, b in zip(first[0], params))
+    print(f"  parameters after the same steps, the ways at most {spread:.3g} apart")
 
 if __name__ == "__main__":
     main()

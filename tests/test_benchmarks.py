@@ -298,9 +298,12 @@ def test_attention_rate_benchmark_times_each_kernel_and_the_block():
 
 
 def test_optimizer_step_times_the_clip_apart_and_in_the_step():
-    """Both ways step the same parameters alike: the clip's factor is the same, multiplied in one and divided by
-    its inverse in the other."""
+    """Every way steps the same parameters alike: the clip's factor is the same, multiplied in one and divided by
+    its inverse in the others (the fused kernel's and the compiled graph's)."""
     stdout = _run("optimizer_step.py", "--steps", "2", "--rounds", "2")
     rows = [line.split() for line in stdout.splitlines() if line.strip()[:1].isdigit()]
-    assert len(rows) == 2 and all(float(apart) > 0 and float(in_step) > 0 for _, apart, in_step, _ in rows), stdout
+    ways = [" ".join(row[1:-3]) for row in rows]
+    assert ways == ["fused, clip apart", "fused, clip in step", "compiled, clip in step"] * 2, stdout
+    assert [int(row[-2]) for row in rows[:3]] == [40, 36, 32], "the bytes a parameter each way moves"
+    assert all(float(row[-3]) > 0 and float(row[-1]) > 0 for row in rows), stdout
     assert float(stdout.rsplit("at most", 1)[1].split()[0]) < 1e-6, stdout

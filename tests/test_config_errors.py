@@ -175,6 +175,8 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     (2, ["parallel.offload=optimizer", "parallel.zero_stage=1"], "parallel.offload", "zero_stage=2 or 3"),
     (1, ["parallel.offload=optimizer", "optim.name=adamw_8bit"], "parallel.offload", "Use optim.name=adamw"),
     (1, ["parallel.offload_dir=/nvme"], "parallel.offload_dir", "Add parallel.offload=optimizer"),
+    (1, ["parallel.offload=optimizer", "optim.implementation=compiled"], "optim.implementation",
+     "Use optim.implementation=auto with parallel.offload=optimizer"),
     # what op-level selective checkpointing keeps: one of its policies, and only where it runs
     (1, ["memory.activation_checkpointing=selective", "memory.ac_policy=odd_matmuls"], "memory.ac_policy",
      "Choose one of ('all_matmuls', 'alternate_matmuls')"),

@@ -251,6 +251,7 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     # adamw's kernels: auto (fused where the device has them, else foreach, else a loop) | fused | foreach | for_loop
+    # | compiled (the update of all parameters as one torch.compile graph: no gradient stored back)
     implementation: str = "auto"
 
 

@@ -134,9 +134,12 @@ class OptimizerStateSharder:
 
     def _ensure_state(self, optimizer: torch.optim.Optimizer) -> None:
         """AdamW creates its state at the first step; a checkpoint before that (or a load target) needs it now."""
+        # the step count where torch's AdamW keeps it: on the device for its fused and capturable kernels
+        on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
         for shard in self.shards:
             if shard not in optimizer.state or not optimizer.state[shard]:
-                optimizer.state[shard] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(shard),
+                optimizer.state[shard] = {"step": torch.zeros((), device=shard.device if on_device else None),
+                                          "exp_avg": torch.zeros_like(shard),
                                           "exp_avg_sq": torch.zeros_like(shard)}
 
     def state_dict(self, optimizer: torch.optim.Optimizer, names: list[str]) -> dict:

@@ -11,6 +11,7 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from composer3d.parallel.offload import HostOffloadOptimizer
 from composer3d.parallel.zero import OptimizerStateSharder
+from composer3d.training.compiled_adamw import CompiledAdamW
 
 
 def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None, offload: str = "none",
@@ -34,8 +35,11 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None,
     if offload == "optimizer":  # the step runs on host copies: the kernels are the host's
         kernels = adamw_kernels(cfg.implementation, [torch.empty(0)])
         return HostOffloadOptimizer(groups, torch.optim.AdamW, device, offload_dir, **settings, **kernels), None
-    kernels = adamw_kernels(cfg.implementation, targets) if cfg.name == "adamw" else {}
-    optimizer = optimizer_class(cfg.name)(groups, **settings, **kernels)
+    if cfg.name == "adamw" and cfg.implementation == "compiled":
+        optimizer = CompiledAdamW(groups, **settings)
+    else:
+        kernels = adamw_kernels(cfg.implementation, targets) if cfg.name == "adamw" else {}
+        optimizer = optimizer_class(cfg.name)(groups, **settings, **kernels)
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder
@@ -71,6 +75,17 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
 
 
 HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")  # initial_lr: the schedule's base, set by it
+KERNEL_FLAGS = ("foreach", "fused", "capturable")  # how the step runs: this run's optim.implementation
+
+
+def with_configured_kernels(optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """An optimizer state dict from a checkpoint, its parameter groups given ``optimizer``'s kernel flags. Torch's
+    ``load_state_dict`` takes every group key from the checkpoint: a run resumed with another
+    ``optim.implementation`` would step with the saved one, and Adam places its step counts (host or device) by
+    those flags."""
+    defaults = getattr(optimizer, "defaults", {})
+    flags = {k: defaults[k] for k in KERNEL_FLAGS if k in defaults}
+    return {**state, "param_groups": [{**g, **flags} for g in state["param_groups"]]}
 
 
 def configured_settings(optimizer: torch.optim.Optimizer) -> list[dict]:

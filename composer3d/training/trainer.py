@@ -48,7 +48,8 @@ from composer3d.training.grad import clip_grad_norm_, replicas
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
-from composer3d.training.optim import build_optimizer, build_scheduler, configured_settings, restore_configured_settings
+from composer3d.training.optim import (build_optimizer, build_scheduler, configured_settings,
+                                      restore_configured_settings, with_configured_kernels)
 from composer3d.training.precision import DynamicLossScaler, resolve_precision
 from composer3d.training.readback import window_records
 
@@ -268,7 +269,7 @@ class Trainer:
         return optimizer_to_checkpoint_names(self.model, state)
 
     def load_optimizer_state_dict(self, state: dict) -> None:
-        state = optimizer_from_checkpoint_names(self.model, state)
+        state = with_configured_kernels(self.optimizer, optimizer_from_checkpoint_names(self.model, state))
         if self.sharder:
             self.sharder.load_state_dict(self.optimizer, self.param_names, state)
         else:

@@ -13,7 +13,7 @@ PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 PRECISION_CASTS = ("auto", "params", "autocast")
 SCHEDULES = ("cosine", "linear", "constant")
 OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
-OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "compiled")
 
 
 def _check_batch(cfg: Any, degrees: dict[str, int]) -> None:
@@ -83,7 +83,10 @@ def _check_optimizer(o: Any, p: Any) -> None:
     _require(o.implementation in OPTIMIZER_IMPLEMENTATIONS, "optim.implementation",
              f"unknown implementation {o.implementation!r}", f"Choose one of {OPTIMIZER_IMPLEMENTATIONS}")
     _require(o.name == "adamw" or o.implementation == "auto", "optim.implementation", f"{o.name} is torchao's "
-             "compiled low-bit AdamW, which has no fused/foreach/for_loop variants", "Use optim.implementation=auto")
+             "compiled low-bit AdamW, which has no fused/foreach/for_loop/compiled variants", "Use optim.implementation=auto")
+    _require(o.implementation != "compiled" or p.offload != "optimizer", "optim.implementation",
+             "compiled steps on the device, and parallel.offload=optimizer steps on the host (its fused AdamW)",
+             "Use optim.implementation=auto with parallel.offload=optimizer")
     _require(0 <= o.warmup_steps, "optim.warmup_steps", f"must be >= 0, got {o.warmup_steps}", "Use 0 for none")
     _require(o.name == "adamw" or p.zero_stage != 1, "optim.name", f"{o.name} keeps quantized state that ZeRO-1's "
              "slicing cannot cut", "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)")

@@ -1,0 +1,86 @@
+"""AdamW whose update of every parameter is one compiled graph (``optim.implementation=compiled``).
+
+The update is memory-bound: per parameter it reads the weight, its gradient and two moments and writes the weight
+and the moments back, 28 bytes in fp32. Torch's fused kernel, handed the gradient clip (``grad_scale``), also
+stores each divided gradient back (32 bytes). Here torch.compile traces torch's own multi-tensor AdamW
+(``torch.optim.adam.adam`` with decoupled weight decay, the same update as ``torch.optim.AdamW``) together with the
+clip's division, so Inductor emits pointwise kernels that read each gradient once and write nothing but the weights
+and the moments. The state is AdamW's (the same keys, the step count a tensor on the parameter's device as for the
+fused kernel), so checkpoints move between implementations. DTensor parameters step on their local shards (the
+update is elementwise), with each gradient first given its parameter's placements as DTensor's own dispatch would.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim.adam import adam
+
+
+def _update(groups: list[tuple], grad_scale: torch.Tensor | None) -> None:
+    """Step each group — (params, grads, exp_avgs, exp_avg_sqs, steps, lr tensor, hyperparameters) — in place."""
+    for params, grads, exp_avgs, exp_avg_sqs, steps, lr, settings in groups:
+        if grad_scale is not None:  # out of place: the quotient lives only inside the fused kernels
+            grads = torch._foreach_div(grads, grad_scale)
+        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=True,
+             decoupled_weight_decay=True, amsgrad=False, maximize=False, lr=lr, **settings)
+
+
+class CompiledAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW`` (without amsgrad or maximize) whose ``step`` runs ``_update`` compiled. Like the fused
+    kernel it divides each gradient by ``grad_scale`` (the clip's divisor, or None) as it reads it."""
+
+    def __init__(self, params, **settings):
+        super().__init__(params, foreach=True, capturable=True, **settings)
+        self.grad_scale: torch.Tensor | None = None
+        # one graph for the whole model; static shapes (each parameter's are fixed for the run)
+        self._compiled = torch.compile(_update, fullgraph=True, dynamic=False)
+        # a float learning rate would be a constant of the graph (a recompile each time the schedule moves it)
+        self._lrs: dict[int, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("CompiledAdamW.step takes no closure")
+        groups = []
+        for index, group in enumerate(self.param_groups):
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("CompiledAdamW steps plain AdamW: amsgrad and maximize are not supported")
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if not stepped:
+                continue
+            states = [self._state(p) for p in stepped]
+            lr = self._lrs.get(index)
+            if lr is None or lr.device != stepped[0].device:
+                lr = self._lrs[index] = torch.zeros((), dtype=torch.float32, device=stepped[0].device)
+            lr.fill_(group["lr"])  # a kernel with the value as its argument: no host-device sync
+            settings = dict(beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
+                            eps=group["eps"])
+            groups.append(([_local(p) for p in stepped], [_local(_placed_like(p.grad, p)) for p in stepped],
+                           [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
+                           [s["step"] for s in states], lr, settings))
+        if groups:
+            self._compiled(groups, self.grad_scale)
+
+    def _state(self, param: torch.Tensor) -> dict:
+        """AdamW's state of ``param``, made at its first step; a step count kept on the host (a checkpoint of the
+        foreach or loop implementations) moves to the parameter's device, where the graph counts it."""
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        elif state["step"].device != param.device or state["step"].dtype != torch.float32:
+            state["step"] = state["step"].to(param.device, torch.float32)
+        return state
+
+
+def _placed_like(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` with ``param``'s placements (a Partial gradient summed, as DTensor's dispatch of AdamW would)."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -1,0 +1,154 @@
+"""optim.implementation=compiled: AdamW's update of every parameter as one torch.compile graph, checked against
+torch's own AdamW, on its own and in training runs on sharded (FSDP × TP), sliced (ZeRO-1) and resumed state."""
+
+import pytest
+import torch
+import torch.nn as nn
+from harness import FAST, train_in_one_group
+from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+from composer3d.training import compiled_adamw
+from composer3d.training.compiled_adamw import CompiledAdamW
+from composer3d.training.grad import divides_in_step
+from composer3d.training.optim import with_configured_kernels
+
+CPU = torch.device("cpu")
+SHAPES = [(48, 16), (16, 16), (16,), (40, 16), (16,)]
+
+
+def _params(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=generator, device=CPU)) for s in SHAPES]
+
+
+def _groups(params):  # as build_optimizer makes them: decay on matrices only
+    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+            {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0}]
+
+
+def _schedule(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: (step + 1) / 4)
+
+
+def _graphs() -> int:
+    return len(_debug_get_cache_entry_list(compiled_adamw._update.__code__))
+
+
+def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it():
+    torch._dynamo.reset()
+    compiled_params, reference_params = _params(), _params()
+    compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                  foreach=False, fused=False)  # torch's loop over parameters: the plain update
+    schedules = [_schedule(compiled), _schedule(reference)]
+    assert divides_in_step(compiled), "the clip is handed to the step"
+    generator = torch.Generator().manual_seed(1)
+    for step in range(5):  # the first step compiles: its tracing runs the ops on fake tensors
+        grads = [torch.randn(s, generator=generator) for s in SHAPES]
+        divisor = torch.tensor(1.0 + step)  # the clip's factor, a different one each step
+        for c, r, g in zip(compiled_params, reference_params, grads):
+            c.grad, r.grad = g.clone(), g / divisor
+        compiled.grad_scale = divisor
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled.step()
+        reference.step()
+        for schedule in schedules:
+            schedule.step()  # a new learning rate each step: a graph input, not a constant
+        ops = {event.key for event in prof.key_averages()}
+        assert "Torch-Compiled Region" in " ".join(ops), sorted(ops)
+        assert step == 0 or not {"aten::_fused_adamw_", "aten::_foreach_addcdiv_", "aten::_foreach_lerp_"} & ops, sorted(ops)
+        for c, g in zip(compiled_params, grads):
+            assert torch.equal(c.grad, g), "the divided gradient is not stored back"
+        for c, r in zip(compiled_params, reference_params):
+            torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-7)
+    assert _graphs() == 1, "one graph for both groups and every learning rate"
+    for c, r in zip(compiled_params, reference_params):
+        state, expected = compiled.state[c], reference.state[r]
+        assert set(state) == set(expected) and state["step"].device == c.device
+        assert float(state["step"]) == float(expected["step"]) == 5
+        torch.testing.assert_close(state["exp_avg_sq"], expected["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+
+
+def test_compiled_adamw_continues_torch_adamw_state_and_the_other_way():
+    """A checkpoint's state moves between implementations, each keeping its own kernels and step counts' place."""
+    generator = torch.Generator().manual_seed(2)
+    steps = [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(4)]
+
+    def run(first, second):
+        params = _params()
+        optimizer = first(_groups(params))
+        for i, grads in enumerate(steps):
+            if i == 2:  # a checkpoint: the state dict into a new optimizer of the other kind
+                saved = optimizer.state_dict()
+                optimizer = second(_groups(params))
+                optimizer.load_state_dict(with_configured_kernels(optimizer, saved))
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            optimizer.step()
+        return params, optimizer
+
+    def loop(groups):
+        return torch.optim.AdamW(groups, lr=1e-2, foreach=False, fused=False)
+
+    def compiled(groups):
+        return CompiledAdamW(groups, lr=1e-2)
+
+    straight, _ = run(loop, loop)
+    for first, second in ((loop, compiled), (compiled, loop)):
+        params, optimizer = run(first, second)
+        for p, q in zip(params, straight):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)  # an ulp of O(1) weights; steps are ~1e-2
+        assert all(float(s["step"]) == 4 for s in optimizer.state.values())
+        assert all(not g["capturable"] for g in optimizer.param_groups) == (second is loop)
+
+
+def test_compiled_adamw_refuses_what_it_does_not_step():
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="amsgrad"):
+        CompiledAdamW(params, lr=1e-2, amsgrad=True).step()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Four ranks, one group of jobs: FSDP × TP (+ SP) with torch's loop AdamW and with the compiled one (each
+    checkpointing at step 3), each resumed from the other's checkpoint, and ZeRO-1's slices stepped compiled."""
+    root = tmp_path_factory.mktemp("compiled_adamw")
+    fsdp_tp = [*FAST, "train.steps=6", "checkpoint.interval=3", "parallel.dp_shard=2", "parallel.tp=2",
+               "parallel.sequence_parallel=true"]
+    resume = "checkpoint.resume={}/checkpoints/step-00000003"
+    jobs = {
+        "loop": [*fsdp_tp, "optim.implementation=for_loop"],
+        "compiled": [*fsdp_tp, "optim.implementation=compiled"],
+        "loop_then_compiled": [*fsdp_tp, "optim.implementation=compiled", resume.format(root / "loop")],
+        "compiled_then_fused": [*fsdp_tp, "optim.implementation=fused", resume.format(root / "compiled")],
+        "zero1": [*FAST, "train.steps=6", "parallel.dp_shard=4", "parallel.zero_stage=1",
+                  "optim.implementation=compiled", "checkpoint.enabled=false"],
+    }
+    results = train_in_one_group([(root / name, args) for name, args in jobs.items()], nproc=4, probe_effects=True)
+    return dict(zip(jobs, results))
+
+
+def test_compiled_adamw_trains_sharded_and_sliced_parameters_as_torch_adamw(runs):
+    reference = runs["loop"].losses
+    assert len(reference) == 6
+    for name in ("compiled", "zero1"):
+        assert [e["optimizer_class"] for e in runs[name].effects] == ["CompiledAdamW"] * 4
+        diffs = [abs(a - b) for a, b in zip(reference, runs[name].losses)]
+        assert len(diffs) == 6 and max(diffs) < 1e-4, (name, diffs)
+    assert [e["optimizer_class"] for e in runs["loop"].effects] == ["AdamW"] * 4
+    # each rank keeps the moments of its own shards, as torch's AdamW keeps them
+    def held(run, rank):
+        return sorted((s["param"], s["key"], s["numel"], s["dtype"]) for s in run.effects[rank]["optimizer_state"])
+    for rank in range(4):
+        assert held(runs["compiled"], rank) == held(runs["loop"], rank)
+    total = sum(s["numel"] for s in runs["compiled"].effects[0]["optimizer_state"])
+    assert 0 < total < 2 * runs["compiled"].run_info["num_params"] / 2, "a shard of the moments, not all of them"
+
+
+def test_compiled_adamw_resumes_the_other_implementations_checkpoint(runs):
+    for resumed, source in (("loop_then_compiled", "loop"), ("compiled_then_fused", "compiled")):
+        assert [m["step"] for m in runs[resumed].metrics] == [4, 5, 6]
+        diffs = [abs(a - b) for a, b in zip(runs[source].losses[3:], runs[resumed].losses)]
+        assert max(diffs) < 1e-5, (resumed, diffs)
