@@ -16,9 +16,9 @@ CPU = torch.device("cpu")
 SHAPES = [(48, 16), (16, 16), (16,), (40, 16), (16,)]
 
 
-def _params(seed=0):
+def _params(seed=0, device=CPU):
     generator = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(s, generator=generator, device=CPU)) for s in SHAPES]
+    return [nn.Parameter(torch.randn(s, generator=generator).to(device)) for s in SHAPES]
 
 
 def _groups(params):  # as build_optimizer makes them: decay on matrices only
@@ -34,9 +34,12 @@ def _graphs() -> int:
     return len(_debug_get_cache_entry_list(compiled_adamw._update.__code__))
 
 
-def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it():
+@pytest.mark.parametrize("on_accelerator", [
+    False, pytest.param(True, marks=pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator"))])
+def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it(on_accelerator):
     torch._dynamo.reset()
-    compiled_params, reference_params = _params(), _params()
+    device = torch.accelerator.current_accelerator() if on_accelerator else CPU
+    compiled_params, reference_params = _params(device=device), _params(device=device)
     compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
                                   foreach=False, fused=False)  # torch's loop over parameters: the plain update
@@ -44,12 +47,12 @@ def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_witho
     assert divides_in_step(compiled), "the clip is handed to the step"
     generator = torch.Generator().manual_seed(1)
     for step in range(5):  # the first step compiles: its tracing runs the ops on fake tensors
-        grads = [torch.randn(s, generator=generator) for s in SHAPES]
-        divisor = torch.tensor(1.0 + step)  # the clip's factor, a different one each step
+        grads = [torch.randn(s, generator=generator).to(device) for s in SHAPES]
+        divisor = torch.tensor(1.0 + step, device=device)  # the clip's factor, a different one each step
         for c, r, g in zip(compiled_params, reference_params, grads):
             c.grad, r.grad = g.clone(), g / divisor
         compiled.grad_scale = divisor
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # the host's calls
             compiled.step()
         reference.step()
         for schedule in schedules:
