@@ -105,6 +105,27 @@ def test_compiled_adamw_continues_torch_adamw_state_and_the_other_way():
         assert all(not g["capturable"] for g in optimizer.param_groups) == (second is loop)
 
 
+def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_update(caplog):
+    """The graph is made for the parameters that had gradients at the first step; a graph per set would reach
+    torch.compile's recompile limit, a hard error under fullgraph (a dozen sets here). Other sets step eagerly."""
+    torch._dynamo.reset()
+    compiled_params, reference_params = _params(), _params()
+    compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2)
+    reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, foreach=False, fused=False)
+    generator = torch.Generator().manual_seed(3)
+    for step in range(12):
+        for i, (c, r) in enumerate(zip(compiled_params, reference_params)):
+            grad = torch.randn(c.shape, generator=generator) if step % 3 == 0 or (i + step) % 2 else None
+            c.grad, r.grad = grad, None if grad is None else grad / 2
+        compiled.grad_scale = torch.tensor(2.0)
+        compiled.step()
+        reference.step()
+    for c, r in zip(compiled_params, reference_params):
+        torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-6)
+        assert float(compiled.state[c]["step"]) == float(reference.state[r]["step"]) < 12
+    assert _graphs() == 1 and "run torch's AdamW loop eagerly" in caplog.text
+
+
 def test_compiled_adamw_refuses_what_it_does_not_step():
     params = _params()
     for p in params:

@@ -12,18 +12,24 @@ update is elementwise), with each gradient first given its parameter's placement
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+log = logging.getLogger("composer3d")
 
-def _update(groups: list[tuple], grad_scale: torch.Tensor | None) -> None:
-    """Step each group — (params, grads, exp_avgs, exp_avg_sqs, steps, lr tensor, hyperparameters) — in place."""
+
+def _update(groups: list[tuple], grad_scale: torch.Tensor | None, compiling: bool = True) -> None:
+    """Step each group — (params, grads, exp_avgs, exp_avg_sqs, steps, lr tensor, hyperparameters) — in place;
+    ``compiling=False``: torch's loop over the parameters, run eagerly on any device."""
     for params, grads, exp_avgs, exp_avg_sqs, steps, lr, settings in groups:
         if grad_scale is not None:  # out of place: the quotient lives only inside the fused kernels
             grads = torch._foreach_div(grads, grad_scale)
-        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=True, capturable=True,
-             decoupled_weight_decay=True, amsgrad=False, maximize=False, lr=lr, **settings)
+        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=compiling, capturable=compiling,
+             decoupled_weight_decay=True, amsgrad=False, maximize=False,
+             lr=lr if compiling else float(lr), **settings)
 
 
 class CompiledAdamW(torch.optim.AdamW):
@@ -37,6 +43,8 @@ class CompiledAdamW(torch.optim.AdamW):
         self._compiled = torch.compile(_update, fullgraph=True, dynamic=False)
         # a float learning rate would be a constant of the graph (a recompile each time the schedule moves it)
         self._lrs: dict[int, torch.Tensor] = {}
+        self._compiled_for: tuple | None = None  # which parameters had gradients when the graph was made
+        self._warned_eager = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -59,8 +67,20 @@ class CompiledAdamW(torch.optim.AdamW):
             groups.append(([_local(p) for p in stepped], [_local(_placed_like(p.grad, p)) for p in stepped],
                            [_local(s["exp_avg"]) for s in states], [_local(s["exp_avg_sq"]) for s in states],
                            [s["step"] for s in states], lr, settings))
-        if groups:
+        if not groups:
+            return
+        having = tuple(tuple(p.grad is not None for p in g["params"]) for g in self.param_groups)
+        self._compiled_for = self._compiled_for or having
+        if having == self._compiled_for:
             self._compiled(groups, self.grad_scale)
+            return
+        # Another set of parameters has gradients than the graph was made for. A graph for each set would soon
+        # reach torch.compile's recompile limit (an error under fullgraph): this step runs eagerly instead.
+        if not self._warned_eager:
+            log.warning("optim.implementation=compiled: other parameters have gradients than at the first step; "
+                        "such steps run torch's AdamW loop eagerly (slower, the same update)")
+            self._warned_eager = True
+        _update(groups, self.grad_scale, compiling=False)
 
     def _state(self, param: torch.Tensor) -> dict:
         """AdamW's state of ``param``, made at its first step; a step count kept on the host (a checkpoint of the
