@@ -7,8 +7,8 @@ What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimize
 clip reads and writes every fp32 gradient once (a foreach multiply) before AdamW reads them again; handed over, the
 fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. The
 compiled step (``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again,
-in kernels Inductor writes. Each row prints the bytes a parameter that way moves and the rate that makes. Over one
-model's parameters (Llama 3.2 1B's shapes with an untied head by default: the embedding, the head and each block's
+in kernels Inductor writes (its first step compiles them: printed too). Each row prints the bytes a parameter that
+way moves and the rate that makes. Over one model's parameters (Llama 3.2 1B's shapes with an untied head by default: the embedding, the head and each block's
 seven matrices and two norms) with random gradients: the norm, the clip and the step, the median of ``--steps``
 after three warm-ups, each way ``--rounds`` times in turn, and how far the ways' parameters are apart after the
 same steps (the clip's factor is the same; one multiplies by it, the others divide by its inverse). On the CPU a
@@ -38,8 +38,9 @@ def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[int, ...]]:
 
 
 def timed_steps(params: list[torch.nn.Parameter], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                handed: bool, steps: int, accelerator: bool) -> float:
-    """The median seconds of the norm, the clip and the step, after three warm-ups, the same gradients each time."""
+                handed: bool, steps: int, accelerator: bool) -> tuple[float, float]:
+    """The median seconds of the norm, the clip and the step, after three warm-ups, the same gradients each time,
+    and the first step's seconds (the compiled way's compile)."""
     times = []
     for _ in range(steps + 3):
         for p, g in zip(params, grads):
@@ -53,7 +54,7 @@ def timed_steps(params: list[torch.nn.Parameter], grads: list[torch.Tensor], opt
             torch.accelerator.synchronize()
         times.append(time.perf_counter() - start)
         optimizer.grad_scale = None
-    return statistics.median(times[3:])
+    return statistics.median(times[3:]), times[0]
 
 
 def main() -> None:
@@ -89,8 +90,11 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, (_, handed, moved) in ways.items():
             params, optimizer = made[name]
-            seconds = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
+            seconds, first = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
             print(f"  {round_ + 1:>5} {name:<24} {seconds * 1e3:>9.2f} {moved:>12} {moved * numel / seconds / 1e9:>8.1f}")
+            if round_ == 0 and optimizer is made["compiled, clip in step"][1]:
+                compile_seconds = first
+    print(f"  the compiled way's first step (its compile): {compile_seconds:.1f} s")
     first, *others = made.values()
     spread = max((a - b).abs().max().item() for params, _ in others for a, b in zip(first[0], params))
     print(f"  parameters after the same steps, the ways at most {spread:.3g} apart")

@@ -305,5 +305,6 @@ def test_optimizer_step_times_the_clip_apart_and_in_the_step():
     ways = [" ".join(row[1:-3]) for row in rows]
     assert ways == ["fused, clip apart", "fused, clip in step", "compiled, clip in step"] * 2, stdout
     assert [int(row[-2]) for row in rows[:3]] == [40, 36, 32], "the bytes a parameter each way moves"
+    assert float(stdout.split("(its compile): ")[1].split()[0]) > 0, stdout
     assert all(float(row[-3]) > 0 and float(row[-1]) > 0 for row in rows), stdout
     assert float(stdout.rsplit("at most", 1)[1].split()[0]) < 1e-6, stdout
