@@ -6,13 +6,13 @@
 What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimizer (``divides_in_step``): apart, the
 clip reads and writes every fp32 gradient once (a foreach multiply) before AdamW reads them again; handed over, the
 fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. The
-compiled step (``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again,
-in kernels Inductor writes (its first step compiles them: printed too). Each row prints the bytes a parameter that
-way moves and the rate that makes. Over one model's parameters (Llama 3.2 1B's shapes with an untied head by default: the embedding, the head and each block's
-seven matrices and two norms) with random gradients: the norm, the clip and the step, the median of ``--steps``
-after three warm-ups, each way ``--rounds`` times in turn, and how far the ways' parameters are apart after the
-same steps (the clip's factor is the same; one multiplies by it, the others divide by its inverse). On the CPU a
-small model (a smoke run: its times say little).
+compiled step (``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again, in
+kernels Inductor writes (its first step compiles them: printed too). Each row prints the bytes a parameter that way
+moves and the rate that makes. Over one model's parameters (Llama 3.2 1B's shapes with an untied head by default:
+the embedding, the head and each block's seven matrices and two norms) with random gradients: the norm, the clip and
+the step, the median of ``--steps`` after three warm-ups, each way ``--rounds`` times in turn, and how far the ways'
+parameters are apart after the same steps (the clip's factor is the same; one multiplies by it, the others divide by
+its inverse). On the CPU a small model (a smoke run: its times say little).
 """
 
 from __future__ import annotations

@@ -34,8 +34,10 @@ def _graphs() -> int:
     return len(_debug_get_cache_entry_list(compiled_adamw._update.__code__))
 
 
-@pytest.mark.parametrize("on_accelerator", [
-    False, pytest.param(True, marks=pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator"))])
+NEEDS_ACCELERATOR = pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+
+
+@pytest.mark.parametrize("on_accelerator", [False, pytest.param(True, marks=NEEDS_ACCELERATOR)])
 def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it(on_accelerator):
     torch._dynamo.reset()
     device = torch.accelerator.current_accelerator() if on_accelerator else CPU

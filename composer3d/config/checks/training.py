@@ -83,7 +83,8 @@ def _check_optimizer(o: Any, p: Any) -> None:
     _require(o.implementation in OPTIMIZER_IMPLEMENTATIONS, "optim.implementation",
              f"unknown implementation {o.implementation!r}", f"Choose one of {OPTIMIZER_IMPLEMENTATIONS}")
     _require(o.name == "adamw" or o.implementation == "auto", "optim.implementation", f"{o.name} is torchao's "
-             "compiled low-bit AdamW, which has no fused/foreach/for_loop/compiled variants", "Use optim.implementation=auto")
+             "compiled low-bit AdamW, which has no fused/foreach/for_loop/compiled variants",
+             "Use optim.implementation=auto")
     _require(o.implementation != "compiled" or p.offload != "optimizer", "optim.implementation",
              "compiled steps on the device, and parallel.offload=optimizer steps on the host (its fused AdamW)",
              "Use optim.implementation=auto with parallel.offload=optimizer")
