@@ -92,9 +92,8 @@ def main() -> None:
             params, optimizer = made[name]
             seconds, first = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
             print(f"  {round_ + 1:>5} {name:<24} {seconds * 1e3:>9.2f} {moved:>12} {moved * numel / seconds / 1e9:>8.1f}")
-            if round_ == 0 and optimizer is made["compiled, clip in step"][1]:
-                compile_seconds = first
-    print(f"  the compiled way's first step (its compile): {compile_seconds:.1f} s")
+            if round_ == 0 and name == "compiled, clip in step":
+                print(f"  {'':>5} {'(its first step compiles)':<24} {first * 1e3:>9.0f}")
     first, *others = made.values()
     spread = max((a - b).abs().max().item() for params, _ in others for a, b in zip(first[0], params))
     print(f"  parameters after the same steps, the ways at most {spread:.3g} apart")

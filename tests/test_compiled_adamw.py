@@ -169,8 +169,9 @@ def test_compiled_adamw_trains_sharded_and_sliced_parameters_as_torch_adamw(runs
         return sorted((s["param"], s["key"], s["numel"], s["dtype"]) for s in run.effects[rank]["optimizer_state"])
     for rank in range(4):
         assert held(runs["compiled"], rank) == held(runs["loop"], rank)
-    total = sum(s["numel"] for s in runs["compiled"].effects[0]["optimizer_state"])
-    assert 0 < total < 2 * runs["compiled"].run_info["num_params"] / 2, "a shard of the moments, not all of them"
+    moments = sum(s["numel"] for s in runs["compiled"].effects[0]["optimizer_state"])
+    # both moments of every parameter would be 2 × num_params; a 2 × 2 layout keeps about a quarter of them
+    assert 0 < moments <= runs["compiled"].run_info["num_params"], "a shard of the moments, not all of them"
 
 
 def test_compiled_adamw_resumes_the_other_implementations_checkpoint(runs):

@@ -59,7 +59,7 @@ class CompiledAdamW(torch.optim.AdamW):
                 continue
             states = [self._state(p) for p in stepped]
             lr = self._lrs.get(index)
-            if lr is None or lr.device != stepped[0].device:
+            if lr is None:
                 lr = self._lrs[index] = torch.zeros((), dtype=torch.float32, device=stepped[0].device)
             lr.fill_(group["lr"])  # a kernel with the value as its argument: no host-device sync
             settings = dict(beta1=group["betas"][0], beta2=group["betas"][1], weight_decay=group["weight_decay"],
