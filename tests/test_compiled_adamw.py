@@ -115,17 +115,21 @@ def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_up
     compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2)
     reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, foreach=False, fused=False)
     generator = torch.Generator().manual_seed(3)
+    fused_steps = 0
     for step in range(12):
         for i, (c, r) in enumerate(zip(compiled_params, reference_params)):
             grad = torch.randn(c.shape, generator=generator) if step % 3 == 0 or (i + step) % 2 else None
             c.grad, r.grad = grad, None if grad is None else grad / 2
         compiled.grad_scale = torch.tensor(2.0)
-        compiled.step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled.step()
+        fused_steps += "aten::_fused_adamw_" in {event.key for event in prof.key_averages()}
         reference.step()
     for c, r in zip(compiled_params, reference_params):
         torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-6)
         assert float(compiled.state[c]["step"]) == float(reference.state[r]["step"]) < 12
-    assert _graphs() == 1 and "run torch's AdamW loop eagerly" in caplog.text
+    assert fused_steps == 8, "the steps with another set of gradients (not every third) run the fused kernel"
+    assert _graphs() == 1 and "run torch's fused AdamW eagerly" in caplog.text
 
 
 def test_compiled_adamw_refuses_what_it_does_not_step():
