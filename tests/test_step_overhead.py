@@ -14,7 +14,9 @@ from composer3d.data import IGNORE_INDEX
 from composer3d.training import loss as loss_module
 from composer3d.training.flops import flops_per_token, peak_flops
 from composer3d.training.loss import cross_entropy_sum
-from composer3d.training.optim import build_optimizer
+from composer3d.training import optim
+from composer3d.training.compiled_adamw import CompiledAdamW
+from composer3d.training.optim import adamw_implementation, build_optimizer
 
 CPU = torch.device("cpu")
 
@@ -115,6 +117,26 @@ def test_adamw_implementation_picks_its_kernels(implementation, fused, foreach):
     ops = {event.key for event in prof.key_averages()}
     assert ("aten::_fused_adamw_" in ops) == fused, sorted(ops)
     assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(ops)  # the unfused multi-tensor update
+
+
+def test_auto_compiles_the_step_where_every_parameter_is_on_the_accelerator(monkeypatch):
+    """The accelerator stood in by the meta device (the CPU box has none): auto picks the compiled update there,
+    the fused kernel on the CPU, foreach where some device has no fused kernel; a named implementation is kept."""
+    monkeypatch.setattr(optim, "is_accelerator", lambda device: device.type == "meta")
+    on_accelerator, on_cpu = torch.empty(2, device="meta"), torch.empty(2)
+    assert adamw_implementation("auto", [on_accelerator]) == "compiled"
+    assert adamw_implementation("auto", [on_cpu]) == "fused"
+    assert adamw_implementation("auto", [on_accelerator, on_cpu]) == "foreach"
+    assert adamw_implementation("fused", [on_accelerator]) == "fused"
+    model = _tiny_model()
+    monkeypatch.setattr(optim, "is_accelerator", lambda device: device.type == "cpu")
+    assert isinstance(build_optimizer(model, compose_cfg([]).optim)[0], CompiledAdamW)
+
+
+@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+def test_auto_builds_the_compiled_step_on_the_accelerator():
+    model = _tiny_model().to(torch.accelerator.current_accelerator())
+    assert isinstance(build_optimizer(model, compose_cfg([]).optim)[0], CompiledAdamW)
 
 
 def test_low_bit_optimizer_refuses_a_kernel_choice():

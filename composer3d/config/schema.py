@@ -250,8 +250,9 @@ class OptimConfig:
     warmup_steps: int = 10  # linear warmup from 0 to lr
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
-    # adamw's kernels: auto (fused where the device has them, else foreach, else a loop) | fused | foreach | for_loop
-    # | compiled (the update of all parameters as one torch.compile graph: no gradient stored back)
+    # adamw's kernels: auto (compiled on the accelerator; elsewhere fused where the device has them, else foreach) |
+    # fused | foreach | for_loop | compiled (the update of all parameters as one torch.compile graph: no gradient
+    # stored back)
     implementation: str = "auto"
 
 

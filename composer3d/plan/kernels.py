@@ -15,7 +15,8 @@ this size overlaps little of its loads with its math):
   Elementwise work (norms, RoPE, SwiGLU, residual adds, casts, the loss's softmax): memory-bound, so bytes over
     HBM bandwidth: passes over the block's activations and the logits, many in eager mode (one kernel per op, each
     reading its inputs and writing its output), few when torch.compile fuses them.
-  The optimizer step: fused AdamW reads and writes every local fp32 parameter, gradient and moment once.
+  The optimizer step: AdamW reads every local fp32 parameter, gradient and moment once and writes back the
+    parameters and moments.
 Recomputation by checkpointing mode: full reruns the forward (GEMMs, attention, elementwise); op-level selective
 (``all_matmuls``) reruns the forward's elementwise work, torchtitan's ``alternate_matmuls`` also every other
 forward GEMM; and in eager mode op-level selective checkpointing routes every op of a block through a Python
@@ -59,10 +60,11 @@ ELEMENTWISE_PASSES = {False: 8.0, True: 6.0}  # keyed by compiled
 # recomputation): that H200 step's 43,011 tok/s less its predicted kernels (9.9 ms over 16 blocks), as its
 # autocast twin's profile shows the device idle (9.6 ms).
 EAGER_SAC_S = 0.6e-3
-# fused AdamW per local parameter: fp32 parameter, gradient and two moments read (16 B), parameter and moments
-# written (12 B), the clipped gradient stored back (4 B: the step divides by the clip, training/grad.py); the
-# norm's read of the gradients (4 B more) is left out
-OPTIMIZER_BYTES = 32
+# AdamW per local parameter as an accelerator steps it (optim.implementation=auto: the compiled update): fp32
+# parameter, gradient and two moments read (16 B), parameter and moments written (12 B); the norm's read of the
+# gradients (4 B more) is left out. On an H200 the 1.5B model's step, norm included, moves 32 B a parameter at 79%
+# of the memory bandwidth (benchmarks/optimizer_step.py: 12.6 ms); fused AdamW stores the clipped gradient too.
+OPTIMIZER_BYTES = 28
 
 
 @dataclass(frozen=True)

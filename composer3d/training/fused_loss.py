@@ -18,7 +18,13 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from composer3d.data import IGNORE_INDEX
-from composer3d.training.loss import CHUNK_ELEMENTS, EAGER_KERNELS, ChunkKernels, compiled_kernels
+from composer3d.training.loss import EAGER_KERNELS, ChunkKernels, compiled_kernels
+
+# Elements of one chunk's logits (fp32 temporaries: 256 MiB): 523 rows of a 128K vocabulary, and ∂W's pass over
+# 8192 rows takes 8192 vocabulary entries at a time. Twice the chunked loss's: on an H200 (benchmarks/loss_impl.py,
+# 8192 tokens, 1B head, compiled) 512 rows a chunk step in 39.3 ms at a 1,160 MiB peak, the 261 rows of the chunked
+# loss's size in 61.2 ms at 813 MiB (2048 rows: 37.6 ms, 3,038 MiB; the chunked loss 25.9 ms, 4,136 MiB).
+CHUNK_ELEMENTS = 2**26
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
