@@ -7,7 +7,8 @@ What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimize
 clip reads and writes every fp32 gradient once (a foreach multiply) before AdamW reads them again; handed over, the
 fused kernel divides each gradient as it reads it and stores the quotient back, 4 bytes a parameter less. The
 compiled step (``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again, in
-kernels Inductor writes (its first step compiles them: printed too). Each row prints the bytes a parameter that way
+kernels Inductor writes (its first step compiles them: printed too), in one graph or, as training steps it, one
+call a block, blocks of one shape sharing a graph. Each row prints the bytes a parameter that way
 moves and the rate that makes. Over one model's parameters (Llama 3.2 1B's shapes with an untied head by default:
 the embedding, the head and each block's seven matrices and two norms) with random gradients: the norm, the clip and
 the step, the median of ``--steps`` after three warm-ups, each way ``--rounds`` times in turn, and how far the ways'
@@ -28,13 +29,17 @@ from composer3d.launch.distributed import is_accelerator, resolve_device
 from composer3d.layout import Layout
 from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.grad import clip_grad_norm_
+from composer3d.training.optim import numbered_block
 
 
-def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[int, ...]]:
-    """The parameter shapes of a Llama 3 model with an untied head (4 query heads per KV head, 8/3·4 MLP)."""
+def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The parameters' names and shapes of a Llama 3 model with an untied head (4 query heads per KV head, 8/3·4
+    MLP)."""
     kv, hidden = dim // 4, 4 * dim
-    block = [(dim, dim), (kv, dim), (kv, dim), (dim, dim), (hidden, dim), (hidden, dim), (dim, hidden), (dim,), (dim,)]
-    return [(vocab, dim), (vocab, dim), (dim,)] + layers * block
+    block = [("wq", (dim, dim)), ("wk", (kv, dim)), ("wv", (kv, dim)), ("wo", (dim, dim)), ("w1", (hidden, dim)),
+             ("w3", (hidden, dim)), ("w2", (dim, hidden)), ("attention_norm", (dim,)), ("ffn_norm", (dim,))]
+    return [("tok_embeddings.weight", (vocab, dim)), ("output.weight", (vocab, dim)), ("norm.weight", (dim,))] + [
+        (f"layers.{i}.{name}.weight", shape) for i in range(layers) for name, shape in block]
 
 
 def timed_steps(params: list[torch.nn.Parameter], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer,
@@ -70,7 +75,7 @@ def main() -> None:
     layers, dim, vocab = (args.layers or (16 if accelerator else 2), args.dim or (2048 if accelerator else 64),
                           args.vocab or (128256 if accelerator else 1024))
     generator = torch.Generator(device).manual_seed(0)
-    shapes = llama_shapes(layers, dim, vocab)
+    names, shapes = zip(*llama_shapes(layers, dim, vocab))
     weights = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
     grads = [torch.randn(s, device=device, generator=generator) for s in shapes]  # a norm far above the clip's 1
     # each way: its optimizer, whether the clip is handed to it, and the bytes a parameter it moves (the norm reads
@@ -78,11 +83,14 @@ def main() -> None:
     # writes the weight and moments, and the fused kernel also the divided gradient)
     ways = {"fused, clip apart": (partial(torch.optim.AdamW, fused=True), False, 4 + 8 + 28),
             "fused, clip in step": (partial(torch.optim.AdamW, fused=True), True, 4 + 32),
-            "compiled, clip in step": (CompiledAdamW, True, 4 + 28)}
+            "compiled, one graph": (CompiledAdamW, True, 4 + 28),
+            "compiled, by block": (CompiledAdamW, True, 4 + 28)}  # as training builds it: a call a block
     made = {}
     for name, (optimizer_class, handed, _) in ways.items():
         params = [torch.nn.Parameter(w.clone()) for w in weights]
-        made[name] = params, optimizer_class(params, lr=1e-3)
+        block = {id(p): numbered_block(n) for n, p in zip(names, params)}
+        by_block = {"block_of": lambda p, block=block: block[id(p)]} if name.endswith("by block") else {}
+        made[name] = params, optimizer_class(params, lr=1e-3, **by_block)
     numel = sum(w.numel() for w in weights)
     print(f"{device.type}: {numel / 1e6:,.1f}M fp32 parameters, AdamW, the clip at 1.0 (the first of "
           f"{args.steps + 3} steps compiles)")
@@ -92,7 +100,7 @@ def main() -> None:
             params, optimizer = made[name]
             seconds, first = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
             print(f"  {round_ + 1:>5} {name:<24} {seconds * 1e3:>9.2f} {moved:>12} {moved * numel / seconds / 1e9:>8.1f}")
-            if round_ == 0 and name == "compiled, clip in step":
+            if round_ == 0 and name.startswith("compiled"):
                 print(f"  {'':>5} {'(its first step compiles)':<24} {first * 1e3:>9.0f}")
     first, *others = made.values()
     spread = max((a - b).abs().max().item() for params, _ in others for a, b in zip(first[0], params))

@@ -8,9 +8,9 @@ from harness import FAST, train_in_one_group
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from composer3d.training import compiled_adamw
-from composer3d.training.compiled_adamw import CompiledAdamW
+from composer3d.training.compiled_adamw import MAX_GRAPHS, CompiledAdamW
 from composer3d.training.grad import divides_in_step
-from composer3d.training.optim import with_configured_kernels
+from composer3d.training.optim import numbered_block, with_configured_kernels
 
 CPU = torch.device("cpu")
 SHAPES = [(48, 16), (16, 16), (16,), (40, 16), (16,)]
@@ -132,6 +132,62 @@ def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_up
     assert _graphs() == 1 and "run torch's fused AdamW eagerly" in caplog.text
 
 
+def _blocks(shapes_per_block, blocks, seed=4):
+    """A model's parameters as named_parameters gives them: an embedding, numbered blocks, a final norm."""
+    generator = torch.Generator().manual_seed(seed)
+    names = ["embedding.weight", *(f"layers.{b}.p{i}" for b in range(blocks) for i in range(len(shapes_per_block))),
+             "norm.weight"]
+    shapes = [(24, 16), *shapes_per_block * blocks, (16,)]
+    return names, [nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
+
+
+@pytest.mark.parametrize("layer_shapes, blocks, graphs", [
+    ([(16, 16), (40, 16), (16,)], 6, 2),  # every block one shape: one graph for them, one for the rest
+    ([(16, 16), (16,)], 1, 2),
+])
+def test_compiled_adamw_steps_each_block_as_one_call_of_a_graph_per_shape(layer_shapes, blocks, graphs):
+    """Chunked by optim.numbered_block, blocks of one shape share a graph: the compile costs a block's tensors, not
+    the model's. The same update as torch's AdamW."""
+    torch._dynamo.reset()
+    names, compiled_params = _blocks(layer_shapes, blocks)
+    _, reference_params = _blocks(layer_shapes, blocks)
+    block = {id(p): numbered_block(n) for n, p in zip(names, compiled_params)}
+    compiled = CompiledAdamW(_groups(compiled_params), block_of=lambda p: block[id(p)], lr=1e-2)
+    reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, foreach=False, fused=False)
+    generator = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        for c, r in zip(compiled_params, reference_params):
+            c.grad = torch.randn(c.shape, generator=generator)
+            r.grad = c.grad / 3
+        compiled.grad_scale = torch.tensor(3.0)
+        compiled.step()
+        reference.step()
+    assert len(compiled._chunks) == blocks + 1 and _graphs() == graphs
+    for c, r in zip(compiled_params, reference_params):
+        torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-6)
+
+
+def test_blocks_of_more_shapes_than_graphs_allowed_step_in_one_graph():
+    torch._dynamo.reset()
+    names, params = _blocks([(16, 16)], 1)
+    shapes = [(8 + i, 16) for i in range(MAX_GRAPHS + 1)]  # a block of a shape of its own each
+    params += [nn.Parameter(torch.randn(s)) for s in shapes]
+    names += [f"layers.{1 + i}.w" for i in range(len(shapes))]
+    block = {id(p): numbered_block(n) for n, p in zip(names, params)}
+    compiled = CompiledAdamW(_groups(params), block_of=lambda p: block[id(p)], lr=1e-2)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    compiled.step()
+    assert len(compiled._chunks) == 1 and _graphs() == 1
+
+
+def test_numbered_block_names_the_block_a_parameter_is_in():
+    assert numbered_block("layers.3.attention.wq.weight") == "layers.3"
+    assert numbered_block("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
+    assert numbered_block("_orig_mod.layers.0.moe.experts.w1") == "_orig_mod.layers.0"
+    assert numbered_block("tok_embeddings.weight") is None and numbered_block("output.weight") is None
+
+
 def test_compiled_adamw_refuses_what_it_does_not_step():
     params = _params()
     for p in params:
@@ -165,6 +221,8 @@ def test_compiled_adamw_trains_sharded_and_sliced_parameters_as_torch_adamw(runs
     assert len(reference) == 6
     for name in ("compiled", "zero1"):
         assert [e["optimizer_class"] for e in runs[name].effects] == ["CompiledAdamW"] * 4
+        # tiny's 2 blocks a call each, the embedding, final norm and head one more
+        assert [e["optimizer_chunks"] for e in runs[name].effects] == [3] * 4, name
         diffs = [abs(a - b) for a, b in zip(reference, runs[name].losses)]
         assert len(diffs) == 6 and max(diffs) < 1e-4, (name, diffs)
     assert [e["optimizer_class"] for e in runs["loop"].effects] == ["AdamW"] * 4

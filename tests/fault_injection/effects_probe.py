@@ -204,6 +204,7 @@ def _effects(trainer: Trainer) -> dict:
             for p, state in optimizer.state.items() for key, v in state.items()
             if isinstance(v, torch.Tensor) and v.ndim > 0],
         "optimizer_class": type(optimizer).__name__,
+        "optimizer_chunks": len(getattr(optimizer, "_chunks", ())),  # optim.implementation=compiled: calls a step
         # offload=optimizer: the host copies the step updates (masters), and the bytes this rank keeps in files
         "host_masters": [{"device": str(_local(m).device), "in_file": _in_file(m),
                           "shares_param_storage": _storage(m).data_ptr() in param_storages}
