@@ -251,8 +251,8 @@ class OptimConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     min_lr_ratio: float = 0.1  # the schedule decays to lr * min_lr_ratio
     # adamw's kernels: auto (compiled on the accelerator; elsewhere fused where the device has them, else foreach) |
-    # fused | foreach | for_loop | compiled (the update of all parameters as one torch.compile graph: no gradient
-    # stored back)
+    # fused | foreach | for_loop | compiled (torch.compile'd update, a call a block and a graph per shape of block:
+    # no gradient stored back)
     implementation: str = "auto"
 
 
