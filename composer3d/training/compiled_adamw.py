@@ -92,9 +92,9 @@ class CompiledAdamW(torch.optim.AdamW):
             lr.fill_(group["lr"])  # a kernel with the value as its argument: no host-device sync
         if self._compiled_for is None:
             self._compiled_for, self._chunks = having, self._chunked()
-            log.info("compiling the optimizer step (optim.implementation=compiled): %d tensors in %d chunks, %d "
-                     "graphs, once a run, their code cached for the next", sum(map(sum, having)), len(self._chunks),
-                     len({_signature(chunk) for chunk in self._chunks}))
+            log.info("compiling the optimizer step (optim.implementation=compiled): %d tensors in %d chunks, "
+                     "graphs: %d, once a run, their code cached for the next", sum(map(sum, having)),
+                     len(self._chunks), len({_signature(chunk) for chunk in self._chunks}))
         if having == self._compiled_for:
             for chunk in self._chunks:
                 self._compiled([self._arguments(index, params) for index, params in chunk], self.grad_scale)
