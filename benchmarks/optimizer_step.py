@@ -29,7 +29,7 @@ from composer3d.launch.distributed import is_accelerator, resolve_device
 from composer3d.layout import Layout
 from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.grad import clip_grad_norm_
-from composer3d.training.optim import numbered_block
+from composer3d.training.optim import numbered_blocks
 
 
 def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -88,8 +88,7 @@ def main() -> None:
     made = {}
     for name, (optimizer_class, handed, _) in ways.items():
         params = [torch.nn.Parameter(w.clone()) for w in weights]
-        block = {id(p): numbered_block(n) for n, p in zip(names, params)}
-        by_block = {"block_of": lambda p, block=block: block[id(p)]} if name.endswith("by block") else {}
+        by_block = {"block_of": numbered_blocks(names, params)} if name.endswith("by block") else {}
         made[name] = params, optimizer_class(params, lr=1e-3, **by_block)
     numel = sum(w.numel() for w in weights)
     print(f"{device.type}: {numel / 1e6:,.1f}M fp32 parameters, AdamW, the clip at 1.0 (the first of "

@@ -10,7 +10,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from composer3d.training import compiled_adamw
 from composer3d.training.compiled_adamw import MAX_GRAPHS, CompiledAdamW
 from composer3d.training.grad import divides_in_step
-from composer3d.training.optim import numbered_block, with_configured_kernels
+from composer3d.training.optim import numbered_block, numbered_blocks, with_configured_kernels
 
 CPU = torch.device("cpu")
 SHAPES = [(48, 16), (16, 16), (16,), (40, 16), (16,)]
@@ -151,8 +151,7 @@ def test_compiled_adamw_steps_each_block_as_one_call_of_a_graph_per_shape(layer_
     torch._dynamo.reset()
     names, compiled_params = _blocks(layer_shapes, blocks)
     _, reference_params = _blocks(layer_shapes, blocks)
-    block = {id(p): numbered_block(n) for n, p in zip(names, compiled_params)}
-    compiled = CompiledAdamW(_groups(compiled_params), block_of=lambda p: block[id(p)], lr=1e-2)
+    compiled = CompiledAdamW(_groups(compiled_params), block_of=numbered_blocks(names, compiled_params), lr=1e-2)
     reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, foreach=False, fused=False)
     generator = torch.Generator().manual_seed(5)
     for _ in range(3):
@@ -173,8 +172,7 @@ def test_blocks_of_more_shapes_than_graphs_allowed_step_in_one_graph():
     shapes = [(8 + i, 16) for i in range(MAX_GRAPHS + 1)]  # a block of a shape of its own each
     params += [nn.Parameter(torch.randn(s)) for s in shapes]
     names += [f"layers.{1 + i}.w" for i in range(len(shapes))]
-    block = {id(p): numbered_block(n) for n, p in zip(names, params)}
-    compiled = CompiledAdamW(_groups(params), block_of=lambda p: block[id(p)], lr=1e-2)
+    compiled = CompiledAdamW(_groups(params), block_of=numbered_blocks(names, params), lr=1e-2)
     for p in params:
         p.grad = torch.ones_like(p)
     compiled.step()

@@ -105,9 +105,7 @@ class CompiledAdamW(torch.optim.AdamW):
             log.warning("optim.implementation=compiled: other parameters have gradients than at the first step; "
                         "such steps run torch's fused AdamW eagerly (the same update, 4 bytes a parameter more)")
             self._warned_eager = True
-        stepped = [(index, [p for p in group["params"] if p.grad is not None])
-                   for index, group in enumerate(self.param_groups)]
-        _update_eagerly([self._arguments(index, params) for index, params in stepped if params], self.grad_scale)
+        _update_eagerly([self._arguments(index, params) for index, params in self._stepped()], self.grad_scale)
 
     def _chunked(self) -> list[list[tuple[int, list[torch.Tensor]]]]:
         """The parameters with gradients by block, each block's by group; all in one chunk where the blocks have
@@ -118,13 +116,13 @@ class CompiledAdamW(torch.optim.AdamW):
                 if p.grad is not None:
                     by_block.setdefault(self._block_of(p), {}).setdefault(index, []).append(p)
         chunks = [sorted(groups.items()) for groups in by_block.values()]
-        if len({_signature(chunk) for chunk in chunks}) <= MAX_GRAPHS:
-            return chunks
-        whole: dict[int, list[torch.Tensor]] = {}
-        for groups in by_block.values():
-            for index, params in groups.items():
-                whole.setdefault(index, []).extend(params)
-        return [sorted(whole.items())]
+        return chunks if len({_signature(chunk) for chunk in chunks}) <= MAX_GRAPHS else [self._stepped()]
+
+    def _stepped(self) -> list[tuple[int, list[torch.Tensor]]]:
+        """Each group's parameters with gradients (groups without any left out)."""
+        stepped = [(index, [p for p in group["params"] if p.grad is not None])
+                   for index, group in enumerate(self.param_groups)]
+        return [(index, params) for index, params in stepped if params]
 
     def _arguments(self, index: int, params: list[torch.Tensor]) -> tuple:
         """``_update``'s arguments for ``params`` of group ``index``."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -39,8 +40,7 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: DeviceMesh | None = None,
         return HostOffloadOptimizer(groups, torch.optim.AdamW, device, offload_dir, **settings, **kernels), None
     implementation = adamw_implementation(cfg.implementation, targets) if cfg.name == "adamw" else None
     if implementation == "compiled":
-        blocks = {id(t): numbered_block(name) for t, (name, _) in zip(targets, named)}
-        optimizer = CompiledAdamW(groups, block_of=lambda t: blocks.get(id(t)), **settings)
+        optimizer = CompiledAdamW(groups, block_of=numbered_blocks([name for name, _ in named], targets), **settings)
     else:
         kernels = _kernel_flags(implementation) if implementation else {}
         optimizer = optimizer_class(cfg.name)(groups, **settings, **kernels)
@@ -73,6 +73,13 @@ def numbered_block(name: str) -> str | None:
     parts = name.split(".")
     index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
     return None if index is None else ".".join(parts[:index + 1])
+
+
+def numbered_blocks(names: list[str], tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], str | None]:
+    """``CompiledAdamW``'s ``block_of``: each of ``tensors`` (a parameter, or ZeRO-1's slice of it) to the
+    ``numbered_block`` of its parameter's name in ``names``; tensors are looked up by identity."""
+    blocks = {id(t): numbered_block(name) for name, t in zip(names, tensors)}
+    return lambda t: blocks.get(id(t))
 
 
 def _kernel_flags(implementation: str) -> dict[str, bool]:
