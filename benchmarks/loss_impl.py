@@ -42,9 +42,10 @@ def log_softmax(x, weight, targets):
 
 IMPLEMENTATIONS = {
     "log_softmax (reference)": log_softmax,
-    "chunked, eager": lambda x, w, t: cross_entropy_sum((x @ w.t()).unsqueeze(0), t.unsqueeze(0)),
+    # in place, as the trainer runs it: the logits' gradient written over them
+    "chunked, eager": lambda x, w, t: cross_entropy_sum((x @ w.t()).unsqueeze(0), t.unsqueeze(0), in_place=True),
     "chunked, compiled kernels": lambda x, w, t: cross_entropy_sum((x @ w.t()).unsqueeze(0), t.unsqueeze(0),
-                                                                   compiled=True),
+                                                                   compiled=True, in_place=True),
     "fused, eager": lambda x, w, t: fused_linear_cross_entropy_sum(x, w, t, grad_scale=1 / len(t)),
     "fused, compiled": lambda x, w, t: fused_linear_cross_entropy_sum(x, w, t, compiled=True, grad_scale=1 / len(t)),
 }

@@ -40,10 +40,14 @@ def test_fsdp_shards_over_cp_and_activation_memory_falls_as_one_over_cp(by_cp):
     state = {cp: e.memory.model_state for cp, e in by_cp.items()}
     assert len({round(s) for s in state.values()}) == 1, f"FSDP shards over dp_shard × cp = 8 in each: {state}"
     sequence = {cp: e.memory.activations + e.memory.logits for cp, e in by_cp.items()}
+    # cp 2 and 4 peak in one phase, a block's recomputation in backward: exactly as 1/cp. cp 1 and 8 peak at the
+    # end of forward beside the logits, which their gradient overwrites, and beside those the head's weight gradient
+    # (1 GiB at any cp): within 10% of 1/cp
+    assert sequence[2] / sequence[4] == pytest.approx(2, rel=1e-6), sequence
     for cp in (2, 4, 8):
-        assert sequence[1] / sequence[cp] == pytest.approx(cp, rel=0.03), (cp, sequence)
+        assert sequence[1] / sequence[cp] == pytest.approx(cp, rel=0.1), (cp, sequence)
     # the whole sequence on one GPU does not fit in 79 GiB × 0.9 with full checkpointing; cut in 2 it does
-    assert not by_cp[1].fits and by_cp[1].memory.total > 100 * GIB
+    assert not by_cp[1].fits and by_cp[1].memory.total > 0.9 * 79 * GIB
     assert all(by_cp[cp].fits for cp in (2, 4, 8))
 
 
@@ -89,11 +93,14 @@ def test_other_styles_cost_their_collectives_and_masks(by_cp, style, extra):
 
 def test_the_search_chooses_context_parallel_at_131k_tokens():
     """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without cp, and it
-    passes composer3d's own checks."""
+    passes composer3d's own checks. At cp 2 the ring and the all-gather of K/V (8 of 32 heads: a quarter of q's
+    bytes) cost within 0.1% of each other; the all-gather's whole K/V fits beside the in-place loss gradient."""
     cfg = _config(*LONG)
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
     chosen, fitting, _ = best(cfg, cluster)
-    assert chosen.candidate.cp > 1 and chosen.candidate.cp_style == "ring", chosen.candidate.short()
+    assert chosen.candidate.cp > 1 and chosen.candidate.cp_style in ("ring", "allgather"), chosen.candidate.short()
+    ring = min(e.step_time_s for e in fitting if e.candidate.cp_style == "ring" and e.candidate.cp > 1)
+    assert chosen.step_time_s <= ring < 1.001 * chosen.step_time_s
     without = [e for e in fitting if e.candidate.cp == 1]
     assert without and chosen.step_time_s < min(e.step_time_s for e in without)
     trial = checked(cfg, chosen.candidate, cluster.world_size)

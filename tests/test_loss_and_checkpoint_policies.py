@@ -55,7 +55,7 @@ def fresh_dynamo():
 def _compiled_graphs() -> int:
     """Graphs torch.compile made for the chunk kernels the fused loss shares with the chunked one."""
     return sum(len(_debug_get_cache_entry_list(kernel.__code__))
-               for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad))
+               for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place))
 
 
 def _inputs():

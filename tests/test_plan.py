@@ -474,7 +474,10 @@ def test_alternate_matmuls_keeps_less_by_what_one_measured_rank_shows(layout):
 GATHERING = {"tp2_sp": [*MODEL, "model.vocab_size=256", "train.seq_len=256", "parallel.tp=2",
                         "parallel.sequence_parallel=true", "parallel.dp_shard=1", "train.global_batch_size=4",
                         "train.micro_batch_size=4"],
-             "cp2_allgather": LAYOUTS_2["cp2_allgather"]}
+             # vocab 2048: the logits hold the peak at the end of forward (at 512 a block's recomputation in
+             # backward comes within a few percent of it, and which of the two holds it is then not the planner's)
+             "cp2_allgather": [o if not o.startswith("model.vocab_size=") else "model.vocab_size=2048"
+                               for o in LAYOUTS_2["cp2_allgather"]]}
 GATHER_JOBS = {(name, keep): [*job, *SELECTIVE, f"memory.ac_save_gathers={str(keep).lower()}"]
                for name, job in GATHERING.items() for keep in (False, True)}
 
@@ -525,19 +528,20 @@ H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192"
 
 
 @pytest.mark.parametrize("overrides, measured_gib", [
-    (["compile.enabled=false"], 30.5),  # eager: precision.cast=auto is params, cast_once's copies kept
-    (["compile.enabled=true"], 28.2),  # compiled: autocast, each block's casts made again in its recomputation
-    (["compile.enabled=true", "memory.ac_policy=alternate_matmuls"], 25.6),
-    (["compile.enabled=false", "precision.cast=autocast"], 28.7),
-    # 2026-11-27: without checkpointing, compiled (autocast) and eager (params, cast_once)
-    (["compile.enabled=true", "memory.activation_checkpointing=none"], 33.0),
-    (["compile.enabled=false", "memory.activation_checkpointing=none"], 35.1),
+    (["compile.enabled=false"], 28.94),  # eager: precision.cast=auto is params, cast_once's copies kept
+    (["compile.enabled=true"], 26.67),  # compiled: autocast, each block's casts made again in its recomputation
+    (["compile.enabled=true", "memory.ac_policy=alternate_matmuls"], 24.04),
+    (["compile.enabled=false", "precision.cast=autocast"], 28.52),  # eager autocast: its cache holds every cast
+    # without checkpointing, compiled (autocast) and eager (params, cast_once)
+    (["compile.enabled=true", "memory.activation_checkpointing=none"], 31.48),
+    (["compile.enabled=false", "memory.activation_checkpointing=none"], 33.50),
 ])
 def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
-    """The peaks one H200 measured (README, 2026-11-26 and 27: Llama 3.2 1B dims, untied head, 8192 tokens)
-    within 3%: whole bf16 copies of the weights under precision.cast=params, under autocast the head's and the
-    recomputing block's (an embedding lookup casts none). Charging autocast every weight's copy, as a matmul
-    without checkpointing keeps it, predicted the compiled rows 8-9% high."""
+    """The peaks one H200 measured (README, 2026-11-27, the loss's gradient written over the logits: Llama 3.2 1B
+    dims, untied head, 8192 tokens) within 3%: whole bf16 copies of the weights under precision.cast=params; under
+    autocast compiled, the head's and the recomputing block's (an embedding lookup casts none); eager, every one
+    until forward ends. Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it,
+    predicted the compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted)."""
     est, _ = _estimate(*H200_1B, *overrides)
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
 

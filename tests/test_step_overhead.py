@@ -39,7 +39,7 @@ def _reference(logits, targets):
 def _compiled_graphs() -> int:
     """Graphs torch.compile made for the loss's chunk kernels (dynamo's cache on their code objects)."""
     return sum(len(_debug_get_cache_entry_list(kernel.__code__))
-               for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad))
+               for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place))
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -49,9 +49,11 @@ def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, comp
     logits, targets = _logits_and_targets(dtype=dtype)
     expected_loss, expected_grad = _reference(logits, targets)
     logits.requires_grad_(True)
+    given = logits.detach().clone()
     graphs = _compiled_graphs()
-    loss = cross_entropy_sum(logits, targets, compiled=compiled)
+    loss = cross_entropy_sum(logits, targets, compiled=compiled, in_place=True)
     (loss * 0.5).backward()  # a scaled loss, as the trainer divides by the token count
+    assert torch.equal(logits.detach(), given), "a leaf's logits are the caller's own: never overwritten"
     assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
     assert torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4), (loss, expected_loss)
     assert torch.allclose(logits.grad.float(), 0.5 * expected_grad, atol=tolerance), \
@@ -59,6 +61,27 @@ def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, comp
     assert logits.grad[0, :3].abs().max() == 0, "ignored targets take no gradient"
     # compiled: the forward and backward kernels ran as compiled graphs (a new dtype compiles anew); eager: none
     assert (_compiled_graphs() > graphs) == compiled
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_in_place_loss_writes_the_logits_gradient_over_the_heads_output(monkeypatch, compiled):
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 515 * 5)
+    hidden, targets = _logits_and_targets(vocab=32)
+    head = nn.Linear(32, 515, bias=False)
+    reference = head.weight.detach().clone().requires_grad_(True)
+    F.cross_entropy(F.linear(hidden, reference).flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                    reduction="sum").backward()
+    logits = head(hidden)
+    storage, arrived = logits.data_ptr(), []
+    logits.register_hook(lambda grad: arrived.append(grad.data_ptr()))
+    cross_entropy_sum(logits, targets, compiled=compiled, in_place=True).backward()
+    assert arrived == [storage], "the gradient took the logits' memory"
+    assert torch.allclose(head.weight.grad, reference.grad, atol=1e-5), (head.weight.grad - reference.grad).abs().max()
+
+    # logits an op saved for its own backward (its output): autograd's version check refuses, loudly
+    capped = torch.tanh(F.linear(hidden, head.weight))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        cross_entropy_sum(capped, targets, compiled=compiled, in_place=True).backward()
 
 
 def test_chunked_cross_entropy_keeps_no_full_vocabulary_fp32_tensor():

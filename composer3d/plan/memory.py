@@ -126,12 +126,30 @@ def _peft_units(units: list[Unit], c: Candidate, peft: Peft) -> tuple[list[Unit]
 
 def logits_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int, in_flight: float = 1.0) -> float:
     """The head's output (kept for backward by the loss, for every micro-batch in flight: GPipe runs every loss
-    before the first backward) and its gradient (compute dtype), and the loss's fp32 chunk and its exponentials.
-    Under ``tile_loss`` (no pipeline) one tile's logits and gradient, recomputed in backward, are all there is."""
-    elements = c.micro_batch_size * seq_len * math.ceil(shape.vocab / c.tp)
+    before the first backward; backward writes their gradient over them), and beside them the larger of the loss's
+    one fp32 temporary of a chunk (its exponentials) and the head's weight gradient in the compute dtype, which the
+    head's backward makes while their gradient still exists (an H200's allocator trace, 1B: its peak). Under
+    ``tile_loss`` (no pipeline) one tile's logits, recomputed in backward, are all there is."""
+    vocab = math.ceil(shape.vocab / c.tp)
+    elements = c.micro_batch_size * seq_len * vocab
     if c.tile_loss > 1:
         elements, in_flight = elements / c.tile_loss, 1.0
-    return elements * (in_flight + 1) * compute_bytes + min(elements, LOSS_CHUNK_ELEMENTS) * 4 * 2
+    beside = max(min(elements, LOSS_CHUNK_ELEMENTS) * 4, vocab * shape.dim * compute_bytes)
+    return elements * in_flight * compute_bytes + beside
+
+
+def _autocast_casts(trained: list[Unit], c: Candidate, compute_bytes: int, compiled: bool) -> tuple[float, float]:
+    """Autocast's low-precision copies of the trained weights (an embedding lookup casts none), as (kept through
+    backward, more at the end of forward). Their matmuls save them for backward; a checkpointed block's are cast
+    again in its recomputation, then one at a time. Eager, autocast's cache holds every cast until the forward's
+    autocast region ends (an H200, 1B, selective: 28.5 GiB, where one block's casts predicted 26.6); compiled
+    blocks cast inside their graphs, which keep only what backward needs."""
+    tables = sum(math.prod(s) for u in trained if u.kind == "root"
+                 for s, name in zip(u.params, u.names) if name == "embedding")
+    recast = whole([u for u in trained if u.kind != "root"]) * _recomputed_blocks(c)
+    one_block = max(u.numel for u in trained if u.kind != "root") if recast else 0.0
+    kept = (whole(trained) - tables - recast + one_block) * compute_bytes
+    return kept, (0.0 if compiled else (recast - one_block) * compute_bytes)
 
 
 def _recomputed_blocks(c: Candidate) -> float:
@@ -178,7 +196,11 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         on_device = sum(per_block[-2:]) * tokens * cb
         acts, host_acts = on_device, acts - on_device
     recompute = max(layer.transient for layer in (dense, moe) if layer) * tokens * cb
-    in_backward = recompute > logits
+    # what trains: a frozen weight has no gradient to all-reduce, and autocast keeps no cast of it (it caches
+    # those of leaves that require a gradient; NF4 weights are dequantized op by op)
+    trained = units if peft is None else _peft_units(units, c, peft)[0]
+    casts, forward_casts = _autocast_casts(trained, c, cb, compiled) if autocast else (0.0, 0.0)
+    in_backward = recompute > logits + forward_casts
     if in_backward:
         acts, logits = acts + recompute, 0.0
     # Gradients exist during forward only from the second micro-batch on: a single micro-batch's backward frees
@@ -204,18 +226,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
         elif in_backward:  # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
             buffers += 2 * layer / cb * 4
     else:
-        # what trains: a frozen weight has no gradient to all-reduce, and autocast keeps no cast of it (it caches
-        # those of leaves that require a gradient; NF4 weights are dequantized op by op)
-        trained = units if peft is None else _peft_units(units, c, peft)[0]
-        n = whole(trained)
         if c.dp > 1 and c.zero_stage != 1:  # replicas' all-reduce copies the whole gradients into a buffer
-            buffers += n * 4
-        if cb != 4:
-            # low-precision copies of whole weights (casts), which their matmuls save for backward (an embedding
-            # lookup casts none); a checkpointed block's are cast again in its recomputation: then one at a time
-            tables = sum(math.prod(s) for u in trained if u.kind == "root"
-                         for s, name in zip(u.params, u.names) if name == "embedding")
-            recast = whole([u for u in trained if u.kind != "root"]) * _recomputed_blocks(c)
-            one_block = max(u.numel for u in trained if u.kind != "root") if recast else 0.0
-            buffers += (n - tables - recast + one_block) * cb
+            buffers += whole(trained) * 4
+        buffers += casts + (0.0 if in_backward else forward_casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts, disk)

@@ -46,10 +46,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             lse[chunk] = kernels.logsumexp(logits)
             target_logit[chunk] = logits.gather(1, index[chunk]).squeeze(1).float()
             if grad_x is not None:
-                grad_logits = torch.empty_like(logits)
-                kernels.write_grad(grad_logits, logits, lse[chunk], index[chunk], trained[chunk], scale[chunk])
-                del logits  # only their gradient is needed now
-                torch.mm(grad_logits, weight, out=grad_x[chunk])
+                kernels.grad_in_place(logits, lse[chunk], index[chunk], trained[chunk], scale[chunk])
+                torch.mm(logits, weight, out=grad_x[chunk])  # the logits are now their gradient
         grad_w = _weight_grad(x, weight, targets, trained, lse, scale, kernels) if wants_w else None
         ctx.grads, ctx.grad_scale = (grad_x, grad_w), grad_scale
         return ((lse - target_logit) * trained).sum()
@@ -75,10 +73,8 @@ def _weight_grad(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, t
         logits = x @ weight[entries].t()
         local = targets - start
         here = trained & (local >= 0) & (local < logits.shape[1])
-        grad_logits = torch.empty_like(logits)
-        kernels.write_grad(grad_logits, logits, lse, torch.where(here, local, 0).unsqueeze(1), here, scale)
-        del logits
-        torch.mm(grad_logits.t(), x, out=grad_w[entries])
+        kernels.grad_in_place(logits, lse, torch.where(here, local, 0).unsqueeze(1), here, scale)
+        torch.mm(logits.t(), x, out=grad_w[entries])  # the logits are now their gradient
     return grad_w
 
 

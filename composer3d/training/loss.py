@@ -5,8 +5,9 @@ temporaries.
 8 bytes per vocabulary entry per token (8 GiB for seq 8192 × a 128k vocabulary). Here the log-sum-exp is computed
 over row chunks, so only one chunk is fp32 at a time, and backward rebuilds the softmax chunk by chunk from the
 logits (kept in their own dtype, bf16 in mixed precision) and the per-row log-sum-exp: the gradient is
-``softmax - one_hot`` and needs nothing else. Under tensor parallel the logits are sharded on the vocabulary
-(the head's output, a DTensor ``Shard(-1)``); each chunk's max, sum of exponentials and target logit are then
+``softmax - one_hot`` and needs nothing else, so the trainer has it written over the logits (``in_place``).
+Under tensor parallel the logits are sharded on the vocabulary (the head's output, a DTensor ``Shard(-1)``);
+each chunk's max, sum of exponentials and target logit are then
 completed with one all-reduce each over the tensor-parallel group, as ``loss_parallel`` does, and no rank ever
 holds the full vocabulary. With ``compile.enabled``, and on an accelerator always, the per-chunk math runs as
 torch.compile'd kernels, fused so that each reads the chunk once instead of passing fp32 temporaries through memory.
@@ -42,12 +43,13 @@ def _chunk_logsumexp(chunk: torch.Tensor) -> torch.Tensor:
     return peak + _chunk_sum_exp(chunk, peak).log()
 
 
-def _write_chunk_grad(out: torch.Tensor, chunk: torch.Tensor, lse: torch.Tensor, index: torch.Tensor,
-                      here: torch.Tensor, weight: torch.Tensor) -> None:
-    """``out`` = (softmax(chunk) − one_hot(target)) · weight, in the logits' dtype."""
+def _chunk_grad_in_place(chunk: torch.Tensor, lse: torch.Tensor, index: torch.Tensor, here: torch.Tensor,
+                         weight: torch.Tensor) -> None:
+    """Overwrites ``chunk`` with (softmax(chunk) − one_hot(target)) · weight, in its own dtype: each chunk's gradient
+    needs only its own logits, so the gradient takes their memory and never exists beside them."""
     probs = (chunk - lse.unsqueeze(1)).exp_()
     probs.scatter_add_(1, index, -here.float().unsqueeze(1))
-    out.copy_(probs.mul_(weight))
+    chunk.copy_(probs.mul_(weight))
 
 
 class ChunkKernels(NamedTuple):
@@ -56,10 +58,10 @@ class ChunkKernels(NamedTuple):
     row_max: Callable
     sum_exp: Callable
     logsumexp: Callable
-    write_grad: Callable
+    grad_in_place: Callable
 
 
-EAGER_KERNELS = ChunkKernels(_chunk_row_max, _chunk_sum_exp, _chunk_logsumexp, _write_chunk_grad)
+EAGER_KERNELS = ChunkKernels(_chunk_row_max, _chunk_sum_exp, _chunk_logsumexp, _chunk_grad_in_place)
 
 
 @functools.cache
@@ -71,7 +73,7 @@ def compiled_kernels() -> ChunkKernels:
 class _ShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group,
-                kernels: ChunkKernels) -> torch.Tensor:
+                kernels: ChunkKernels, in_place: bool) -> torch.Tensor:
         rows, vocab = logits.shape
         local = targets - vocab_start
         here = (local >= 0) & (local < vocab) & (targets != IGNORE_INDEX)
@@ -93,28 +95,35 @@ class _ShardedCrossEntropy(torch.autograd.Function):
             dist.all_reduce(target_logit, group=group)
         trained = targets != IGNORE_INDEX
         ctx.save_for_backward(logits, lse, index, here, trained)
-        ctx.step, ctx.kernels = step, kernels
+        ctx.step, ctx.kernels, ctx.in_place = step, kernels, in_place
         return ((lse - target_logit) * trained).sum()
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        # In place, the logits become their gradient: a head's matmul saved its input and weight, not its output,
+        # so nothing else reads them after this loss. A node that did save them (an op whose backward needs its
+        # output) fails autograd's version check on them loudly; a second backward (retain_graph) fails the same way.
         logits, lse, index, here, trained = ctx.saved_tensors
-        grad = torch.empty_like(logits)
+        grad = logits if ctx.in_place else logits.clone()
         weight = (trained * grad_loss).float().unsqueeze(1)
         for start in range(0, logits.shape[0], ctx.step):
             rows = slice(start, start + ctx.step)
-            ctx.kernels.write_grad(grad[rows], logits[rows], lse[rows], index[rows], here[rows], weight[rows])
-        return grad, None, None, None, None
+            ctx.kernels.grad_in_place(grad[rows], lse[rows], index[rows], here[rows], weight[rows])
+        return grad, None, None, None, None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, compiled: bool = False,
+                      in_place: bool = False) -> torch.Tensor:
     """Σ −log softmax(logits)[target] over targets that are not IGNORE_INDEX, in fp32.
 
     ``logits`` (batch, seq, vocab): a plain tensor, a replicated DTensor, or a DTensor sharded on the vocabulary
     (its last dim) over a 1-D mesh, e.g. a tensor-parallel head's output; ``targets`` (batch, seq) hold global vocabulary ids. The
     result is a plain scalar, the same on every rank of the vocabulary's group. ``compiled`` runs the per-chunk
-    math through torch.compile (``compile.enabled``).
+    math through torch.compile (``compile.enabled``). ``in_place``: backward writes the logits' gradient over them,
+    so it never exists beside them (the size of the logits less at the peak), for a caller that holds no other
+    reference to them (the trainer); logits that are a leaf, the caller's own data, are never overwritten.
     """
+    in_place = in_place and logits.grad_fn is not None
     group, vocab_start = None, 0
     if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
         logits = logits.to_local()  # every rank holds the whole vocabulary
@@ -129,4 +138,5 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, compiled: boo
         group = mesh.get_group()
         logits = logits.to_local()
     kernels = compiled_kernels() if compiled else EAGER_KERNELS
-    return _ShardedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group, kernels)
+    return _ShardedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group, kernels,
+                                      in_place)

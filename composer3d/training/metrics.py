@@ -77,11 +77,14 @@ def max_over_ranks(value: int | float, device: torch.device) -> float:
     return t.item()
 
 
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak accelerator memory allocated; on CPU the process's peak resident set size (all host memory)."""
+def peak_memory_bytes(device: torch.device) -> dict[str, int]:
+    """The memory peaks a record reports: on CPU the process's peak resident set size (all host memory); on an
+    accelerator the peak allocated, and the peak its caching allocator reserved (allocated plus cached free blocks:
+    the figure that meets the device's capacity, and the one torchtitan prints as its memory)."""
     if device.type == "cpu":
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-    return torch.accelerator.max_memory_allocated(device)
+        return {"peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
+    return {"peak_mem_bytes": torch.accelerator.max_memory_allocated(device),
+            "peak_reserved_bytes": torch.accelerator.max_memory_reserved(device)}
 
 
 def _number(value: float | None, spec: str) -> str:
@@ -179,6 +182,8 @@ class MetricsSink:
                    f"TFLOP/s/device {record['tflops_per_s']:.3g}"
                    + (f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
                    + f" mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+                   + (f" reserved {record['peak_reserved_bytes'] / 2**30:.2f} GiB" if "peak_reserved_bytes" in record
+                      else "")
                    + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=summary)

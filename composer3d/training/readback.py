@@ -22,11 +22,13 @@ def window_records(pending: list[tuple[int, dict]], window_start: float, mesh: P
     dist.all_reduce(losses, group=mesh.loss.get_group())
     if pipelined:  # only the last stage's ranks hold it; the others add zero
         dist.all_reduce(losses, group=mesh["pp"].get_group())
-    peak = torch.tensor([peak_memory_bytes(device)], dtype=torch.float64, device=device)
+    peaks = peak_memory_bytes(device)
+    peak = torch.tensor(list(peaks.values()), dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
     norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
     values = torch.cat([losses.double(), norms.double(), peak]).tolist()
+    peaks = dict(zip(peaks, map(int, values[2 * len(pending):])))
     experts = expert_load.read(len(pending)) if expert_load is not None else {}
     step_time = (time.perf_counter() - window_start) / len(pending)
     records = []
@@ -35,7 +37,7 @@ def window_records(pending: list[tuple[int, dict]], window_start: float, mesh: P
         records.append({
             "step": step, "loss": _finite_or_none(values[i]),
             "grad_norm": _finite_or_none(values[len(pending) + i]), "lr": metrics["lr"],
-            "tokens_per_s": tokens_per_s, "step_time_s": step_time, "peak_mem_bytes": int(values[-1]),
+            "tokens_per_s": tokens_per_s, "step_time_s": step_time, **peaks,
             **throughput.of(tokens_per_s), **experts,
             **{k: metrics[k] for k in ("loss_scale", "skipped_steps", "nonfinite_skipped_steps") if k in metrics},
             **({"update_skipped": True} if metrics["update_skipped"] else {})})

@@ -126,7 +126,7 @@ class Trainer:
         return self._normalized(self._loss_sum(logits, targets))
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(logits, targets, compiled=self._compiled_loss)
+        return cross_entropy_sum(logits, targets, compiled=self._compiled_loss, in_place=True)  # logits not kept
 
     def _normalized(self, loss: torch.Tensor) -> torch.Tensor:
         if self.evaluating:

@@ -229,7 +229,7 @@ def _effects(trainer: Trainer) -> dict:
             type(next(iter(model.layers.values()))).forward.__code__, checkpointed_forward.__code__)),
         # graphs compiled for the loss's forward and backward chunk kernels (on the ranks that compute the loss)
         "loss_graphs": [len(_debug_get_cache_entry_list(kernel.__code__))
-                        for kernel in (loss_module._chunk_logsumexp, loss_module._write_chunk_grad)],
+                        for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place)],
         "computes_loss": trainer.pipeline is None or trainer.runs_last_stage,
     }
 
