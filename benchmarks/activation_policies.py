@@ -5,8 +5,11 @@ CPU or accelerator.
 
 Per model, for no checkpointing, op-level selective with each policy (all_matmuls: every matmul's output kept;
 alternate_matmuls: every other one's, torchtitan's) and full checkpointing, one row each:
-  - peak activations: a step's peak of activation memory by torch's memory tracker (``FSDPMemTracker``, tensors by
-    category: the same bytes on any device, what selective checkpointing keeps in its own cache included);
+  - peak activations: the activations at a step's peak memory by torch's memory tracker (``FSDPMemTracker``,
+    tensors by category: the same bytes on any device, what selective checkpointing keeps in its own cache
+    included; the logits' gradient, which the loss writes over them, counts as theirs);
+  - kept after forward: the tracker's activations as the model's forward returns: what the policy keeps for
+    backward, and the logits;
   - step time: mean over --steps steps after two warm-up steps, eager, and compiled with --compile;
   - on an accelerator, the step's peak allocated device memory (``torch.accelerator``); '-' on the CPU.
 """
@@ -20,6 +23,7 @@ from functools import partial
 
 import torch
 from memory_compile import MODELS, in_fresh_process, trainer_for
+from torch.distributed._tools.mem_tracker import _ModState
 
 from composer3d.launch.distributed import is_accelerator
 from composer3d.training.metrics import memory_breakdown
@@ -30,7 +34,7 @@ POLICIES = {"none": [], "selective all_matmuls": [*SELECTIVE, "memory.ac_policy=
             "full": ["memory.activation_checkpointing=full"]}
 
 
-def measure(overrides: list[str], steps: int) -> tuple[int, float, int | None]:
+def measure(overrides: list[str], steps: int) -> tuple[int, int, float, int | None]:
     """(peak activation bytes of a step, mean step seconds after two warm-up steps (compilation), the peak device
     memory of the last timed step), from one trainer."""
     trainer = trainer_for(overrides)
@@ -50,8 +54,10 @@ def measure(overrides: list[str], steps: int) -> tuple[int, float, int | None]:
     # The tracker logging.memory_breakdown uses, over one more step (optimizer state exists, as in steady state)
     with memory_breakdown(trainer.model, trainer.optimizer) as (peaks, trainer.memory_tracker):
         trainer.train_step()
+    forward_end = trainer.memory_tracker.memory_tracking[trainer.model].snapshots[_ModState.POST_FW][-1]
+    kept = sum(v for categories in forward_end.values() for k, v in categories.items() if str(k).endswith("ACT"))
     trainer.memory_tracker = None
-    return peaks["ACT"], statistics.mean(times[2:]), peak
+    return peaks["ACT"], kept, statistics.mean(times[2:]), peak
 
 
 def main() -> None:
@@ -66,12 +72,13 @@ def main() -> None:
     mib = 2**20
     for name in args.models:
         print(f"== {name}")
-        print(f"  {'policy':<28} {'peak activations MiB':>20} {'step s':>8} {'compiled s':>10} {'peak device MiB':>15}")
+        print(f"  {'policy':<28} {'peak activations MiB':>20} {'kept after forward MiB':>22} {'step s':>8} "
+              f"{'compiled s':>10} {'peak device MiB':>15}")
         for label, policy in POLICIES.items():
             overrides = MODELS[name] + policy
-            activations, seconds, peak = run(measure, overrides, args.steps)
-            compiled = run(measure, overrides + ["compile.enabled=true"], args.steps)[1] if args.compile else None
-            print(f"  {label:<28} {activations / mib:>20.3f} {seconds:>8.3f} "
+            activations, kept, seconds, peak = run(measure, overrides, args.steps)
+            compiled = run(measure, overrides + ["compile.enabled=true"], args.steps)[2] if args.compile else None
+            print(f"  {label:<28} {activations / mib:>20.3f} {kept / mib:>22.3f} {seconds:>8.3f} "
                   f"{'-' if compiled is None else f'{compiled:.3f}':>10} {'-' if peak is None else f'{peak / mib:.1f}':>15}")
 
 
