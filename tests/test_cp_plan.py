@@ -93,14 +93,15 @@ def test_other_styles_cost_their_collectives_and_masks(by_cp, style, extra):
 
 def test_the_search_chooses_context_parallel_at_131k_tokens():
     """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without cp, and it
-    passes composer3d's own checks. At cp 2 the ring and the all-gather of K/V (8 of 32 heads: a quarter of q's
-    bytes) cost within 0.1% of each other; the all-gather's whole K/V fits beside the in-place loss gradient."""
+    passes composer3d's own checks. The all-gather of K/V (8 of 32 heads: a quarter of q's bytes) comes within 0.1%
+    of the ring, at 17 GiB more a GPU: the ring, the smaller of two equals, is chosen."""
     cfg = _config(*LONG)
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
     chosen, fitting, _ = best(cfg, cluster)
-    assert chosen.candidate.cp > 1 and chosen.candidate.cp_style in ("ring", "allgather"), chosen.candidate.short()
-    ring = min(e.step_time_s for e in fitting if e.candidate.cp_style == "ring" and e.candidate.cp > 1)
-    assert chosen.step_time_s <= ring < 1.001 * chosen.step_time_s
+    assert chosen.candidate.cp > 1 and chosen.candidate.cp_style == "ring", chosen.candidate.short()
+    gathering = min((e for e in fitting if e.candidate.cp_style == "allgather"), key=lambda e: e.step_time_s)
+    assert gathering.step_time_s < chosen.step_time_s < 1.001 * gathering.step_time_s
+    assert gathering.memory.total > chosen.memory.total + 10 * GIB
     without = [e for e in fitting if e.candidate.cp == 1]
     assert without and chosen.step_time_s < min(e.step_time_s for e in without)
     trial = checked(cfg, chosen.candidate, cluster.world_size)

@@ -328,7 +328,9 @@ def test_plan_ranks_layouts_as_json_and_reports_one_layout():
                     "bubble_fraction"):
             assert key in row, key
         assert row["memory_bytes_per_gpu"] <= 79 * 2**30 * 0.9
-    assert [r["tokens_per_s_per_gpu"] for r in rows] == sorted((r["tokens_per_s_per_gpu"] for r in rows), reverse=True)
+    tokens, memory = [r["tokens_per_s_per_gpu"] for r in rows], [r["memory_bytes_per_gpu"] for r in rows]
+    for i in range(len(rows) - 1):  # faster first; within 0.1% of each other (equals to the planner), smaller first
+        assert tokens[i] >= tokens[i + 1] or (tokens[i + 1] <= 1.001 * tokens[i] and memory[i] <= memory[i + 1]), rows
     one = _plan("model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=32", "cluster.nodes=4",
                 "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b")
     assert one.returncode == 0, one.stderr

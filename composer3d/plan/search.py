@@ -25,9 +25,24 @@ def ranked(cfg, cluster: Cluster) -> tuple[list[Estimate], int]:
                           f"{cluster.memory_bytes * cfg.plan.memory_headroom / 2**30:.1f} GiB per device "
                           f"({len(estimates)} valid layouts tried{need}). Add nodes, lower train.seq_len or "
                           "train.global_batch_size, or use a larger cluster.device")
-    # Faster first; among equals the one that needs less memory, then fewer parallel dimensions.
-    fitting.sort(key=lambda e: (-round(e.tokens_per_s_per_gpu, 6), e.memory.total, e.candidate.pp, e.candidate.tp))
-    return fitting, len(estimates)
+    return _faster_then_smaller(fitting), len(estimates)
+
+
+SAME_SPEED = 0.001  # throughputs this close are one to the planner: its terms are not that exact
+
+
+def _faster_then_smaller(fitting: list[Estimate]) -> list[Estimate]:
+    """Faster first; among layouts within SAME_SPEED of the fastest left, the one that needs less memory, then
+    fewer parallel dimensions. At 131,072 tokens on 8 H100s the all-gather of K/V came out 0.07% faster than the
+    ring at 70.5 GiB a GPU against 53.1: no reason to take a device to its limit."""
+    fitting = sorted(fitting, key=lambda e: -e.tokens_per_s_per_gpu)
+    ordered = []
+    while fitting:
+        floor = fitting[0].tokens_per_s_per_gpu * (1 - SAME_SPEED)
+        tied = [e for e in fitting if e.tokens_per_s_per_gpu >= floor]  # a prefix: the list runs fastest first
+        fitting = fitting[len(tied):]
+        ordered += sorted(tied, key=lambda e: (e.memory.total, e.candidate.pp, e.candidate.tp))
+    return ordered
 
 
 def checked(cfg, c: Candidate, world_size: int):
