@@ -21,12 +21,9 @@ import sys
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
-from throughput import SHAPES, build_config, synchronize
+from throughput import SHAPES, build_config, one_rank, synchronize
 
-from composer3d.data import build_sequences
 from composer3d.launch import distributed
-from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.training.trainer import Trainer
 
 GIB = 2**30
@@ -76,20 +73,17 @@ def by_site(live: list[dict]) -> list[tuple[str, int, int]]:
 
 
 def trace_steps(cfg, degrees, device: torch.device, steps: int) -> list[dict]:
-    distributed.init_process_group(device, None)  # the Trainer needs a (one-rank) process group
     torch.cuda.memory._record_memory_history(max_entries=MAX_EVENTS, stacks="python")
     try:
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
-        trainer = Trainer(cfg, mesh, device, sequences)
-        for _ in range(steps):
-            trainer.train_step()
-            trainer.zero_grad()
-        synchronize(device)
-        return torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+        with one_rank(cfg, degrees, device) as (mesh, sequences):
+            trainer = Trainer(cfg, mesh, device, sequences)
+            for _ in range(steps):
+                trainer.train_step()
+                trainer.zero_grad()
+            synchronize(device)
+            return torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
-        dist.destroy_process_group()
 
 
 def main() -> None:

@@ -26,14 +26,11 @@ import time
 from collections import defaultdict
 
 import torch
-import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from throughput import SHAPES, build_config, model_flops_per_token, synchronize
+from throughput import SHAPES, build_config, model_flops_per_token, one_rank, synchronize
 
-from composer3d.data import build_sequences
 from composer3d.launch import distributed
-from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models.llama import Llama
 from composer3d.training.flops import embedding_params, peak_flops
 from composer3d.training.trainer import Trainer
@@ -83,10 +80,7 @@ def model_flop_split(cfg) -> tuple[int, int]:
 
 
 def profile_step(cfg, degrees, device, warmup: int, steps: int, trace: str | None):
-    distributed.init_process_group(device, None)  # the Trainer needs a (one-rank) process group
-    try:
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+    with one_rank(cfg, degrees, device) as (mesh, sequences):
         trainer = Trainer(cfg, mesh, device, sequences)
 
         def step() -> None:
@@ -112,8 +106,6 @@ def profile_step(cfg, degrees, device, warmup: int, steps: int, trace: str | Non
         if trace:
             prof.export_chrome_trace(trace)
         return step_times, kernel_times(prof, distributed.is_accelerator(device))
-    finally:
-        dist.destroy_process_group()
 
 
 def report(cfg, device: torch.device, step_times: list[float], kernels: dict[str, float], steps: int, top: int) -> dict:

@@ -29,7 +29,8 @@ import json
 import statistics
 import sys
 import time
-from typing import Callable, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -67,6 +68,17 @@ def build_config(shape: str, device: str, compile_: bool, overrides: Sequence[st
             f"launch.device={device}", f"compile.enabled={str(compile_).lower()}", *SHAPES[shape], *overrides])
     degrees, resolved = prepare_rank(cfg, None)
     return cfg, degrees, resolved
+
+
+@contextmanager
+def one_rank(cfg: DictConfig, degrees: dict, device: torch.device) -> Iterator[tuple[ParallelMesh, object]]:
+    """(mesh, sequences) for a one-rank Trainer, inside the (one-rank) process group it needs."""
+    distributed.init_process_group(device, None)
+    try:
+        yield (ParallelMesh(layout_from_degrees(degrees), device.type),
+               build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model))
+    finally:
+        dist.destroy_process_group()
 
 
 def synchronize(device: torch.device) -> None:
@@ -210,10 +222,7 @@ def main() -> None:
     default_shape = "cpu" if distributed.resolve_device(args.device).type == "cpu" else "1b"
     shape = args.shape or default_shape
     cfg, degrees, device = build_config(shape, args.device, args.compile)
-    distributed.init_process_group(device, None)  # the Trainer needs a (one-rank) process group
-    try:
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
-        sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
+    with one_rank(cfg, degrees, device) as (mesh, sequences):
         builders = {"composer3d": lambda: build_composer3d(cfg, mesh, device, sequences),
                     "plain": lambda: build_plain(cfg, device)}
         times: dict[str, list[float]] = {side: [] for side in SIDES}
@@ -225,8 +234,6 @@ def main() -> None:
                 times[side] += side_times
                 if peak is not None:
                     peaks[side].append(peak)
-    finally:
-        dist.destroy_process_group()
 
     tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
     flops, peak = model_flops_per_token(cfg), peak_flops(device, cfg.precision.param_dtype)
