@@ -151,6 +151,18 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
             run(cfg, distributed.job_env(), Path(run_dir))
 
 
+def compiled_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], report: str) -> None:
+    """``_train_jobs`` with compiled blocks, failing on any recompile, and each rank's dynamo counts written to
+    ``report``/rank{rank}.json: the reasons its graphs broke and how many graphs it compiled."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.config.error_on_recompile = True  # a graph compiled again at a later step fails the run
+    _train_jobs(rank, nproc, jobs, ports, False)
+    Path(report, f"rank{rank}.json").write_text(json.dumps(
+        {"graph_breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}))
+
+
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback fails the test."""
     processes(_worker, world_size, fn, world_size, str(tmp_path / "store"), args)

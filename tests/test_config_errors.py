@@ -207,11 +207,11 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
      "the 36 tokens each of the cp=2 ranks holds is not divisible by tp=8"),
     # under cp, ep takes every cp rank (a sequence's tokens meet at the same experts) and ep/cp of dp_shard
     (8, ["model=tiny_moe", "parallel.cp=4", "parallel.ep=2"], "parallel.ep", "Choose parallel.ep among 4, 8"),
-    # under cp, ZeRO-1, compile and TP are each tested with PP or EP only where the cp tests run them together
-    (4, ["parallel.pp=2", "parallel.cp=2", "parallel.zero_stage=1"], "parallel.zero_stage",
-     "with parallel.zero_stage and parallel.pp together is not tested yet"),
-    (4, ["parallel.pp=2", "parallel.cp=2", "compile.enabled=true"], "compile.enabled",
-     "with compile.enabled and parallel.pp together is not tested yet"),
+    # under cp, ZeRO-1, compile and TP are each tested with EP only where the cp tests run them together
+    (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], "parallel.zero_stage",
+     "with parallel.zero_stage and parallel.ep together is not tested yet"),
+    (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "compile.enabled=true"], "compile.enabled",
+     "with compile.enabled and parallel.ep together is not tested yet"),
     (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.tp=2"], "parallel.tp",
      "with parallel.tp and parallel.ep together is not tested yet"),
     # expert capacity keeps a sequence's earliest choices, a position no cp rank sees alone

@@ -5,15 +5,18 @@ choices of the whole sequence over cp).
 Loss parity with one process over 10 steps (fp32, gloo): ``model=tiny model.n_layers=4 train.seq_len=256`` under
 PP 2 × cp 2, PP 2 × FSDP 2 × cp 2 and PP 2 × TP 2 + SP × cp 2, with document masking on and off; ``model=tiny_moe``
 (the MoE parallel tests' settings) under FSDP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the MoE load metrics and
-auxiliary loss equal the one-process ones. What each switch did is read from the ranks (``effects``): the tokens and
-heads each stage's attention held, its residual stream's tokens and the ranks it spanned, the experts each rank holds
-and the ranks their tokens travel between.
+auxiliary loss equal the one-process ones; PP 2 × cp 2 with ZeRO-1 and with compiled blocks too. What each switch
+did is read from the ranks (``effects``): the tokens and heads each stage's attention held, its residual stream's
+tokens and the ranks it spanned, the experts each rank holds and the ranks their tokens travel between; ZeRO-1's
+optimizer state is read from the model state each rank holds.
 """
+
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import FAST, spawn, train_in_one_group
+from harness import FAST, RunResult, compiled_jobs, processes, spawn, train_in_one_group
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: short packed documents)
 
 STEPS = ["train.steps=10", "logging.log_every=5"]
@@ -21,6 +24,9 @@ DENSE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "model.n_laye
 MOE = [*FAST, "model=tiny_moe"]  # as tests/test_moe_parallel.py: seq 64, both load-balancing mechanisms on
 LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the default run)
     "pp2_cp2": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2"], ("documents", "causal")),
+    # ZeRO-1 under PP × cp: each stage's optimizer state sharded over its cp ranks
+    "pp2_cp2_zero1": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.zero_stage=1"],
+                      ("documents",)),
     # ep 4 = the 2 cp ranks × the 2 of dp_shard: the experts' tokens cross both
     "moe_fsdp2_cp2_ep4": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4"], ("documents",)),
     # on 8 ranks (slow: their parts are the runs above and tests/test_context_parallel.py's cp × FSDP)
@@ -119,6 +125,39 @@ def test_each_stage_attends_over_its_cp_group(name, request):
             assert block["heads"] == [8 // tp, 4 // tp], block
             assert len(block["cp_ranks"]) == cp and rank["rank"] in block["cp_ranks"], block
             assert all(by_rank[peer]["attention"].keys() == rank["attention"].keys() for peer in block["cp_ranks"])
+
+
+def test_zero1_shards_each_stages_optimizer_over_its_cp_ranks(runs):
+    """ZeRO-1 under PP 2 × cp 2 keeps a stage's parameters and gradients whole (4 + 4 bytes a parameter) and shards
+    its optimizer state over the stage's 2 cp ranks (8 / 2, and the reduced gradient slice's 4 / 2): 14 bytes a
+    parameter, against FSDP's 16 / 2 under PP 2 × cp 2 (20 if the optimizer were not sharded)."""
+    zero1 = runs[("pp2_cp2_zero1", "documents")].run_info
+    fsdp = runs[("pp2_cp2", "documents")].run_info
+    assert zero1["zero_stage"] == 1 and fsdp["zero_stage"] == 3
+    ratio = zero1["model_state_bytes_per_rank"] / fsdp["model_state_bytes_per_rank"]
+    assert ratio == pytest.approx(14 / 8, rel=0.02), (zero1, fsdp)
+
+
+def test_compiled_stages_under_cp_follow_one_process(runs, documents, tmp_path):  # noqa: F811
+    """PP 2 × cp 2 with compiled blocks (each stage's through inductor, cp's attention run eagerly between their
+    graphs), packed documents: the one-process curve; every rank compiled graphs, broke them only at cp's attention,
+    and compiled nothing again at a later step (dynamo fails the run if it does)."""
+    run_dir, report = tmp_path / "pp2_cp2_compiled", tmp_path / "dynamo"
+    report.mkdir()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's rendezvous
+    layout = ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "compile.enabled=true"]
+    processes(compiled_jobs, 4, 4, [(str(run_dir), [*DENSE, *STEPS, *layout, *documents["documents"]])],
+              [store.port], str(report))
+    reference, run = runs[("dense", "documents")], RunResult(0, "", 0.0, run_dir)
+    assert len(reference.losses) == len(run.losses) == 10
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"per-step |Δloss| {diffs}"
+    assert run.run_info["layout"]["pp"] == run.run_info["layout"]["cp"] == 2, run.run_info["layout"]
+    counts = [json.loads(path.read_text()) for path in sorted(report.glob("rank*.json"))]
+    assert len(counts) == 4
+    for rank in counts:
+        assert rank["graphs"] >= 2, rank
+        assert rank["graph_breaks"] and all("context parallel attention" in why for why in rank["graph_breaks"]), rank
 
 
 @pytest.mark.parametrize("name, ep, expert_dp", [

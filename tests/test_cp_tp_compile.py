@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import FAST, RunResult, _train_jobs, processes, spawn, train_in_one_group
+from harness import FAST, RunResult, compiled_jobs, processes, spawn, train_in_one_group
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: the short-document corpus)
 
 BASE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "train.steps=10"]
@@ -35,7 +35,7 @@ LAYOUTS = {  # name: (world size, overrides); ring attention unless named
     "cp2_fsdp2_zero1": (4, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=1"]),
     "cp2_fsdp2_tp2_sp": (8, ["parallel.dp_shard=2", "parallel.cp=2", *TP_SP]),
 }
-COMPILED = {  # trained one per process group, dynamo counting (``_compiled_jobs``)
+COMPILED = {  # trained one per process group, dynamo counting (``harness.compiled_jobs``)
     "cp2_compiled": (2, ["parallel.dp_shard=1", "parallel.cp=2", "compile.enabled=true"]),
     "cp2_fsdp2_compiled": (4, ["parallel.dp_shard=2", "parallel.cp=2", "compile.enabled=true"]),
 }
@@ -240,16 +240,6 @@ def test_tp_cp_at_the_issues_size_matches_single_process(name, kind, issue_runs)
     _assert_layout(issue_runs[(name, kind)], name)
 
 
-def _compiled_jobs(rank: int, nproc: int, jobs, ports, report: str) -> None:
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-
-    torch._dynamo.config.error_on_recompile = True  # a graph compiled again at a later step fails the run
-    _train_jobs(rank, nproc, jobs, ports)
-    Path(report, f"rank{rank}.json").write_text(json.dumps(
-        {"graph_breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COMPILED))
 def test_compiled_cp_at_the_issues_size_matches_single_process(name, issue_runs, documents, tmp_path):  # noqa: F811
@@ -259,7 +249,7 @@ def test_compiled_cp_at_the_issues_size_matches_single_process(name, issue_runs,
     run_dir, report = tmp_path / name, tmp_path / "dynamo"
     report.mkdir()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's rendezvous
-    processes(_compiled_jobs, world, world, [(str(run_dir), [*BASE, *SIZES["issue"], *layout,
+    processes(compiled_jobs, world, world, [(str(run_dir), [*BASE, *SIZES["issue"], *layout,
                                                               *documents["documents"]])], [store.port], str(report))
     _assert_follows(issue_runs[("reference", "documents")], RunResult(0, "", 0.0, run_dir), name)
     for counts in (json.loads(path.read_text()) for path in sorted(report.glob("rank*.json"))):
