@@ -1,8 +1,8 @@
-"""composer3d-plan against published throughput: the README's table, regenerated.
+"""composer3d-plan against published throughput: recipes/README.md's table, regenerated.
 
     python benchmarks/plan_published.py [extra composer3d-plan overrides, e.g. cluster.achievable_fraction=0.75]
 
-Each row is a published H100 result (source in the README, next to the table) or composer3d's own run on one GPU
+Each row is a published H100 result (source in recipes/README.md, next to the table) or composer3d's own run on one GPU
 (issue 29: H100 rows from its start, H200 rows at the code since the fused loss and one-device casts): its model
 and layout are given to ``composer3d-plan`` as published (ZeRO stage, micro-batch, precision incl. float8,
 checkpointing and its policy, eager or compiled, pipeline schedule, the overlaps the source turned on, the source's
@@ -13,6 +13,9 @@ Megatron-LM's TFLOP/s count the full attention matrix (6N + 12·L·H·Q·T): the
 convention (the same tokens/s). Megatron-LM's GPT models are Llama-shaped configs of the same parameters and
 FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h with two,
 vocabulary 131072, untied head.
+
+Under the table, torchtitan's held-out rows: every other row of the file its rows 1-2 and 22 come from, given the
+same way and printed in tokens/s; none of them set anything.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ LLAMA_70B = ["model=llama3_70b", "train.seq_len=8192"]
 # its attention: SDPA on torch nightlies of 2024-12 and 2025-06 ran FlashAttention-2 on an H100 (cuDNN's kernel
 # became SDPA's default there in torch 2.9)
 GRAND_TETON = ["cluster.hbm_gbps=2160", "cluster.peak_tflops=912", "plan.attention_kernel=flash2"]
+# torchtitan's code of 2024-12 (commit 9dec370, its llama3_8b.toml's norm_type = "rmsnorm"): its own RMSNorm, written
+# as its ops (torchtitan/models/norms.py), a kernel each where it is not compiled
+TITAN_2024 = [*GRAND_TETON, "plan.norm_kernel=composite"]
 
 
 def _gpt(hidden: int, layers: int, heads: int, tp: int, pp: int, batch: int) -> list[str]:
@@ -62,9 +68,9 @@ TITAN_SAC = ["memory.activation_checkpointing=selective", "memory.ac_policy=alte
 # (row, source, overrides, published tokens/s per GPU or None, published TFLOP/s per GPU or None)
 ROWS = [
     (1, "torchtitan Llama 3.1 8B, 8 GPUs, FSDP", [*LLAMA_8B, "train.global_batch_size=16", "train.micro_batch_size=2",
-     "cluster.nodes=1", "parallel.dp_shard=8", *TITAN_SAC, *GRAND_TETON], 5762, None),
+     "cluster.nodes=1", "parallel.dp_shard=8", *TITAN_SAC, *TITAN_2024], 5762, None),
     (2, "torchtitan Llama 3.1 8B, 128 GPUs, FSDP", [*LLAMA_8B, "train.global_batch_size=256",
-     "train.micro_batch_size=2", "cluster.nodes=16", "parallel.dp_shard=128", *TITAN_SAC, *GRAND_TETON],
+     "train.micro_batch_size=2", "cluster.nodes=16", "parallel.dp_shard=128", *TITAN_SAC, *TITAN_2024],
      5605, None),
     (3, "torchtitan Llama 3.1 8B, 64 GPUs, FSDP 8 x TP 8", [*LLAMA_8B, "train.global_batch_size=96",
      "train.micro_batch_size=12", "cluster.nodes=8", "parallel.dp_shard=8", "parallel.tp=8",
@@ -93,11 +99,16 @@ ROWS = [
      None),
     (20, "composer3d Llama 3.2 1B, 1 H200, eager, selective AC, autocast",
      _one_gpu(False, "selective", *H200_1B, "precision.cast=autocast"), 41476, None),
+    (21, "Megatron-Bridge Llama 3.1 405B, 1024 GPUs, TP 8 x PP 8 (v=8) x CP 2 (FP8)", ["model=llama3_405b",
+     "train.seq_len=8192", "train.global_batch_size=512", "train.micro_batch_size=1", "cluster.nodes=128",
+     "parallel.dp_shard=1", "parallel.dp_replicate=8", "parallel.tp=8", "parallel.pp=8", "parallel.cp=2",
+     "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=8",
+     "parallel.zero_stage=1", *FP8, *OVERLAP], 292, None),
     # torchtitan's Table 2, first row: FSDP 8, CP 1, sequence 32,768, local batch 1, full AC, compile + float8
     (22, "torchtitan Llama 3.1 8B, 8 GPUs, FSDP, 32,768 tokens (FP8)", ["model=llama3_8b", "train.seq_len=32768",
      "train.global_batch_size=8", "train.micro_batch_size=1", "cluster.nodes=1", "parallel.dp_shard=8",
      "memory.activation_checkpointing=full", "compile.enabled=true", "precision.float8.enabled=true",
-     *GRAND_TETON], 3890, None),
+     *TITAN_2024], 3890, None),
     # 2026-11-27, with the clip in AdamW's step (48,307 the day before, without it)
     # 2026-11-27, a later call: the optimizer step compiled (auto's on an accelerator since); 49,800 with fused AdamW
     (23, "composer3d Llama 3.2 1B, 1 H200, compiled, selective AC", _one_gpu(True, "selective", *H200_1B), 50105,
@@ -109,6 +120,55 @@ ROWS = [
     (26, "composer3d Llama 3.2 1B, 1 H200, compiled", _one_gpu(True, "none", *H200_1B), 49055, None),
     (27, "composer3d Llama 3.2 3B, 1 H200, compiled, selective AC",
      _one_gpu(True, "selective", *H200_1B, *LLAMA_3B), 20583, None),
+]
+
+
+# Held out: the other rows of torchtitan's 2024-12 file (its tables 1-6), set nothing and are not in recipes/README.md's
+# table; (table and row, source, overrides, published tokens/s per GPU). Tables 5-6 ran micro-batches = PP degree
+# (its default then) and interleaved 1F1B at two stages a rank (its default split); async TP is published_overlap.
+TITAN_COMPILED = [*LLAMA_8B, *TITAN_SAC, *TITAN_2024, "compile.enabled=true"]
+TITAN_8_GPUS = ["train.global_batch_size=16", "train.micro_batch_size=2", "cluster.nodes=1", "parallel.dp_shard=8"]
+TITAN_128_GPUS = ["train.global_batch_size=256", "train.micro_batch_size=2", "cluster.nodes=16", "parallel.dp_shard=128"]
+TITAN_FP8 = ["precision.float8.enabled=true"]
+TITAN_LONG = ["model=llama3_8b", "model.max_seq_len=262144", "train.micro_batch_size=1", "cluster.nodes=1",
+              "memory.activation_checkpointing=full", "compile.enabled=true", *TITAN_FP8, *TITAN_2024]
+TITAN_70B_2D = [*LLAMA_70B, "train.global_batch_size=512", "train.micro_batch_size=16", "cluster.nodes=32",
+                "parallel.dp_shard=32", "parallel.tp=8", "parallel.sequence_parallel=true", "compile.enabled=true",
+                "memory.activation_checkpointing=full", *TITAN_FP8, *TITAN_2024]
+TITAN_405B = ["model=llama3_405b", "model.max_seq_len=262144", "cluster.nodes=64", "parallel.tp=8", "parallel.pp=8",
+              "parallel.sequence_parallel=true", "compile.enabled=true", "memory.activation_checkpointing=full",
+              *TITAN_FP8, "plan.published_overlap=true", *TITAN_2024]
+
+
+def _titan_long(dp: int, cp: int) -> list[str]:
+    """Table 2: FSDP dp × CP cp on 8 GPUs, local batch 1, 32,768 tokens a GPU."""
+    return [*TITAN_LONG, f"train.seq_len={32768 * cp}", f"train.global_batch_size={dp}", f"parallel.dp_shard={dp}",
+            f"parallel.cp={cp}"]
+
+
+def _titan_4d(dp: int, cp: int) -> list[str]:
+    """Table 6: FSDP dp × CP cp × TP 8 × PP 8 (1F1B) on 512 GPUs, local batch 8 in micro-batches of 1."""
+    return [*TITAN_405B, f"train.seq_len={32768 * cp}", f"train.global_batch_size={8 * dp}",
+            "train.micro_batch_size=1", f"parallel.dp_shard={dp}", f"parallel.cp={cp}", "parallel.pp_schedule=1f1b"]
+
+
+HELD_OUT = [
+    ("T1.2", "torchtitan 8B, 8 GPUs, FSDP, compiled", [*TITAN_COMPILED, *TITAN_8_GPUS], 6667),
+    ("T1.3", "torchtitan 8B, 8 GPUs, FSDP, compiled (FP8)", [*TITAN_COMPILED, *TITAN_8_GPUS, *TITAN_FP8], 8532),
+    ("T3.2", "torchtitan 8B, 128 GPUs, FSDP, compiled", [*TITAN_COMPILED, *TITAN_128_GPUS], 6514),
+    ("T3.3", "torchtitan 8B, 128 GPUs, FSDP, compiled (FP8)", [*TITAN_COMPILED, *TITAN_128_GPUS, *TITAN_FP8], 8380),
+    ("T2.2", "torchtitan 8B, FSDP 4 x CP 2, 65,536 tokens (FP8)", _titan_long(4, 2), 2540),
+    ("T2.3", "torchtitan 8B, FSDP 2 x CP 4, 131,072 tokens (FP8)", _titan_long(2, 4), 1071),
+    ("T2.4", "torchtitan 8B, CP 8, 262,144 tokens (FP8)", _titan_long(1, 8), 548),
+    ("T4.1", "torchtitan 70B, FSDP 32 x TP 8 (FP8)", TITAN_70B_2D, 829),
+    ("T4.2", "torchtitan 70B, FSDP 32 x TP 8, async TP (FP8)", [*TITAN_70B_2D, "plan.published_overlap=true"], 876),
+    ("T5.1", "torchtitan 405B, FSDP 8 x TP 8 x PP 8, 1F1B (FP8)", [*TITAN_405B, "train.seq_len=8192",
+     "train.global_batch_size=256", "train.micro_batch_size=4", "parallel.dp_shard=8"], 100),
+    ("T5.2", "torchtitan 405B, as T5.1, interleaved 1F1B (FP8)", [*TITAN_405B, "train.seq_len=8192",
+     "train.global_batch_size=256", "train.micro_batch_size=4", "parallel.dp_shard=8",
+     "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], 128),
+    *[(f"T6.{i + 1}", f"torchtitan 405B, FSDP {8 // cp} x CP {cp} x TP 8 x PP 8 (FP8)", _titan_4d(8 // cp, cp),
+       tokens) for i, (cp, tokens) in enumerate([(1, 76), (2, 47), (4, 31), (8, 16)])],
 ]
 
 
@@ -125,22 +185,36 @@ def _causal_half(overrides: list[str]) -> float:
     return 6 * int(value["model.n_layers"]) * int(value["model.dim"]) * int(value["train.seq_len"])
 
 
+def _predict(overrides: list[str], extra: list[str]) -> dict | str:
+    """composer3d-plan's JSON estimate for the layout, or its one-line refusal."""
+    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *on_device(overrides), "plan.format=json",
+                           *extra], check=False, capture_output=True, text=True)
+    return proc.stderr.strip() if proc.returncode else json.loads(proc.stdout.splitlines()[-1])
+
+
 def main() -> None:
     extra = sys.argv[1:]
-    print(f"{'#':>3}  {'source':<58}{'published':>10}{'predicted':>10}{'error':>8}   TFLOP/s per GPU")
+    print(f"{'#':>4}  {'source':<58}{'published':>10}{'predicted':>10}{'error':>8}   TFLOP/s per GPU")
     for row, source, overrides, tokens, tflops in ROWS:
-        proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *on_device(overrides),
-                               "plan.format=json", *extra], check=False, capture_output=True, text=True)
-        if proc.returncode:
-            print(f"{row:>3}  {source:<58}{proc.stderr.strip()}")
+        e = _predict(overrides, extra)
+        if isinstance(e, str):
+            print(f"{row:>4}  {source:<58}{e}")
             continue
-        e = json.loads(proc.stdout.splitlines()[-1])
         flops_per_token = e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]  # composer3d's count
         if tokens is None:  # Megatron's TFLOP/s: its tokens/s, from its count with the full attention matrix
             tokens = tflops * 1e12 / (flops_per_token + _causal_half(overrides))
         published = tokens * flops_per_token / 1e12
-        print(f"{row:>3}  {source:<58}{published:>10.1f}{e['tflops_per_gpu']:>10.1f}"
+        print(f"{row:>4}  {source:<58}{published:>10.1f}{e['tflops_per_gpu']:>10.1f}"
               f"{e['tflops_per_gpu'] / published - 1:>+8.0%}")
+    print(f"\nheld out (torchtitan's 2024-12 tables, set nothing)       {'published':>10}{'predicted':>10}{'error':>8}"
+          "   tokens/s per GPU")
+    for row, source, overrides, tokens in HELD_OUT:
+        e = _predict(overrides, extra)
+        if isinstance(e, str):
+            print(f"{row:>4}  {source:<58}{e}")
+            continue
+        print(f"{row:>4}  {source:<58}{tokens:>10,}{e['tokens_per_s_per_gpu']:>10,.0f}"
+              f"{e['tokens_per_s_per_gpu'] / tokens - 1:>+8.0%}")
 
 
 if __name__ == "__main__":

@@ -253,10 +253,10 @@ def _published_rows() -> list[tuple[int, str, float | None, object]]:
 
 
 def test_readme_table_is_what_the_planner_predicts():
-    """The README's comparison with published throughput: its predicted column is the planner's for the rows of
+    """recipes/README.md's comparison with published throughput: its predicted column is the planner's for the rows of
     benchmarks/plan_published.py."""
     table = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "recipes" / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) > 4 and cells[1].isdigit() and cells[-3].replace(".", "").isdigit():
             table[int(cells[1])] = float(cells[-3])
@@ -310,6 +310,29 @@ def test_attention_kernel_times_attention_at_its_rate_and_nothing_else():
     assert expected > 0.5  # seconds, of a 6 s step: at this length attention is most of the step
     assert got["flash2", "fsdp"].exposed_comm_s == got["sdpa", "fsdp"].exposed_comm_s  # FSDP hides behind both
     assert 0 < got["flash2", "ring"].exposed_comm_s["cp"] < got["sdpa", "ring"].exposed_comm_s["cp"]
+
+
+def test_norm_kernel_adds_a_composite_norms_bytes_to_an_eager_step_only():
+    """plan.norm_kernel=composite (torchtitan's 2024-12 RMSNorm, its published eager rows): Llama 3 8B on FSDP 8 under
+    op-level selective checkpointing. The eager step grows by the composite norms' extra bytes over HBM, counted by
+    hand: 65 norms (two a block, the final one) × 16,384 tokens × 4096 × (32 more bytes forward, rerun once, 70 more
+    backward); a compiled step, whose norms Inductor fuses, not at all."""
+    register_configs()
+    layout = ["model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=16", "train.micro_batch_size=2",
+              "cluster.nodes=1", "parallel.dp_shard=8", "memory.activation_checkpointing=selective",
+              "cluster.device=h100"]
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        got = {}
+        for compiled in (False, True):
+            for kernel in ("fused", "composite"):
+                cfg = compose("train", overrides=[*layout, f"compile.enabled={str(compiled).lower()}",
+                                                  f"plan.norm_kernel={kernel}"])
+                cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+                got[compiled, kernel] = estimate(Workload.from_config(cfg), candidate_from_config(cfg, 8), cluster)
+    expected = 65 * 16384 * 4096 * (32 * 2 + 70) / cluster.hbm_bw
+    assert got[False, "composite"].compute_s - got[False, "fused"].compute_s == pytest.approx(expected, rel=1e-9)
+    assert expected > 0.1  # seconds, of a 2.4 s step
+    assert got[True, "composite"].compute_s == got[True, "fused"].compute_s
 
 
 def _plan(*overrides: str) -> subprocess.CompletedProcess:
@@ -375,7 +398,8 @@ def test_plan_refuses_a_hugging_face_mixture_of_experts(tmp_path):
 
 @pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
                                            ("plan.format=csv", "plan.format"), ("cluster.hbm_gbps=0", "cluster.hbm_gbps"),
-                                           ("plan.attention_kernel=flash3", "plan.attention_kernel")])
+                                           ("plan.attention_kernel=flash3", "plan.attention_kernel"),
+                                           ("plan.norm_kernel=triton", "plan.norm_kernel")])
 def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr

@@ -48,3 +48,7 @@ class PlanConfig:
     # scaled_dot_product_attention: cuDNN's fused kernel on Hopper, what composer3d-train runs) | flash2
     # (FlashAttention-2, SDPA's flash backend: torch's default on Hopper before 2.9, as in torchtitan's published runs)
     attention_kernel: str = "sdpa"
+    # the RMSNorm the planner prices in an eager step (compiled steps fuse either): fused (torch's nn.RMSNorm, one
+    # kernel forward and one backward: what composer3d-train runs) | composite (an RMSNorm written as its ops, each a
+    # kernel forward and again in autograd's backward: torchtitan's rmsnorm in its published 2024-12 runs)
+    norm_kernel: str = "fused"

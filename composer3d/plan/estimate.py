@@ -46,7 +46,8 @@ class Workload:
     def from_config(cls, cfg) -> Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
-                   Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel),
+                   Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel,
+                        cfg.plan.norm_kernel),
                    cfg.plan.published_overlap, Peft.from_config(cfg.peft), cfg.precision.cast)
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:

@@ -55,6 +55,23 @@ ATTENTION_FRACTION = {"sdpa": 0.38, "flash2": 0.33}
 # even in eager mode): from the 1B's eager selective step on an H200 (torch 2.11, 2026-11-26), whose profile puts
 # 41.8 ms in elementwise kernels, copies and the loss (benchmarks/step_profile.py) where 8 passes predict 40.5.
 ELEMENTWISE_PASSES = {False: 8.0, True: 6.0}  # keyed by compiled
+
+
+def _bytes(*ops: tuple[int, int]) -> int:
+    """HBM bytes per element of a chain of elementwise kernels, each (bytes read, bytes written)."""
+    return sum(read + written for read, written in ops)
+
+
+# An RMSNorm's bytes per element of its (bf16) input in an eager step, (forward, backward), by plan.norm_kernel;
+# the passes above count the fused one, a composite one adds its difference. fused: forward reads x and writes y,
+# backward reads x and dy and writes dx. composite (x.float(), pow, mean, ·rsqrt, type_as, ·weight; fp32 between):
+# backward is each op's own backward kernel: ·weight (dx, dw's product and sum), type_as, ·rsqrt (dx, and the
+# product summed for the rsqrt's gradient), mean's expansion, pow's, the two dx added, the cast back to bf16.
+NORM_BYTES = {
+    "fused": (_bytes((2, 2)), _bytes((4, 2))),
+    "composite": (_bytes((2, 4), (4, 4), (4, 0), (4, 4), (4, 2), (2, 2)),
+                  _bytes((2, 2), (4, 2), (2, 0), (2, 4), (4, 4), (8, 4), (4, 0), (0, 4), (8, 4), (8, 4), (4, 2))),
+}
 # Host seconds per block and micro-batch the device waits for in an eager step under op-level selective
 # checkpointing (torch's selective checkpoint dispatch mode runs in Python for every op, forward and
 # recomputation): that H200 step's 43,011 tok/s less its predicted kernels (9.9 ms over 16 blocks), as its
@@ -73,6 +90,7 @@ class Work:
     compiled: bool
     float8: bool
     attention: str = "sdpa"  # plan.attention_kernel
+    norm: str = "fused"  # plan.norm_kernel
 
 
 def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> float:
@@ -114,6 +132,16 @@ def _activation_elements(shape: ModelShape, tp: int, moe: bool) -> float:
     else:
         mlp = 4 * shape.ffn / tp
     return 4 * h + (4 * q + 2 * kv + heads) / tp + mlp
+
+
+def _norm_extra_bytes(shape: ModelShape, stages: StageSet, rows: int, rerun: float, work: Work) -> float:
+    """What an eager step's norms (two a block, the final one on the last stage) move beyond fused RMSNorms, their
+    forward once more where checkpointing reruns the elementwise work."""
+    if work.compiled or work.norm == "fused":
+        return 0.0
+    (forward, backward), (fused_forward, fused_backward) = NORM_BYTES[work.norm], NORM_BYTES["fused"]
+    norms = 2 * (stages.dense_layers + stages.moe_layers) + (1 if stages.last else 0)
+    return norms * rows * shape.dim * ((forward - fused_forward) * (1 + rerun) + backward - fused_backward)
 
 
 @dataclass(frozen=True)
@@ -166,7 +194,8 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
         + stages.moe_layers * (_activation_elements(shape, c.tp, True) if stages.moe_layers else 0.0))
     logits_bytes = rows * 4 * shape.vocab / c.tp if stages.last else 0.0  # the loss works in fp32
     # forward is about a third of the elementwise traffic: what recomputation repeats
-    elementwise = (passes * (block_bytes + logits_bytes) + passes / 3 * rerun_elementwise * block_bytes) / cluster.hbm_bw
+    elementwise = (passes * (block_bytes + logits_bytes) + passes / 3 * rerun_elementwise * block_bytes
+                   + _norm_extra_bytes(shape, stages, rows, rerun_elementwise, work)) / cluster.hbm_bw
 
     host = layers * EAGER_SAC_S if op_level and not work.compiled else 0.0
     m = c.microbatches

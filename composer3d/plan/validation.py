@@ -7,7 +7,7 @@ from typing import Any
 
 from composer3d.config.checks import _check_known_keys, _check_model, _require
 from composer3d.plan.hardware import DEVICES
-from composer3d.plan.kernels import ATTENTION_FRACTION
+from composer3d.plan.kernels import ATTENTION_FRACTION, NORM_BYTES
 from composer3d.plan.layouts import ZERO_BUBBLE
 
 
@@ -30,6 +30,8 @@ def validate_plan(cfg: Any) -> None:
     _require(p.format in ("table", "json"), "plan.format", f"unknown format {p.format!r}", "Choose table or json")
     _require(p.attention_kernel in ATTENTION_FRACTION, "plan.attention_kernel", f"unknown kernel "
              f"{p.attention_kernel!r}", f"Choose one of {sorted(ATTENTION_FRACTION)}")
+    _require(p.norm_kernel in NORM_BYTES, "plan.norm_kernel", f"unknown kernel {p.norm_kernel!r}",
+             f"Choose one of {sorted(NORM_BYTES)}")
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
     world = c.nodes * c.gpus_per_node
     _require(0 <= p.measure_rank < world, "plan.measure_rank", f"must name a rank of the {world} (cluster.nodes × "
