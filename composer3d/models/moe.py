@@ -240,6 +240,9 @@ def _sum_grad_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(grad_placements=(Partial(),))
 
 
+# Eager inside a compiled block: the all-to-alls' splits are read back each batch, and dynamo would compile the
+# rest of the exchange again for every new split (the routing changes them every step)
+@torch.compiler.disable(reason="expert parallel all-to-all: splits read back per batch, run eagerly")
 def _through_expert_parallel(experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], rows: torch.Tensor,
                              counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Send ``rows`` (sorted by global expert, ``counts`` per expert) to the ranks holding their experts, run them

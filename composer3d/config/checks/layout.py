@@ -86,11 +86,11 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
         for key, given in {**within, **across}.items():
             _require(not given, key, f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} "
                      "yet", f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and HSDP)")
-    # each is tested with cp and PP together (tests/test_cp_pp_ep.py), and with cp and EP apart, not yet together
-    for key, given in within.items():
-        _require(not (given and across["parallel.ep"]), key, f"context parallel (parallel.cp={cp}) with {key} and "
-                 "parallel.ep together is not tested yet", f"Use cp with {key} or with parallel.ep, not both (each "
-                 "composes with cp and FSDP), or parallel.cp=1")
+    # TP, compile and ZeRO-1 are each tested with cp and PP together, compile with cp and EP too
+    # (tests/test_cp_pp_ep.py; ZeRO-1 never runs with EP); TP with cp and with EP, not yet with both
+    _require(not (within["parallel.tp"] and across["parallel.ep"]), "parallel.tp", f"context parallel "
+             f"(parallel.cp={cp}) with parallel.tp and parallel.ep together is not tested yet", "Use cp with "
+             "parallel.tp or with parallel.ep, not both (each composes with cp and FSDP), or parallel.cp=1")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
