@@ -136,6 +136,7 @@ def compose_cfg():
     (4, ["parallel.pp=2", "parallel.cp=2", "compile.enabled=true"], {"pp": 2, "dp_shard": 1, "cp": 2}),
     (4, ["parallel.pp=2", "parallel.cp=2", "parallel.zero_stage=1"], {"pp": 2, "dp_shard": 1, "cp": 2}),
     (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=4", "compile.enabled=true"], {"dp_shard": 2, "cp": 2, "ep": 4}),
+    (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.tp=2"], {"dp_shard": 2, "cp": 2, "ep": 2, "tp": 2}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
@@ -211,11 +212,9 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
      "the 36 tokens each of the cp=2 ranks holds is not divisible by tp=8"),
     # under cp, ep takes every cp rank (a sequence's tokens meet at the same experts) and ep/cp of dp_shard
     (8, ["model=tiny_moe", "parallel.cp=4", "parallel.ep=2"], "parallel.ep", "Choose parallel.ep among 4, 8"),
-    # under cp, TP with EP is not tested yet (each is with cp); ZeRO-1 is refused with EP, cp or not
+    # ZeRO-1 is refused with EP, under cp or not
     (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], "parallel.zero_stage",
      "Use parallel.zero_stage=2 or 3 with ep>1"),
-    (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.tp=2"], "parallel.tp",
-     "with parallel.tp and parallel.ep together is not tested yet"),
     # expert capacity keeps a sequence's earliest choices, a position no cp rank sees alone
     (2, ["model=tiny_moe", "parallel.cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor",
      "Use model.moe.capacity_factor=0 with parallel.cp>1"),

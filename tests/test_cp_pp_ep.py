@@ -4,11 +4,11 @@ choices of the whole sequence over cp).
 
 Loss parity with one process over 10 steps (fp32, gloo): ``model=tiny model.n_layers=4 train.seq_len=256`` under
 PP 2 × cp 2, PP 2 × FSDP 2 × cp 2 and PP 2 × TP 2 + SP × cp 2, with document masking on and off; ``model=tiny_moe``
-(the MoE parallel tests' settings) under FSDP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the MoE load metrics and
-auxiliary loss equal the one-process ones; PP 2 × cp 2 with ZeRO-1, and it and FSDP × cp × EP compiled. What each switch
-did is read from the ranks (``effects``): the tokens and heads each stage's attention held, its residual stream's
-tokens and the ranks it spanned, the experts each rank holds and the ranks their tokens travel between; ZeRO-1's
-optimizer state is read from the model state each rank holds.
+(the MoE parallel tests' settings) under FSDP × cp × EP, TP + SP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the
+MoE load metrics and auxiliary loss equal the one-process ones; PP 2 × cp 2 with ZeRO-1, and it and FSDP × cp × EP
+compiled. What each switch did is read from the ranks (``effects``): the tokens and heads each stage's attention
+held, its residual stream's tokens and the ranks it spanned, the experts each rank holds and the ranks their tokens
+travel between; ZeRO-1's optimizer state is read from the model state each rank holds.
 """
 
 import json
@@ -24,6 +24,9 @@ DENSE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "model.n_laye
 MOE = [*FAST, "model=tiny_moe"]  # as tests/test_moe_parallel.py: seq 64, both load-balancing mechanisms on
 LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the default run)
     "pp2_cp2": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2"], ("documents", "causal")),
+    # TP 2 + SP × cp 2 × EP 2 (the cp ranks): the experts split by width over tp too
+    "moe_tp2_sp_cp2_ep2": (4, 2, MOE, ["parallel.dp_shard=1", "parallel.cp=2", "parallel.ep=2", "parallel.tp=2",
+                                       "parallel.sequence_parallel=true"], ("documents",)),
     # ZeRO-1 under PP × cp: each stage's optimizer state sharded over its cp ranks
     "pp2_cp2_zero1": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.zero_stage=1"],
                       ("documents",)),
@@ -189,6 +192,7 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
 
 @pytest.mark.parametrize("name, ep, expert_dp", [
     ("moe_fsdp2_cp2_ep4", 4, 1),
+    ("moe_tp2_sp_cp2_ep2", 2, 1),
     pytest.param("moe_fsdp4_cp2_ep4", 4, 2, marks=pytest.mark.slow),
     pytest.param("moe_pp2_fsdp2_cp2_ep2", 2, 2, marks=pytest.mark.slow)])
 def test_experts_take_the_cp_ranks(name, ep, expert_dp, request):

@@ -46,9 +46,9 @@ def _culprit(degrees: dict[str, int], world_size: int, default: str) -> str:
 
 def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing). The native model runs it with
-    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, and with pipeline and expert parallel (of both kinds at once, only
-    TP/SP with PP); the Hugging Face models whose attention it can reach (the family's ``context_parallel_problem``)
-    with FSDP/HSDP. What is not yet tested is refused rather than guessed."""
+    FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, and with pipeline and expert parallel, each with the others (ZeRO-1
+    never with EP, compile with TP on no CPU); the Hugging Face models whose attention it can reach (the family's
+    ``context_parallel_problem``) with FSDP/HSDP. What is not yet tested is refused rather than guessed."""
     cp, seq_len = degrees["cp"], cfg.train.seq_len
     if cp == 1:
         return
@@ -79,18 +79,13 @@ def _check_context_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     _require(cfg.model.moe.experts == 0 or cfg.model.moe.capacity_factor <= 0, "model.moe.capacity_factor",
              f"expert capacity drops a sequence's choices by position, and under parallel.cp={cp} each rank holds "
              "only its chunks of the sequence", "Use model.moe.capacity_factor=0 with parallel.cp>1, or parallel.cp=1")
-    within = {"parallel.tp": degrees["tp"] > 1, "parallel.zero_stage": cfg.parallel.zero_stage == 1,
-              "compile.enabled": cfg.compile.enabled}
-    across = {"parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
+    # the native model composes cp with each of these and their combinations (tests/test_cp_*.py)
+    others = {"parallel.tp": degrees["tp"] > 1, "parallel.zero_stage": cfg.parallel.zero_stage == 1,
+              "compile.enabled": cfg.compile.enabled, "parallel.pp": degrees["pp"] > 1, "parallel.ep": degrees["ep"] > 1}
     if cfg.model.name != "llama":  # model=hf under cp is tested with FSDP/HSDP only
-        for key, given in {**within, **across}.items():
+        for key, given in others.items():
             _require(not given, key, f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} "
                      "yet", f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and HSDP)")
-    # TP, compile and ZeRO-1 are each tested with cp and PP together, compile with cp and EP too
-    # (tests/test_cp_pp_ep.py; ZeRO-1 never runs with EP); TP with cp and with EP, not yet with both
-    _require(not (within["parallel.tp"] and across["parallel.ep"]), "parallel.tp", f"context parallel "
-             f"(parallel.cp={cp}) with parallel.tp and parallel.ep together is not tested yet", "Use cp with "
-             "parallel.tp or with parallel.ep, not both (each composes with cp and FSDP), or parallel.cp=1")
 
 
 def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
