@@ -14,8 +14,9 @@ convention (the same tokens/s). Megatron-LM's GPT models are Llama-shaped config
 FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h with two,
 vocabulary 131072, untied head.
 
-Under the table, torchtitan's held-out rows: every other row of the file its rows 1-2 and 22 come from, given the
-same way and printed in tokens/s; none of them set anything.
+Under the table, held-out rows, printed in tokens/s and setting nothing: every other row of the torchtitan file its
+rows 1-2 and 22 come from, and Megatron-Bridge's H100 mixture of experts (Qwen3-30B-A3B, its config.json's sizes in
+benchmarks/published_models/).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 # Megatron-LM's table and Megatron-Bridge's recipes overlap TP (--tp-comm-overlap), pipeline sends and the
 # distributed optimizer's parameter gather (--overlap-param-gather) with compute, which composer3d-train does not
@@ -152,6 +154,9 @@ def _titan_4d(dp: int, cp: int) -> list[str]:
             "train.micro_batch_size=1", f"parallel.dp_shard={dp}", f"parallel.cp={cp}", "parallel.pp_schedule=1f1b"]
 
 
+# Hugging Face models the rows name, as their config.json (sizes only: composer3d-plan reads nothing else)
+PUBLISHED_MODELS = Path(__file__).parent / "published_models"
+
 HELD_OUT = [
     ("T1.2", "torchtitan 8B, 8 GPUs, FSDP, compiled", [*TITAN_COMPILED, *TITAN_8_GPUS], 6667),
     ("T1.3", "torchtitan 8B, 8 GPUs, FSDP, compiled (FP8)", [*TITAN_COMPILED, *TITAN_8_GPUS, *TITAN_FP8], 8532),
@@ -169,6 +174,13 @@ HELD_OUT = [
      "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], 128),
     *[(f"T6.{i + 1}", f"torchtitan 405B, FSDP {8 // cp} x CP {cp} x TP 8 x PP 8 (FP8)", _titan_4d(8 // cp, cp),
        tokens) for i, (cp, tokens) in enumerate([(1, 76), (2, 47), (4, 31), (8, 16)])],
+    # Megatron-Bridge's H100 MoE row (its distributed optimizer as ZeRO-2: composer3d shards no optimizer state apart
+    # from its experts' under EP), sequence 4096, micro-batch 2, global batch 512
+    ("MB.Q3", "Megatron-Bridge Qwen3-30B-A3B, PP 2 (v=24) x EP 8 (FP8)", ["model=hf",
+     f"model.path={PUBLISHED_MODELS / 'qwen3_30b_a3b'}", "model.pretrained=false", "train.seq_len=4096",
+     "train.global_batch_size=512", "train.micro_batch_size=2", "cluster.nodes=2", "parallel.dp_shard=8",
+     "parallel.pp=2", "parallel.ep=8", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=24",
+     "parallel.zero_stage=2", *FP8, *OVERLAP], 5275),
 ]
 
 
@@ -206,8 +218,7 @@ def main() -> None:
         published = tokens * flops_per_token / 1e12
         print(f"{row:>4}  {source:<58}{published:>10.1f}{e['tflops_per_gpu']:>10.1f}"
               f"{e['tflops_per_gpu'] / published - 1:>+8.0%}")
-    print(f"\nheld out (torchtitan's 2024-12 tables, set nothing)       {'published':>10}{'predicted':>10}{'error':>8}"
-          "   tokens/s per GPU")
+    print(f"\nheld out (set nothing){'':<36}{'published':>10}{'predicted':>10}{'error':>8}   tokens/s per GPU")
     for row, source, overrides, tokens in HELD_OUT:
         e = _predict(overrides, extra)
         if isinstance(e, str):

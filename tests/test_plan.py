@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -386,14 +387,48 @@ def test_plan_of_a_mixture_of_experts_weighs_expert_parallel():
     assert gathered < one["comm_bytes_per_step"]["dp_shard:all_gather"] / 3
 
 
-def test_plan_refuses_a_hugging_face_mixture_of_experts(tmp_path):
-    """Its experts would be counted as one dense MLP: refused, naming model.path and the native way to plan it."""
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
+def test_plan_counts_a_hugging_face_mixture_of_experts(model_type, tmp_path):
+    """A transformers mixture of experts planned from its config.json: its parameters are the model's own (the
+    experts counted one by one, not as one dense MLP; what is left out are q/k norms, biases and Qwen2-MoE's shared
+    expert gate), its routed experts' are the model's experts', its active ones leave out all but top_k of them;
+    and a layout with ep plans, its tokens exchanged over the ep ranks."""
+    from hf_models import make_model
+    from transformers import AutoModelForCausalLM
+
+    from composer3d.config import resolve_model_config
+    from composer3d.plan.shapes import ModelShape
+
+    path = make_model(tmp_path / model_type, model_type, tokenizer=False)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    real = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose("train", overrides=["model=hf", f"model.path={path}"])
+    resolve_model_config(cfg.model)
+    shape = ModelShape.from_config(cfg.model)
+    config = model.config
+    assert shape.moe.experts == 8 and shape.moe.top_k == config.num_experts_per_tok
+    assert shape.num_params == pytest.approx(real, rel=0.01) and shape.num_params <= real
+    experts = sum(math.prod(p) for i in range(shape.n_layers) if shape.is_moe(i) for p in shape.expert_params(1, 1))
+    assert experts == routed
+    assert shape.num_params - shape.num_active_params == routed * (8 - config.num_experts_per_tok) // 8
+    proc = _plan("model=hf", f"model.path={path}", "model.pretrained=false", "cluster.gpus_per_node=2",
+                 "parallel.ep=2", "plan.format=json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])["comm_bytes_per_step"]["ep:all_to_all"] > 0, proc.stdout
+
+
+def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):
+    """Dense layers between MoE ones (Qwen3-MoE's mlp_only_layers): no native shape has them; refused naming
+    model.path and why, not planned as if the dense layers came first."""
     from hf_models import make_model
 
-    path = make_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer=False)
+    path = make_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer=False, mlp_only_layers=[1])
     proc = _plan("model=hf", f"model.path={path}", "model.pretrained=false")
     assert proc.returncode == 2, proc.stderr
-    assert "model.path" in proc.stderr and "model.moe.experts" in proc.stderr, proc.stderr
+    assert "model.path" in proc.stderr and "mlp_only_layers=[1]" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),

@@ -47,7 +47,7 @@ def detail(e: Estimate, cluster: Cluster) -> str:
     lines.append(f"step: {e.step_time_s * 1e3:.1f} ms = compute {e.compute_s * 1e3:.1f} ms + bubble "
                  f"{e.bubble_s * 1e3:.1f} ms + exposed communication ({exposed})")
     lines.append(_rate(e))
-    return "\n".join(lines)
+    return "\n".join([*lines, *(f"note: {note}" for note in e.notes)])
 
 
 def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str:
@@ -61,7 +61,8 @@ def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str
         rows.append(f"{i:>3}  {e.candidate.short():<58}{_gib(e.memory.total):>12}{e.step_time_s * 1e3:>8.0f}ms"
                     f"{e.tokens_per_s_per_gpu:>12,.0f}{e.tflops_per_gpu:>9.1f}{mfu:>7}{e.bubble_fraction:>8.1%}  "
                     f"{why_slower(e, first)}")
-    return "\n".join([head, *rows, f"#1: {' '.join(first.candidate.overrides())}"])
+    notes = dict.fromkeys(note for e in ranked[:top] for note in e.notes)
+    return "\n".join([head, *rows, f"#1: {' '.join(first.candidate.overrides())}", *(f"note: {n}" for n in notes)])
 
 
 def json_lines(estimates: list[Estimate]) -> str:

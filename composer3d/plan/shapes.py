@@ -5,7 +5,8 @@ Llama-shaped decoders (the native model and Hugging Face models laid out like Ll
 split by output rows over tp (column-parallel), o and down projections by input columns (row-parallel), a
 vocab-parallel embedding and head, norms replicated. Biases are left out (a few thousandths of the parameters).
 
-Mixture-of-experts layers (the native model's ``model.moe``, models/moe.py): the router [experts, dim] whole on every
+Mixture-of-experts layers (the native model's ``model.moe``, models/moe.py, or a Hugging Face model's config.json
+read in the same terms, models/hf/config.py ``moe_sizes``): the router [experts, dim] whole on every
 rank, shared experts split like a dense MLP, and the routed experts' stacked weights [experts, hidden, dim] split by
 expert over ep and by hidden width over tp. The routed experts are an FSDP unit of their own (parallel/fsdp.py), so
 a rank's parameters come as ``Unit``s: what FSDP gathers and reduces together, over which ranks.
@@ -36,6 +37,15 @@ class ExpertShape:
             return None
         return cls(moe.experts, moe.top_k, moe.shared_experts, moe.expert_hidden_dim or dense_hidden,
                    moe.dense_layers)
+
+    @classmethod
+    def from_hf(cls, path: str) -> ExpertShape | None:
+        """A Hugging Face model's experts, from its config.json (plan/validation.py refused what this cannot count)."""
+        from composer3d.models.hf import load_hf_config, moe_sizes
+
+        sizes, _ = moe_sizes(load_hf_config(path))
+        return None if sizes is None else cls(sizes["experts"], sizes["top_k"], sizes["shared_experts"],
+                                              sizes["expert_hidden_dim"], sizes["dense_layers"])
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class ModelShape:
         ffn = ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier, m.ffn_hidden_dim)
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=heads, n_kv_heads=m.n_kv_heads or heads,
                    head_dim=m.head_dim or m.dim // heads, ffn=ffn, vocab=m.vocab_size, tied=bool(m.tie_embeddings),
-                   moe=ExpertShape.from_config(getattr(m, "moe", None), ffn))
+                   moe=ExpertShape.from_hf(m.path) if m.name == "hf" else ExpertShape.from_config(m.moe, ffn))
 
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.dense_layers

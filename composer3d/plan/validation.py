@@ -46,10 +46,9 @@ def validate_plan(cfg: Any) -> None:
     _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
              "Use e.g. 0.9")
     if cfg.model.name == "hf":
-        from composer3d.models.hf import expert_count, load_hf_config
+        from composer3d.models.hf import load_hf_config, moe_sizes
 
-        experts = expert_count(load_hf_config(cfg.model.path))
-        _require(not experts, "model.path", f"{cfg.model.path} is a Hugging Face mixture-of-experts model ({experts} "
-                 "experts a layer); composer3d-plan models the native MoE layers (model.moe.*) only, and would "
-                 "count its experts as one dense MLP", "Plan the same shape as a native MoE (model=llama with "
-                 "model.moe.experts, model.moe.top_k, model.moe.expert_hidden_dim set to its config's)")
+        _, problem = moe_sizes(load_hf_config(cfg.model.path))
+        _require(problem is None, "model.path", f"{cfg.model.path} is a mixture of experts composer3d-plan cannot "
+                 f"count: {problem}", "Plan the closest native shape (model=llama with model.moe.* set to its "
+                 "config's)")

@@ -61,6 +61,31 @@ def expert_count(config) -> int:
 
 
 
+def moe_sizes(config) -> tuple[dict | None, str | None]:
+    """A transformers config's mixture of experts in composer3d's terms (``model.moe``'s keys: experts, top_k,
+    shared_experts, expert_hidden_dim, dense_layers), or (None, None) for a dense model; (None, why) where its MoE
+    layers or attention are not laid out so (MoE layers after a run of dense ones; GQA attention)."""
+    experts = expert_count(config)
+    if not experts:
+        return None, None
+    if getattr(config, "kv_lora_rank", None):
+        return None, "its attention is multi-head latent attention (kv_lora_rank), not grouped-query attention"
+    hidden = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shared_width = (getattr(config, "shared_expert_intermediate_size", None)
+                    or (getattr(config, "n_shared_experts", None) or 0) * hidden)
+    if shared_width % hidden:
+        return None, f"its shared expert ({shared_width} wide) is not a whole number of experts ({hidden} wide)"
+    dense = getattr(config, "first_k_dense_replace", None) or 0
+    only_mlp, step = list(getattr(config, "mlp_only_layers", None) or []), getattr(config, "decoder_sparse_step", 1)
+    if only_mlp or (step or 1) > 1:
+        dense = len(only_mlp)
+        if only_mlp != list(range(dense)) or (step or 1) > 1:
+            return None, (f"its dense layers (mlp_only_layers={only_mlp}, decoder_sparse_step={step}) are not the "
+                          "first layers of the stack")
+    return {"experts": experts, "top_k": config.num_experts_per_tok, "shared_experts": shared_width // hidden,
+            "expert_hidden_dim": hidden, "dense_layers": dense}, None
+
+
 def fill_model_config(m) -> None:
     """Resolve ``model.path`` and copy the sizes from its config.json into the model config (what validation,
     pipeline splitting and logging read). Runs at launch, in the launcher and in every worker alike."""
