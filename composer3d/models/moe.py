@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from omegaconf import DictConfig, OmegaConf
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
@@ -92,16 +93,26 @@ class GroupedExperts(nn.Module):
             hidden = F.silu(F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)) \
                 * F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
             return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
-        outputs = []
-        for e, rows in enumerate(torch.split(x, counts.tolist())):  # a host sync: the loop needs the counts
-            outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
-        return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+        return _one_by_one(x, counts, w1, w2, w3)
+
+
+# Eager inside a compiled block: dynamo would compile the loop again for every batch's counts
+@torch.compiler.disable(reason="experts one by one: a loop over counts read back per batch, run eagerly")
+def _one_by_one(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLUs over their rows, expert by expert, where the grouped GEMM does not run."""
+    outputs = []
+    for e, rows in enumerate(torch.split(x, counts.tolist())):  # a host sync: the loop needs the counts
+        outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
 
 class MoE(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, moe_cfg):
         super().__init__()
-        self.cfg = moe_cfg
+        # plain values (model.moe as its dataclass): a compiled block reads them as constants, where OmegaConf's
+        # attribute lookups broke its graph and sent the router back to eager
+        self.cfg = OmegaConf.to_object(moe_cfg) if isinstance(moe_cfg, DictConfig) else moe_cfg
         self.n_experts = moe_cfg.experts
         self.gate = nn.Linear(dim, self.n_experts, bias=False)
         self.experts = GroupedExperts(self.n_experts, dim, hidden_dim)
@@ -193,7 +204,7 @@ class MoE(nn.Module):
         if not recorded_forward(self):
             return
         with torch.no_grad():
-            self.routed_tokens += torch.bincount(chosen.flatten(), minlength=self.n_experts).to(self.routed_tokens)
+            self.routed_tokens += per_expert(chosen.flatten(), self.n_experts).to(self.routed_tokens)
             self.aux_loss_sum += aux.detach().sum()
 
     def _within_capacity(self, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
@@ -209,6 +220,12 @@ class MoE(nn.Module):
     def _routed(self, tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor,
                 keep: torch.Tensor | None) -> torch.Tensor:
         return mix_routed(tokens, weights, chosen, self.n_experts, self.experts, self.ep_group, keep)
+
+
+def per_expert(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many of ``chosen`` (expert indices) go to each expert: bincount's result, in a shape that does not depend
+    on the data (compiled graphs trace it; bincount's output size is its largest index's)."""
+    return chosen.new_zeros(num_experts).index_add_(0, chosen, torch.ones_like(chosen))
 
 
 def mix_routed(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, num_experts: int,
@@ -227,7 +244,7 @@ def mix_routed(tokens: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
         kept = keep.flatten()
         flat, source, mix = flat[kept], source[kept], mix[kept]
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = per_expert(flat, num_experts)
     rows = tokens[source[order]]
     out_rows = experts(rows, counts) if ep_group is None else _through_expert_parallel(experts, rows, counts, ep_group)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
