@@ -28,9 +28,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
-from omegaconf import DictConfig, OmegaConf
 import torch.nn as nn
 import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
