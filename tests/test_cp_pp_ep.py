@@ -89,14 +89,19 @@ def _run(request, name: str, kind: str):
     return found[(_model(name), kind)], found[(name, kind)]
 
 
+def _assert_follows(reference, run, what: str) -> None:
+    """The one-process curve over 10 steps: losses within 1e-4, gradient norms within 1e-3."""
+    assert len(reference.losses) == len(run.losses) == 10, what
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"{what}: per-step |Δloss| {diffs}"
+    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"
+
+
 @pytest.mark.parametrize("name, kind", CASES)
 def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
     reference, run = _run(request, name, kind)
-    assert len(reference.losses) == len(run.losses) == 10
-    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
-    assert max(diffs) < 1e-4, f"{name} ({kind}): per-step |Δloss| {diffs}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
-    assert max(grad_diffs) < 1e-3, f"{name} ({kind}): grad norms differ {grad_diffs}"
+    _assert_follows(reference, run, f"{name} ({kind})")
     world, cp, _, overrides, _ = LAYOUTS[name]
     layout = run.run_info["layout"]
     assert layout["cp"] == cp and layout["pp"] == (2 if "parallel.pp=2" in overrides else 1), layout
@@ -174,9 +179,7 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
     processes(compiled_jobs, 4, 4, [(str(run_dir), [*trained, *layout, "compile.enabled=true"])], [store.port],
               str(report))
     run = RunResult(0, "", 0.0, run_dir)
-    assert len(reference.losses) == len(run.losses) == 10
-    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
-    assert max(diffs) < 1e-4, f"per-step |Δloss| {diffs}"
+    _assert_follows(reference, run, name)
     if model == "moe":
         aux = [abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(reference.metrics, run.metrics)]
         assert max(aux) < 1e-4, aux

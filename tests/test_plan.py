@@ -264,6 +264,23 @@ def test_readme_table_is_what_the_planner_predicts():
     assert table == {row: round(e.tflops_per_gpu, 1) for row, _, _, e in _published_rows()}
 
 
+def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
+    """benchmarks/plan_published.py end to end on three of its rows (a smoke run: the whole script plans 40 layouts,
+    minutes): a table row and two held-out ones, the mixture of experts among them, each with the error of the
+    planner's prediction against its published figure."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_published
+
+    monkeypatch.setattr(plan_published, "ROWS", [r for r in plan_published.ROWS if r[0] == 16])
+    monkeypatch.setattr(plan_published, "HELD_OUT", [r for r in plan_published.HELD_OUT if r[0] in ("T5.1", "MB.Q3")])
+    monkeypatch.setattr(sys, "argv", ["plan_published.py"])
+    plan_published.main()
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert lines["16"].split()[-1] == "-3%", lines
+    assert lines["T5.1"].split()[-3:] == ["100", "109", "+9%"], lines
+    assert lines["MB.Q3"].split()[-3:] == ["5,275", "14,941", "+183%"], lines
+
+
 def test_planner_predicts_composer3d_steps_at_the_current_code():
     """composer3d's own runs on one H200 at the current code (benchmarks/plan_published.py, rows measured beside
     torchtitan on 2026-11-26 and 27): eager and compiled, selective AC by either policy or none, either cast, each

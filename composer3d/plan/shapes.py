@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import cache, cached_property
 
+from composer3d.errors import ConfigError
 from composer3d.models.llama import ffn_hidden_dim
 from composer3d.parallel.pipeline import split_layers, stage_ids_of_rank
 
@@ -40,10 +41,14 @@ class ExpertShape:
 
     @classmethod
     def from_hf(cls, path: str) -> ExpertShape | None:
-        """A Hugging Face model's experts, from its config.json (plan/validation.py refused what this cannot count)."""
+        """A Hugging Face model's experts, from its config.json; a mixture of experts this cannot count is refused
+        (every planning path builds the shape before it estimates anything)."""
         from composer3d.models.hf import load_hf_config, moe_sizes
 
-        sizes, _ = moe_sizes(load_hf_config(path))
+        sizes, problem = moe_sizes(load_hf_config(path))
+        if problem:
+            raise ConfigError(f"model.path: {path} is a mixture of experts composer3d-plan cannot count: {problem}. "
+                              "Plan the closest native shape (model=llama with model.moe.* set to its config's)")
         return None if sizes is None else cls(sizes["experts"], sizes["top_k"], sizes["shared_experts"],
                                               sizes["expert_hidden_dim"], sizes["dense_layers"])
 

@@ -45,10 +45,3 @@ def validate_plan(cfg: Any) -> None:
     _require(p.measure_steps >= 1, "plan.measure_steps", f"must be >= 1, got {p.measure_steps}", "Use e.g. 3")
     _require(0 < p.memory_headroom <= 1, "plan.memory_headroom", f"must be in (0, 1], got {p.memory_headroom}",
              "Use e.g. 0.9")
-    if cfg.model.name == "hf":
-        from composer3d.models.hf import load_hf_config, moe_sizes
-
-        _, problem = moe_sizes(load_hf_config(cfg.model.path))
-        _require(problem is None, "model.path", f"{cfg.model.path} is a mixture of experts composer3d-plan cannot "
-                 f"count: {problem}", "Plan the closest native shape (model=llama with model.moe.* set to its "
-                 "config's)")
