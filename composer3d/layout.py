@@ -102,6 +102,15 @@ class ParallelMesh:
             return self.world["dp_replicate", "dp_shard_mod_ep"]
         return self.world["dp_shard_mod_ep"]
 
+    @cached_property
+    def expert_replicas(self) -> DeviceMesh:
+        """``expert_dp`` as one dimension, made where asked for (ZeRO-1 under ep: the ranks its expert buckets
+        reduce over)."""
+        mesh = self.world["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_replicas")
+        if self.timeout is not None:
+            set_timeout(self.timeout, mesh.get_group())
+        return mesh
+
 
 def layout_from_degrees(degrees: dict[str, int]) -> Layout:
     return Layout(**{k: degrees[k] for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")})

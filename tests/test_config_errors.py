@@ -137,6 +137,9 @@ def compose_cfg():
     (4, ["parallel.pp=2", "parallel.cp=2", "parallel.zero_stage=1"], {"pp": 2, "dp_shard": 1, "cp": 2}),
     (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=4", "compile.enabled=true"], {"dp_shard": 2, "cp": 2, "ep": 4}),
     (8, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.tp=2"], {"dp_shard": 2, "cp": 2, "ep": 2, "tp": 2}),
+    # ZeRO-1 under EP (the experts' state over the ranks holding the same experts), under cp too
+    (4, ["model=tiny_moe", "parallel.ep=2", "parallel.zero_stage=1"], {"dp_shard": 4, "ep": 2}),
+    (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], {"dp_shard": 2, "cp": 2, "ep": 2}),
 ])
 def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     degrees = validate(compose_cfg(*overrides), world)
@@ -165,8 +168,6 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
     # mixture of experts: ep borrows dp_shard ranks and shards the experts; both must divide
     (4, ["model=tiny_moe", "parallel.ep=3"], "parallel.ep", "Choose parallel.ep among 1, 2, 4, 8"),
     (4, ["model=tiny_moe", "parallel.ep=4", "parallel.tp=2"], "parallel.ep", "Choose parallel.ep among 1, 2"),
-    (4, ["model=tiny_moe", "parallel.ep=2", "parallel.zero_stage=1"], "parallel.zero_stage",
-     "Use parallel.zero_stage=2 or 3 with ep>1"),
     (1, ["model=tiny_moe", "model.moe.top_k=9"], "model.moe.top_k", "between 1 and experts=8"),
     (1, ["model=tiny_moe", "model.moe.dense_layers=4"], "model.moe.dense_layers", "at least one MoE layer"),
     (1, ["model=tiny_moe", "model.moe.score_func=relu"], "model.moe.score_func", "Choose softmax or sigmoid"),
@@ -212,9 +213,6 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
      "the 36 tokens each of the cp=2 ranks holds is not divisible by tp=8"),
     # under cp, ep takes every cp rank (a sequence's tokens meet at the same experts) and ep/cp of dp_shard
     (8, ["model=tiny_moe", "parallel.cp=4", "parallel.ep=2"], "parallel.ep", "Choose parallel.ep among 4, 8"),
-    # ZeRO-1 is refused with EP, under cp or not
-    (4, ["model=tiny_moe", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], "parallel.zero_stage",
-     "Use parallel.zero_stage=2 or 3 with ep>1"),
     # expert capacity keeps a sequence's earliest choices, a position no cp rank sees alone
     (2, ["model=tiny_moe", "parallel.cp=2", "model.moe.capacity_factor=1.25"], "model.moe.capacity_factor",
      "Use model.moe.capacity_factor=0 with parallel.cp>1"),

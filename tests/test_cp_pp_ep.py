@@ -6,9 +6,10 @@ Loss parity with one process over 10 steps (fp32, gloo): ``model=tiny model.n_la
 PP 2 × cp 2, PP 2 × FSDP 2 × cp 2 and PP 2 × TP 2 + SP × cp 2, with document masking on and off; ``model=tiny_moe``
 (the MoE parallel tests' settings) under FSDP × cp × EP, TP + SP × cp × EP and PP × FSDP × cp × EP on 8 ranks; the
 MoE load metrics and auxiliary loss equal the one-process ones; PP 2 × cp 2 with ZeRO-1, and it and FSDP × cp × EP
-compiled. What each switch did is read from the ranks (``effects``): the tokens and heads each stage's attention
-held, its residual stream's tokens and the ranks it spanned, the experts each rank holds and the ranks their tokens
-travel between; ZeRO-1's optimizer state is read from the model state each rank holds.
+compiled; ZeRO-1 × cp × EP. What each switch did is read from the ranks (``effects``): the tokens and heads each
+stage's attention held, its residual stream's tokens and the ranks it spanned, the experts each rank holds and the
+ranks their tokens travel between; ZeRO-1's optimizer state is read from the model state each rank holds, its
+buckets' groups from its reduce-scatters.
 """
 
 import json
@@ -30,6 +31,9 @@ LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the def
     # ZeRO-1 under PP × cp: each stage's optimizer state sharded over its cp ranks
     "pp2_cp2_zero1": (4, 2, DENSE, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2", "parallel.zero_stage=1"],
                       ("documents",)),
+    # ZeRO-1 × cp 2 × EP 2 (the cp ranks): the dense state sharded over dp × cp = 4, the experts' over dp_shard's 2
+    "moe_fsdp2_cp2_ep2_zero1": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=2",
+                                            "parallel.zero_stage=1"], ("documents",)),
     # ep 4 = the 2 cp ranks × the 2 of dp_shard: the experts' tokens cross both
     "moe_fsdp2_cp2_ep4": (4, 2, MOE, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.ep=4"], ("documents",)),
     # on 8 ranks (slow: their parts are the runs above and tests/test_context_parallel.py's cp × FSDP)
@@ -144,6 +148,21 @@ def test_zero1_shards_each_stages_optimizer_over_its_cp_ranks(runs):
     assert zero1["zero_stage"] == 1 and fsdp["zero_stage"] == 3
     ratio = zero1["model_state_bytes_per_rank"] / fsdp["model_state_bytes_per_rank"]
     assert ratio == pytest.approx(14 / 8, rel=0.02), (zero1, fsdp)
+
+
+def test_zero1_under_cp_and_ep_shards_experts_over_the_ranks_holding_them(runs):
+    """ZeRO-1 × cp 2 × EP 2 on 4 ranks: ep takes the cp ranks, so each rank holds 4 of each MoE layer's 8 experts,
+    the same 4 as the rank of its cp group's twin in dp_shard; their gradients and state are sharded over those 2
+    ranks, every other parameter's over all 4 (dp × cp); nothing is FSDP's."""
+    run = runs[("moe_fsdp2_cp2_ep2_zero1", "documents")]
+    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe: 3 MoE layers of 8 experts, w1/w2/w3 of 64 × 64
+    dense = run.run_info["num_params"] - experts
+    assert len(run.effects) == 4
+    for rank in run.effects:
+        assert rank["fsdp"] == [] and all(layer["ep_group_size"] == 2 for layer in rank["moe_layers"])
+        assert sorted((b["group_size"], b["elements"]) for b in rank["zero1_buckets"]) == [(2, experts // 2),
+                                                                                           (4, dense)]
+        assert rank["collective_elements_by_group"]["reduce_scatter"] == {"4": dense, "2": experts // 2}
 
 
 # name: (model, overrides): compiled blocks under cp with PP, and with FSDP × EP. The MoE model's layers are all MoE

@@ -629,10 +629,11 @@ def test_mixture_of_experts_models_train_under_pp_fsdp_tp_sp_and_ep_on_8_process
 def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_parallel(moe_models, tmp_path):
     """From transformers' own init (model.pretrained=false) a tiny Qwen3-MoE trains on the one-process curve under
     FSDP and expert parallel (its experts sharded over the ep ranks, tokens sent to them by all-to-all): ep 4, ep 2
-    with the experts FSDP-sharded over the 2 ranks it leaves, ep 2 inside a pipeline stage, and ep 2 × FSDP 2 with
-    attention tensor- and sequence-parallel over 2 more; its expert-load metrics are the one-process run's. With
-    transformers' router loss asked for (output_router_logits), under EP 2 × FSDP 4 with full activation
-    checkpointing and EP 2 × FSDP 2 × TP 2 + SP, curve and router loss are the one-process run's too."""
+    with the experts FSDP-sharded over the 2 ranks it leaves, ep 2 under ZeRO-1, ep 2 inside a pipeline stage, and
+    ep 2 × FSDP 2 with attention tensor- and sequence-parallel over 2 more; its expert-load metrics are the
+    one-process run's. With transformers' router loss asked for (output_router_logits), under EP 2 × FSDP 4 with
+    full activation checkpointing and EP 2 × FSDP 2 × TP 2 + SP, curve and router loss are the one-process run's
+    too."""
     from harness import train, train_in_one_group
 
     args = _moe_training_args(moe_models["qwen3_moe"])
@@ -649,6 +650,8 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
     layouts = {"fsdp4": ["parallel.dp_shard=4"],
                "ep4": ["parallel.dp_shard=4", "parallel.ep=4", "checkpoint.enabled=true", "checkpoint.interval=2"],
                "fsdp4_ep2": ["parallel.dp_shard=4", "parallel.ep=2"],
+               # ZeRO-1: the experts' state over the 2 ranks holding the same ones, the rest over all 4
+               "zero1_ep2": ["parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=1"],
                "pp2_fsdp2_ep2": ["parallel.pp=2", "parallel.dp_shard=2", "parallel.ep=2", "parallel.pp_schedule=1f1b"],
                "fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
                                     "parallel.sequence_parallel=true"]}

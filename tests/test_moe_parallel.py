@@ -1,7 +1,9 @@
 """Mixture of experts under every layout that composes with expert parallel, on real gloo processes: the loss curve of
 one process (fp32, same seed and global batch, both load-balancing mechanisms on: ``model=tiny_moe``), the experts
 actually split by expert and width with tokens exchanged, an EP checkpoint resumed under other EP degrees, and the
-load metrics."""
+load metrics; ZeRO-1 under expert parallel (Megatron's distributed optimizer with its expert data-parallel group):
+the dense parameters' gradients and state sharded over all data-parallel ranks, the experts' over the ranks holding
+the same experts, and its checkpoint resumed under FSDP and the other way round."""
 
 import pytest
 from harness import FAST, train, train_in_one_group
@@ -10,14 +12,20 @@ MOE = ["model=tiny_moe", "train.steps=10", "logging.log_every=5"]
 LAYOUTS = {  # name: (world size, overrides)
     "ep2_selective_ac": (2, ["parallel.ep=2", "memory.activation_checkpointing=selective"]),
     "tp2": (2, ["parallel.tp=2"]),  # no data parallel: no FSDP, experts split by width only
+    "zero1_ep2_dp2": (2, ["parallel.ep=2", "parallel.zero_stage=1"]),  # each rank alone holds its experts
     # ep4 also writes the checkpoint the resume jobs below read (jobs of a group run one after another)
     "ep4": (4, ["parallel.ep=4", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
     "ep2_fsdp4": (4, ["parallel.ep=2"]),  # dp_shard 4: experts FSDP-sharded over the 2 ranks ep leaves
     "hsdp2x2_ep2": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
     "pp2_fsdp2_tp2_sp_ep2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    # ZeRO-1 over dp 4 (the dense parameters), its experts' buckets over the 2 ranks ep leaves; it writes a checkpoint
+    "zero1_ep2": (4, ["parallel.ep=2", "parallel.zero_stage=1", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
 }
-RESUMED = {"resumed_ep2": ["parallel.ep=2"], "resumed_ep1": []}  # from ep4's step 5, on its 4 ranks
+ZERO1_EP = ["parallel.ep=2", "parallel.zero_stage=1"]
+# name: (the 4-rank run whose step-5 checkpoint it resumes, its overrides)
+RESUMED = {"resumed_ep2": ("ep4", ["parallel.ep=2"]), "resumed_ep1": ("ep4", []),
+           "resumed_zero1_ep2": ("ep4", ZERO1_EP), "resumed_ep4_from_zero1": ("zero1_ep2", ["parallel.ep=4"])}
 PROBED = ("ep2_fsdp2_tp2_sp", ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
 
 
@@ -33,12 +41,11 @@ def layout_runs(tmp_path_factory):
     for world in sorted({w for w, _ in LAYOUTS.values()}):
         names = [name for name, (w, _) in LAYOUTS.items() if w == world]
         jobs = [(root / name, [*FAST, *MOE, *LAYOUTS[name][1]]) for name in names]
-        if world == 4:
-            step5 = root / "ep4" / "checkpoints" / "step-00000005"
+        if world == 4:  # after the runs they resume (jobs of a group run one after another)
             names += list(RESUMED)
-            jobs += [(root / name, [*FAST, *MOE, f"checkpoint.resume={step5}", *overrides])
-                     for name, overrides in RESUMED.items()]
-        runs.update(zip(names, train_in_one_group(jobs, nproc=world)))
+            jobs += [(root / name, [*FAST, *MOE, f"checkpoint.resume={root / source / 'checkpoints' / 'step-00000005'}",
+                                    *overrides]) for name, (source, overrides) in RESUMED.items()]
+        runs.update(zip(names, train_in_one_group(jobs, nproc=world, probe_effects=world == 4)))
     name, overrides = PROBED
     runs[name] = train(root / name, *FAST, *MOE, *overrides, nproc=4, probe_effects=True)
     return runs
@@ -90,10 +97,38 @@ def test_experts_split_by_expert_and_width(layout_runs):
 
 
 def test_expert_parallel_checkpoint_resumes_under_other_degrees(reference, layout_runs):
-    """The checkpoint ep=4 wrote at step 5 resumes under ep=2 (× FSDP) and ep=1 (FSDP over 4) on the straight curve:
-    expert weights, their optimizer state and the balancing bias re-shard like every other parameter."""
+    """The checkpoint ep=4 wrote at step 5 resumes under ep=2 (× FSDP), ep=1 (FSDP over 4) and ZeRO-1 × ep=2, and
+    ZeRO-1 × ep=2's under ep=4, on the straight curve: expert weights, their optimizer state and the balancing bias
+    re-shard like every other parameter."""
     for name in RESUMED:
         resumed = layout_runs[name]
         assert [m["step"] for m in resumed.metrics] == list(range(6, 11)), name
         diffs = [abs(a - b["loss"]) for a, b in zip(reference.losses[5:], resumed.metrics)]
         assert max(diffs) < 1e-4, f"{name}: {diffs}"
+
+
+def test_zero1_under_expert_parallel_shards_experts_over_their_replicas(layout_runs):
+    """ZeRO-1 × ep=2 on 4 ranks: the dense parameters' gradients are reduce-scattered over all 4 data-parallel ranks
+    and their Adam state is a quarter of them; each rank's 4 experts of 8 (ep=2) over the 2 ranks that hold the same
+    experts, their state a half of those; one all-gather of each back. Nothing goes through FSDP. Model state per
+    rank is what that sharding holds (fp32 parameters and gradient buckets whole, Adam moments and reduced slices
+    sharded)."""
+    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe: 3 MoE layers of 8 experts, w1/w2/w3 of 64 × 64
+    run = layout_runs["zero1_ep2"]
+    dense = run.run_info["num_params"] - experts
+    mine = experts // 2  # this rank's experts under ep=2
+    assert len(run.effects) == 4
+    for rank in run.effects:
+        assert rank["fsdp"] == [], rank["fsdp"]
+        assert sorted((b["group_size"], b["elements"]) for b in rank["zero1_buckets"]) == [(2, mine), (4, dense)]
+        # one step: every gradient reduced once (the whole buckets went in, padded to the group), every updated
+        # slice gathered once
+        reduced = rank["collective_elements_by_group"]["reduce_scatter"]
+        gathered = rank["collective_elements_by_group"]["all_gather"]
+        assert reduced == {"4": dense, "2": mine}, reduced
+        assert gathered == {"4": dense // 4, "2": mine // 2}, gathered
+        moments = sum(s["numel"] for s in rank["optimizer_state"] if s["key"] == "exp_avg")
+        assert moments == dense // 4 + mine // 2, moments
+    expected = 8 * dense + 12 * dense / 4 + 8 * mine + 12 * mine / 2
+    measured = run.run_info["model_state_bytes_per_rank"]
+    assert abs(measured - expected) / expected < 0.01, (measured, expected)

@@ -73,6 +73,8 @@ LAYOUTS_2 = {
     "moe_ep2_ac_full": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpointing=full"],
     "moe_ep2_ac_selective": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2",
                              "memory.activation_checkpointing=selective"],
+    # ZeRO-1 under ep = dp_shard: each rank alone holds its experts, their gradients reduced over no other rank
+    "moe_zero1_ep2": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
     # context parallel: FSDP over the cp ranks; the ring's K/V sends (forward, backward, full AC's rerun), the
     # all-gather's K/V and their gradients, Ulysses' all-to-alls (the ring without AC: cp2_fsdp2, on 4 ranks)
     "cp2_ring_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "memory.activation_checkpointing=full"],
@@ -111,6 +113,9 @@ LAYOUTS_4 = {
     "moe_pp2_ep2": [*MOE, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2",
                     "parallel.dp_shard=2", "parallel.ep=2"],
     "cp2_fsdp2": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2"],  # FSDP over dp_shard × cp = 4
+    # ZeRO-1: the dense parameters' state over dp × cp (4), the experts' over the 2 ranks holding the same ones
+    "cp2_zero1": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=1"],
+    "moe_zero1_ep2_dp4": [*MOE, *BATCH, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=1"],
 }
 
 

@@ -41,7 +41,8 @@ def _recording(events: list, kind: str, name: str):
 def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches, gather_dtype):
     reduce_dtype, gather_dtype = getattr(torch, reduce_dtype), getattr(torch, gather_dtype)
     model, reference, computing = _model(), _model(), _model()
-    sharder = OptimizerStateSharder(list(model.parameters()), init_device_mesh("cpu", (world,)), reduce_dtype,
+    mesh = init_device_mesh("cpu", (world,))
+    sharder = OptimizerStateSharder(list(model.parameters()), [mesh] * len(SIZES), reduce_dtype,
                                     bucket_bytes=600 * reduce_dtype.itemsize, backwards_per_step=micro_batches,
                                     gather_dtype=gather_dtype)
     # the reference's fp32 parameters are the masters; it computes from them rounded to the gather dtype

@@ -14,34 +14,62 @@ ranks must still compute from identical parameters, so the optimizer steps fp32 
 to the compute dtype (in their fp32 storage). Matmuls under autocast round their weights so anyway; norms' weights and
 the embedding now compute from rounded values too, as under FSDP's param_dtype. A checkpoint saves the masters
 (``with_masters``), and a load takes them back from the loaded parameters (``take_masters``).
+
+Under expert parallel the routed experts are not replicated over every data-parallel rank: each ep rank holds its
+own. Each parameter is sharded over the ranks that hold the same values (``replica_meshes``): the dense ones over
+all data-parallel ranks, the experts over what ep leaves of them (``ParallelMesh.expert_replicas``), each set of
+parameters in buckets of its own, as Megatron's distributed optimizer does with its expert data-parallel group.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from composer3d.layout import ParallelMesh
 from composer3d.parallel.zero_buckets import GradientBuckets, all_gather
 from composer3d.parallel.zero_buckets import local as _local
 
 
+def replica_mesh(model: nn.Module, mesh: ParallelMesh) -> Callable[[torch.Tensor], DeviceMesh]:
+    """Each of ``model``'s parameters to the ranks holding the same values: under expert parallel the routed
+    experts' to ``expert_replicas``, every other parameter's to all data-parallel ranks (dp × cp)."""
+    if mesh.layout.ep == 1:
+        return lambda param: mesh.loss
+    experts = {id(p) for module in model.routed_experts() for p in module.parameters(recurse=False)}
+    return lambda param: mesh.expert_replicas if id(param) in experts else mesh.loss
+
+
 class OptimizerStateSharder:
-    def __init__(self, params: list[torch.Tensor], dp_mesh: DeviceMesh, reduce_dtype: torch.dtype = torch.float32,
-                 bucket_bytes: int = 40 * 2**20, backwards_per_step: int = 1,
+    def __init__(self, params: list[torch.Tensor], replica_meshes: list[DeviceMesh],
+                 reduce_dtype: torch.dtype = torch.float32, bucket_bytes: int = 40 * 2**20, backwards_per_step: int = 1,
                  gather_dtype: torch.dtype = torch.float32):
-        """``backwards_per_step``: the micro-batches of a step (gradient accumulation or pipeline micro-batches);
-        only the last one's gradients are reduced. ``gather_dtype``: what the updated parameters travel in."""
+        """``replica_meshes``: per parameter, the 1-D mesh of the ranks holding the same values, which shard its
+        gradient and optimizer state. ``backwards_per_step``: the micro-batches of a step (gradient accumulation or
+        pipeline micro-batches); only the last one's gradients are reduced. ``gather_dtype``: what the updated
+        parameters travel in."""
         self.params = params
-        self.group = dp_mesh.get_group()
-        self.buckets = GradientBuckets(params, self.group, reduce_dtype, bucket_bytes, backwards_per_step)
-        self.owned = [self.buckets.owned(i) for i in range(len(params))]
+        # one set of buckets per group, with the indices of its parameters
+        by_mesh: dict[DeviceMesh, list[int]] = {}
+        for index, mesh in enumerate(replica_meshes):
+            by_mesh.setdefault(mesh, []).append(index)
+        self.parts = [(GradientBuckets([params[i] for i in indices], mesh.get_group(), reduce_dtype, bucket_bytes,
+                                       backwards_per_step), indices) for mesh, indices in by_mesh.items()]
+        # each parameter's set of buckets and its index in the set
+        place = {index: (buckets, position) for buckets, indices in self.parts for position, index in enumerate(indices)}
+        self.groups = [place[i][0].group for i in range(len(params))]
+        self.group_sizes = [place[i][0].ranks for i in range(len(params))]
+        self.owned = [place[i][0].owned(place[i][1]) for i in range(len(params))]
         self.bounds = [(lo, hi) for lo, hi, _, _ in self.owned]
         self.gather_dtype = gather_dtype
         # a narrower gather than the parameters' dtype: the rounding would lose the updates' low bits, so the
         # optimizer keeps them in masters of its own
-        self.keeps_masters = gather_dtype.itemsize < self.buckets.dtype.itemsize
+        self.keeps_masters = gather_dtype.itemsize < self.parts[0][0].dtype.itemsize
         # The optimizer's parameters: leaf views of this rank's slice of each parameter, or their master copies.
         views = [_local(p).detach().view(-1)[lo:hi] for p, (lo, hi) in zip(params, self.bounds)]
         self.shards = [(v.clone() if self.keeps_masters else v).requires_grad_(True) for v in views]
@@ -52,13 +80,14 @@ class OptimizerStateSharder:
 
     def finish_reduction(self) -> None:
         """Wait for the step's reduce-scatters; each shard's gradient is then its slice of the summed gradient."""
-        self.buckets.finish()
+        for buckets, _ in self.parts:
+            buckets.finish()
         for shard, (lo, hi, bucket, start) in zip(self.shards, self.owned):
             shard.grad = bucket.reduced[start:start + hi - lo]
 
     def gradient_bytes(self) -> int:
         """Bytes of the gradient buffers (the parameters' own .grad are freed into them)."""
-        return self.buckets.buffer_bytes()
+        return sum(buckets.buffer_bytes() for buckets, _ in self.parts)
 
     def master_bytes(self) -> int:
         """Bytes of the fp32 masters (none when the optimizer steps views of the parameters)."""
@@ -66,22 +95,26 @@ class OptimizerStateSharder:
 
     @torch.no_grad()
     def _all_gather_params(self) -> None:
-        ranks = self.buckets.ranks
         pending = []
-        for bucket in self.buckets.buckets:
-            width = bucket.length // ranks
-            mine = torch.zeros(width, dtype=self.gather_dtype, device=bucket.buffer.device)
-            for index in bucket.members:
-                lo, hi, _, start = self.owned[index]
-                mine[start:start + hi - lo] = self.shards[index]  # rounded to the gather dtype here
-            # the gradients were reduced: the buffer carries the gathered parameters until the next backward (a
-            # narrower dtype in the front of its storage)
-            gathered = bucket.buffer.view(self.gather_dtype)[:bucket.length]
-            pending.append((bucket, gathered, all_gather(gathered, mine, self.group)))
-        for bucket, gathered, work in pending:
-            work.wait()
-            for index, offset in zip(bucket.members, bucket.offsets):
-                flat = _local(self.params[index]).view(-1)
+        for buckets, indices in self.parts:
+            for bucket in buckets.buckets:
+                width = bucket.length // buckets.ranks
+                mine = torch.zeros(width, dtype=self.gather_dtype, device=bucket.buffer.device)
+                for position in bucket.members:
+                    lo, hi, _, start = self.owned[indices[position]]
+                    mine[start:start + hi - lo] = self.shards[indices[position]]  # rounded to the gather dtype here
+                # the gradients were reduced: the buffer carries the gathered parameters until the next backward (a
+                # narrower dtype in the front of its storage)
+                gathered = bucket.buffer.view(self.gather_dtype)[:bucket.length]
+                if buckets.ranks == 1:  # this rank owns the whole bucket
+                    pending.append((bucket, indices, gathered.copy_(mine), None))
+                else:
+                    pending.append((bucket, indices, gathered, all_gather(gathered, mine, buckets.group)))
+        for bucket, indices, gathered, work in pending:
+            if work is not None:
+                work.wait()
+            for position, offset in zip(bucket.members, bucket.offsets):
+                flat = _local(self.params[indices[position]]).view(-1)
                 flat.copy_(gathered[offset:offset + flat.numel()])
 
     @torch.no_grad()
@@ -109,8 +142,8 @@ class OptimizerStateSharder:
         if not self.keeps_masters:
             return state
         masters = {}
-        for param, shard, bounds in zip(self.params, self.shards, self.bounds):
-            value = self._full_local(shard.detach(), param, bounds)
+        for index, (param, shard) in enumerate(zip(self.params, self.shards)):
+            value = self._full_local(shard.detach(), index)
             masters[_local(param).data_ptr()] = DTensor.from_local(
                 value, param.device_mesh, param.placements, run_check=False) if isinstance(param, DTensor) else value
         replaced = {k: masters.get(_local(v).data_ptr(), v) for k, v in state.items()}
@@ -124,12 +157,13 @@ class OptimizerStateSharder:
     # -- checkpointing: the same FQN-keyed, parameter-shaped form DCP's get_optimizer_state_dict gives for an
     # unsharded optimizer, so a ZeRO-1 checkpoint loads under FSDP or TP layouts and the other way round.
 
-    def _full_local(self, piece: torch.Tensor, param: torch.Tensor, bounds: tuple[int, int]) -> torch.Tensor:
-        """One state slice back in the shape of the parameter's local tensor: every rank adds its slice into
-        zeros (the slices do not overlap, so the sum is exact)."""
+    def _full_local(self, piece: torch.Tensor, index: int) -> torch.Tensor:
+        """One state slice of parameter ``index`` back in the shape of its local tensor: every rank holding that
+        tensor adds its slice into zeros (the slices do not overlap, so the sum is exact)."""
+        param, (lo, hi) = self.params[index], self.bounds[index]
         full = torch.zeros(_local(param).numel(), dtype=piece.dtype, device=piece.device)
-        full[bounds[0]:bounds[1]] = piece
-        dist.all_reduce(full, group=self.group)
+        full[lo:hi] = piece
+        dist.all_reduce(full, group=self.groups[index])
         return full.view(_local(param).shape)
 
     def _ensure_state(self, optimizer: torch.optim.Optimizer) -> None:
@@ -145,13 +179,13 @@ class OptimizerStateSharder:
     def state_dict(self, optimizer: torch.optim.Optimizer, names: list[str]) -> dict:
         self._ensure_state(optimizer)
         state = {}
-        for name, param, shard, bounds in zip(names, self.params, self.shards, self.bounds):
+        for index, (name, param, shard) in enumerate(zip(names, self.params, self.shards)):
             entry = {}
             for key, value in optimizer.state[shard].items():
                 if value.ndim == 0:  # Adam's step count: the same on every rank
                     entry[key] = value.clone()
                     continue
-                full = self._full_local(value, param, bounds)
+                full = self._full_local(value, index)
                 entry[key] = DTensor.from_local(full, param.device_mesh, param.placements, run_check=False) \
                     if isinstance(param, DTensor) else full
             state[name] = entry

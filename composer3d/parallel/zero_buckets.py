@@ -80,7 +80,9 @@ class GradientBuckets:
         for bucket in self.buckets:
             device = local(params[bucket.members[0]]).device
             bucket.buffer = torch.zeros(bucket.length, dtype=self.dtype, device=device)
-            bucket.reduced = torch.zeros(bucket.length // self.ranks, dtype=self.dtype, device=device)
+            # one rank (the experts under ep = dp_shard): its gradients are the sum, in the buffer itself
+            bucket.reduced = bucket.buffer if self.ranks == 1 else torch.zeros(bucket.length // self.ranks,
+                                                                               dtype=self.dtype, device=device)
             bucket.waiting = len(bucket.members)
             for index, offset in zip(bucket.members, bucket.offsets):
                 self.place[index] = (bucket, offset)
@@ -125,6 +127,9 @@ class GradientBuckets:
                 self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.ranks == 1:
+            bucket.work = [None, None, bucket.reduced]
+            return
         source = bucket.buffer if self.reduce_dtype == self.dtype else bucket.buffer.to(self.reduce_dtype)
         out = bucket.reduced if self.reduce_dtype == self.dtype else torch.empty(
             bucket.length // self.ranks, dtype=self.reduce_dtype, device=source.device)
@@ -142,11 +147,13 @@ class GradientBuckets:
             self._launch(bucket)
         for bucket in self.buckets:
             work, _, out = bucket.work
-            work.wait()
+            if work is not None:
+                work.wait()
             if out is not bucket.reduced:
                 bucket.reduced.copy_(out)
             bucket.work, bucket.waiting = [], len(bucket.members)
         self.backwards = [0] * len(self.params)
 
     def buffer_bytes(self) -> int:
-        return sum((b.buffer.numel() + b.reduced.numel()) * b.buffer.element_size() for b in self.buckets)
+        return sum((b.buffer.numel() + (b.reduced is not b.buffer) * b.reduced.numel()) * b.buffer.element_size()
+                   for b in self.buckets)

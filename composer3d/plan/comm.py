@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, shard_numel, whole
+from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, shard_numel, whole, zero1_degree
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 
@@ -81,15 +81,20 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
                 out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True,
                                       window))
         return out
-    if c.dp > 1:
-        n = whole(units)
-        if c.zero_stage == 1:
-            # the gradients reduce-scattered in buckets once a step, as the backward completes each; the parameters
-            # all-gathered in the compute dtype after the optimizer step (the buckets' padding: under dp elements each)
-            out.append(Collective("dp", "reduce_scatter", c.dp, n * reduce_bytes, True, 2 / 3 / c.microbatches))
-            out.append(Collective("dp", "all_gather", c.dp, n * compute_bytes, False))
-        else:
-            out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * n * reduce_bytes, True))
+    if c.zero_stage == 1:
+        # the gradients reduce-scattered in buckets once a step, as the backward completes each; the parameters
+        # all-gathered in the compute dtype after the optimizer step (the buckets' padding: under dp elements each);
+        # under ep the routed experts' over the ranks holding the same ones, in buckets of their own
+        groups = (("dp", [u for u in units if u.kind != "experts"]), ("expert_dp", [u for u in units
+                                                                                   if u.kind == "experts"]))
+        for dim, mine in groups:
+            n = zero1_degree(c, mine[0]) if mine else 1
+            if n > 1:
+                out.append(Collective(dim, "reduce_scatter", n, whole(mine) * reduce_bytes, True,
+                                      2 / 3 / c.microbatches))
+                out.append(Collective(dim, "all_gather", n, whole(mine) * compute_bytes, False))
+    elif c.dp > 1:
+        out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * whole(units) * reduce_bytes, True))
     return out
 
 

@@ -171,8 +171,8 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                 for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard * cp, experts):
                     if zero == 1 and p.offload != "none":
                         continue  # refused by checks: offload takes the shards FSDP owns
-                    if ep > 1 and dp_shard % ep:
-                        continue  # ep borrows its ranks from dp_shard, not from cp
+                    if not _ep_fits(ep, cp, dp_shard):
+                        continue
                     styles = _cp_styles(cfg, {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
                                               "tp": tp, "ep": ep}, zero)
                     for sp, style in product((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,), styles):
@@ -214,14 +214,23 @@ def _tiles_fit(cfg, held: int, pp: int) -> bool:
     return (mlp <= 1 or held % mlp == 0) and (loss <= 1 or (held % loss == 0 and pp == 1))
 
 
+def _ep_fits(ep: int, cp: int, dp_shard: int) -> bool:
+    """Whether ep can borrow its ranks as checks require: every cp rank first, then ep/cp from dp_shard."""
+    if ep == 1:
+        return True
+    if cp > 1:
+        return ep % cp == 0 and dp_shard % (ep // cp) == 0
+    return dp_shard % ep == 0
+
+
 def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[tuple[int, int]]:
-    """ZeRO stages and expert-parallel degrees of a data-parallel split: ep divides dp_shard and the experts, and
-    needs FSDP (ZeRO-2/3); ZeRO-1 has no HSDP form."""
+    """ZeRO stages and expert-parallel degrees of a data-parallel split: ep divides dp_shard and the experts;
+    ZeRO-1 has no HSDP form."""
     zeros = (3, 2, 1) if dp_shard > 1 else (3, 1) if dp_replicate > 1 else (3,)
     out = [(z, 1) for z in zeros if not (z == 1 and dp_replicate > 1 and dp_shard > 1)]
     for ep in _divisors(dp_shard)[1:] if experts else []:
         if experts % ep == 0:
-            out += [(3, ep), (2, ep)]
+            out += [(z, ep) for z in (3, 2, 1) if not (z == 1 and dp_replicate > 1)]
     return out
 
 

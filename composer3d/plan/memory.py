@@ -3,9 +3,9 @@
 Model state (the ZeRO paper's 16 bytes per parameter for mixed-precision Adam — here 4 fp32 master weights + 4
 fp32 gradients + 8 fp32 Adam moments, which composer3d keeps in every precision): divided by tp (each rank holds
 its split) and by pp (its stages' layers), then per ZeRO stage: 3 and 2 shard all of it over dp_shard × cp (FSDP2; each
-parameter's first dim rounded up per rank), 1 shards only the optimizer state over dp (slices of each flattened
-parameter), replicas (DDP, dp_replicate) hold it whole. Offload moves it to host memory. Routed experts are
-divided by ep and FSDP-sharded over dp_shard / ep.
+parameter's first dim rounded up per rank), 1 shards only the optimizer state over dp × cp (slices of each
+flattened parameter), replicas (DDP, dp_replicate) hold it whole. Offload moves it to host memory. Routed experts
+are divided by ep and sharded (FSDP, or ZeRO-1's state) over what ep leaves of those ranks.
 
 Activations: a block's saved tensors per token (``plan.activations``), times the tokens and layers in flight.
 Activation offload keeps on the device the saved tensors of two blocks (the one in backward and the one
@@ -67,8 +67,15 @@ def fsdp_shards(c: Candidate) -> bool:
 
 
 def shard_degree(c: Candidate, unit: Unit) -> int:
-    """Ranks FSDP shards ``unit`` over: dp_shard × cp, or for routed experts what ep leaves of dp_shard."""
-    return c.dp_shard // c.ep if unit.kind == "experts" else c.dp_shard * c.cp
+    """Ranks FSDP shards ``unit`` over: dp_shard × cp, or for routed experts what ep leaves of it (ep takes every
+    cp rank first: layout.py)."""
+    return c.dp_shard * c.cp // c.ep if unit.kind == "experts" else c.dp_shard * c.cp
+
+
+def zero1_degree(c: Candidate, unit: Unit) -> int:
+    """Ranks ZeRO-1 shards ``unit``'s optimizer state and gradients over: every data-parallel rank (dp × cp), or
+    for routed experts the ranks holding the same ones (what ep leaves of them; parallel/zero.py)."""
+    return c.dp * c.cp // c.ep if unit.kind == "experts" else c.dp * c.cp
 
 
 def shard_numel(shape: tuple[int, ...], n: int) -> int:
@@ -98,10 +105,12 @@ def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | No
         local = rank_sum(trainable, lambda s, u: shard_numel(s, shard_degree(c, u)))
         return frozen + 4 * local, 4 * local, opt * local
     n = whole(trainable)
-    if c.zero_stage == 1 and c.dp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
-        owned = n / c.dp
+    if c.zero_stage == 1 and c.dp * c.cp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
+        owned = rank_sum(trainable, lambda s, u: math.prod(s) / zero1_degree(c, u))
+        # a bucket reduced over no other rank is its own reduced slice (the experts under ep = dp_shard × cp)
+        slices = rank_sum(trainable, lambda s, u: math.prod(s) / zero1_degree(c, u) if zero1_degree(c, u) > 1 else 0)
         masters = 4 * owned if compute_bytes < 4 else 0.0
-        return frozen + 4 * n, 4 * n + 4 * owned, opt * owned + masters
+        return frozen + 4 * n, 4 * n + 4 * slices, opt * owned + masters
     return frozen + 4 * n, 4 * n, opt * n
 
 
@@ -207,7 +216,7 @@ def memory(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, clus
     # activations about as fast as it creates gradients, so they do not add to its peak — except where they are
     # whole (replicas): FSDP's all-reduce copies them into a buffer of their size. ZeRO-1's gradient buckets are
     # allocated once for the whole run.
-    grads_at_peak = c.microbatches > 1 or c.pp > 1 or (c.zero_stage == 1 and c.dp > 1)
+    grads_at_peak = c.microbatches > 1 or c.pp > 1 or (c.zero_stage == 1 and c.dp * c.cp > 1)
     buffers = 0.0
     layers = [u for u in units if u.kind != "root"]
     root = sum(u.numel for u in units if u.kind == "root") * cb

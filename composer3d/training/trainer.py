@@ -40,6 +40,7 @@ from composer3d.parallel.tied import (
     uncounted_in_norm,
 )
 from composer3d.parallel.tiling import tiled_head_loss
+from composer3d.parallel.zero import replica_mesh
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
@@ -79,12 +80,12 @@ class Trainer:
         self.accumulation_steps = pipeline_microbatches(cfg, mesh.layout.dp)
         zero1 = {"reduce_dtype": DTYPES[cfg.precision.reduce_dtype], "bucket_bytes": int(p.zero1_bucket_mb * 2**20),
                  "backwards_per_step": self.accumulation_steps, "gather_dtype": DTYPES[cfg.precision.param_dtype]}
-        self.optimizer, self.sharder = build_optimizer(self.model, cfg.optim,
-                                                       zero1_mesh=mesh.loss if p.zero_stage == 1 else None,  # dp × cp
-                                                       offload=p.offload, offload_dir=p.offload_dir, device=device,
-                                                       zero1=zero1)
-        # ZeRO-1's slices of the gradients: each element on one rank of the dp × cp ranks it is replicated over
-        self.shard_replicas = [replicas(p, mesh.layout) // mesh.loss.size() for p in self.model.parameters()] \
+        self.optimizer, self.sharder = build_optimizer(
+            self.model, cfg.optim, zero1_mesh=replica_mesh(self.model, mesh) if p.zero_stage == 1 else None,
+            offload=p.offload, offload_dir=p.offload_dir, device=device, zero1=zero1)
+        # ZeRO-1's slices of the gradients: each element on one rank of the ranks its parameter is replicated over
+        self.shard_replicas = [replicas(p, mesh.layout) // n for p, n in zip(self.sharder.params,
+                                                                              self.sharder.group_sizes)] \
             if self.sharder else None
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps

@@ -27,6 +27,9 @@ from composer3d.training.trainer import Trainer
 
 # dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through ``dist``)
 _COLLECTIVES: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
+# the elements they took in since this job's Trainer was built (a reduce-scatter's whole input, an all-gather's
+# own slice), by the size of their group
+_ELEMENTS_BY_GROUP: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
 
 
 def _recording(name: str, key: str):
@@ -36,6 +39,7 @@ def _recording(name: str, key: str):
         tensor = kwargs.get("input", args[1] if len(args) > 1 else None)
         if isinstance(tensor, torch.Tensor):
             _COLLECTIVES[key][str(tensor.dtype)] += 1
+            _ELEMENTS_BY_GROUP[key][dist.get_world_size(kwargs.get("group"))] += tensor.numel()
         return original(*args, **kwargs)
 
     setattr(dist, name, collective)
@@ -192,6 +196,10 @@ def _effects(trainer: Trainer) -> dict:
             recurse=False)),
         "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
         "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
+        "collective_elements_by_group": {k: dict(v) for k, v in _ELEMENTS_BY_GROUP.items()},
+        # ZeRO-1's (parallel.zero): each set of buckets' group size and the parameters' local elements it carries
+        "zero1_buckets": [{"group_size": buckets.ranks, "elements": sum(_local(p).numel() for p in buckets.params)}
+                          for buckets, _ in trainer.sharder.parts] if trainer.sharder else None,
         "moe_layers": _moe(model),
         "attention": _attention(trainer),
         "all_to_all": dict(_ALL_TO_ALL),
@@ -238,6 +246,8 @@ _init, _train_step = Trainer.__init__, Trainer.train_step
 
 
 def __init__(self: Trainer, *args, **kwargs) -> None:
+    for counter in _ELEMENTS_BY_GROUP.values():
+        counter.clear()
     _init(self, *args, **kwargs)
     self._probe_output_dtypes = []
     head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph

@@ -123,7 +123,7 @@ def _check_layout(cfg: Any, degrees: dict[str, int]) -> None:
 def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     """ep borrows its ranks from dp_shard (and every cp rank, under context parallel) and shards each MoE layer's
     experts: both must divide."""
-    ep, m, p = degrees["ep"], cfg.model, cfg.parallel
+    ep, m = degrees["ep"], cfg.model
     if ep == 1:
         return
     experts, problem = MODEL_REGISTRY[m.name].expert_parallel(m)
@@ -144,8 +144,6 @@ def _check_expert_parallel(cfg: Any, degrees: dict[str, int]) -> None:
     _require(cp > 1 or dp_shard % ep == 0, "parallel.ep", f"ep={ep} does not divide dp_shard={dp_shard}: "
              "expert parallel takes its ranks from the data-parallel shard dimension",
              f"Choose parallel.ep among {_divisors(dp_shard)}, or give dp_shard a multiple of {ep}")
-    _require(p.zero_stage != 1, "parallel.zero_stage", "ZeRO-1 replicates every parameter over the data-parallel "
-             f"ranks, but under ep={ep} each rank holds only its experts", "Use parallel.zero_stage=2 or 3 with ep>1")
 
 
 def pipeline_microbatches(cfg: Any, dp: int) -> int:
