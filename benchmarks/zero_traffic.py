@@ -1,6 +1,6 @@
 """Data-parallel traffic per step, per collective, against the ZeRO paper's 2Φ(N−1)/N.
 
-    python benchmarks/zero_traffic.py [--nproc 4] [--steps 3] [--modes zero1 zero2 zero3 ddp] [--json]
+    python benchmarks/zero_traffic.py [--nproc 4] [--steps 3] [--modes zero1 zero2 zero3 ddp zero1_ep] [--json]
                                       [-- hydra overrides, e.g. precision.reduce_dtype=bfloat16 model=tiny]
 
 Trains a few steps of each data-parallel mode on ``nproc`` gloo ranks of this machine (the real trainer, through
@@ -11,6 +11,9 @@ all-reduce (N the ranks of its group). Φ is the parameters' bytes: Φ_r in ``pr
 gradients travel in), Φ_p in ``precision.param_dtype`` (what the all-gathers carry: FSDP's mixed precision and
 ZeRO-1's gather alike; fp32 on the CPU by default). A reduce-scatter plus an all-gather move (Φ_r + Φ_p)(N−1)/N —
 2Φ(N−1)/N when both dtypes agree (bf16 and bf16: 2 + 2 bytes an element); ZeRO-3 gathers twice.
+``zero1_ep``: ZeRO-1 under expert parallel (``model=tiny_moe``, ep 2): the routed experts' buckets over the ranks
+holding the same experts (M of them), the rest over all N: 2Φ(N−1)/N is then the sum over the two groups,
+2Φ_dense(N−1)/N + 2Φ_experts(M−1)/M, Φ_experts a rank's own experts.
 Counts cover the data-parallel collectives (torch.distributed's); tensor parallel's DTensor collectives are not.
 """
 
@@ -34,6 +37,7 @@ MODES = {
     "zero2": ["parallel.zero_stage=2"],
     "zero3": ["parallel.zero_stage=3"],
     "ddp": ["parallel.dp_replicate={nproc}", "parallel.dp_shard=1"],
+    "zero1_ep": ["model=tiny_moe", "parallel.zero_stage=1", "parallel.ep=2"],
 }
 # what each collective's buffer is: its input (reductions) or its output (gathers), and how much of it a rank sends
 COLLECTIVES = {
@@ -91,13 +95,15 @@ class CollectiveCounter:
                 for key in sorted(self.calls)}
 
 
-def expected_sent_bytes(mode: str, params: int, reduce_bytes: int, param_bytes: int, ranks: int) -> float | None:
-    """The ZeRO paper's bytes a rank sends per step: reduce-scatter + all-gather (ZeRO-1/2), all-reduce (DDP).
+def expected_sent_bytes(mode: str, groups: list[tuple[int, int]], reduce_bytes: int, param_bytes: int
+                        ) -> float | None:
+    """The ZeRO paper's bytes a rank sends per step: reduce-scatter + all-gather (ZeRO-1/2), all-reduce (DDP), over
+    ``groups`` ((ranks, parameters) each: every parameter over all ranks, but ZeRO-1's experts under ep).
     None for ZeRO-3: its blocks gather again in the backward, its root (embedding, norm, head) stays gathered,
     so it sends between (Φ_r + Φ_p) and (Φ_r + 2Φ_p) times (N−1)/N."""
-    share = (ranks - 1) / ranks
-    scatter_and_gather = share * params * (reduce_bytes + param_bytes)
-    return {"zero1": scatter_and_gather, "zero2": scatter_and_gather, "ddp": share * params * 2 * reduce_bytes}.get(mode)
+    per_element = {"zero1": reduce_bytes + param_bytes, "zero1_ep": reduce_bytes + param_bytes,
+                   "zero2": reduce_bytes + param_bytes, "ddp": 2 * reduce_bytes}.get(mode)
+    return None if per_element is None else sum(params * per_element * (n - 1) / n for n, params in groups)
 
 
 def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports: list[int], steps: int) -> None:
@@ -105,6 +111,7 @@ def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports
 
     from composer3d.config import register_configs, resolve_model_config
     from composer3d.launch import distributed
+    from composer3d.parallel.zero_buckets import local
     from composer3d.train import run
     from composer3d.training.trainer import Trainer
 
@@ -112,6 +119,7 @@ def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports
                       MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
     counter = CollectiveCounter()
     train_step = Trainer.train_step
+    zero1_groups = []  # ZeRO-1's sets of buckets: (ranks, this rank's parameters' elements) each
 
     def counted_step(self):
         counter.counting = True
@@ -119,6 +127,9 @@ def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports
             return train_step(self)
         finally:
             counter.counting = False
+            if self.sharder:
+                zero1_groups[:] = [(buckets.ranks, sum(local(p).numel() for p in buckets.params))
+                                   for buckets, _ in self.sharder.parts]
 
     Trainer.train_step = counted_step
     register_configs()
@@ -126,6 +137,7 @@ def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports
         for (mode, run_dir, overrides), port in zip(jobs, ports):
             os.environ["MASTER_PORT"] = str(port)
             counter.reset()
+            zero1_groups.clear()
             cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}",
                                               f"train.steps={steps}", *overrides])
             resolve_model_config(cfg.model)
@@ -134,17 +146,24 @@ def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports
                 info = json.loads((Path(run_dir) / "run.json").read_text())
                 result = {"mode": mode, "ranks": nproc, "params": info["num_params"],
                           "reduce_dtype": cfg.precision.reduce_dtype, "param_dtype": cfg.precision.param_dtype,
-                          "collectives": counter.summary(steps)}
+                          "collectives": counter.summary(steps),
+                          "groups": zero1_groups or [(nproc, info["num_params"])]}
                 (Path(run_dir) / "traffic.json").write_text(json.dumps(result))
 
 
 def measure(modes: list[str], nproc: int, steps: int, overrides: list[str]) -> list[dict]:
     """Each mode's counts (rank 0's: data-parallel traffic is the same on every rank)."""
-    base = ["model=tiny", "data.name=synthetic", "train.seq_len=64", "train.global_batch_size=8",
-            "train.micro_batch_size=2", "logging.progress_bar=false", "launch.device=cpu", "checkpoint.enabled=false"]
+    base = ["data.name=synthetic", "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2",
+            "logging.progress_bar=false", "launch.device=cpu", "checkpoint.enabled=false"]
+    named = any(o.startswith("model=") for o in overrides)
+
+    def job(mode: str) -> list[str]:
+        mine = [o.format(nproc=nproc) for o in MODES[mode] if not (named and o.startswith("model="))]
+        model = [] if named or any(o.startswith("model=") for o in mine) else ["model=tiny"]
+        return [*model, *base, *mine, *overrides]
+
     with tempfile.TemporaryDirectory() as root:
-        jobs = [(mode, str(Path(root) / mode), [*base, *(o.format(nproc=nproc) for o in MODES[mode]), *overrides])
-                for mode in modes]
+        jobs = [(mode, str(Path(root) / mode), job(mode)) for mode in modes]
         stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
         # forked from one server that imported torch and composer3d once, not each rank importing them anew
         multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "composer3d.train", "hydra"])
@@ -165,22 +184,24 @@ def main(argv: list[str] | None = None) -> None:
     for r in results:
         itemsize = {name: torch.empty(0, dtype=getattr(torch, name)).element_size()
                     for name in (r["reduce_dtype"], r["param_dtype"])}
-        r["zero_paper_bytes"] = 2 * r["params"] * itemsize[r["reduce_dtype"]] * (r["ranks"] - 1) / r["ranks"]
-        r["expected_bytes"] = expected_sent_bytes(r["mode"], r["params"], itemsize[r["reduce_dtype"]],
-                                                  itemsize[r["param_dtype"]], r["ranks"])
+        r["zero_paper_bytes"] = sum(2 * params * itemsize[r["reduce_dtype"]] * (n - 1) / n for n, params in r["groups"])
+        r["expected_bytes"] = expected_sent_bytes(r["mode"], r["groups"], itemsize[r["reduce_dtype"]],
+                                                  itemsize[r["param_dtype"]])
         r["sent_bytes_per_step"] = sum(c["sent_bytes_per_step"] for c in r["collectives"].values())
     if args.json:  # one line, the last: the workers' logs go to the same stdout
         print(json.dumps(results))
         return
-    print(f"bytes each rank sends per step on {args.nproc} gloo ranks (ring algorithms); "
-          f"2Φ(N−1)/N in the reduce dtype = {results[0]['zero_paper_bytes']:,.0f}")
-    print(f"{'mode':6} {'collective':15} {'calls':>6} {'dtypes':18} {'sent bytes':>12} {'/ 2Φ(N−1)/N':>12}")
+    print(f"bytes each rank sends per step on {args.nproc} gloo ranks (ring algorithms), against 2Φ(N−1)/N in the "
+          "reduce dtype (each mode's parameters; zero1_ep: summed over its two groups)")
+    print(f"{'mode':8} {'collective':15} {'calls':>6} {'dtypes':18} {'sent bytes':>12} {'/ 2Φ(N−1)/N':>12}")
     for r in results:
+        groups = ", ".join(f"{params:,} over {n}" for n, params in r["groups"])
+        print(f"{r['mode']:8} parameters {groups}: 2Φ(N−1)/N = {r['zero_paper_bytes']:,.0f}")
         for key, c in r["collectives"].items():
-            print(f"{r['mode']:6} {key:15} {c['calls_per_step']:6.1f} {','.join(c['dtypes']):18} "
+            print(f"{r['mode']:8} {key:15} {c['calls_per_step']:6.1f} {','.join(c['dtypes']):18} "
                   f"{c['sent_bytes_per_step']:12,.0f} {c['sent_bytes_per_step'] / r['zero_paper_bytes']:12.4f}")
         expected = r["expected_bytes"]
-        print(f"{r['mode']:6} {'total':15} {'':6} {'':18} {r['sent_bytes_per_step']:12,.0f} "
+        print(f"{r['mode']:8} {'total':15} {'':6} {'':18} {r['sent_bytes_per_step']:12,.0f} "
               f"{r['sent_bytes_per_step'] / r['zero_paper_bytes']:12.4f}  " + (
                   f"(expected {expected / r['zero_paper_bytes']:.4f})" if expected else
                   "(blocks gathered twice, the root once)"))

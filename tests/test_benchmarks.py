@@ -260,15 +260,24 @@ def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
     """ZeRO-1 on 4 gloo ranks with small buckets, in bf16: a reduce-scatter and an all-gather per bucket, both bf16
     (the parameters gathered in the compute dtype, as FSDP's mixed precision: 2 + 2 bytes an element), no all-reduce
     but the gradient norm's one scalar, 2Φ(N−1)/N bytes within 2%; FSDP's ZeRO-2 moves the same (one micro-batch a
-    step: with more, FSDP gathers and reduce-scatters once per micro-batch)."""
-    stdout = _run("zero_traffic.py", "--nproc", "4", "--steps", "2", "--modes", "zero1", "zero2", "--json", "--",
-                  "parallel.zero1_bucket_mb=0.1", "precision.param_dtype=bfloat16", "precision.reduce_dtype=bfloat16")
-    zero1, zero2 = json.loads(stdout.splitlines()[-1])
-    for result in (zero1, zero2):
+    step: with more, FSDP gathers and reduce-scatters once per micro-batch); and ZeRO-1 under ep 2 (``model=tiny_moe``)
+    2Φ(N−1)/N summed over its two groups: the dense parameters over all 4 ranks, a rank's experts over the 2 that
+    hold the same ones."""
+    stdout = _run("zero_traffic.py", "--nproc", "4", "--steps", "2", "--modes", "zero1", "zero2", "zero1_ep", "--json",
+                  "--", "parallel.zero1_bucket_mb=0.1", "precision.param_dtype=bfloat16",
+                  "precision.reduce_dtype=bfloat16")
+    zero1, zero2, zero1_ep = json.loads(stdout.splitlines()[-1])
+    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe's routed experts
+    assert zero1_ep["groups"] == [[4, zero1_ep["params"] - experts], [2, experts // 2]], zero1_ep["groups"]
+    for result in (zero1, zero2, zero1_ep):
         ratio = result["sent_bytes_per_step"] / result["zero_paper_bytes"]
         assert abs(ratio - 1) < 0.02, (result["mode"], ratio, result["collectives"])
+    for result in (zero1, zero2):
         assert result["collectives"]["all_reduce"] == {"calls_per_step": 1, "sent_bytes_per_step": 6.0,
                                                        "buffer_bytes_per_step": 4, "dtypes": ["float32"]}
+    # the MoE's one more: the global batch's expert loads for the balancing bias (3 layers × 8 experts, fp32)
+    assert zero1_ep["collectives"]["all_reduce"]["buffer_bytes_per_step"] == 4 + 3 * 8 * 4, zero1_ep["collectives"]
+    assert zero1_ep["expected_bytes"] == zero1_ep["zero_paper_bytes"]
     collectives = zero1["collectives"]
     assert set(collectives) == {"reduce_scatter", "all_gather", "all_reduce"}, collectives
     # 328 KB of bf16 gradients in 0.1 MiB buckets: each reduce-scattered once, then gathered once

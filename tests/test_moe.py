@@ -146,6 +146,36 @@ def test_routing_is_counted_once_under_activation_checkpointing():
     assert int(moe.routed_tokens.sum()) == 2 * 8 * 2, "evaluation forwards are not counted"
 
 
+@pytest.mark.parametrize("policy", [None, "all_matmuls"], ids=["full", "selective"])
+def test_compiled_checkpointed_moe_is_one_graph_and_counts_its_routing_once(policy):
+    """A MoE layer compiled with its activation checkpointing inside (as compiled blocks run it), bf16 on the CPU
+    (the grouped GEMM's compiled path): one graph, no break (the routing count asks for no autograd task while
+    traced, and adds into its buffers in place), and over three steps each token's choices counted once, not again
+    by the recomputation in backward. Asking for the task inside the graph broke it, and the whole checkpointed
+    region then ran eagerly."""
+    from torch._dynamo.utils import counters
+
+    from composer3d.parallel.activation import checkpointed_forward
+
+    moe = make_moe()
+    torch._dynamo.reset()
+    counters.clear()
+
+    @torch.compile
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return checkpointed_forward(moe, policy, False, x)
+
+    try:
+        for _ in range(3):
+            step(torch.randn(2, 8, 32, requires_grad=True)).float().sum().backward()
+        assert dict(counters["graph_break"]) == {} and counters["stats"]["unique_graphs"] == 1, dict(counters)
+    finally:
+        torch._dynamo.reset()
+    assert int(moe.routed_tokens.sum()) == 3 * 2 * 8 * 2  # steps × tokens × top_k
+    assert all(p.grad is not None for p in moe.experts.parameters())
+
+
 def test_experts_compute_in_autocasts_dtype():
     """Where no FSDP casts the weights (one device), the experts follow autocast like the linear layers do."""
     moe = make_moe()

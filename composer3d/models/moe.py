@@ -200,12 +200,13 @@ class MoE(nn.Module):
         return (fraction * probs.sum(1) / seq).sum(-1)
 
     def _record(self, chosen: torch.Tensor, aux: torch.Tensor) -> None:
-        """Count this forward's routing, once (``recorded_forward``)."""
+        """Count this forward's routing, once (``recorded_forward``); in place, as buffers (a reassigned attribute
+        would be a side effect dynamo cannot trace inside a checkpointed region)."""
         if not recorded_forward(self):
             return
         with torch.no_grad():
-            self.routed_tokens += per_expert(chosen.flatten(), self.n_experts).to(self.routed_tokens)
-            self.aux_loss_sum += aux.detach().sum()
+            self.routed_tokens.add_(per_expert(chosen.flatten(), self.n_experts).to(self.routed_tokens))
+            self.aux_loss_sum.add_(aux.detach().sum())
 
     def _within_capacity(self, chosen: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         """(tokens, top_k) bools: the choices an expert takes under model.moe.capacity_factor, per sequence, first
@@ -287,9 +288,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 def recorded_forward(module: nn.Module) -> bool:
     """Whether this forward of ``module`` is one whose routing is recorded: a training forward, not a pipeline
     stage's shape inference (``recording`` off), and not activation checkpointing's rerun inside backward (an
-    autograd graph task is then running), which must not count again."""
-    return (module.training and torch.is_grad_enabled() and getattr(module, "recording", True)
-            and torch._C._current_graph_task_id() == -1)
+    autograd graph task is then running), which must not count again. Traced by torch.compile it is never such a
+    rerun: a compiled checkpointed region is recomputed by the compiled backward, which replays no buffer mutation,
+    and a region dynamo could not trace is checkpointed eagerly and recomputed outside any compiled frame, where
+    the task check runs (asking for the task inside a graph would break it, and then the whole checkpointed block
+    would run eagerly)."""
+    if not (module.training and torch.is_grad_enabled() and getattr(module, "recording", True)):
+        return False
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
 
 
 def routing_counters(model: nn.Module) -> list[nn.Module]:

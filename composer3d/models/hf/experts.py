@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from composer3d.models.hf.config import load_hf_config, tiny_replica
-from composer3d.models.moe import grouped_mm_fits, local, mix_routed, recorded_forward
+from composer3d.models.moe import grouped_mm_fits, local, mix_routed, per_expert, recorded_forward
 
 EXPERT_PARALLEL = "composer3d_expert_parallel"  # the name this forward is registered under in transformers
 
@@ -89,7 +89,7 @@ def _count_routed_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
         return
     chosen = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]  # (hidden_states, top_k_index, weights)
     with torch.no_grad():
-        module.routed_tokens += torch.bincount(chosen.flatten(), minlength=module.num_experts).to(module.routed_tokens)
+        module.routed_tokens.add_(per_expert(chosen.flatten(), module.num_experts).to(module.routed_tokens))
 
 
 def use_expert_parallel(model: nn.Module, ep_group) -> list[nn.Module]:
