@@ -21,6 +21,10 @@ LAYOUTS = {  # name: (world size, overrides)
     "pp2_fsdp2_tp2_sp_ep2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
     # ZeRO-1 over dp 4 (the dense parameters), its experts' buckets over the 2 ranks ep leaves; it writes a checkpoint
     "zero1_ep2": (4, ["parallel.ep=2", "parallel.zero_stage=1", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
+    # ZeRO-1 × EP inside pipeline stages, and with the experts split by width too (2-D DTensors): groups of one
+    "pp2_zero1_ep2": (4, ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"]),
+    "zero1_ep2_tp2_sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                             "parallel.zero_stage=1"]),
 }
 ZERO1_EP = ["parallel.ep=2", "parallel.zero_stage=1"]
 # name: (the 4-rank run whose step-5 checkpoint it resumes, its overrides)
