@@ -17,15 +17,14 @@ from composer3d.training.compiled_adamw import CompiledAdamW
 
 
 def build_optimizer(model: nn.Module, cfg, zero1_mesh: Callable[[torch.Tensor], DeviceMesh] | None = None,
-                    offload: str = "none",
-                    offload_dir: str | None = None, device: torch.device | None = None, zero1: dict | None = None
-                    ) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
+                    offload: str = "none", offload_dir: str | None = None, device: torch.device | None = None,
+                    zero1: dict | None = None) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
     """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
     and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a step), which also reduces the
     gradients and saves and loads that state, is returned with it (``zero1_mesh``: each parameter's replicas, as
-    ``parallel.zero.replica_mesh`` gives them). ``offload="optimizer"``: its state
-    and step on the host (or in files under ``offload_dir``), parameters and gradients on ``device``. Frozen
-    parameters (``peft``: the base model) get no state."""
+    ``parallel.zero.replica_mesh`` gives them). ``offload="optimizer"``: its state and step on the host (or in files
+    under ``offload_dir``), parameters and gradients on ``device``. Frozen parameters (``peft``: the base model) get
+    no state."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     decays = [p.ndim >= 2 for p in params]
