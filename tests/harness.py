@@ -16,6 +16,8 @@ FAST = [
     "model=tiny", "data.max_tokens=200000", "train.seq_len=64", "train.global_batch_size=8",
     "train.micro_batch_size=2", "logging.progress_bar=false", "train.deterministic=true", "launch.device=cpu",
 ]
+# model=tiny_moe's routed experts: 3 MoE layers of 8 experts, each w1, w2, w3 of 64 × 64
+TINY_MOE_EXPERT_PARAMS = 3 * 8 * 3 * 64 * 64
 
 
 @dataclass
@@ -209,3 +211,12 @@ def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
         finished = True
     finally:
         shut_down(finished)  # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
+
+
+def assert_follows(reference: RunResult, run: RunResult, what: str) -> None:
+    """``run`` on the one-process curve over 10 steps: losses within 1e-4, gradient norms within 1e-3."""
+    assert len(reference.losses) == len(run.losses) == 10, what
+    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
+    assert max(diffs) < 1e-4, f"{what}: per-step |Δloss| {diffs}"
+    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import TINY_MOE_EXPERT_PARAMS
 
 BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
@@ -267,7 +268,7 @@ def test_zero_traffic_benchmark_counts_the_zero_papers_bytes():
                   "--", "parallel.zero1_bucket_mb=0.1", "precision.param_dtype=bfloat16",
                   "precision.reduce_dtype=bfloat16")
     zero1, zero2, zero1_ep = json.loads(stdout.splitlines()[-1])
-    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe's routed experts
+    experts = TINY_MOE_EXPERT_PARAMS
     assert zero1_ep["groups"] == [[4, zero1_ep["params"] - experts], [2, experts // 2]], zero1_ep["groups"]
     for result in (zero1, zero2, zero1_ep):
         ratio = result["sent_bytes_per_step"] / result["zero_paper_bytes"]

@@ -17,7 +17,8 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from harness import FAST, RunResult, compiled_jobs, processes, spawn, train_in_one_group
+from harness import (FAST, TINY_MOE_EXPERT_PARAMS, RunResult, assert_follows, compiled_jobs, processes, spawn,
+                     train_in_one_group)
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: short packed documents)
 
 STEPS = ["train.steps=10", "logging.log_every=5"]
@@ -93,19 +94,10 @@ def _run(request, name: str, kind: str):
     return found[(_model(name), kind)], found[(name, kind)]
 
 
-def _assert_follows(reference, run, what: str) -> None:
-    """The one-process curve over 10 steps: losses within 1e-4, gradient norms within 1e-3."""
-    assert len(reference.losses) == len(run.losses) == 10, what
-    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
-    assert max(diffs) < 1e-4, f"{what}: per-step |Δloss| {diffs}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
-    assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"
-
-
 @pytest.mark.parametrize("name, kind", CASES)
 def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
     reference, run = _run(request, name, kind)
-    _assert_follows(reference, run, f"{name} ({kind})")
+    assert_follows(reference, run, f"{name} ({kind})")
     world, cp, _, overrides, _ = LAYOUTS[name]
     layout = run.run_info["layout"]
     assert layout["cp"] == cp and layout["pp"] == (2 if "parallel.pp=2" in overrides else 1), layout
@@ -155,7 +147,7 @@ def test_zero1_under_cp_and_ep_shards_experts_over_the_ranks_holding_them(runs):
     the same 4 as the rank of its cp group's twin in dp_shard; their gradients and state are sharded over those 2
     ranks, every other parameter's over all 4 (dp × cp); nothing is FSDP's."""
     run = runs[("moe_fsdp2_cp2_ep2_zero1", "documents")]
-    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe: 3 MoE layers of 8 experts, w1/w2/w3 of 64 × 64
+    experts = TINY_MOE_EXPERT_PARAMS
     dense = run.run_info["num_params"] - experts
     assert len(run.effects) == 4
     for rank in run.effects:
@@ -197,7 +189,7 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
     processes(compiled_jobs, 4, 4, [(str(run_dir), [*trained, *layout, "compile.enabled=true"])], [store.port],
               str(report))
     run = RunResult(0, "", 0.0, run_dir)
-    _assert_follows(reference, run, name)
+    assert_follows(reference, run, name)
     if model == "moe":
         aux = [abs(a["moe_aux_loss"] - b["moe_aux_loss"]) for a, b in zip(reference.metrics, run.metrics)]
         assert max(aux) < 1e-4, aux

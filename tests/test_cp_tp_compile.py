@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from harness import FAST, RunResult, compiled_jobs, processes, spawn, train_in_one_group
+from harness import FAST, RunResult, assert_follows, compiled_jobs, processes, spawn, train_in_one_group
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: the short-document corpus)
 
 BASE = [*(o for o in FAST if not o.startswith("train.seq_len=")), "train.steps=10"]
@@ -204,14 +204,6 @@ def issue_runs(tmp_path_factory, documents):  # noqa: F811
     return _train(tmp_path_factory.mktemp("cptp_issue"), documents, "issue", ISSUE_CASES)
 
 
-def _assert_follows(reference, run, what: str) -> None:
-    assert len(reference.losses) == len(run.losses) == 10, what
-    diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
-    assert max(diffs) < 1e-4, f"{what}: per-step |Δloss| {diffs}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
-    assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"
-
-
 def _assert_layout(run, name: str) -> None:
     degrees = dict(arg.removeprefix("parallel.").split("=") for arg in LAYOUTS[name][1] if "parallel.tp=" in arg
                    or "parallel.cp=" in arg or "parallel.dp_shard=" in arg)
@@ -220,7 +212,7 @@ def _assert_layout(run, name: str) -> None:
 
 @pytest.mark.parametrize("name, kind", DEFAULT_CASES)
 def test_tp_cp_loss_matches_single_process(name, kind, small_runs):
-    _assert_follows(small_runs[("reference", kind)], small_runs[(name, kind)], f"{name} ({kind})")
+    assert_follows(small_runs[("reference", kind)], small_runs[(name, kind)], f"{name} ({kind})")
     _assert_layout(small_runs[(name, kind)], name)
 
 
@@ -236,7 +228,7 @@ def test_zero1_shards_optimizer_state_over_dp_and_cp(small_runs):
 @pytest.mark.slow
 @pytest.mark.parametrize("name, kind", ISSUE_CASES)
 def test_tp_cp_at_the_issues_size_matches_single_process(name, kind, issue_runs):
-    _assert_follows(issue_runs[("reference", kind)], issue_runs[(name, kind)], f"{name} ({kind})")
+    assert_follows(issue_runs[("reference", kind)], issue_runs[(name, kind)], f"{name} ({kind})")
     _assert_layout(issue_runs[(name, kind)], name)
 
 
@@ -251,7 +243,7 @@ def test_compiled_cp_at_the_issues_size_matches_single_process(name, issue_runs,
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the job's rendezvous
     processes(compiled_jobs, world, world, [(str(run_dir), [*BASE, *SIZES["issue"], *layout,
                                                               *documents["documents"]])], [store.port], str(report))
-    _assert_follows(issue_runs[("reference", "documents")], RunResult(0, "", 0.0, run_dir), name)
+    assert_follows(issue_runs[("reference", "documents")], RunResult(0, "", 0.0, run_dir), name)
     for counts in (json.loads(path.read_text()) for path in sorted(report.glob("rank*.json"))):
         assert counts["graphs"] >= 2, counts
         assert counts["graph_breaks"] and all("context parallel attention" in reason

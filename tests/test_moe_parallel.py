@@ -6,13 +6,14 @@ the dense parameters' gradients and state sharded over all data-parallel ranks, 
 the same experts, and its checkpoint resumed under FSDP and the other way round."""
 
 import pytest
-from harness import FAST, train, train_in_one_group
+from harness import FAST, TINY_MOE_EXPERT_PARAMS, train, train_in_one_group
 
 MOE = ["model=tiny_moe", "train.steps=10", "logging.log_every=5"]
+ZERO1_EP = ["parallel.ep=2", "parallel.zero_stage=1"]
 LAYOUTS = {  # name: (world size, overrides)
     "ep2_selective_ac": (2, ["parallel.ep=2", "memory.activation_checkpointing=selective"]),
     "tp2": (2, ["parallel.tp=2"]),  # no data parallel: no FSDP, experts split by width only
-    "zero1_ep2_dp2": (2, ["parallel.ep=2", "parallel.zero_stage=1"]),  # each rank alone holds its experts
+    "zero1_ep2_dp2": (2, ZERO1_EP),  # each rank alone holds its experts
     # ep4 also writes the checkpoint the resume jobs below read (jobs of a group run one after another)
     "ep4": (4, ["parallel.ep=4", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
     "ep2_fsdp4": (4, ["parallel.ep=2"]),  # dp_shard 4: experts FSDP-sharded over the 2 ranks ep leaves
@@ -20,13 +21,11 @@ LAYOUTS = {  # name: (world size, overrides)
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
     "pp2_fsdp2_tp2_sp_ep2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
     # ZeRO-1 over dp 4 (the dense parameters), its experts' buckets over the 2 ranks ep leaves; it writes a checkpoint
-    "zero1_ep2": (4, ["parallel.ep=2", "parallel.zero_stage=1", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
+    "zero1_ep2": (4, [*ZERO1_EP, "checkpoint.interval=5", "checkpoint.keep_last=0"]),
     # ZeRO-1 × EP inside pipeline stages, and with the experts split by width too (2-D DTensors): groups of one
-    "pp2_zero1_ep2": (4, ["parallel.pp=2", "parallel.ep=2", "parallel.zero_stage=1"]),
-    "zero1_ep2_tp2_sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.zero_stage=1"]),
+    "pp2_zero1_ep2": (4, ["parallel.pp=2", *ZERO1_EP]),
+    "zero1_ep2_tp2_sp": (4, [*ZERO1_EP, "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
-ZERO1_EP = ["parallel.ep=2", "parallel.zero_stage=1"]
 # name: (the 4-rank run whose step-5 checkpoint it resumes, its overrides)
 RESUMED = {"resumed_ep2": ("ep4", ["parallel.ep=2"]), "resumed_ep1": ("ep4", []),
            "resumed_zero1_ep2": ("ep4", ZERO1_EP), "resumed_ep4_from_zero1": ("zero1_ep2", ["parallel.ep=4"])}
@@ -117,7 +116,7 @@ def test_zero1_under_expert_parallel_shards_experts_over_their_replicas(layout_r
     experts, their state a half of those; one all-gather of each back. Nothing goes through FSDP. Model state per
     rank is what that sharding holds (fp32 parameters and gradient buckets whole, Adam moments and reduced slices
     sharded)."""
-    experts = 3 * 8 * 3 * 64 * 64  # tiny_moe: 3 MoE layers of 8 experts, w1/w2/w3 of 64 × 64
+    experts = TINY_MOE_EXPERT_PARAMS
     run = layout_runs["zero1_ep2"]
     dense = run.run_info["num_params"] - experts
     mine = experts // 2  # this rank's experts under ep=2
