@@ -156,6 +156,7 @@ def _titan_4d(dp: int, cp: int) -> list[str]:
 
 # Hugging Face models the rows name, as their config.json (sizes only: composer3d-plan reads nothing else)
 PUBLISHED_MODELS = Path(__file__).parent / "published_models"
+MB_MOE = ["train.seq_len=4096", "train.micro_batch_size=1", "parallel.zero_stage=1", *OVERLAP]
 
 HELD_OUT = [
     ("T1.2", "torchtitan 8B, 8 GPUs, FSDP, compiled", [*TITAN_COMPILED, *TITAN_8_GPUS], 6667),
@@ -174,13 +175,15 @@ HELD_OUT = [
      "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=2"], 128),
     *[(f"T6.{i + 1}", f"torchtitan 405B, FSDP {8 // cp} x CP {cp} x TP 8 x PP 8 (FP8)", _titan_4d(8 // cp, cp),
        tokens) for i, (cp, tokens) in enumerate([(1, 76), (2, 47), (4, 31), (8, 16)])],
-    # Megatron-Bridge's H100 MoE row (its distributed optimizer: ZeRO-1, the experts' state over their expert
-    # data-parallel ranks), sequence 4096, micro-batch 2, global batch 512
-    ("MB.Q3", "Megatron-Bridge Qwen3-30B-A3B, PP 2 (v=24) x EP 8 (FP8)", ["model=hf",
-     f"model.path={PUBLISHED_MODELS / 'qwen3_30b_a3b'}", "model.pretrained=false", "train.seq_len=4096",
-     "train.global_batch_size=512", "train.micro_batch_size=2", "cluster.nodes=2", "parallel.dp_shard=8",
-     "parallel.pp=2", "parallel.ep=8", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_stages_per_rank=24",
-     "parallel.zero_stage=1", *FP8, *OVERLAP], 5275),
+    # Megatron-Bridge's H100 mixtures of experts, 26.04.01 container (the layouts its configs of that release set:
+    # force-balanced routing, its distributed optimizer as ZeRO-1 with the experts' state over their expert
+    # data-parallel ranks, the gradient reduce and parameter gather overlapped), sequence 4096, micro-batch 1.
+    # Qwen3-30B-A3B: EP 16 over two nodes through HybridEP (a token crosses to the other node once), no
+    # all-to-all overlap (moe_a2a_overlap=False), FP8 (tensorwise current scaling)
+    ("MB.Q3", "Megatron-Bridge Qwen3-30B-A3B, EP 16, HybridEP (FP8)", [*MB_MOE, "model=hf", "model.pretrained=false",
+     f"model.path={PUBLISHED_MODELS / 'qwen3_30b_a3b'}", "train.global_batch_size=1024", "cluster.nodes=2",
+     "parallel.dp_shard=16", "parallel.ep=16", "plan.ep_dispatch=per_node", "plan.published_float8_experts=true",
+     *FP8], 8960),
 ]
 
 

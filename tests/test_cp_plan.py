@@ -2,10 +2,9 @@
 the bytes and peaks of real cp runs are checked against the planner in tests/test_plan.py's measured layouts)."""
 
 import pytest
-from hydra import compose, initialize_config_module
+from planned import plan_config, planned
 
-from composer3d.config import register_configs
-from composer3d.plan import Workload, candidate_from_config, estimate
+from composer3d.plan import Workload
 from composer3d.plan.comm import seconds
 from composer3d.plan.context import exposed_seconds
 from composer3d.plan.hardware import cluster_from_config
@@ -18,22 +17,10 @@ LONG = ["model=llama3_8b", "train.seq_len=131072", "train.global_batch_size=8", 
 GIB = 2**30
 
 
-def _config(*overrides: str):
-    register_configs()
-    with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        return compose("train", overrides=list(overrides))
-
-
-def _estimate(*overrides: str):
-    cfg = _config(*overrides)
-    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-    return estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster), cluster
-
-
 @pytest.fixture(scope="module")
 def by_cp():
     """FSDP over the 8 GPUs as dp_shard × cp, cp 1, 2, 4, 8: the same model state, the sequence cut in cp."""
-    return {cp: _estimate(*LONG, f"parallel.dp_shard={8 // cp}", f"parallel.cp={cp}")[0] for cp in (1, 2, 4, 8)}
+    return {cp: planned(*LONG, f"parallel.dp_shard={8 // cp}", f"parallel.cp={cp}")[0] for cp in (1, 2, 4, 8)}
 
 
 def test_fsdp_shards_over_cp_and_activation_memory_falls_as_one_over_cp(by_cp):
@@ -67,11 +54,11 @@ def test_ring_passes_hide_behind_attention_at_long_context_not_at_short():
     """At 131k a K/V pass (128 MiB at 450 GB/s) takes far less than the attention of the block computed meanwhile,
     so only the gradients' passes are exposed; at 2,048 tokens over cp 8 the passes outlast the blocks (at 4,096
     they about match them: attention runs at flash attention's rate, plan/kernels.py)."""
-    long, cluster = _estimate(*LONG, "parallel.dp_shard=2", "parallel.cp=4")
+    long, cluster = planned(*LONG, "parallel.dp_shard=2", "parallel.cp=4")
     grads = 4 * 32 * 4 * (2 * 8 * 128 * 32768 * 4) / cluster.intra_node_bw
     assert long.exposed_comm_s["cp"] == pytest.approx(grads, rel=1e-9)
-    short, cluster = _estimate(*LONG, "train.seq_len=2048", "parallel.dp_shard=1", "parallel.cp=8")
-    shape = Workload.from_config(_config(*LONG)).shape
+    short, cluster = planned(*LONG, "train.seq_len=2048", "parallel.dp_shard=1", "parallel.cp=8")
+    shape = Workload.from_config(plan_config(*LONG)).shape
     exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster, "sdpa")
     grads = 8 * 32 * 8 * (2 * 8 * 128 * 256 * 4) / cluster.intra_node_bw
     assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, "the K/V passes add to the gradients' at 2,048"
@@ -80,7 +67,7 @@ def test_ring_passes_hide_behind_attention_at_long_context_not_at_short():
 @pytest.mark.parametrize("style, extra", [("allgather", "all_gather"), ("ulysses", "all_to_all")])
 def test_other_styles_cost_their_collectives_and_masks(by_cp, style, extra):
     """Neither is hidden behind compute: the step waits for all of their traffic."""
-    e, cluster = _estimate(*LONG, "parallel.dp_shard=4", "parallel.cp=2", f"parallel.cp_style={style}")
+    e, cluster = planned(*LONG, "parallel.dp_shard=4", "parallel.cp=2", f"parallel.cp_style={style}")
     mine = [col for col in e.collectives if col.dim == "cp"]
     assert mine and all(col.kind in (extra, "reduce_scatter") and not col.overlapped for col in mine)
     assert e.exposed_comm_s["cp"] == pytest.approx(sum(seconds(col, e.candidate, cluster) for col in mine))
@@ -95,7 +82,7 @@ def test_the_search_chooses_context_parallel_at_131k_tokens():
     """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without cp, and it
     passes composer3d's own checks. The all-gather of K/V (8 of 32 heads: a quarter of q's bytes) comes within 0.1%
     of the ring, at 17 GiB more a GPU: the ring, the smaller of two equals, is chosen."""
-    cfg = _config(*LONG)
+    cfg = plan_config(*LONG)
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
     chosen, fitting, _ = best(cfg, cluster)
     assert chosen.candidate.cp > 1 and chosen.candidate.cp_style == "ring", chosen.candidate.short()

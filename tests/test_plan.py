@@ -33,6 +33,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 from yaml import safe_load as yaml_value
 from plan_measure import run_measurements
+from planned import planned
 
 from composer3d.config import register_configs
 from composer3d.plan import Workload, candidate_from_config, estimate
@@ -283,7 +284,7 @@ def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert lines["16"].split()[-1] == "-3%", lines
     assert lines["T5.1"].split()[-3:] == ["100", "109", "+9%"], lines
-    assert lines["MB.Q3"].split()[-3:] == ["5,275", "14,926", "+183%"], lines
+    assert lines["MB.Q3"].split()[-3:] == ["8,960", "11,467", "+28%"], lines
 
 
 def test_planner_predicts_composer3d_steps_at_the_current_code():
@@ -456,7 +457,8 @@ def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):
 @pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
                                            ("plan.format=csv", "plan.format"), ("cluster.hbm_gbps=0", "cluster.hbm_gbps"),
                                            ("plan.attention_kernel=flash3", "plan.attention_kernel"),
-                                           ("plan.norm_kernel=triton", "plan.norm_kernel")])
+                                           ("plan.norm_kernel=triton", "plan.norm_kernel"),
+                                           ("plan.ep_dispatch=deepep", "plan.ep_dispatch")])
 def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr
@@ -597,14 +599,6 @@ def test_op_level_selective_gathers_again_in_backward_for_less_memory(tmp_path):
     tp_peak = max(r["peak_bytes"] for r in runs["tp2_sp", True])
     assert tp_peak - max(r["peak_bytes"] for r in runs["tp2_sp", False]) > 0.05 * tp_peak
 
-def _estimate(*overrides: str):
-    register_configs()
-    with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        cfg = compose("train", overrides=list(overrides))
-    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-    return estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster), cluster
-
-
 H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192", "train.global_batch_size=1",
            "train.micro_batch_size=1", "cluster.nodes=1", "cluster.gpus_per_node=1", "cluster.device=h200",
            "parallel.dp_shard=1", *SELECTIVE]
@@ -625,7 +619,7 @@ def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     autocast compiled, the head's and the recomputing block's (an embedding lookup casts none); eager, every one
     until forward ends. Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it,
     predicted the compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted)."""
-    est, _ = _estimate(*H200_1B, *overrides)
+    est, _ = planned(*H200_1B, *overrides)
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
 
 
@@ -686,9 +680,9 @@ def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_ste
     """Llama 3 8B on one H100: it fits only with ZeRO-Offload (its fp32 parameters and gradients alone are 64 GB);
     offload=optimizer moves the optimizer's state (masters, moments, a gradient buffer) and pays its copies and
     host step on the critical path; a node with too little host memory for what moved does not fit."""
-    plain, cluster = _estimate(*ONE_H100_8B)
-    opt, _ = _estimate(*ONE_H100_8B, "parallel.offload=optimizer")
-    cpu, _ = _estimate(*ONE_H100_8B, "parallel.offload=cpu")
+    plain, cluster = planned(*ONE_H100_8B)
+    opt, _ = planned(*ONE_H100_8B, "parallel.offload=optimizer")
+    cpu, _ = planned(*ONE_H100_8B, "parallel.offload=cpu")
     params, grads, state = plain.memory.parameters, plain.memory.gradients, plain.memory.optimizer
     assert opt.memory.optimizer == 0 and opt.memory.parameters == params and opt.memory.host == params + grads + state
     assert cpu.memory.parameters == cpu.memory.gradients == cpu.memory.optimizer == 0
@@ -700,11 +694,11 @@ def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_ste
                                                        + params / cluster.host_optimizer_bw)
     assert cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw  # the host step; its copies overlap
     assert cpu.step_time_s > plain.step_time_s
-    small, _ = _estimate(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
+    small, _ = planned(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
     assert not small.fits  # 8B's ~120 GiB of model state does not fit a 64 GiB host
     # offload_dir: the masters and moments in files (the gradient buffer stays in host memory), read and written
     # back by every host step at the disk's rate; that host fits it
-    files, _ = _estimate(*ONE_H100_8B, "parallel.offload=optimizer", "parallel.offload_dir=/nvme",
+    files, _ = planned(*ONE_H100_8B, "parallel.offload=optimizer", "parallel.offload_dir=/nvme",
                          "cluster.host_memory_gib=64")
     assert files.memory.disk == params + state and files.memory.host == grads and files.fits
     assert files.exposed_comm_s["host"] == pytest.approx(opt.exposed_comm_s["host"] + 2 * files.memory.disk

@@ -44,6 +44,16 @@ class PlanConfig:
     # price overlaps other stacks publish and composer3d-train does not run (to compare with their results): TP/SP
     # collectives inside the GEMMs (async TP), pipeline sends behind compute, ZeRO-1's gather during the forward
     published_overlap: bool = False
+    # price Megatron's expert-parallel overlap (overlap_moe_expert_parallel_comm: one micro-batch's all-to-alls
+    # behind another's compute), which composer3d-train does not run and plan.published_overlap leaves out
+    published_ep_overlap: bool = False
+    # the mixture-of-experts dispatch the planner prices across nodes: all_to_all (every routed copy of a token sent
+    # to its expert's rank: composer3d-train's) | per_node (a token sent once to each other node holding any of its
+    # experts, forwarded there over NVLink: DeepEP / HybridEP, Megatron's flex dispatcher, in published runs)
+    ep_dispatch: str = "all_to_all"
+    # price the routed experts' GEMMs in float8 under precision.float8 (Transformer Engine's grouped GEMMs, in
+    # published runs); composer3d-train's float8 converts nn.Linear layers, and its stacked experts stay in bf16
+    published_float8_experts: bool = False
     # the attention kernel the planner times attention at (plan/kernels.py): sdpa (torch >= 2.9's
     # scaled_dot_product_attention: cuDNN's fused kernel on Hopper, what composer3d-train runs) | flash2
     # (FlashAttention-2, SDPA's flash backend: torch's default on Hopper before 2.9, as in torchtitan's published runs)

@@ -18,7 +18,9 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per
     column-parallel projection. Under SP the norms' weight gradients are all-reduced too.
   EP: per MoE layer the routed token copies go to their experts' ranks and back, forward and backward (all-to-all).
-    Routed experts are FSDP units of their own over what ep leaves of dp_shard (``expert_dp``).
+    Routed experts are FSDP units of their own over what ep leaves of dp_shard (``expert_dp``). Across nodes an
+    all-to-all's share for other nodes leaves through each GPU's own NIC (``seconds``); a dispatch that sends a
+    token once per node (plan.ep_dispatch=per_node, DeepEP/HybridEP's) moves less of it there.
   PP: each stage sends its activations forward and its input gradients back, per micro-batch.
   CP (plan/context.py): FSDP's group is dp_shard × cp; TP, EP and PP move the seq_len / cp tokens a rank holds.
 An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce, a send
@@ -36,6 +38,10 @@ from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, shard_nu
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 
+# plan.ep_dispatch: every routed copy sent to its expert's rank (composer3d-train), or a token once per node
+EP_DISPATCH = ("all_to_all", "per_node")
+
+
 @dataclass(frozen=True)
 class Collective:
     # mesh dimension: dp_shard (FSDP: dp_shard × cp), dp_replicate, dp (ZeRO-1 and DDP over all data-parallel
@@ -48,6 +54,9 @@ class Collective:
     # the share of the step's compute it can hide behind: the last micro-batch's backward for gradients reduced
     # once a step (ZeRO-1's buckets, FSDP under PP), all of it for what repeats every micro-batch
     window: float = 1.0
+    # an all-to-all of routed tokens that crosses to each other node once per token (plan.ep_dispatch=per_node):
+    # the routing (experts, top_k) that sets how many nodes a token's copies reach
+    per_node: tuple[int, int] | None = None
 
 
 def _gathered(s: tuple[int, ...], n: int) -> int:
@@ -130,8 +139,8 @@ def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
                        False)]
 
 
-def expert_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
-                    ) -> list[Collective]:
+def expert_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
+                    dispatch: str = "all_to_all") -> list[Collective]:
     """Each MoE layer sends every routed copy of its tokens to the rank holding its expert and back (two all-to-alls
     in forward, two in backward, after one of the per-expert counts); full checkpointing reruns forward's. A rank's
     share depends on the routing: the group's mean is exact."""
@@ -142,7 +151,8 @@ def expert_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: 
     rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
     counts = shape.moe.experts * 8 * c.microbatches  # int64
     nbytes = (4 * layers + 2 * rerun) * rows * shape.dim * compute_bytes + (layers + rerun) * counts
-    return [Collective("ep", "all_to_all", c.ep, nbytes, False)]
+    routing = (shape.moe.experts, shape.moe.top_k) if dispatch == "per_node" else None
+    return [Collective("ep", "all_to_all", c.ep, nbytes, False, per_node=routing)]
 
 
 def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int) -> list[Collective]:
@@ -160,12 +170,13 @@ def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, co
 
 
 def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
-                reduce_bytes: int) -> list[Collective]:
-    """Every collective of one step on a rank of this pipeline stage set but context parallel's (plan/context.py)."""
+                reduce_bytes: int, ep_dispatch: str = "all_to_all") -> list[Collective]:
+    """Every collective of one step on a rank of this pipeline stage set but context parallel's (plan/context.py);
+    ``ep_dispatch``: plan.ep_dispatch."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
     return (data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
             + tensor_parallel(shape, c, stages, held, compute_bytes)
-            + expert_parallel(shape, c, stages, held, compute_bytes)
+            + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch)
             + pipeline(shape, c, stages, held, compute_bytes))
 
 
@@ -176,20 +187,51 @@ def _stride(c: Candidate, dim: str) -> int:
             "dp_replicate": c.tp * c.cp * c.dp_shard, "pp": c.tp * c.cp * c.dp}[dim]
 
 
+def members_on_node(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> int:
+    """How many members of a ``dim`` group share a node."""
+    stride = _stride(c, dim)
+    if stride * group_size <= cluster.gpus_per_node:
+        return group_size
+    return max(1, min(group_size, cluster.gpus_per_node // stride))
+
+
 def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
     """Per-GPU bandwidth of a group of ``dim``: NVLink within a node; across nodes, each ring crosses a node's
     boundary once, and NCCL runs a ring (channel) per NIC, so the k members a node holds share its traffic over k
     NICs: k times a GPU's share of the network, at most NVLink's."""
-    stride = _stride(c, dim)
-    if stride * group_size <= cluster.gpus_per_node:
+    members = members_on_node(c, dim, group_size, cluster)
+    if members == group_size:
         return cluster.intra_node_bw
-    members = max(1, min(group_size, cluster.gpus_per_node // stride))
     return min(cluster.intra_node_bw, members * cluster.inter_node_bw)
+
+
+def node_crossings(experts: int, top_k: int, nodes: int) -> float:
+    """Of a token's ``top_k`` routed copies, the share a per-node dispatch sends to other nodes: one per other node
+    holding any of its experts (``nodes`` of a group, experts spread evenly, routing balanced as the published runs
+    force it), against the copies an all-to-all sends there, top_k · (nodes − 1) / nodes."""
+    on_node = experts // nodes
+    none_there = math.comb(experts - on_node, top_k) / math.comb(experts, top_k)
+    return nodes * (1 - none_there) / top_k
+
+
+def _all_to_all_seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
+    """Each member sends every other its own share, 1/n of its tensor: the members on its node over NVLink, the
+    others through its own NIC, both at once. No ring crosses a node once for the group: what leaves a node is
+    what its GPUs send to other nodes (a per-node dispatch, fewer of the same tokens)."""
+    n = col.group_size
+    k = members_on_node(c, col.dim, n, cluster)
+    local = col.bytes * (k - 1) / n / cluster.intra_node_bw
+    remote = col.bytes * (n - k) / n
+    if col.per_node and k < n:
+        remote *= node_crossings(*col.per_node, n // k)
+    return max(local, remote / cluster.inter_node_bw)
 
 
 def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
     """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through each GPU's link,
-    an all-reduce twice that; an all-to-all (n−1)/n of what it sends; a send its tensor once."""
+    an all-reduce twice that; a send its tensor once; an all-to-all as ``_all_to_all_seconds`` says."""
+    if col.kind == "all_to_all":
+        return _all_to_all_seconds(col, c, cluster)
     bw = link_bandwidth(c, col.dim, col.group_size, cluster)
     n = col.group_size
     if col.kind == "send":

@@ -39,6 +39,8 @@ class Workload:
     memory_headroom: float
     work: Work = Work(compiled=False, float8=False)  # torch.compile, float8 GEMMs
     published_overlap: bool = False  # plan.published_overlap
+    published_ep_overlap: bool = False  # plan.published_ep_overlap
+    ep_dispatch: str = "all_to_all"  # plan.ep_dispatch
     peft: Peft | None = None  # LoRA / QLoRA: what trains (plan/adapters.py)
     cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
 
@@ -47,8 +49,9 @@ class Workload:
         return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
                    cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
                    Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel,
-                        cfg.plan.norm_kernel),
-                   cfg.plan.published_overlap, Peft.from_config(cfg.peft), cfg.precision.cast)
+                        cfg.plan.norm_kernel, cfg.plan.published_float8_experts),
+                   cfg.plan.published_overlap, cfg.plan.published_ep_overlap, cfg.plan.ep_dispatch,
+                   Peft.from_config(cfg.peft), cfg.precision.cast)
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
         """Whether ``c`` runs on one device with precision.cast=params (``parallel.cast_once``), as training would
@@ -61,7 +64,8 @@ class Workload:
 
 # What no measurement backs yet, said beside the numbers it concerns (recipes/README.md, held-out rows)
 MOE_UNCALIBRATED = ("a mixture of experts' step is not calibrated by any measurement yet: on Megatron-Bridge's "
-                    "Qwen3-30B-A3B H100 layout the planner predicts 2.8x the published tokens/s")
+                    "Qwen3-30B-A3B H100 layout (EP 16 over two nodes) the planner predicts 1.28x the published "
+                    "tokens/s")
 
 
 @dataclass
@@ -101,20 +105,24 @@ class Estimate:
 
 
 def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, compute: float, layers: int,
-                  published_overlap: bool) -> dict[str, float]:
+                  published_overlap: bool, ep_overlap: bool) -> dict[str, float]:
     """Seconds a rank waits for each dimension's collectives (cp's apart: plan/context.py). On the critical path
     (TP, pipeline sends, ZeRO-1's gather) in full; those FSDP/DDP overlap share the step's compute, their excess
     waited for (attributed to their dimensions by share) plus the first block's gather, which nothing precedes;
     those reduced once a step hide behind their window only (the last micro-batch's backward).
     ``published_overlap`` (plan.published_overlap): TP and pipeline traffic hide behind compute as async TP and
-    Megatron's overlapped sends do, and ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward."""
+    Megatron's overlapped sends do, and ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward;
+    ``ep_overlap`` (plan.published_ep_overlap): expert parallel's all-to-alls hide behind compute, as Megatron's
+    overlap of one micro-batch's dispatch with another's compute does (without it they wait, as composer3d-train's)."""
     out: dict[str, float] = {}
     pool: dict[str, float] = {}
     for col in cols:
         if col.dim == "cp":
             continue
         t, window, overlapped = comm.seconds(col, c, cluster), col.window, col.overlapped
-        if published_overlap and not overlapped:
+        if col.dim == "ep":
+            overlapped = ep_overlap
+        elif published_overlap and not overlapped:
             overlapped = True
             if col.dim == "dp" and col.kind == "all_gather":
                 window = 1 / 3 / c.microbatches
@@ -139,7 +147,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
     mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft, work.casts_once(c, cluster),
                    work.work.compiled) for s in sets]
-    cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes) + context.collectives(shape, c, s, seq, cb)
+    cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch)
+            + context.collectives(shape, c, s, seq, cb)
             for s in sets]
     tokens_per_step = work.global_batch_size * seq
     state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
@@ -149,7 +158,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     bubble = compute[busiest] * bubble_ratio(c)
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
     for i, rank_cols in enumerate(cols):
-        mine = _exposed_comm(rank_cols, c, cluster, compute[i], sets[i].n_layers, work.published_overlap)
+        mine = _exposed_comm(rank_cols, c, cluster, compute[i], sets[i].n_layers, work.published_overlap,
+                             work.published_ep_overlap)
         if c.cp > 1:
             mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster, work.work.attention)
         host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])

@@ -91,6 +91,9 @@ class Work:
     float8: bool
     attention: str = "sdpa"  # plan.attention_kernel
     norm: str = "fused"  # plan.norm_kernel
+    # float8 covers the routed experts' GEMMs too (plan.published_float8_experts: Transformer Engine's grouped GEMMs);
+    # composer3d's float8 converts nn.Linear layers, its stacked experts stay in the compute dtype
+    float8_experts: bool = False
 
 
 def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> float:
@@ -111,16 +114,19 @@ def _linears(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
     return [(q // tp, h), (kv // tp, h), (kv // tp, h), (h, q // tp), (f // tp, h), (f // tp, h), (h, f // tp)]
 
 
-def _moe_linears(shape: ModelShape, tp: int) -> list[tuple[int, int, float]]:
-    """(out, in, rows per token) of a MoE block's linears on a TP rank: attention, router, shared experts (every
-    token), routed experts (top_k rows per token, spread over the experts)."""
+def _moe_linears(shape: ModelShape, tp: int, ep: int) -> tuple[list[tuple[int, int, float, int]],
+                                                                list[tuple[int, int, float, int]]]:
+    """(out, in, rows per token, GEMMs the rows are split over) of a MoE block's linears on a (TP, EP) rank, as
+    (attention, router and shared experts: every token; the routed experts: top_k rows per token, balanced, so a
+    rank's experts take as many copies as its tokens make, one GEMM per local expert, each reading its own weights
+    and writing their gradient)."""
     h, m = shape.dim, shape.moe
-    out = [(o, i, 1.0) for o, i in _linears(shape, tp)[:4]] + [(m.experts, h, 1.0)]
+    every = [(o, i, 1.0, 1) for o, i in _linears(shape, tp)[:4]] + [(m.experts, h, 1.0, 1)]
     s = m.shared * m.hidden
     if s:
-        out += [(s // tp, h, 1.0), (s // tp, h, 1.0), (h, s // tp, 1.0)]
-    f = m.hidden // tp
-    return out + [(f, h, m.top_k), (f, h, m.top_k), (h, f, m.top_k)]
+        every += [(s // tp, h, 1.0, 1), (s // tp, h, 1.0, 1), (h, s // tp, 1.0, 1)]
+    f, local = m.hidden // tp, m.experts // ep
+    return every, [(f, h, m.top_k, local), (f, h, m.top_k, local), (h, f, m.top_k, local)]
 
 
 def _activation_elements(shape: ModelShape, tp: int, moe: bool) -> float:
@@ -174,13 +180,17 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
     rerun_fwd = 1.0 if full else 1 / every if every else 0.0  # attention's forward and the whole block's
     rerun_elementwise = 1.0 if (full or op_level) else 1 / every if every else 0.0
 
-    def block_gemms(linears) -> float:
-        return sum(_gemm_s(rows * r, o, i, cluster, work.float8) for o, i, r in linears)
+    def block_gemms(linears, float8: bool) -> float:
+        return sum(g * _gemm_s(rows * r / g, o, i, cluster, float8) for o, i, r, g in linears)
 
-    dense = block_gemms([(o, i, 1.0) for o, i in _linears(shape, c.tp)])
-    moe = block_gemms(_moe_linears(shape, c.tp)) if stages.moe_layers else 0.0
+    dense = block_gemms([(o, i, 1.0, 1) for o, i in _linears(shape, c.tp)], work.float8)
+    moe = 0.0
+    if stages.moe_layers:
+        every, routed = _moe_linears(shape, c.tp, c.ep)
+        moe = block_gemms(every, work.float8) + block_gemms(routed, work.float8 and work.float8_experts)
     forward_gemm = stages.dense_layers * dense + stages.moe_layers * moe
-    head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0)]) if stages.last else 0.0
+    # the output head stays in the compute dtype under float8 (parallel/float8.py, as torchtitan's and Megatron's)
+    head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0, 1)], False) if stages.last else 0.0
     gemm = (3 + rerun_gemm) * forward_gemm + 3 * head
 
     # causal flash attention: forward 2·s·H·Q per token and layer, backward 2.5× that; cp: a rank's queries

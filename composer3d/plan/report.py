@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from composer3d.plan.comm import link_bandwidth
+from composer3d.plan.comm import members_on_node
 from composer3d.plan.estimate import Estimate
 from composer3d.plan.fits import Fit
 from composer3d.plan.hardware import Cluster
@@ -34,7 +34,7 @@ def detail(e: Estimate, cluster: Cluster) -> str:
     lines.append(f"  {'total':<16}{_gib(e.memory.total):>14}  {'fits' if e.fits else 'DOES NOT FIT'}{peak_note}")
     lines.append("bytes moved per step (the busiest pipeline rank), by dimension and link:")
     for col in e.collectives:
-        link = "intra-node" if link_bandwidth(c, col.dim, col.group_size, cluster) == cluster.intra_node_bw \
+        link = "intra-node" if members_on_node(c, col.dim, col.group_size, cluster) == col.group_size \
             else "inter-node"
         lines.append(f"  {col.dim:<13}{col.kind:<15} group {col.group_size:<5}{_gib(col.bytes):>14}  {link}"
                      f"{'' if col.overlapped else ', on the critical path'}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks import _check_known_keys, _check_model, _require
+from composer3d.plan.comm import EP_DISPATCH
 from composer3d.plan.hardware import DEVICES
 from composer3d.plan.kernels import ATTENTION_FRACTION, NORM_BYTES
 from composer3d.plan.layouts import ZERO_BUBBLE
@@ -32,6 +33,8 @@ def validate_plan(cfg: Any) -> None:
              f"{p.attention_kernel!r}", f"Choose one of {sorted(ATTENTION_FRACTION)}")
     _require(p.norm_kernel in NORM_BYTES, "plan.norm_kernel", f"unknown kernel {p.norm_kernel!r}",
              f"Choose one of {sorted(NORM_BYTES)}")
+    _require(p.ep_dispatch in EP_DISPATCH, "plan.ep_dispatch", f"unknown dispatch {p.ep_dispatch!r}",
+             f"Choose one of {list(EP_DISPATCH)}")
     _require(p.top >= 1, "plan.top", f"must be >= 1, got {p.top}", "Use e.g. 10")
     world = c.nodes * c.gpus_per_node
     _require(0 <= p.measure_rank < world, "plan.measure_rank", f"must name a rank of the {world} (cluster.nodes × "
