@@ -228,6 +228,17 @@ def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_d
     assert torch.equal(state[names[0]], torch.zeros(64))  # Gemma's (1 + w) norms start at w = 0
     assert abs(state[names[1]].std().item() - 0.1) < 0.01  # initializer_range of the fixture
     assert not torch.equal(state[names[1]], _tensors(path)[names[1]])  # not the saved weights
+    # Gemma 2's layers alternate a 24-token window with full attention: of a 32-token causal layer's 528 scores a
+    # windowed one computes 24 · (64 − 24 + 1) / 2 = 492 (transformers' layer_types name which layers)
+    from transformers import AutoConfig
+
+    from composer3d.training.flops import flops_per_token
+
+    config = AutoConfig.from_pretrained(path)
+    layers = sum(492 / 528 if kind == "sliding_attention" else 1 for kind in config.layer_types)
+    assert 0 < config.layer_types.count("sliding_attention") < len(config.layer_types)
+    info = single.run_info
+    assert info["flops_per_token"] == flops_per_token(info["num_params"], 512 * 64, layers, 4 * 16, 32)
 
 
 def test_resume_under_another_layout(model_dirs, tmp_path):

@@ -33,7 +33,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 from yaml import safe_load as yaml_value
 from plan_measure import run_measurements
-from planned import planned
+from planned import plan_config, planned
 
 from composer3d.config import register_configs
 from composer3d.plan import Workload, candidate_from_config, estimate
@@ -441,6 +441,26 @@ def test_plan_counts_a_hugging_face_mixture_of_experts(model_type, tmp_path):
                  "parallel.ep=2", "plan.format=json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])["comm_bytes_per_step"]["ep:all_to_all"] > 0, proc.stdout
+
+
+def test_plan_counts_a_sliding_window_models_flops_as_training_does(tmp_path):
+    """Gemma 3's layers alternate a 24-token window with full attention (transformers' layer_types): the planner's
+    FLOPs per token, as training's, count the scores a windowed layer needs, 24 · (64 − 24 + 1) / 2 = 492 of a
+    32-token causal layer's 528."""
+    from hf_models import make_model
+
+    from composer3d.config import resolve_model_config
+    from composer3d.plan.shapes import ModelShape
+
+    path = make_model(tmp_path / "gemma3_text", "gemma3_text", tokenizer=False)
+    cfg = plan_config("model=hf", f"model.path={path}")
+    resolve_model_config(cfg.model)
+    shape = ModelShape.from_config(cfg.model)
+    assert shape.windows == (24, 0, 24, 0)
+    full = 6 * (shape.num_active_params - shape.embedding_numel)
+    attention = 6 * shape.n_heads * shape.head_dim * 32
+    assert shape.flops_per_token(32) == round(full + (2 * 492 / 528 + 2) * attention)
+    assert shape.flops_per_token(16) == full + 4 * attention // 2  # the window covers all 16 tokens
 
 
 def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):

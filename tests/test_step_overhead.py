@@ -311,6 +311,24 @@ def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
     assert "MFU" in windowed.output and "TFLOP/s" in windowed.output
 
 
+@pytest.mark.parametrize("seq_len", [8, 33])
+def test_a_sliding_window_counts_the_scores_transformers_mask_keeps(seq_len):
+    """attended_share: of a causal layer's (query, key) pairs, those transformers' sliding-window mask keeps, counted
+    on the mask itself, for windows shorter than, equal to and longer than the sequence (0: no window)."""
+    from fractions import Fraction
+
+    import transformers.masking_utils as masks
+
+    from composer3d.training.flops import attended_share
+
+    q, k, zero = torch.arange(seq_len)[:, None], torch.arange(seq_len)[None, :], torch.tensor(0)
+    causal = int(masks.causal_mask_function(zero, zero, q, k).sum())
+    for window in (1, 3, seq_len, seq_len + 7):
+        kept = int(masks.sliding_window_causal_mask_function(window)(zero, zero, q, k).sum())
+        assert Fraction(attended_share(window, seq_len)).limit_denominator(10**6) == Fraction(kept, causal), window
+    assert attended_share(0, seq_len) == 1.0
+
+
 def test_flops_per_token_and_peak_table(monkeypatch):
     # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 6·L·H·Q·T (causal: half the score matrix)
     n, embedding = 1_498_482_688, 128256 * 2048

@@ -46,6 +46,8 @@ class ModelSpec:
     expert_parallel: Callable[[Any], tuple[int, str | None]] = lambda cfg: (cfg.moe.experts, None)
     # (model config) -> why context parallel cannot run the model (None: it can); checked before launch when cp > 1
     context_parallel_problem: Callable[[Any], str | None] = lambda cfg: None
+    # (model config) -> each layer's sliding attention window in keys (0: the whole causal prefix): FLOPs per token
+    attention_windows: Callable[[Any], list[int]] = lambda cfg: [0] * cfg.n_layers
 
 
 @dataclass(frozen=True)

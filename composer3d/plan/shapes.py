@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 
 from composer3d.errors import ConfigError
+from composer3d.models import MODEL_REGISTRY
 from composer3d.models.llama import ffn_hidden_dim
 from composer3d.parallel.pipeline import split_layers, stage_ids_of_rank
 
@@ -79,6 +80,9 @@ class ModelShape:
     vocab: int
     tied: bool
     moe: ExpertShape | None = None
+    # each layer's sliding attention window (0: the whole causal prefix): what FLOPs per token count; the attention's
+    # time stays a causal layer's (transformers' sdpa, the default, runs a window as a mask: every tile computed)
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, m) -> ModelShape:
@@ -86,7 +90,8 @@ class ModelShape:
         ffn = ffn_hidden_dim(m.dim, m.multiple_of, m.ffn_dim_multiplier, m.ffn_hidden_dim)
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=heads, n_kv_heads=m.n_kv_heads or heads,
                    head_dim=m.head_dim or m.dim // heads, ffn=ffn, vocab=m.vocab_size, tied=bool(m.tie_embeddings),
-                   moe=ExpertShape.from_hf(m.path) if m.name == "hf" else ExpertShape.from_config(m.moe, ffn))
+                   moe=ExpertShape.from_hf(m.path) if m.name == "hf" else ExpertShape.from_config(m.moe, ffn),
+                   windows=tuple(MODEL_REGISTRY[m.name].attention_windows(m)))
 
     def is_moe(self, layer: int) -> bool:
         return self.moe is not None and layer >= self.moe.dense_layers
@@ -161,10 +166,11 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 6·L·H·Q·T (composer3d.training.flops' convention: causal attention, N the active parameters
-        without the embedding table)."""
-        from composer3d.training.flops import flops_per_token
+        without the embedding table, L less what sliding windows leave out)."""
+        from composer3d.training.flops import attention_layers, flops_per_token
 
-        return flops_per_token(self.num_active_params, self.embedding_numel, self.n_layers, self.n_heads * self.head_dim,
+        layers = attention_layers(list(self.windows), seq_len) if self.windows else self.n_layers
+        return flops_per_token(self.num_active_params, self.embedding_numel, layers, self.n_heads * self.head_dim,
                                seq_len)
 
 

@@ -17,7 +17,7 @@ from composer3d.parallel.peft import adapter_params, saved_params, trainable_par
 from composer3d.parallel.pipeline import StageModule
 from composer3d.parallel.tensor import keep_grads_in_param_layout
 from composer3d.parallel.tied import check_twins_match, init_aliases
-from composer3d.training.flops import embedding_params, flops_per_token
+from composer3d.training.flops import attention_layers, embedding_params, flops_per_token
 
 
 @dataclass
@@ -41,8 +41,8 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     active_params = num_params - model.inactive_params()
     m = cfg.model
     matmul, embedding, trained = _matmul_params(model, active_params, cfg.peft)
-    flops = flops_per_token(matmul, embedding, m.n_layers, m.n_heads * (m.head_dim or m.dim // m.n_heads),
-                            cfg.train.seq_len, trained)
+    flops = flops_per_token(matmul, embedding, attention_layers(spec.attention_windows(m), cfg.train.seq_len),
+                            m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len, trained)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     stages = parallelize(model, spec, mesh, cfg, device)
     offload = cfg.parallel.offload == "cpu"

@@ -4,7 +4,9 @@ FLOPs per token follow the PaLM paper's convention (appendix B): 6·N for the ma
 the parameters without the embedding table (a lookup, not a matmul; an untied head counts), plus the attention
 scores and their weighted sum: 12·L·H·Q·T over the full T × T matrix (L layers, H heads, Q head dim, T sequence
 length), of which a causal model's attention needs half, 6·L·H·Q·T: the PaLM paper counts the full matrix, which
-overstates MFU the more the longer the sequence (at 131k tokens attention is most of an 8B model's FLOPs).
+overstates MFU the more the longer the sequence (at 131k tokens attention is most of an 8B model's FLOPs). A layer
+whose queries see a sliding window of w keys (Mistral, Gemma 2/3, gpt-oss) counts the scores it needs,
+w·(2T − w + 1) / (T·(T + 1)) of a causal layer's, whatever kernel computes them.
 Activation recomputation is not counted: MFU measures useful work, so checkpointing lowers it.
 The 6·N is 2·N forward, 2·N for the activations' gradients and 2·N for the weights' gradients; a frozen weight
 (``peft``: the base) gets none of the last, so a LoRA run counts 4·N + 2·(its trainable matmul parameters), N
@@ -41,14 +43,28 @@ def embedding_params(model: nn.Module) -> int:
     return sum(p.numel() for p in tables.values())
 
 
-def flops_per_token(num_params: int, num_embedding_params: int, n_layers: int, attention_width: int,
+def attended_share(window: int, seq_len: int) -> float:
+    """The share of a causal layer's scores that a layer whose queries each see at most ``window`` keys (itself
+    included, as transformers' sliding_window; 0: every earlier key) computes over ``seq_len`` tokens."""
+    if not window or window >= seq_len:
+        return 1.0
+    return window * (2 * seq_len - window + 1) / (seq_len * (seq_len + 1))
+
+
+def attention_layers(windows: list[int], seq_len: int) -> float:
+    """Layers' worth of causal attention a model computes: one per full layer, ``attended_share`` per windowed one."""
+    return sum(attended_share(w, seq_len) for w in windows)
+
+
+def flops_per_token(num_params: int, num_embedding_params: int, n_layers: float, attention_width: int,
                     seq_len: int, trainable_matmul_params: int | None = None) -> int:
-    """4·N + 2·N_trained + 6·L·H·Q·T (``attention_width`` = H·Q, the query projection's width; causal attention).
-    N: the matmul parameters (``num_params`` without the embedding tables); N_trained: those that get a weight
-    gradient (``trainable_matmul_params``; all of N when None), so 6·N when every weight trains."""
+    """4·N + 2·N_trained + 6·L·H·Q·T (``attention_width`` = H·Q, the query projection's width; causal attention;
+    L: ``attention_layers``, the layers less what sliding windows leave out). N: the matmul parameters
+    (``num_params`` without the embedding tables); N_trained: those that get a weight gradient
+    (``trainable_matmul_params``; all of N when None), so 6·N when every weight trains."""
     matmul = num_params - num_embedding_params
     trained = matmul if trainable_matmul_params is None else trainable_matmul_params
-    return 4 * matmul + 2 * trained + 6 * n_layers * attention_width * seq_len
+    return round(4 * matmul + 2 * trained + 6 * n_layers * attention_width * seq_len)
 
 
 def compute_dtype_key(param_dtype: str) -> str:

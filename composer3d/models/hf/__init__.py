@@ -18,7 +18,8 @@ below); its modules, bottom to top:
 transformers itself is imported only where a Hugging Face model is used, never by importing this package.
 """
 
-from composer3d.models.hf.config import expert_count, fill_model_config, load_hf_config, moe_sizes, resolve_model_dir
+from composer3d.models.hf.config import (attention_windows, expert_count, fill_model_config, load_hf_config, moe_sizes,
+                                        resolve_model_dir)
 from composer3d.models.hf.context_parallel import context_parallel_problem
 from composer3d.models.hf.conversion import to_checkpoint_names
 from composer3d.models.hf.experts import expert_parallel_support
@@ -33,7 +34,8 @@ SPEC = ModelSpec(
     "hf", HFCausalLM, tensor_parallel_plan, tp_split_sizes, tensor_parallel_problem=tensor_parallel_problem,
     pretrained_weights=lambda cfg: cfg.path if cfg.pretrained else None, load_pretrained=load_pretrained,
     check_pretrained=check_pretrained, check_forward=check_forward_matches_transformers,
-    expert_parallel=expert_parallel_support, context_parallel_problem=context_parallel_problem)
+    expert_parallel=expert_parallel_support, context_parallel_problem=context_parallel_problem,
+    attention_windows=lambda cfg: attention_windows(load_hf_config(resolve_model_dir(cfg.path))))
 
 __all__ = ["SPEC", "HFCausalLM", "check_pretrained", "expert_count", "export_files", "fill_model_config",
            "load_hf_config", "load_pretrained", "resolve_model_dir", "to_checkpoint_names", "wants_router_loss"]

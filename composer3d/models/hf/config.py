@@ -61,6 +61,23 @@ def expert_count(config) -> int:
 
 
 
+def layer_types(config) -> list[str]:
+    """Each decoder layer's attention type as transformers masks it: its ``layer_types``, else a sliding window on
+    every layer where the config has one (Mistral), else full attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+def attention_windows(config) -> list[int]:
+    """Each layer's sliding window in keys a query sees, itself included (transformers' sliding_window); 0: every
+    earlier key."""
+    window = getattr(config, "sliding_window", None) or 0
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types(config)]
+
+
 def moe_sizes(config) -> tuple[dict | None, str | None]:
     """A transformers config's mixture of experts in composer3d's terms (``model.moe``'s keys: experts, top_k,
     shared_experts, expert_hidden_dim, dense_layers), or (None, None) for a dense model; (None, why) where its MoE

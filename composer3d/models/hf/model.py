@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer3d.errors import ConfigError
-from composer3d.models.hf.config import expert_count, load_hf_config, resolve_model_dir
+from composer3d.models.hf.config import expert_count, layer_types, load_hf_config, resolve_model_dir
 from composer3d.models.hf.context_parallel import ATTENTION, attention_plan, register_attention
 from composer3d.models.hf.conversion import model_conversions
 from composer3d.models.hf.experts import count_routing, hf_expert_modules, inactive_params, use_expert_parallel
@@ -97,6 +97,7 @@ class HFCausalLM(nn.Module):
         self._owners = {name: copy.deepcopy(self.get_submodule(name.rpartition(".")[0]))
                         for name in self.full_shapes}
         self._rotary_by_type = "layer_type" in inspect.signature(self.model.rotary_emb.forward).parameters
+        self._layer_types = layer_types(self.config)
         embedding_key, logits_key, self._divide_logits = _TOP_LEVEL_SCALING.get(
             self.config.model_type, (None, None, False))
         self._embedding_multiplier = getattr(self.config, embedding_key) if embedding_key else None
@@ -191,10 +192,7 @@ class HFCausalLM(nn.Module):
         self.config._attn_implementation = ATTENTION
 
     def _layer_type(self, layer_id: str) -> str:
-        types = getattr(self.config, "layer_types", None)
-        if types:
-            return types[int(layer_id)]
-        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+        return self._layer_types[int(layer_id)]
 
     def _masks(self, reference: torch.Tensor, position_ids: torch.Tensor, kinds: set[str],
                attention_mask: torch.Tensor | None = None, cache=None) -> dict[str, Any]:
