@@ -18,6 +18,7 @@ receive buffers and backward's temporaries, README).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -461,6 +462,10 @@ def test_plan_counts_a_sliding_window_models_flops_as_training_does(tmp_path):
     attention = 6 * shape.n_heads * shape.head_dim * 32
     assert shape.flops_per_token(32) == round(full + (2 * 492 / 528 + 2) * attention)
     assert shape.flops_per_token(16) == full + 4 * attention // 2  # the window covers all 16 tokens
+    # plan.what_fits grows the layers: the pattern repeats (8 layers, 4 of them windowed)
+    grown = dataclasses.replace(shape, n_layers=8)
+    assert grown.flops_per_token(32) == round(6 * (grown.num_active_params - grown.embedding_numel)
+                                              + (4 * 492 / 528 + 4) * attention)
 
 
 def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):

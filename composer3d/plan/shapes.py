@@ -169,7 +169,9 @@ class ModelShape:
         without the embedding table, L less what sliding windows leave out)."""
         from composer3d.training.flops import attention_layers, flops_per_token
 
-        layers = attention_layers(list(self.windows), seq_len) if self.windows else self.n_layers
+        # (plan.what_fits grows n_layers: the windows' pattern repeats over the added layers)
+        windows = [self.windows[i % len(self.windows)] for i in range(self.n_layers)] if self.windows else []
+        layers = attention_layers(windows, seq_len) if windows else self.n_layers
         return flops_per_token(self.num_active_params, self.embedding_numel, layers, self.n_heads * self.head_dim,
                                seq_len)
 
