@@ -30,11 +30,12 @@ and an all-to-all by their tensor. Gathered parameters travel in the compute dty
 from __future__ import annotations
 
 import math
+from functools import cache
 from dataclasses import dataclass
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, rank_sum, shard_degree, shard_numel, whole, zero1_degree
+from composer3d.plan.memory import fsdp_shards, shard_degree, shard_numel, whole, zero1_degree
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 
@@ -59,9 +60,10 @@ class Collective:
     per_node: tuple[int, int] | None = None
 
 
-def _gathered(s: tuple[int, ...], n: int) -> int:
-    """Elements an FSDP all-gather of this parameter produces: padded to a multiple of n rows."""
-    return math.ceil(s[0] / n) * n * math.prod(s[1:])
+@cache  # the search prices the same units at the same degrees over and over
+def _gathered(unit: Unit, n: int) -> int:
+    """Elements an FSDP all-gather of one copy of ``unit`` produces: each parameter padded to a multiple of n rows."""
+    return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in unit.params)
 
 
 def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int) -> list[Collective]:
@@ -80,9 +82,9 @@ def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_by
             if not mine:
                 continue
             n = shard_degree(c, mine[0])
-            gathers = rank_sum(mine, lambda p, u: _gathered(p, shard_degree(c, u))
-                               * (2 if reshard and u.kind != "root" else 1))
-            grads = rank_sum(mine, lambda p, u: _gathered(p, shard_degree(c, u)))
+            grads = sum(u.count * _gathered(u, shard_degree(c, u)) for u in mine)
+            gathers = sum(u.count * _gathered(u, shard_degree(c, u)) * (2 if reshard and u.kind != "root" else 1)
+                          for u in mine)
             if n > 1:  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
                 out.append(Collective(dim, "all_gather", n, m * gathers * compute_bytes, True))
                 out.append(Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True, window))

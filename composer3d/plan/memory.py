@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 from composer3d.parallel.fsdp import reshard_blocks_after_forward
 from composer3d.plan.activations import cp_attention, cp_mask_bytes, layer_activations
@@ -83,14 +84,15 @@ def shard_numel(shape: tuple[int, ...], n: int) -> int:
     return math.ceil(shape[0] / n) * math.prod(shape[1:])
 
 
-def rank_sum(units: list[Unit], per_param) -> float:
-    """``per_param(shape, unit)`` summed over a rank's parameters."""
-    return sum(u.count * sum(per_param(s, u) for s in u.params) for u in units)
+@cache  # the search prices the same units at the same degrees over and over
+def sharded_numel(unit: Unit, n: int) -> int:
+    """Elements of the largest rank's FSDP shards of one copy of ``unit``, over ``n`` ranks."""
+    return sum(shard_numel(s, n) for s in unit.params)
 
 
 def whole(units: list[Unit]) -> float:
     """Elements of a rank's parameters before FSDP (split by tp, pp and ep only)."""
-    return rank_sum(units, lambda s, u: math.prod(s))
+    return sum(u.count * u.numel for u in units)
 
 
 def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | None = None, compute_bytes: int = 4
@@ -102,13 +104,13 @@ def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | No
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     trainable, frozen = (units, 0.0) if peft is None else _peft_units(units, c, peft)
     if fsdp_shards(c):
-        local = rank_sum(trainable, lambda s, u: shard_numel(s, shard_degree(c, u)))
+        local = sum(u.count * sharded_numel(u, shard_degree(c, u)) for u in trainable)
         return frozen + 4 * local, 4 * local, opt * local
     n = whole(trainable)
     if c.zero_stage == 1 and c.dp * c.cp > 1:  # gradients: the whole buckets, and the reduced slices this rank owns
-        owned = rank_sum(trainable, lambda s, u: math.prod(s) / zero1_degree(c, u))
+        owned = sum(u.count * u.numel / zero1_degree(c, u) for u in trainable)
         # a bucket reduced over no other rank is its own reduced slice (the experts under ep = dp_shard × cp)
-        slices = rank_sum(trainable, lambda s, u: math.prod(s) / zero1_degree(c, u) if zero1_degree(c, u) > 1 else 0)
+        slices = sum(u.count * u.numel / zero1_degree(c, u) for u in trainable if zero1_degree(c, u) > 1)
         masters = 4 * owned if compute_bytes < 4 else 0.0
         return frozen + 4 * n, 4 * n + 4 * slices, opt * owned + masters
     return frozen + 4 * n, 4 * n, opt * n

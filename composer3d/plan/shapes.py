@@ -64,7 +64,7 @@ class Unit:
     kind: str  # block | experts | root
     names: tuple[str, ...] = ()  # the root's: embedding, norm, head (plan/adapters.py matches them)
 
-    @property
+    @cached_property  # the search asks for it of the same units tens of thousands of times
     def numel(self) -> int:
         return sum(math.prod(s) for s in self.params)
 
@@ -164,6 +164,7 @@ class ModelShape:
     def embedding_numel(self) -> int:
         return self.vocab * self.dim
 
+    @cache  # noqa: B019 (every estimate asks it)
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 6·L·H·Q·T (composer3d.training.flops' convention: causal attention, N the active parameters
         without the embedding table, L less what sliding windows leave out)."""
@@ -194,7 +195,8 @@ class StageSet:
     def dense_layers(self) -> int:
         return self.n_layers - self.moe_layers
 
-    def units(self, shape: ModelShape, tp: int, ep: int) -> list[Unit]:
+    @cache  # noqa: B019 (stage sets are cached themselves; the search asks the same ones again and again)
+    def units(self, shape: ModelShape, tp: int, ep: int) -> tuple[Unit, ...]:
         """This rank's parameters as FSDP units (those it has: a count of 0 is left out)."""
         units = [Unit(tuple(shape.block_params(tp)), self.dense_layers, "block")]
         if self.moe_layers:
@@ -204,7 +206,7 @@ class StageSet:
                 + (shape.head_params(tp, twin=not self.first) if self.last else []))
         names = (("embedding",) if self.first else ()) + (("norm", "head")[:len(root) - self.first] if self.last
                                                           else ())
-        return [u for u in units + [Unit(tuple(root), 1, "root", names)] if u.count and u.params]
+        return tuple(u for u in units + [Unit(tuple(root), 1, "root", names)] if u.count and u.params)
 
 
 @cache
