@@ -113,8 +113,8 @@ def main() -> None:
                     break
                 flops = 2 * s * s * heads * d  # causal forward
                 print(f"{kernel:<8}{heads:>6}{d:>5}{gqa:>8}{s:>7}{fwd * 1e3:>10.3f}{bwd * 1e3:>10.3f}"
-                      f"{flops / fwd / 1e12:>10.3f}{2.5 * flops / bwd / 1e12:>10.3f}"
-                      f"{3.5 * flops / (fwd + bwd) / 1e12:>10.3f}")
+                      f"{flops / fwd / 1e12:>10.4g}{2.5 * flops / bwd / 1e12:>10.4g}"  # significant digits: a
+                      f"{3.5 * flops / (fwd + bwd) / 1e12:>10.4g}")  # slow CPU step's rate is not rounded to 0
     block = Block(*block_shape).to(device=device, dtype=dtype)
     print(f"block (dim {block_shape[0]}, SDPA unasked), forward + backward: {'ms':>9}{'us/token':>10}")
     for s in lengths:

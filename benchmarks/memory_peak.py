@@ -95,9 +95,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=20, help="allocation sites listed")
     parser.add_argument("overrides", nargs="*", help="composer3d Hydra overrides, e.g. memory.ac_policy=...")
     args = parser.parse_args()
-    device = distributed.resolve_device(args.device)
-    if device.type != "cuda":
-        print(f"memory_peak: the {device.type} device's allocator keeps no trace of its allocations (CUDA's does); "
+    kind = distributed.device_type(args.device)  # not touched yet: the trainer sets its allocator up first
+    if kind != "cuda":
+        print(f"memory_peak: the {kind} device's allocator keeps no trace of its allocations (CUDA's does); "
               "on the CPU composer3d-plan plan.measure=true measures a rank's peak", file=sys.stderr)
         sys.exit(2)
     cfg, degrees, device = build_config(args.shape, args.device, args.compile, args.overrides)

@@ -168,7 +168,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("overrides", nargs="*", help="composer3d Hydra overrides, e.g. train.loss_impl=fused")
     args = parser.parse_args()
-    shape = args.shape or ("cpu" if distributed.resolve_device(args.device).type == "cpu" else "1b")
+    shape = args.shape or ("cpu" if distributed.device_type(args.device) == "cpu" else "1b")
     cfg, degrees, device = build_config(shape, args.device, args.compile, args.overrides)
     print(f"profiling {shape} on {device}", file=sys.stderr, flush=True)
     step_times, kernels = profile_step(cfg, degrees, device, args.warmup, args.steps, args.trace)

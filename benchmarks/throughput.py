@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = parser.parse_args()
 
-    default_shape = "cpu" if distributed.resolve_device(args.device).type == "cpu" else "1b"
+    default_shape = "cpu" if distributed.device_type(args.device) == "cpu" else "1b"  # the device not touched yet
     shape = args.shape or default_shape
     cfg, degrees, device = build_config(shape, args.device, args.compile)
     with one_rank(cfg, degrees, device) as (mesh, sequences):

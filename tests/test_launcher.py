@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from harness import FAST, RunResult, start, train, wait_until
 from hydra import compose, initialize_config_module
 
@@ -182,3 +183,21 @@ def test_where_no_parent_death_signal_exists_a_watchdog_ends_the_orphan(tmp_path
     parent.kill()
     parent.wait()
     assert _all_gone([worker], 5), "an orphan outlived its parent by 5 s"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's caching allocator setting")
+def test_cuda_allocator_grows_segments_in_place_unless_the_environment_or_the_config_says_otherwise():
+    """memory.expandable_segments (the default): the device's segments are expandable, and the run records the
+    setting; a PYTORCH_CUDA_ALLOC_CONF of the environment wins, and false leaves the allocator as torch sets it."""
+    code = ("import sys, torch; from composer3d.launch.distributed import allocator_settings, resolve_device; "
+            "device = resolve_device('cuda', 0, sys.argv[1] == 'true'); x = torch.empty(2**20, device=device); "
+            "print(allocator_settings(), all(s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']))")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")}
+
+    def run(flag: str, **extra) -> str:
+        return subprocess.run([sys.executable, "-c", code, flag], env={**env, **extra}, capture_output=True,
+                              text=True, check=True, timeout=120).stdout.split()
+
+    assert run("true") == ["expandable_segments:True", "True"]
+    assert run("false") == ["None", "False"]
+    assert run("true", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:False") == ["expandable_segments:False", "False"]

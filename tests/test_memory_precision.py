@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 from harness import FAST, train, train_in_one_group
 
 STEPS = ["train.steps=6"]
@@ -108,6 +109,9 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             if cast == "autocast":  # fp32 parameters and residual stream; the matmuls cast as they run
                 assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank["block_input_dtypes"] == [
                     "torch.float32"], rank
+                # the head saves its fp32 weight, not a cast of it (cast_head_in_backward): autocast's linear saves
+                # a bf16 copy of vocab x dim, which an accelerator's step holds at its peak
+                assert rank["head_saved_weight_dtypes"] == ["torch.float32"], rank["head_saved_weight_dtypes"]
             if shards:
                 # FSDP's policy: gathered params in the low dtype, gradients reduced in fp32 (reduce_dtype's
                 # default), and the collectives indeed carried those dtypes
@@ -509,3 +513,46 @@ def test_selective_checkpointing_under_compile_recomputes_only_cheap_ops():
     assert selective[0] - alternate[0] == 128 * 4 * (64 + 64 + 256), (selective[0], alternate[0])
     assert alternate[1:3] == (14 + 3, 0), alternate[1:3]
     assert torch.allclose(alternate[3], none[3], atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_autocast_head_computes_autocasts_bits_and_keeps_no_cast_of_its_weight(tied):
+    """cast_head_in_backward: the head's output and both gradients are autocast's linear's to the bit (the same
+    kernels on the same operands; a tied head's gradient adds to its embedding's), and what forward saves for
+    backward holds no low-precision copy of the weight: autocast's linear saves one (vocab x dim), which on an
+    accelerator's one-device step is alive at the peak, in the head's backward."""
+    from composer3d.parallel.autocast import cast_head_in_backward
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings, self.output = nn.Embedding(1000, 64), nn.Linear(64, 1000, bias=False)
+            if tied:
+                self.output.weight = self.tok_embeddings.weight
+
+        def forward(self, tokens):
+            return self.output(self.tok_embeddings(tokens) * 1.5)
+
+    torch.manual_seed(0)
+    plain, recast = Model(), Model()
+    recast.load_state_dict(plain.state_dict())
+    cast_head_in_backward(recast)
+    tokens = torch.randint(0, 1000, (2, 37))
+    grad = torch.randn(2, 37, 1000, generator=torch.Generator().manual_seed(1)).bfloat16()
+    results = {}
+    for name, model in (("plain", plain), ("recast", recast)):
+        weight = model.output.weight
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens)
+        logits.backward(grad)
+        head_sized = [t for t in saved if t.shape in (weight.shape, weight.t().shape)]
+        results[name] = logits, weight.grad, model.tok_embeddings.weight.grad, head_sized
+    assert [t.dtype for t in results["plain"][3]] == [torch.bfloat16]  # autocast's cast, kept
+    assert [t.data_ptr() for t in results["recast"][3]] == [recast.output.weight.data_ptr()]  # the weight itself
+    for a, b in zip(results["plain"][:3], results["recast"][:3]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # evaluation: the plain linear
+        assert torch.equal(recast(tokens), plain(tokens))
+    assert recast(tokens).dtype == torch.float32  # outside autocast: fp32, as nn.Linear

@@ -176,6 +176,10 @@ class MemoryConfig:
     # the tensors autograd saves in each block's forward (under checkpointing: what it keeps) go to pinned host
     # memory and come back ahead of their backward, the next block's prefetched (side stream on an accelerator)
     activation_offload: bool = False
+    # CUDA's caching allocator grows its segments in place (expandable_segments:True, as torchtitan's launcher sets):
+    # what it reserves stays near what is allocated. A PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF in the
+    # environment wins. No effect on other devices
+    expandable_segments: bool = True
 
 
 @dataclass

@@ -87,13 +87,27 @@ def is_accelerator(device: torch.device) -> bool:
     return torch.accelerator.is_available() and device.type == torch.accelerator.current_accelerator().type
 
 
-def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+# torch reads its caching allocator's settings from the first of these that is set (the second, older name: CUDA's)
+ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def allocator_settings() -> str | None:
+    """The caching allocator's settings this process runs with, as the environment gives them."""
+    return next((os.environ[name] for name in ALLOCATOR_SETTINGS if name in os.environ), None)
+
+
+def resolve_device(requested: str, local_rank: int = 0, expandable_segments: bool = False) -> torch.device:
     """This rank's device (see ``device_type``); an accelerator is made current for this process. Checked against
     the node's process count where the launcher says it (torchrun and the local launcher: every rank refuses alike),
-    else against this rank's index (srun)."""
+    else against this rank's index (srun). ``expandable_segments`` (memory.expandable_segments): CUDA's caching
+    allocator grows a segment in place instead of reserving a new one per size, so what it reserves stays near
+    what is allocated (torchtitan's launcher sets the same); settings the environment gives win. Set before the
+    device is first touched, when the allocator reads them."""
     kind = device_type(requested, local_processes=int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
     if kind == "cpu":
         return torch.device("cpu")
+    if expandable_segments and kind == "cuda" and allocator_settings() is None and not torch.cuda.is_initialized():
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the name every torch we run reads
     torch.accelerator.set_device_index(local_rank)
     return torch.device(kind, local_rank)
 

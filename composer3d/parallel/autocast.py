@@ -11,16 +11,64 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from composer3d.dtypes import DTYPES
 
 
 def autocast_forward(roots: list[nn.Module], param_dtype: str, device: torch.device) -> None:
-    """Run each root module's forward under autocast to ``param_dtype`` (nothing to do for float32)."""
+    """Run each root module's forward under autocast to ``param_dtype`` (nothing to do for float32); the head, where
+    a root holds it, casts its weight again in backward (``cast_head_in_backward``)."""
     if param_dtype == "float32":
         return
     for root in roots:
         root.forward = torch.autocast(device.type, dtype=DTYPES[param_dtype])(root.forward)
+        cast_head_in_backward(root)
+
+
+class _LinearKeepingWeight(torch.autograd.Function):
+    """``F.linear(x_low, weight_low)`` that saves the fp32 ``weight`` for backward instead of its low-precision cast
+    ``weight_low``: backward casts it again for ∂x and frees it before ∂W is made. The same kernels on the same
+    operands as autocast's linear, so the same bits. Its gradients stay in the low dtype: the casts before it
+    (``Tensor.to``'s backward nodes) take them to fp32 once this node, and the logits' gradient with it, is done."""
+
+    @staticmethod
+    def forward(ctx, x_low: torch.Tensor, weight_low: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_low, weight)
+        return F.linear(x_low, weight_low)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x_low, weight = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = rows.mm(weight.to(grad.dtype)).view(x_low.shape)  # the cast lives for this matmul only
+        if ctx.needs_input_grad[1]:
+            grad_w = rows.t().mm(x_low.reshape(-1, x_low.shape[-1]))
+        return grad_x, grad_w, None
+
+
+def cast_head_in_backward(model: nn.Module) -> None:
+    """Under autocast, the output head keeps no low-precision copy of its weight from forward to backward
+    (``_LinearKeepingWeight``): on one device the head's backward is the step's peak (an H200's allocator trace,
+    1B: the logits' gradient, the saved cast and the weight's gradient together), and this takes one cast of the
+    head (vocab · dim · 2 bytes) from it. Only a plain bias-free ``nn.Linear`` over a local weight: a
+    tensor-parallel head's DTensor, or an adapter around it, keeps autocast's linear."""
+    head = getattr(model, "output", None)
+    if type(head) is not nn.Linear or head.bias is not None or isinstance(head.weight, DTensor):
+        return
+    plain = head.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if not (torch.is_grad_enabled() and torch.is_autocast_enabled(device)):
+            return plain(x)
+        dtype = torch.get_autocast_dtype(device)
+        return _LinearKeepingWeight.apply(x.to(dtype), head.weight.to(dtype), head.weight.detach())
+
+    head.forward = forward
 
 
 def auto_cast(accelerator: bool, world_size: int, compiled: bool, zero_stage: int, peft_method: str) -> str:

@@ -154,12 +154,14 @@ def _autocast_casts(trained: list[Unit], c: Candidate, compute_bytes: int, compi
     backward, more at the end of forward). Their matmuls save them for backward; a checkpointed block's are cast
     again in its recomputation, then one at a time. Eager, autocast's cache holds every cast until the forward's
     autocast region ends (an H200, 1B, selective: 28.5 GiB, where one block's casts predicted 26.6); compiled
-    blocks cast inside their graphs, which keep only what backward needs."""
-    tables = sum(math.prod(s) for u in trained if u.kind == "root"
-                 for s, name in zip(u.params, u.names) if name == "embedding")
+    blocks cast inside their graphs, which keep only what backward needs. The head keeps none either: it casts its
+    weight again in backward (``parallel.autocast.cast_head_in_backward``), except a tensor-parallel head."""
+    uncast = ("embedding", "head") if c.tp == 1 else ("embedding",)
+    uncast_numel = sum(math.prod(s) for u in trained if u.kind == "root"
+                 for s, name in zip(u.params, u.names) if name in uncast)
     recast = whole([u for u in trained if u.kind != "root"]) * _recomputed_blocks(c)
     one_block = max(u.numel for u in trained if u.kind != "root") if recast else 0.0
-    kept = (whole(trained) - tables - recast + one_block) * compute_bytes
+    kept = (whole(trained) - uncast_numel - recast + one_block) * compute_bytes
     return kept, (0.0 if compiled else (recast - one_block) * compute_bytes)
 
 

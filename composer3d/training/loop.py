@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from composer3d.errors import StoppedBySignal, TrainingDiverged
+from composer3d.launch.distributed import allocator_settings, is_accelerator
 from composer3d.launch.stop_signals import StopSignals
 from composer3d.training.console import human_bytes
 from composer3d.training.garbage import StepGarbageCollection
@@ -47,6 +48,7 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
         **({"num_active_params": trainer.active_params} if trainer.active_params != trainer.num_params else {}),
         "accumulation_steps": trainer.accumulation_steps, "flops_per_token": trainer.throughput.flops_per_token,
         "peak_flops_per_device": trainer.throughput.peak, **trainer.run_info_extra,
+        **({"allocator_settings": allocator_settings()} if is_accelerator(trainer.device) else {}),
     }
     pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
     window_start = time.perf_counter()

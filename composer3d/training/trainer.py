@@ -342,7 +342,8 @@ def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[dict, to
     """Checks and settings every rank makes before its process group exists (training and evaluation alike):
     the layout's degrees, this rank's device, and the resolved compute dtype."""
     degrees = validate(cfg, env.world_size if env else 1)
-    device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0)
+    device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0,
+                                        cfg.memory.expandable_segments)
     validate_for_device(cfg, degrees, device.type)
     resolve_precision(cfg, device, env.world_size if env else 1)
     return degrees, device

@@ -219,6 +219,7 @@ def _effects(trainer: Trainer) -> dict:
                          for _, m, _ in getattr(optimizer, "pairs", ())],
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
         "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
+        "head_saved_weight_dtypes": sorted(getattr(trainer, "_probe_head_saved", ())),
         # what the (uncompiled) blocks computed from: the residual stream they got, and their weights as the
         # projections held them during the forward (FSDP's cast copies, or autocast's fp32 parameters)
         "block_input_dtypes": sorted(trainer._probe_block_dtypes["input"]),
@@ -245,6 +246,23 @@ def _effects(trainer: Trainer) -> dict:
 _init, _train_step = Trainer.__init__, Trainer.train_step
 
 
+def _record_head_saves(trainer: Trainer, head) -> None:
+    """The dtypes of what the head's forward saves for backward in the shape of its weight (or its transpose):
+    the weight itself (fp32) or a low-precision cast of it."""
+    trainer._probe_head_saved = saved = set()
+    shapes = {tuple(head.weight.shape), tuple(head.weight.shape[::-1])}
+
+    def pack(t):
+        if tuple(t.shape) in shapes:
+            saved.add(str(t.dtype))
+        return t
+
+    hooks = []
+    head.register_forward_pre_hook(lambda module, args: hooks.append(
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)) or hooks[-1].__enter__())
+    head.register_forward_hook(lambda module, args, output: hooks.pop().__exit__(None, None, None))
+
+
 def __init__(self: Trainer, *args, **kwargs) -> None:
     for counter in _ELEMENTS_BY_GROUP.values():
         counter.clear()
@@ -253,6 +271,7 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
     head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
     if head is not None:
         head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
+        _record_head_saves(self, head)
     self._probe_block_dtypes = dtypes = {"input": set(), "weight": set()}
     first_tokens = lambda module, args: setattr(  # noqa: E731  (the tokens of a sequence, at the first call)
         module, "_probe_tokens", getattr(module, "_probe_tokens", None) or args[0].shape[1])
