@@ -87,7 +87,7 @@ def is_accelerator(device: torch.device) -> bool:
     return torch.accelerator.is_available() and device.type == torch.accelerator.current_accelerator().type
 
 
-# torch reads its caching allocator's settings from the first of these that is set (the second, older name: CUDA's)
+# where torch reads its caching allocator's settings (the second: CUDA's older name, which every torch we run reads)
 ALLOCATOR_SETTINGS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 

@@ -158,7 +158,7 @@ def _autocast_casts(trained: list[Unit], c: Candidate, compute_bytes: int, compi
     weight again in backward (``parallel.autocast.cast_head_in_backward``), except a tensor-parallel head."""
     uncast = ("embedding", "head") if c.tp == 1 else ("embedding",)
     uncast_numel = sum(math.prod(s) for u in trained if u.kind == "root"
-                 for s, name in zip(u.params, u.names) if name in uncast)
+                       for s, name in zip(u.params, u.names) if name in uncast)
     recast = whole([u for u in trained if u.kind != "root"]) * _recomputed_blocks(c)
     one_block = max(u.numel for u in trained if u.kind != "root") if recast else 0.0
     kept = (whole(trained) - uncast_numel - recast + one_block) * compute_bytes
