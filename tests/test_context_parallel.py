@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from harness import FAST, processes, train, train_in_one_group
+from harness import FAST, processes, train_in_one_group
 
 STEPS = ["train.steps=10"]
 MASKING = {"documents": ["data.document_masking=true"], "causal": ["data.document_masking=false"]}
@@ -123,7 +123,8 @@ def documents(corpus):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, documents):
     root = tmp_path_factory.mktemp("cp_ref")
-    runs = {kind: train(root / kind, *FAST, *STEPS, *overrides) for kind, overrides in documents.items()}
+    runs = dict(zip(documents, train_in_one_group([(root / kind, [*FAST, *STEPS, *overrides])
+                                                   for kind, overrides in documents.items()], nproc=1)))
     assert runs["documents"].losses != runs["causal"].losses, "document masking changes this corpus's curve"
     return runs
 
