@@ -634,12 +634,11 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
     one-process run's. With transformers' router loss asked for (output_router_logits), under EP 2 × FSDP 4 with
     full activation checkpointing and EP 2 × FSDP 2 × TP 2 + SP, curve and router loss are the one-process run's
     too."""
-    from harness import train, train_in_one_group
+    from harness import train_in_one_group
 
     args = _moe_training_args(moe_models["qwen3_moe"])
-    one = train(tmp_path / "one", *args)
     aux_args = _moe_training_args(_with_router_loss(moe_models["qwen3_moe"], tmp_path / "router_loss"))
-    aux_one = train(tmp_path / "aux_one", *aux_args)
+    one, aux_one = train_in_one_group([(tmp_path / "one", args), (tmp_path / "aux_one", aux_args)], nproc=1)
     aux_layouts = {"aux_fsdp4_ep2_full_ac": ["parallel.dp_shard=4", "parallel.ep=2",
                                              "memory.activation_checkpointing=full"],
                    "aux_fsdp2_ep2_tp2_sp": ["parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
