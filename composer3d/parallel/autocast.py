@@ -4,7 +4,8 @@ with ``precision.cast=autocast``, compiled runs' default there).
 FSDP's mixed-precision policy casts the gathered parameters; with no data-parallel dim there is nothing to gather,
 so the roots' forwards run under ``torch.autocast`` instead: matmuls and attention in bf16/fp16, parameters,
 gradients and optimizer state in fp32 (what torchtitan does on one device). Numerically close to FSDP's policy,
-not identical: autocast keeps the residual stream, norms and softmax-like ops in fp32.
+not identical: autocast keeps the residual stream, norms and softmax-like ops in fp32. The output head runs the
+same kernels but keeps its fp32 weight for backward, not autocast's copy of it (``cast_head_in_backward``).
 """
 
 from __future__ import annotations
