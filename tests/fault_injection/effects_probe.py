@@ -257,10 +257,14 @@ def _record_head_saves(trainer: Trainer, head) -> None:
             saved.add(str(t.dtype))
         return t
 
-    hooks = []
-    head.register_forward_pre_hook(lambda module, args: hooks.append(
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)) or hooks[-1].__enter__())
-    head.register_forward_hook(lambda module, args, output: hooks.pop().__exit__(None, None, None))
+    active = []  # the hooks of the head's call in progress
+
+    def enter(module, args):
+        active.append(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        active[-1].__enter__()
+
+    head.register_forward_pre_hook(enter)
+    head.register_forward_hook(lambda module, args, output: active.pop().__exit__(None, None, None))
 
 
 def __init__(self: Trainer, *args, **kwargs) -> None:
