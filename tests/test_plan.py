@@ -290,12 +290,13 @@ def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
 
 def test_planner_predicts_composer3d_steps_at_the_current_code():
     """composer3d's own runs on one H200 at the current code (benchmarks/plan_published.py, rows measured beside
-    torchtitan on 2026-11-26 and 27): eager and compiled, selective AC by either policy or none, either cast, each
-    predicted within 6% of its measured tokens/s. The eager constants set on the issue's older eager runs predicted
-    row 19 29% slow."""
+    torchtitan from 2026-11-26 to 28): eager and compiled, selective AC by either policy or none, either cast, the
+    1B and the 3B, each predicted within 6% of its measured tokens/s. The eager constants set on the issue's older
+    eager runs predicted row 19 29% slow; charging alternate_matmuls half the forward GEMMs (it reruns wk, wo and
+    w3: a third of their FLOPs) predicted rows 24 and 28 4% and 7% slow."""
     errors = {row: round(e.tokens_per_s_per_gpu / tokens - 1, 3) for row, source, tokens, e in _published_rows()
               if "H200" in source}
-    assert len(errors) == 7 and all(abs(err) < 0.06 for err in errors.values()), errors
+    assert len(errors) == 8 and all(abs(err) < 0.06 for err in errors.values()), errors
 
 
 def test_readme_what_fits_rows_are_what_the_planner_prints():
@@ -624,6 +625,7 @@ def test_op_level_selective_gathers_again_in_backward_for_less_memory(tmp_path):
     tp_peak = max(r["peak_bytes"] for r in runs["tp2_sp", True])
     assert tp_peak - max(r["peak_bytes"] for r in runs["tp2_sp", False]) > 0.05 * tp_peak
 
+LLAMA_3B = ["model.dim=3072", "model.n_layers=28", "model.n_heads=24", "model.ffn_hidden_dim=8192"]
 H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192", "train.global_batch_size=1",
            "train.micro_batch_size=1", "cluster.nodes=1", "cluster.gpus_per_node=1", "cluster.device=h200",
            "parallel.dp_shard=1", *SELECTIVE]
@@ -637,6 +639,7 @@ H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192"
     # without checkpointing, compiled (autocast) and eager (params, cast_once)
     (["compile.enabled=true", "memory.activation_checkpointing=none"], 31.02),
     (["compile.enabled=false", "memory.activation_checkpointing=none"], 33.50),
+    (["compile.enabled=true", *LLAMA_3B], 57.82),  # the 3B (2026-11-28): its peak is the end of forward
 ])
 def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     """The peaks one H200 measured (README: the loss's gradient written over the logits, 2026-11-27; the autocast rows
@@ -645,7 +648,10 @@ def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     block's (an embedding lookup casts none, the head keeps none: the compiled rows fell 0.46 GiB with it); eager,
     every block's until forward ends (that row did not move: 28.52 GiB before and after, predicted 2.7% low).
     Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it, predicted the
-    compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted)."""
+    compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted). Not here: the
+    3B under alternate_matmuls, 54.07 GiB measured and 52.38 predicted (-3.1%). Its allocator trace puts the peak
+    just after the head's backward with 10.6 GiB of the blocks' saved tensors, where the same compiled block on the
+    CPU keeps the planner's 9.2 to the byte: inductor's CUDA partition of that block keeps more."""
     est, _ = planned(*H200_1B, *overrides)
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
 

@@ -174,24 +174,32 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
     every = c.ac_every if c.activation_checkpointing == "selective" else 0
     op_level = c.activation_checkpointing == "selective" and not every
     layers = stages.dense_layers + stages.moe_layers
-    # forward GEMMs rerun per block: full checkpointing all of them, alternate_matmuls every other one
-    rerun_gemm = 1.0 if full else 1 / every if every else (
-        0.5 if op_level and c.ac_policy == "alternate_matmuls" else 0.0)
+    # forward GEMMs rerun per block: full checkpointing all of them, every ac_every-th block's
+    rerun_gemm = 1.0 if full else 1 / every if every else 0.0
+    alternate = op_level and c.ac_policy == "alternate_matmuls"
     rerun_fwd = 1.0 if full else 1 / every if every else 0.0  # attention's forward and the whole block's
     rerun_elementwise = 1.0 if (full or op_level) else 1 / every if every else 0.0
 
     def block_gemms(linears, float8: bool) -> float:
         return sum(g * _gemm_s(rows * r / g, o, i, cluster, float8) for o, i, r, g in linears)
 
-    dense = block_gemms([(o, i, 1.0, 1) for o, i in _linears(shape, c.tp)], work.float8)
+    linears = [(o, i, 1.0, 1) for o, i in _linears(shape, c.tp)]
+    dense = block_gemms(linears, work.float8)
+    # alternate_matmuls reruns the 2nd, 4th, … matmul it counts in a block (plan/activations.py's
+    # block_matmul_outputs): wk, wo, w3, a third of a dense block's GEMM FLOPs (charging half predicted its H200
+    # rows 4–7% slow). A sequence tile's matmuls are not counted.
+    counted = linears[:4] if c.tile_mlp > 1 else linears
+    rerun_alternate = stages.dense_layers * block_gemms(counted[1::2], work.float8) if alternate else 0.0
     moe = 0.0
     if stages.moe_layers:
         every, routed = _moe_linears(shape, c.tp, c.ep)
         moe = block_gemms(every, work.float8) + block_gemms(routed, work.float8 and work.float8_experts)
+        if alternate:  # the routed experts' grouped matmuls are not counted: always kept
+            rerun_alternate += stages.moe_layers * block_gemms(every[1::2], work.float8)
     forward_gemm = stages.dense_layers * dense + stages.moe_layers * moe
     # the output head stays in the compute dtype under float8 (parallel/float8.py, as torchtitan's and Megatron's)
     head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0, 1)], False) if stages.last else 0.0
-    gemm = (3 + rerun_gemm) * forward_gemm + 3 * head
+    gemm = (3 + rerun_gemm) * forward_gemm + rerun_alternate + 3 * head
 
     # causal flash attention: forward 2·s·H·Q per token and layer, backward 2.5× that; cp: a rank's queries
     # against the whole sequence's keys, half of them masked on average
