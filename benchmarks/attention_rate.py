@@ -5,7 +5,8 @@
 What composer3d-plan's attention term rests on (plan/kernels.py, ``plan.attention_kernel``): the FLOP/s that
 scaled-dot-product attention reaches, causal, batch 1, forward and backward apart, for each kernel SDPA has here:
 flash (FlashAttention-2: torch's default on Hopper before 2.9), cudnn (cuDNN's fused kernel: the default there
-since), and what SDPA picks unasked. Shapes: Llama 3 8B's heads (32 query, 8 KV heads of 128; GQA expanded as
+since), what SDPA picks unasked, and what it picks under a dense boolean causal mask (masked: how context
+parallel's allgather and ulysses styles attend, their mask of global token indices; no flash kernel takes one). Shapes: Llama 3 8B's heads (32 query, 8 KV heads of 128; GQA expanded as
 torchtitan's model does, and as ``enable_gqa``) and Llama 3.2 1B's (32 of 64). FLOPs are the causal count (half the
 score matrix): forward 2·s²·h·d, backward 2.5× that (it recomputes the scores). Then one Llama 3 8B block in plain
 PyTorch (RMSNorm, GQA attention, SwiGLU), forward + backward, per token at each length: what the length adds to a
@@ -27,6 +28,7 @@ from composer3d.launch.distributed import is_accelerator, resolve_device
 
 KERNELS = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION],
            "default": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]}
+KERNELS["masked"] = KERNELS["default"]
 
 
 def _timed(fn, steps: int, accelerator: bool) -> float:
@@ -47,12 +49,14 @@ def attention(s: int, heads: int, kv_heads: int, d: int, gqa: str, kernel: str, 
     q = torch.randn(1, heads, s, d, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(1, kv_heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv")
     grad = torch.randn(1, heads, s, d, device=device, dtype=dtype)
+    mask = torch.ones(s, s, dtype=torch.bool, device=device).tril() if kernel == "masked" else None
 
     def forward():
         if gqa == "expand":
             return F.scaled_dot_product_attention(q, k.repeat_interleave(heads // kv_heads, 1),
-                                                  v.repeat_interleave(heads // kv_heads, 1), is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                                                  v.repeat_interleave(heads // kv_heads, 1), attn_mask=mask,
+                                                  is_causal=mask is None)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
 
     with sdpa_kernel(KERNELS[kernel]):
         with torch.no_grad():

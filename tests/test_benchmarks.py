@@ -301,11 +301,13 @@ def test_context_parallel_benchmark_prints_the_balances_side_by_side():
 
 
 def test_attention_rate_benchmark_times_each_kernel_and_the_block():
-    """On the CPU (fp32, small shapes): the flash kernel and SDPA's own pick timed for expanded and native GQA at
-    each length with positive rates, cuDNN's kernel reported missing, the block timed per token at each length."""
+    """On the CPU (fp32, small shapes): the flash kernel and SDPA's own pick, unmasked and under a dense causal
+    mask, timed for expanded and native GQA at each length with positive rates, cuDNN's kernel reported missing,
+    the block timed per token at each length."""
     stdout = _run("attention_rate.py", "--lengths", "32", "64", "--steps", "1")
-    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in (["flash"], ["default"])]
-    assert [(r[0], r[3], r[4]) for r in rows] == [(kernel, gqa, s) for kernel in ("flash", "default")
+    kernels = ("flash", "default", "masked")
+    rows = [line.split() for line in stdout.splitlines() if line.split()[:1] in ([k] for k in kernels)]
+    assert [(r[0], r[3], r[4]) for r in rows] == [(kernel, gqa, s) for kernel in kernels
                                                   for gqa in ("expand", "native") for s in ("32", "64")], stdout
     assert all(float(r[5]) > 0 and float(r[7]) > 0 and float(r[9]) > 0 for r in rows), stdout
     assert "cudnn        4   16  expand     32  not available here" in stdout, stdout

@@ -7,6 +7,7 @@ from planned import plan_config, planned
 from composer3d.plan import Workload
 from composer3d.plan.comm import seconds
 from composer3d.plan.context import exposed_seconds
+from composer3d.plan.estimate import CP_MASKED_UNMEASURED
 from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.activations import cp_mask_bytes
 from composer3d.plan.search import best, checked
@@ -81,7 +82,8 @@ def test_other_styles_cost_their_collectives_and_masks(by_cp, style, extra):
 def test_the_search_chooses_context_parallel_at_131k_tokens():
     """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without cp, and it
     passes composer3d's own checks. The all-gather of K/V (8 of 32 heads: a quarter of q's bytes) comes within 0.1%
-    of the ring, at 17 GiB more a GPU: the ring, the smaller of two equals, is chosen."""
+    of the ring, at 17 GiB more a GPU: the ring, the smaller of two equals, is chosen. The all-gather's estimate
+    says what it has not measured: its attention runs under a dense mask, priced at the causal kernel's rate."""
     cfg = plan_config(*LONG)
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
     chosen, fitting, _ = best(cfg, cluster)
@@ -89,6 +91,7 @@ def test_the_search_chooses_context_parallel_at_131k_tokens():
     gathering = min((e for e in fitting if e.candidate.cp_style == "allgather"), key=lambda e: e.step_time_s)
     assert gathering.step_time_s < chosen.step_time_s < 1.001 * gathering.step_time_s
     assert gathering.memory.total > chosen.memory.total + 10 * GIB
+    assert not chosen.notes and gathering.notes == [CP_MASKED_UNMEASURED.format(style="allgather")], gathering.notes
     without = [e for e in fitting if e.candidate.cp == 1]
     assert without and chosen.step_time_s < min(e.step_time_s for e in without)
     trial = checked(cfg, chosen.candidate, cluster.world_size)

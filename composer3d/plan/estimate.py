@@ -66,6 +66,9 @@ class Workload:
 MOE_UNCALIBRATED = ("a mixture of experts' step is not calibrated by any measurement yet: on Megatron-Bridge's "
                     "Qwen3-30B-A3B H100 layout (EP 16 over two nodes) the planner predicts 1.28x the published "
                     "tokens/s")
+CP_MASKED_UNMEASURED = ("cp_style={style} attends with SDPA under a dense mask of global token indices, not the causal "
+                        "kernel the ring's blocks run: that rate is not measured yet (benchmarks/attention_rate.py "
+                        "prints it as masked) and is priced as plan.attention_kernel's")
 
 
 @dataclass
@@ -178,4 +181,12 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         step_time_s=step, tokens_per_s_per_gpu=tokens_per_step / world / step, tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None, bubble_fraction=bubble_fraction(c),
         fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom
-        and host_fits(mems, cluster, work.memory_headroom), notes=[MOE_UNCALIBRATED] if shape.moe else [])
+        and host_fits(mems, cluster, work.memory_headroom), notes=_notes(shape, c))
+
+
+def _notes(shape: ModelShape, c: Candidate) -> list[str]:
+    """What no measurement backs yet in this estimate."""
+    notes = [MOE_UNCALIBRATED] if shape.moe else []
+    if c.cp > 1 and c.cp_style != "ring":
+        notes.append(CP_MASKED_UNMEASURED.format(style=c.cp_style))
+    return notes

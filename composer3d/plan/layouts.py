@@ -112,7 +112,9 @@ class Candidate:
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}/v{self.stages_per_rank}/M{self.microbatches}")
         parts.append(f"mb{self.micro_batch_size}")
-        parts.append(f"ac:{self.activation_checkpointing}")
+        parts.append(f"ac:{self.activation_checkpointing}"
+                     + ("/alternate" if self.activation_checkpointing == "selective" and not self.ac_every
+                        and self.ac_policy == "alternate_matmuls" else ""))
         if self.offload != "none":
             parts.append("offload")
         if self.tile_mlp > 1 or self.tile_loss > 1:
