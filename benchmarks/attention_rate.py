@@ -6,8 +6,9 @@ What composer3d-plan's attention term rests on (plan/kernels.py, ``plan.attentio
 scaled-dot-product attention reaches, causal, batch 1, forward and backward apart, for each kernel SDPA has here:
 flash (FlashAttention-2: torch's default on Hopper before 2.9), cudnn (cuDNN's fused kernel: the default there
 since), what SDPA picks unasked, and what it picks under a dense boolean causal mask (masked: how context
-parallel's allgather and ulysses styles attend, their mask of global token indices; no flash kernel takes one). Shapes: Llama 3 8B's heads (32 query, 8 KV heads of 128; GQA expanded as
-torchtitan's model does, and as ``enable_gqa``) and Llama 3.2 1B's (32 of 64). FLOPs are the causal count (half the
+parallel's allgather and ulysses styles attend, their mask of global token indices; no flash kernel takes one).
+Shapes: Llama 3 8B's heads (32 query, 8 KV heads of 128; GQA expanded as torchtitan's model does, and as
+``enable_gqa``) and Llama 3.2 1B's (32 of 64). FLOPs are the causal count (half the
 score matrix): forward 2·s²·h·d, backward 2.5× that (it recomputes the scores). Then one Llama 3 8B block in plain
 PyTorch (RMSNorm, GQA attention, SwiGLU), forward + backward, per token at each length: what the length adds to a
 block. Each time is the median of ``--steps`` after two warm-ups. On an accelerator in bf16; on the CPU (a smoke run)

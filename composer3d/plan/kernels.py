@@ -186,7 +186,7 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
     linears = [(o, i, 1.0, 1) for o, i in _linears(shape, c.tp)]
     dense = block_gemms(linears, work.float8)
     # alternate_matmuls reruns the 2nd, 4th, … matmul it counts in a block (plan/activations.py's
-    # block_matmul_outputs): wk, wo, w3, a third of a dense block's GEMM FLOPs (charging half predicted its H200
+    # block_matmul_outputs): wk, wo, w3, about a third of a dense block's GEMM FLOPs (charging half predicted its H200
     # rows 4–7% slow). A sequence tile's matmuls are not counted.
     counted = linears[:4] if c.tile_mlp > 1 else linears
     rerun_alternate = stages.dense_layers * block_gemms(counted[1::2], work.float8) if alternate else 0.0
