@@ -127,6 +127,12 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
         saved = block_input + outputs * h + (2 * q + 2 * kv + heads) / t + mlp_selective + collectives + cp_saved
         if c.ac_policy == "alternate_matmuls":
             saved -= sum(block_matmul_outputs(shape, c, moe, compute_bytes)[1::2])
+        if compiled and not moe and not tiled and t == 1 and c.cp == 1:
+            # Inductor drops what backward never reads, kept or not: w2's output. The block input stays in the
+            # residual stream's dtype and the log-sum-exp is fp32 (a CPU count of a compiled block, to the byte:
+            # autocast's stream and bf16 parameters, either policy).
+            fp32 = 4 / compute_bytes
+            saved += block_input * ((fp32 if fp32_residual else 1) - 1) + heads * (fp32 - 1) - h
         return LayerActivations(saved, full - saved + backward_temporaries)
     if c.activation_checkpointing == "selective":  # every ac_every-th block fully checkpointed
         share = 1 / c.ac_every
