@@ -649,7 +649,7 @@ def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     every block's until forward ends (that row did not move: 28.52 GiB before and after, predicted 2.7% low).
     Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it, predicted the
     compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted). Not here: the
-    3B under alternate_matmuls, 54.07 GiB measured and 52.38 predicted (-3.1%). Its allocator trace puts the peak
+    3B under alternate_matmuls, 54.07 GiB measured and 52.40 predicted (-3.1%). Its allocator trace puts the peak
     just after the head's backward with 10.6 GiB of the blocks' saved tensors, where the same compiled block on the
     CPU keeps the planner's 9.2 to the byte: inductor's CUDA partition of that block keeps more."""
     est, _ = planned(*H200_1B, *overrides)
