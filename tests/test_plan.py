@@ -656,7 +656,9 @@ def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
 
 
-BLOCK_DIMS = ["model=tiny", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden_dim=192"]
+BLOCK = (64, 4, 2, 192)  # dim, heads, KV heads, ffn: a tiny block, built as TransformerBlock and as the config
+BLOCK_DIMS = ["model=tiny", *(f"model.{key}={value}" for key, value in
+                              zip(("dim", "n_heads", "n_kv_heads", "ffn_hidden_dim"), BLOCK))]
 BLOCK_TOKENS = 128
 
 
@@ -669,14 +671,15 @@ def _kept_by_block(compiled: bool, autocast: bool = True, policy: str | None = N
 
     dtype = torch.float32 if autocast else torch.bfloat16
     holder = torch.nn.Module()
-    holder.layers = torch.nn.ModuleDict({"0": TransformerBlock(64, 4, 2, 192, 1e-5).to(dtype)})
+    dim, heads = BLOCK[:2]
+    holder.layers = torch.nn.ModuleDict({"0": TransformerBlock(*BLOCK, 1e-5).to(dtype)})
     if policy:
         apply_activation_checkpointing(holder, "selective", 0, policy)
     block = holder.layers["0"]
     if compiled:
         block.compile()
-    x = torch.randn(1, BLOCK_TOKENS, 64, dtype=dtype, requires_grad=True)
-    cos, sin = rope_tables(16, BLOCK_TOKENS, 10000.0)
+    x = torch.randn(1, BLOCK_TOKENS, dim, dtype=dtype, requires_grad=True)
+    cos, sin = rope_tables(dim // heads, BLOCK_TOKENS, 10000.0)
     weights = {shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
     tables = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     saved = {}
