@@ -64,7 +64,7 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
 def block_matmul_outputs(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> list[float]:
     """A block's linear matmuls' outputs per token (elements of the compute dtype), in the order they run: what
     ``alternate_matmuls`` (parallel/activation.py) counts afresh in each block, keeping the 1st, 3rd, … and
-    recomputing the others.
+    recomputing the others (plan/kernels.py charges the rerun of the same ones, by their GEMMs' shapes).
 
     Attention: wq wk wv wo. Dense: w1 w3 w2, so alternate_matmuls recomputes wk, wo and w3. MoE: the router's
     fp32 logits and the shared experts' w1 w3 w2 (the routed experts' grouped matmuls are not counted: always
