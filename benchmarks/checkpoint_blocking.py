@@ -26,7 +26,7 @@ def run(mode: str, args, root: Path) -> dict:
         f"train.steps={args.steps}", "train.seq_len=128", f"train.global_batch_size={2 * args.nproc}",
         "train.micro_batch_size=2", "checkpoint.interval=2", "checkpoint.keep_last=1", f"checkpoint.async_mode={mode}",
     ]
-    subprocess.run([sys.executable, "-m", "composer3d.train", *overrides], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "composer3d.commands.train", *overrides], check=True, capture_output=True)
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     blocked = [m["checkpoint_blocked_s"] for m in metrics[1:] if "checkpoint_blocked_s" in m]  # skip warm-up save
     plain = [m["step_time_s"] for m in metrics[1:] if "checkpoint_blocked_s" not in m]

@@ -57,8 +57,8 @@ def _worker(rank: int, world: int, args, port: int, out: dict) -> None:
 
     from composer3d.launch.distributed import Env, init_process_group, resolve_device, shut_down
     from composer3d.models.llama.attention import Attention, document_mask, rope_tables
-    from composer3d.parallel import ring_attention
-    from composer3d.parallel.cp_balance import document_ids
+    from composer3d.parallel.context import ring_attention
+    from composer3d.parallel.context.balance import document_ids
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
@@ -125,8 +125,8 @@ def _measure(attention, x, rope, positions, mask, reference, cp_mesh, balance: s
     """One rank's steps of ``attention`` on its share of ``x`` (all of it without ``cp_mesh``) under ``balance``."""
     import torch.distributed as dist
 
-    from composer3d.parallel.context import ContextParallel
-    from composer3d.parallel.cp_balance import document_ids, rank_work
+    from composer3d.parallel.context.balance import document_ids, rank_work
+    from composer3d.parallel.context.context_parallel import ContextParallel
 
     device = x.device
     documents = None if positions is None else document_ids(positions)
@@ -203,7 +203,7 @@ def main() -> None:
         parser.error(f"--cp {args.cp}: each must divide the largest, {world} (the processes they share)")
     # forked from one server that imported torch and composer3d once (each spawned process would import them anew)
     mp.set_forkserver_preload(["torch", "torch.distributed", "composer3d.models.llama.attention",
-                               "composer3d.parallel.context", "composer3d.launch.distributed"])
+                               "composer3d.parallel.context.context_parallel", "composer3d.launch.distributed"])
     mp.start_processes(_worker, args=(world, args, _free_port(), out), nprocs=world, join=True,
                        start_method="forkserver")
     rows = []

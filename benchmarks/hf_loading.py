@@ -56,10 +56,10 @@ def _worker(rank: int, world: int, path: str, store: str, results) -> None:
     from omegaconf import OmegaConf
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from composer3d.training.assemble import build_parallel_model
     from composer3d.config import TrainConfig, resolve_model_config, validate
     from composer3d.launch.distributed import shut_down
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+    from composer3d.training.assemble import build_parallel_model
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)

@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_module
 from composer3d.config import register_configs, validate
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import resolve_device
-from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
 from composer3d.training.metrics import memory_breakdown, model_state_bytes
 from composer3d.training.trainer import Trainer
 

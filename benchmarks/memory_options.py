@@ -25,7 +25,6 @@ import time
 import torch
 from memory_compile import in_fresh_process, trainer_for
 
-
 from composer3d.training.metrics import memory_breakdown, model_state_bytes
 
 MODELS = {  # where the MLP hidden and the logits are most of the activations, as at long sequences

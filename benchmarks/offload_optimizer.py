@@ -19,7 +19,7 @@ import time
 import torch
 
 from composer3d.launch.distributed import resolve_device
-from composer3d.parallel.offload import HostOffloadOptimizer
+from composer3d.memory.optimizer_offload import HostOffloadOptimizer
 
 
 def _params(total: float, tensors: int, device: torch.device) -> list[torch.nn.Parameter]:

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from composer3d.launch.distributed import is_accelerator, resolve_device
-from composer3d.layout import Layout
+from composer3d.parallel.mesh import Layout
 from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.grad import clip_grad_norm_
 from composer3d.training.optim import numbered_blocks

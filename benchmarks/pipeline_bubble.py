@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
     from composer3d.launch.distributed import Env, shut_down
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.trainer import Trainer, prepare_rank
 
     register_configs()

@@ -117,7 +117,7 @@ ROWS = [
      None),
     (24, "composer3d Llama 3.2 1B, 1 H200, compiled, selective AC (alternate)",
      _one_gpu(True, "selective", *H200_1B, "memory.ac_policy=alternate_matmuls"), 47119, None),
-    # 2026-11-27, a later call: cast=params without FSDP (parallel/cast_once.py); 46,582 through FSDP's path before
+    # 2026-11-27, a later call: cast=params without FSDP (precision/cast_once.py); 46,582 through FSDP's path before
     (25, "composer3d Llama 3.2 1B, 1 H200, eager", _one_gpu(False, "none", *H200_1B), 46824, None),
     (26, "composer3d Llama 3.2 1B, 1 H200, compiled", _one_gpu(True, "none", *H200_1B), 51381, None),  # 11-28
     (27, "composer3d Llama 3.2 3B, 1 H200, compiled, selective AC",
@@ -204,7 +204,7 @@ def _causal_half(overrides: list[str]) -> float:
 
 def _predict(overrides: list[str], extra: list[str]) -> dict | str:
     """composer3d-plan's JSON estimate for the layout, or its one-line refusal."""
-    proc = subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *on_device(overrides), "plan.format=json",
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.plan", *on_device(overrides), "plan.format=json",
                            *extra], check=False, capture_output=True, text=True)
     return proc.stderr.strip() if proc.returncode else json.loads(proc.stdout.splitlines()[-1])
 

@@ -26,9 +26,9 @@ import time
 from collections import defaultdict
 
 import torch
+from throughput import SHAPES, build_config, model_flops_per_token, one_rank, synchronize
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-from throughput import SHAPES, build_config, model_flops_per_token, one_rank, synchronize
 
 from composer3d.launch import distributed
 from composer3d.models.llama import Llama

@@ -43,8 +43,8 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from composer3d.config import register_configs
 from composer3d.data import build_sequences
 from composer3d.launch import distributed
-from composer3d.layout import ParallelMesh, layout_from_degrees
 from composer3d.models.llama import Llama
+from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
 from composer3d.training.flops import embedding_params, flops_per_token, peak_flops
 from composer3d.training.trainer import Trainer, prepare_rank
 

@@ -1,5 +1,5 @@
 """Ring attention's blocks, merge and backward in one process (a "virtual ring"): every cp rank's share computed by
-the block kernels of the device (``composer3d.parallel.attention_blocks``) and checked against full attention per
+the block kernels of the device (``composer3d.parallel.context.attention_blocks``) and checked against full attention per
 token and per gradient — the way to check the accelerator's kernels without a process group — and timed against
 the device's own full attention.
 
@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from composer3d.launch.distributed import resolve_device
-from composer3d.parallel.attention_blocks import KERNELS, block_backward, block_forward, kernel_for
-from composer3d.parallel.cp_balance import head_tail
-from composer3d.parallel.ring_attention import fold_heads, merge_block, query_heads, ring_blocks
+from composer3d.parallel.context.attention_blocks import KERNELS, block_backward, block_forward, kernel_for
+from composer3d.parallel.context.balance import head_tail
+from composer3d.parallel.context.ring_attention import fold_heads, merge_block, query_heads, ring_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -4,7 +4,7 @@
                                       [-- hydra overrides, e.g. precision.reduce_dtype=bfloat16 model=tiny]
 
 Trains a few steps of each data-parallel mode on ``nproc`` gloo ranks of this machine (the real trainer, through
-``composer3d.train.run``) and counts every collective the training steps issue (``torch.distributed``'s functions
+``composer3d.commands.train.run``) and counts every collective the training steps issue (``torch.distributed``'s functions
 wrapped; the start-up, logging and checkpoints outside the steps are not counted). Bytes are what each rank sends
 under the ring algorithms: (N−1)/N of the whole buffer for a reduce-scatter or an all-gather, 2(N−1)/N for an
 all-reduce (N the ranks of its group). Φ is the parameters' bytes: Φ_r in ``precision.reduce_dtype`` (what the
@@ -109,10 +109,10 @@ def expected_sent_bytes(mode: str, groups: list[tuple[int, int]], reduce_bytes: 
 def _worker(rank: int, nproc: int, jobs: list[tuple[str, str, list[str]]], ports: list[int], steps: int) -> None:
     from hydra import compose, initialize_config_module
 
+    from composer3d.commands.train import run
     from composer3d.config import register_configs, resolve_model_config
     from composer3d.launch import distributed
-    from composer3d.parallel.zero_buckets import local
-    from composer3d.train import run
+    from composer3d.parallel.data_parallel.zero_buckets import local
     from composer3d.training.trainer import Trainer
 
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
@@ -166,7 +166,7 @@ def measure(modes: list[str], nproc: int, steps: int, overrides: list[str]) -> l
         jobs = [(mode, str(Path(root) / mode), job(mode)) for mode in modes]
         stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
         # forked from one server that imported torch and composer3d once, not each rank importing them anew
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "composer3d.train", "hydra"])
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed.fsdp", "composer3d.commands.train", "hydra"])
         mp.start_processes(_worker, args=(nproc, jobs, [s.port for s in stores], steps), nprocs=nproc,
                            join=True, start_method="forkserver")
         return [json.loads((Path(run_dir) / "traffic.json").read_text()) for _, run_dir, _ in jobs]

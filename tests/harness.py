@@ -92,7 +92,7 @@ def wait_until(proc: subprocess.Popen, condition, what: str, timeout: float = 30
 
 
 def _command(run_dir: Path, overrides, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "composer3d.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}",
+    return [sys.executable, "-m", "composer3d.commands.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}",
             *overrides]
 
 
@@ -110,7 +110,7 @@ def _child_env(env: dict | None, faults: dict | None) -> dict:
 
 def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int, probe_effects: bool = False
                        ) -> list[RunResult]:
-    """Each job (run directory, overrides) trained by ``composer3d.train.run`` as a torchrun worker runs it, one after
+    """Each job (run directory, overrides) trained by ``composer3d.commands.train.run`` as a torchrun worker runs it, one after
     another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
     paid once. For numerics across many models; the command line itself is what ``train`` tests. ``probe_effects``:
     each job's ranks record what the switches did (``RunResult.effects``), as ``train(probe_effects=True)``."""
@@ -129,9 +129,9 @@ def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports:
     from hydra import compose, initialize_config_module
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
+    from composer3d.commands.train import run
     from composer3d.config import register_configs, resolve_model_config
     from composer3d.launch import distributed
-    from composer3d.train import run
 
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
@@ -172,7 +172,7 @@ def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
 
 # What every in-process worker imports: loaded once, in the server the workers are forked from.
 FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
-                      "torch.distributed.checkpoint", "transformers", "composer3d.train", "harness"]
+                      "torch.distributed.checkpoint", "transformers", "composer3d.commands.train", "harness"]
 
 
 def processes(fn, nprocs: int, *args) -> None:

@@ -139,7 +139,7 @@ def _meta(tensor) -> list:
 def stage_shapes(trainer) -> dict[str, dict]:
     """Per stage of ``trainer``'s pipeline: its input and (but the last's, which stays on the rank) output as torch
     inferred them, and as ``stage_boundary`` gives them."""
-    from composer3d.parallel.pipeline import stage_boundary
+    from composer3d.parallel.pipeline.stages import stage_boundary
 
     boundary = stage_boundary(trainer.cfg, trainer.mesh, trainer.accumulation_steps)
     shapes = {}
@@ -165,7 +165,7 @@ def measure_layouts(rank: int, nproc: int, jobs: list[list[str]], out_dir: str, 
     from composer3d.config import register_configs
     from composer3d.data import build_sequences
     from composer3d.launch.distributed import Env, shut_down
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.plan.measure import PeakTracker
     from composer3d.training.garbage import StepGarbageCollection
     from composer3d.training.trainer import Trainer, prepare_rank

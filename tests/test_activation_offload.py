@@ -11,9 +11,9 @@ import pytest
 import torch
 from harness import FAST, train_in_one_group
 
+from composer3d.memory.activation_checkpointing import apply_activation_checkpointing
+from composer3d.memory.activation_offload import MIN_OFFLOAD_BYTES, apply_activation_offload
 from composer3d.models.llama import TransformerBlock, rope_tables
-from composer3d.parallel.activation import apply_activation_checkpointing
-from composer3d.parallel.activation_offload import MIN_OFFLOAD_BYTES, apply_activation_offload
 
 STEPS = ["train.steps=10"]
 OFFLOAD = ["memory.activation_offload=true"]

@@ -19,8 +19,8 @@ from harness import FAST, train
 from hf_models import make_model
 from hydra import compose, initialize_config_module
 
+from composer3d.commands.evaluate import check_weights_source
 from composer3d.config import ConfigError, register_configs, resolve_model_config
-from composer3d.evaluate import check_weights_source
 from composer3d.launch.preflight import preflight
 
 PREFIX = "composer3d: invalid configuration: "

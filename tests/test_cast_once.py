@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from composer3d.parallel.cast_once import CastOnce
+from composer3d.precision.cast_once import CastOnce
 
 
 class Tied(nn.Module):

@@ -164,15 +164,15 @@ def test_resuming_with_another_model_shape_is_refused(tmp_path):
 
 
 def test_peft_base_reader_reads_every_tensor_whole_and_the_index_once(tmp_path, monkeypatch):
-    """``peft.base_from``'s reader (checkpoint/peft_base.py): each tensor as saved, whatever its dtype, and the DCP
+    """``peft.base_from``'s reader (peft/base.py): each tensor as saved, whatever its dtype, and the DCP
     index unpickled once for all of them (it lists every saved chunk of every tensor)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
     from composer3d.checkpoint import format as checkpoint_format
-    from composer3d.checkpoint.peft_base import tensor_reader
     from composer3d.config import ConfigError
+    from composer3d.peft.base import tensor_reader
 
     saved = {f"layers.{i}.w": torch.randn(3 + i, 5, dtype=torch.bfloat16 if i % 2 else torch.float32)
              for i in range(6)}

@@ -388,7 +388,7 @@ def test_context_parallel_of_a_sliding_window_model_exits_2_before_any_worker(mo
     from hf_models import make_model
 
     path = make_model(tmp_path / "mistral", "mistral")
-    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+    assert _run_entry_point(monkeypatch, "composer3d.commands.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
                             "model=hf", f"model.path={path}", "launch.nproc_per_node=2", "parallel.cp=2",
                             "parallel.dp_shard=1", "train.seq_len=32") == 2
     err = capsys.readouterr().err
@@ -410,7 +410,7 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
             nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
             yield from keys(f"{prefix}{f.name}.", nested) if nested else [f"{prefix}{f.name}"]
 
-    help_ = subprocess.run([sys.executable, "-m", "composer3d.train", "recipe=llama3_1_8b", "--help"],
+    help_ = subprocess.run([sys.executable, "-m", "composer3d.commands.train", "recipe=llama3_1_8b", "--help"],
                            capture_output=True, text=True, timeout=120)
     assert help_.returncode == 0, help_.stderr[-3000:]
     text = help_.stdout
@@ -455,7 +455,7 @@ def _run_entry_point(monkeypatch, module: str, *argv: str) -> int:
 ])
 def test_mistyped_key_names_the_nearest_real_key_not_hydras_plus_hint(monkeypatch, capsys, typed, near):
     """One line naming the key typed and the nearest real one, exit 2; not Hydra's "use +key" (which we refuse)."""
-    assert _run_entry_point(monkeypatch, "composer3d.train", "run.dir=unused", typed, "launch.device=cpu") == 2
+    assert _run_entry_point(monkeypatch, "composer3d.commands.train", "run.dir=unused", typed, "launch.device=cpu") == 2
     err = capsys.readouterr().err
     key = typed.split("=")[0]
     assert err.strip().splitlines() == [f"composer3d-train: invalid configuration: {key}: is not a composer3d "
@@ -476,8 +476,8 @@ def test_key_added_with_plus_names_the_nearest_real_key(compose_cfg):
 
 
 @pytest.mark.parametrize("module, command", [
-    ("composer3d.plan.cli", "composer3d-plan"), ("composer3d.generate", "composer3d-generate"),
-    ("composer3d.prepare", "composer3d-prepare"), ("composer3d.evaluate", "composer3d-eval"),
+    ("composer3d.commands.plan", "composer3d-plan"), ("composer3d.commands.generate", "composer3d-generate"),
+    ("composer3d.commands.prepare", "composer3d-prepare"), ("composer3d.commands.evaluate", "composer3d-eval"),
 ])
 def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module, command):
     assert _run_entry_point(monkeypatch, module, "--help") == 0
@@ -495,7 +495,7 @@ def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module
 def test_hugging_face_without_the_hf_extra_says_how_to_install_it(monkeypatch, capsys, tmp_path, overrides, key, what):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # `import transformers` fails, as uninstalled
     argv = [o.format(tmp=tmp_path) for o in overrides]
-    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+    assert _run_entry_point(monkeypatch, "composer3d.commands.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
                             *argv) == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [f"composer3d: invalid configuration: {key}: {what} needs transformers, which "
@@ -506,7 +506,7 @@ def test_hugging_face_without_the_hf_extra_says_how_to_install_it(monkeypatch, c
 
 @pytest.mark.parametrize("launcher", ["slurm_local", "submitit_local", "slurm"])
 def test_max_restarts_in_a_submitit_sweep_is_refused_before_any_job(monkeypatch, capsys, tmp_path, launcher):
-    assert _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'sweep'}", "launch.device=cpu",
+    assert _run_entry_point(monkeypatch, "composer3d.commands.train", f"run.dir={tmp_path / 'sweep'}", "launch.device=cpu",
                             f"hydra/launcher={launcher}", "launch.max_restarts=1", "optim.lr=1e-3,2e-3", "-m") == 2
     err = capsys.readouterr().err
     assert err.strip().splitlines() == ["composer3d-train: invalid configuration: launch.max_restarts: 1 restarts "
@@ -563,7 +563,7 @@ def test_a_peft_base_that_cannot_be_found_or_is_no_base_exits_2_naming_the_key(m
         "base_is_adapters": ([f"peft.base_from={lora}"], f"peft.base_from: {lora} is a peft=lora checkpoint: it holds "
                              f"adapters, not a base. Continue it with checkpoint.resume={lora}, or name the base"),
     }[case]
-    code = _run_entry_point(monkeypatch, "composer3d.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
+    code = _run_entry_point(monkeypatch, "composer3d.commands.train", f"run.dir={tmp_path / 'run'}", "launch.device=cpu",
                             "model=tiny", "peft=lora", "launch.nproc_per_node=2", *argv)
     err = capsys.readouterr().err
     assert code == 2 and err.count(PREFIX) == 1 and expected in err, err

@@ -43,7 +43,7 @@ def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool
         from composer3d.config import ModelConfig
         from composer3d.models import build_model
         from composer3d.models.init import materialize
-        from composer3d.parallel.context import ContextParallel
+        from composer3d.parallel.context.context_parallel import ContextParallel
 
         cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
                           init_std=0.1)  # sharp attention: a key of the wrong document or future moves logits
@@ -90,7 +90,7 @@ def test_cp_logits_and_gradients_equal_full_attention(style, world, documents):
 
 def test_head_tail_chunks_balance_causal_work():
     """Rank r holds chunks r and 2·cp−1−r: together every token once, and the same number of causal pairs each."""
-    from composer3d.parallel.cp_balance import head_tail
+    from composer3d.parallel.context.balance import head_tail
 
     seq, cp = 64, 4
     held = [head_tail(cp, seq).token_index(rank) for rank in range(cp)]
@@ -166,8 +166,8 @@ def test_parameters_are_sharded_over_cp_not_replicated(name, sharding, cp_runs):
 def test_materialized_block_kernel_in_row_tiles_equals_the_fused_one(monkeypatch, masking):
     """The materialized block kernel (CUDA's document-cut and fp32 blocks, other devices) holds the scores of a tile
     of query rows at a time: in tiles of 3 rows it equals the CPU's fused kernel, forward and backward (1e-5)."""
-    from composer3d.parallel import attention_blocks
-    from composer3d.parallel.attention_blocks import Block, block_backward, block_forward
+    from composer3d.parallel.context import attention_blocks
+    from composer3d.parallel.context.attention_blocks import Block, block_backward, block_forward
 
     torch.manual_seed(0)
     q, k, v, grad = (torch.randn(2, 4, 16, 8) for _ in range(4))

@@ -21,7 +21,7 @@ from composer3d.config import ModelConfig
 from composer3d.convert.common import model_config
 from composer3d.models import build_model, llama
 from composer3d.models.init import materialize
-from composer3d.parallel.tied import to_checkpoint_names
+from composer3d.parallel.pipeline.tied import to_checkpoint_names
 
 transformers = pytest.importorskip("transformers")
 from harness import FAST, train
@@ -225,7 +225,7 @@ def test_bfloat16_export_writes_bfloat16_that_transformers_loads(tmp_path):
 
 
 def test_export_help_says_it_writes_bfloat16_unless_told(capsys):
-    from composer3d.convert.cli import main
+    from composer3d.commands.convert import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["export", "--help"])

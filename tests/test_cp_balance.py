@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from harness import FAST, processes, train_in_one_group
 from test_context_parallel import STEPS, corpus, documents  # noqa: F401  (fixtures: the short-document corpus)
 
-from composer3d.parallel.cp_balance import chunk_work, document_ids, head_tail, plan_placement, rank_work
+from composer3d.parallel.context.balance import chunk_work, document_ids, head_tail, plan_placement, rank_work
 
 
 def _packed_positions(rows: int, seq: int, mean: int, generator: torch.Generator) -> torch.Tensor:
@@ -76,7 +76,7 @@ def test_placement_holds_equal_tokens_every_token_once_deterministically():
 def test_counted_work_is_what_the_ring_computes():
     """``chunk_work`` of each rank equals the scores of the blocks ``ring_blocks`` plans for it: a chunk² for each
     block, half (with the diagonal) for a causal one, the skipped ones none."""
-    from composer3d.parallel.ring_attention import ring_blocks
+    from composer3d.parallel.context.ring_attention import ring_blocks
 
     generator = torch.Generator().manual_seed(1)
     documents = document_ids(_packed_positions(2, 256, 24, generator))
@@ -97,7 +97,7 @@ def _styles_against_full_attention(rank: int, world: int, port: int, errors) -> 
         import torch.nn.functional as F
         from torch.distributed.device_mesh import init_device_mesh
 
-        from composer3d.parallel.context import ContextParallel
+        from composer3d.parallel.context.context_parallel import ContextParallel
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"]
         seq, heads, kv_heads, dim = 128, 8, 4, 16

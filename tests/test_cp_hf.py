@@ -63,7 +63,7 @@ def references(models):
 
 def _check_forward_under_cp(rank, world_size, models, references):
     from composer3d.config import validate
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.assemble import build_parallel_model
 
     tokens, errors = _tokens(), {}

@@ -5,11 +5,11 @@ import pytest
 from planned import plan_config, planned
 
 from composer3d.plan import Workload
+from composer3d.plan.activations import cp_mask_bytes
 from composer3d.plan.comm import seconds
 from composer3d.plan.context import exposed_seconds
 from composer3d.plan.estimate import CP_MASKED_UNMEASURED
 from composer3d.plan.hardware import cluster_from_config
-from composer3d.plan.activations import cp_mask_bytes
 from composer3d.plan.search import best, checked
 from composer3d.plan.shapes import stage_sets
 

@@ -17,8 +17,16 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from harness import (FAST, TINY_MOE_EXPERT_PARAMS, RunResult, assert_follows, compiled_jobs, processes, spawn,
-                     train_in_one_group)
+from harness import (
+    FAST,
+    TINY_MOE_EXPERT_PARAMS,
+    RunResult,
+    assert_follows,
+    compiled_jobs,
+    processes,
+    spawn,
+    train_in_one_group,
+)
 from test_context_parallel import MASKING, corpus, documents  # noqa: F401  (fixtures: short packed documents)
 
 STEPS = ["train.steps=10", "logging.log_every=5"]
@@ -226,10 +234,11 @@ def test_experts_take_the_cp_ranks(name, ep, expert_dp, request):
 # ------------------------------------------------------------------------------ the auxiliary loss over cp ranks
 
 def _aux_over_cp(rank: int, world: int, results) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
     from composer3d.config.schema import MoEConfig
     from composer3d.models.moe import MoE
-    from composer3d.parallel.context import ContextParallel
-    from torch.distributed.device_mesh import init_device_mesh
+    from composer3d.parallel.context.context_parallel import ContextParallel
 
     torch.manual_seed(0)
     moe = MoE(16, 32, MoEConfig(experts=4, top_k=2, shared_experts=0, expert_hidden_dim=32, aux_loss_coef=0.01))

@@ -38,7 +38,7 @@ def test_cp4_checkpoint_resumes_under_another_cp_on_the_straight_curve(name, res
 
 def _cp_ranks_read_one_batch(rank: int, world: int) -> None:
     from composer3d.data.loader import GlobalBatchLoader
-    from composer3d.layout import Layout, ParallelMesh
+    from composer3d.parallel.mesh import Layout, ParallelMesh
 
     mesh = ParallelMesh(Layout(dp_shard=2, cp=2), "cpu")
     sequences = torch.arange(32 * 8).reshape(32, 8)  # row i holds 8i..8i+7: a token names its row

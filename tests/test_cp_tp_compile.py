@@ -88,7 +88,7 @@ def _tp_cp_against_full_attention(rank: int, world: int, out: str) -> None:
 
     from composer3d.models import MODEL_REGISTRY, build_model
     from composer3d.models.init import materialize
-    from composer3d.parallel.context import STYLES, ContextParallel
+    from composer3d.parallel.context.context_parallel import STYLES, ContextParallel
     from composer3d.parallel.tensor import apply_tensor_parallel
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
@@ -141,7 +141,7 @@ def _compiled_cp_against_full_attention(rank: int, world: int, out: str) -> None
 
     from composer3d.models import build_model
     from composer3d.models.init import materialize
-    from composer3d.parallel.context import STYLES, ContextParallel
+    from composer3d.parallel.context.context_parallel import STYLES, ContextParallel
 
     torch._dynamo.config.error_on_recompile = True  # a batch that compiled a graph again would fail here
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))

@@ -10,8 +10,16 @@ from harness import train
 from omegaconf import OmegaConf
 
 from composer3d.config import ConfigError
-from composer3d.data import (ByteTokenizer, GlobalBatchLoader, HFTokenizer, build_sequences, packed_sequences,
-                             stdlib_documents, text_file_documents, token_stream)
+from composer3d.data import (
+    ByteTokenizer,
+    GlobalBatchLoader,
+    HFTokenizer,
+    build_sequences,
+    packed_sequences,
+    stdlib_documents,
+    text_file_documents,
+    token_stream,
+)
 
 NUM_SEQ, SEQ_LEN, GLOBAL_BATCH = 10, 4, 4
 STEPS = 8  # 32 sequences: three epoch boundaries, at positions 10, 20 and 30, two of them inside a batch

@@ -326,7 +326,7 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
     from torch.distributed.tensor import DTensor
 
     from composer3d.config import register_configs, validate
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.trainer import Trainer
 
     register_configs()

@@ -35,7 +35,7 @@ def reference(model_dir, text: str) -> dict:
 
 def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "composer3d.evaluate", f"launch.nproc_per_node={nproc}", "launch.device=cpu",
+    return subprocess.run([sys.executable, "-m", "composer3d.commands.evaluate", f"launch.nproc_per_node={nproc}", "launch.device=cpu",
                            f"train.seq_len={SEQ}", "train.micro_batch_size=2", "train.global_batch_size=8",
                            "logging.progress_bar=false", *overrides],
                           capture_output=True, text=True, timeout=600, env=env)
@@ -82,7 +82,7 @@ def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
     assert evaluated[4] < evaluated[2]  # training on Python source helps on Python source
 
     step = run.run_dir / "checkpoints" / "step-00000004"
-    common = [sys.executable, "-m", "composer3d.evaluate", "launch.device=cpu", "train.seq_len=64",
+    common = [sys.executable, "-m", "composer3d.commands.evaluate", "launch.device=cpu", "train.seq_len=64",
               "logging.progress_bar=false", f"eval.path={valid}", f"checkpoint.resume={step}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # No model overrides: the checkpoint's one-layer model, and the loss the run measured at that step.

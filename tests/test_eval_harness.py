@@ -123,7 +123,7 @@ def test_generation_and_unknown_tasks_are_refused_before_workers(model_and_tasks
     from omegaconf import OmegaConf
 
     from composer3d.config import ConfigError
-    from composer3d.eval_harness import check_tasks
+    from composer3d.evaluation.harness import check_tasks
 
     model_dir, tasks_dir, _ = model_and_tasks
     proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.task_paths=[{tasks_dir}]",

@@ -29,7 +29,7 @@ PROMPT = "def main("
 
 def generate(*overrides: str, nproc: int = 1, check: bool = True) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "composer3d.generate", "launch.device=cpu", "generate.output=json",
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.generate", "launch.device=cpu", "generate.output=json",
                            f"launch.nproc_per_node={nproc}", *overrides], check=False, capture_output=True, text=True,
                           env=env, timeout=300)
     if check and proc.returncode != 0:

@@ -97,8 +97,8 @@ def _check_forward(rank, world_size, models, references, parallel):
 
 
 def _build_and_compare(world_size, arch, path, reference, parallel):
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.assemble import build_parallel_model
-    from composer3d.layout import ParallelMesh, layout_from_degrees
 
     cfg = train_config(path, **parallel)
     if parallel.get("sequence_parallel"):
@@ -169,8 +169,8 @@ def test_model_without_a_plan_still_trains_with_fsdp_and_pp(tmp_path):
 def _count_reads(rank, world_size, path, parallel, results):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.assemble import build_parallel_model
-    from composer3d.layout import ParallelMesh, layout_from_degrees
 
     read = {"elements": 0}
     original = HuggingFaceStorageReader._process_read_request
@@ -383,8 +383,7 @@ def test_routed_tokens_are_counted_as_transformers_routes_them(moe_models, tmp_p
     from transformers import AutoModelForCausalLM
 
     from composer3d.models import build_model
-    from composer3d.models.hf.experts import hf_expert_modules
-    from composer3d.models.hf.experts import count_routing
+    from composer3d.models.hf.experts import count_routing, hf_expert_modules
     from composer3d.models.hf.weights import load_pretrained
     from composer3d.models.init import materialize
     from composer3d.models.moe import routing_unrecorded

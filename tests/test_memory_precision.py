@@ -383,7 +383,7 @@ def test_auto_cast_is_params_only_for_an_eager_run_on_one_accelerator():
     """precision.cast=auto by measurement: params (one cast a step) eager on one accelerator; autocast compiled,
     on the CPU, on several ranks (where FSDP casts wherever it shards, and params is refused), and where params
     cannot run (ZeRO-1, QLoRA)."""
-    from composer3d.parallel.autocast import auto_cast
+    from composer3d.precision.autocast import auto_cast
 
     one = dict(accelerator=True, world_size=1, compiled=False, zero_stage=3, peft_method="none")
     assert auto_cast(**one) == auto_cast(**{**one, "peft_method": "lora"}) == "params"
@@ -431,9 +431,9 @@ def test_activation_checkpointing_keeps_fewer_activations():
     from hydra import compose, initialize_config_module
 
     from composer3d.config import register_configs
+    from composer3d.memory.activation_checkpointing import apply_activation_checkpointing
     from composer3d.models import build_model
     from composer3d.models.init import materialize
-    from composer3d.parallel.activation import apply_activation_checkpointing
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
@@ -471,8 +471,8 @@ def test_selective_checkpointing_under_compile_recomputes_only_cheap_ops():
     """Compiled blocks under op-level selective checkpointing: the compiled graph keeps the matmuls' and attention's
     outputs (fewer bytes than without checkpointing), and backward reruns neither (torch's hook-based checkpoint,
     used before, hid the compiled ops from the policy: backward recomputed the whole block)."""
+    from composer3d.memory.activation_checkpointing import apply_activation_checkpointing
     from composer3d.models.llama import TransformerBlock, rope_tables
-    from composer3d.parallel.activation import apply_activation_checkpointing
 
     torch.manual_seed(0)
     x = torch.randn(2, 64, 64, requires_grad=True)
@@ -523,7 +523,7 @@ def test_autocast_head_computes_autocasts_bits_and_keeps_no_cast_of_its_weight(t
     kernels on the same operands; a tied head's gradient adds to its embedding's), and what forward saves for
     backward holds no low-precision copy of the weight: autocast's linear saves one (vocab x dim), which on an
     accelerator's one-device step is alive at the peak, in the head's backward."""
-    from composer3d.parallel.autocast import cast_head_in_backward
+    from composer3d.precision.autocast import cast_head_in_backward
 
     class Model(nn.Module):
         def __init__(self):

@@ -1,4 +1,4 @@
-"""Sequence tiling (memory.tile_mlp, memory.tile_loss; parallel/tiling.py): the same curve as without, on one
+"""Sequence tiling (memory.tile_mlp, memory.tile_loss; memory/tiling.py): the same curve as without, on one
 process (1e-5) and under FSDP 2 and FSDP 2 x TP 2 with sequence parallel (1e-4; also under op-level selective
 checkpointing: slow), resumed on the straight curve; and what it is for: the largest MLP hidden and the largest logits
 any op makes are 1/N of the untiled ones, in forward and backward, so the full-length logits never exist. A Hugging
@@ -23,12 +23,12 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy
 
 from composer3d.config import TrainConfig, register_configs, resolve_model_config
+from composer3d.memory import activation_checkpointing as activation
+from composer3d.memory.tiling import in_sequence_tile, tile_feed_forwards, tiled_head_loss
 from composer3d.models import build_model
 from composer3d.models.init import materialize
 from composer3d.plan import Workload, candidate_from_config, estimate
 from composer3d.plan.hardware import cluster_from_config
-from composer3d.parallel import activation
-from composer3d.parallel.tiling import in_sequence_tile, tile_feed_forwards, tiled_head_loss
 from composer3d.training.loss import cross_entropy_sum
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -155,7 +155,7 @@ def test_compiled_checkpointed_moe_is_one_graph_and_counts_its_routing_once(poli
     region then ran eagerly."""
     from torch._dynamo.utils import counters
 
-    from composer3d.parallel.activation import checkpointed_forward
+    from composer3d.memory.activation_checkpointing import checkpointed_forward
 
     moe = make_moe()
     torch._dynamo.reset()

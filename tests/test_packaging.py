@@ -105,12 +105,12 @@ def test_wheel_in_fresh_virtualenv_runs_recipe(tmp_path):
     assert yaml.safe_load(default.stdout)["model"]["name"] == "llama"
     _check_recipe_config(_run([train, f"recipe={RECIPE}", f"model.path={MODEL_PATH}", "--cfg", "job"], cwd=work).stdout)
     # `python -m` (how local workers and torchrun start) finds the same configs.
-    _check_recipe_config(_run([python, "-m", "composer3d.train", f"recipe={RECIPE}", f"model.path={MODEL_PATH}",
+    _check_recipe_config(_run([python, "-m", "composer3d.commands.train", f"recipe={RECIPE}", f"model.path={MODEL_PATH}",
                                "--cfg", "job"], cwd=work).stdout)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("module", ["composer3d.train", "composer3d.evaluate", "composer3d.generate"])
+@pytest.mark.parametrize("module", ["composer3d.commands.train", "composer3d.commands.evaluate", "composer3d.commands.generate"])
 def test_this_install_composes_from_any_directory(module, tmp_path):
     """The install the suite runs against (editable in development and CI): `python -m` as the workers start."""
     _check_recipe_config(_run([sys.executable, "-m", module, f"recipe={RECIPE}", f"model.path={MODEL_PATH}",
@@ -120,9 +120,9 @@ def test_this_install_composes_from_any_directory(module, tmp_path):
 def test_the_suite_runs_on_versions_the_pins_declare():
     """pyproject's pins are the range the tests ran with (README: what ran on each): a suite run on a torch, torchao
     or transformers outside them is a version to declare (and record) or not to claim."""
-    import tomllib
     from importlib.metadata import version
 
+    import tomllib
     from packaging.requirements import Requirement
 
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]

@@ -1,5 +1,5 @@
 """Loss parity: every layout gives the single-process loss curve (fp32, same seed and global batch). The reference
-runs through the command; the layouts through ``composer3d.train.run`` as torchrun's workers run it."""
+runs through the command; the layouts through ``composer3d.commands.train.run`` as torchrun's workers run it."""
 
 import pytest
 from harness import FAST, train, train_in_one_group

@@ -1,6 +1,6 @@
 """LoRA and QLoRA (``peft=lora|qlora``): adapters trained on a frozen base under every layout, against plain PyTorch.
 
-The layouts run through ``composer3d.train.run`` in one 8-process group (start-up paid once); the one-process
+The layouts run through ``composer3d.commands.train.run`` in one 8-process group (start-up paid once); the one-process
 references through the command. fp32 throughout, so every layout follows the one-process curve within 1e-4.
 """
 
@@ -194,7 +194,7 @@ def test_qlora_resumes_bit_exact_and_evaluates_from_its_rebuilt_nf4_base(runs):
     assert max(abs(a - b) for a, b in zip(pp2.losses, run.losses[2:])) < 1e-4, (pp2.losses, run.losses)
     assert not any("base_layer" in name for name in stored_model_shapes(_step(run.run_dir, 2)))
     measured = next(m["eval_loss"] for m in run.metrics if m["step"] == 4)
-    proc = subprocess.run([sys.executable, "-m", "composer3d.evaluate", "launch.device=cpu", "train.seq_len=64",
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.evaluate", "launch.device=cpu", "train.seq_len=64",
                            "train.seed=7", "logging.progress_bar=false", f"eval.path={run.run_dir.parent / 'valid.txt'}",
                            f"checkpoint.resume={_step(run.run_dir, 4)}"], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -209,7 +209,7 @@ def test_composer3d_generate_runs_a_qlora_checkpoint_cached_as_recomputed(runs):
     step = _step(runs["qlora_fsdp2"].run_dir, 4)
     tokens = []
     for cache in ("static", "none"):
-        proc = subprocess.run([sys.executable, "-m", "composer3d.generate", "launch.device=cpu", "generate.output=json",
+        proc = subprocess.run([sys.executable, "-m", "composer3d.commands.generate", "launch.device=cpu", "generate.output=json",
                                f"checkpoint.resume={step}", "generate.prompt=hello there", "generate.max_new_tokens=8",
                                "generate.stop_at_eos=false", f"generate.cache={cache}"], capture_output=True, text=True,
                               timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -224,7 +224,7 @@ def test_lora_math_matches_plain_pytorch_for_a_step():
     hooks, AdamW over A and B alone. The losses before and after the step and the updated adapters agree."""
     from composer3d.models import build_model
     from composer3d.models.init import materialize
-    from composer3d.parallel.peft import apply_peft
+    from composer3d.peft.apply import apply_peft
     from composer3d.training.optim import build_optimizer
 
     cfg = _compose(["model=tiny", "peft=lora", "peft.rank=4", "peft.alpha=8", "optim.warmup_steps=1"])
@@ -279,7 +279,7 @@ def _count_collectives(rank, world_size):
     """FSDP over 2 ranks: the reduce-scatters carry exactly the adapters' gradients (padded to the shard size),
     the all-gathers the whole model (the frozen base is gathered for the forward, as it must be)."""
     from composer3d.config import validate
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.assemble import build_parallel_model
     from composer3d.training.optim import build_optimizer
 
@@ -330,7 +330,7 @@ def _compose(overrides: list[str]):
 
 def test_modules_to_save_train_whole_beside_the_adapters():
     from composer3d.models import build_model
-    from composer3d.parallel.peft import apply_peft, trainable_params
+    from composer3d.peft.apply import apply_peft, trainable_params
 
     cfg = _compose(["model=tiny", "peft=lora", "peft.modules_to_save=[output]", "peft.target_modules=[wq,wv]"])
     model = build_model(cfg.model)
@@ -355,7 +355,7 @@ def test_compiled_lora_blocks_have_no_graph_break_and_train_as_eager():
 
     from composer3d.models import build_model
     from composer3d.models.init import materialize
-    from composer3d.parallel.peft import apply_peft
+    from composer3d.peft.apply import apply_peft
     from composer3d.training.optim import build_optimizer
 
     cfg = _compose(["model=tiny", "model.n_layers=1", "peft=lora", "optim.warmup_steps=1", "optim.lr=1e-2"])

@@ -18,13 +18,13 @@ from hf_models import make_model
 from safetensors import safe_open
 
 from composer3d.checkpoint import SafeFileSystemReader, read_meta
+from composer3d.commands.convert import main as convert
 from composer3d.config.schema import PeftConfig
-from composer3d.convert import main as convert
 from composer3d.convert.common import model_config
-from composer3d.checkpoint.peft_base import fill_base
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.parallel.peft import apply_peft
-from composer3d.parallel.tied import to_checkpoint_names
+from composer3d.parallel.pipeline.tied import to_checkpoint_names
+from composer3d.peft.apply import apply_peft
+from composer3d.peft.base import fill_base
 
 peft = pytest.importorskip("peft")
 from transformers import AutoModelForCausalLM  # noqa: E402

@@ -6,7 +6,7 @@ import random
 import pytest
 from harness import FAST, RunResult, train, train_in_one_group
 
-from composer3d.parallel.pipeline import (
+from composer3d.parallel.pipeline.stages import (
     SCHEDULES,
     schedule_problem,
     split_layers,

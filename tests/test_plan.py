@@ -32,9 +32,9 @@ import torch
 from harness import FAST, train
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
-from yaml import safe_load as yaml_value
 from plan_measure import run_measurements
 from planned import plan_config, planned
+from yaml import safe_load as yaml_value
 
 from composer3d.config import register_configs
 from composer3d.plan import Workload, candidate_from_config, estimate
@@ -362,7 +362,7 @@ def test_norm_kernel_adds_a_composite_norms_bytes_to_an_eager_step_only():
 
 
 def _plan(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer3d.plan.cli", *overrides], check=False, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "composer3d.commands.plan", *overrides], check=False, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -666,8 +666,8 @@ def _kept_by_block(compiled: bool, autocast: bool = True, policy: str | None = N
     """Bytes one block (BLOCK_DIMS, fp32 weights under bf16 autocast, else bf16 weights) keeps for backward on the
     CPU: its saved tensors but the weights' casts (the planner counts those with the casts) and RoPE's tables
     (every block's, once); under ``policy``, op-level selective checkpointing by it, as training wraps a block."""
+    from composer3d.memory.activation_checkpointing import apply_activation_checkpointing
     from composer3d.models.llama import TransformerBlock, rope_tables
-    from composer3d.parallel.activation import apply_activation_checkpointing
 
     dtype = torch.float32 if autocast else torch.bfloat16
     holder = torch.nn.Module()
@@ -806,7 +806,7 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
 
 
 def _measure(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "composer3d.plan.cli", *overrides, "cluster.device=cpu",
+    return subprocess.Popen([sys.executable, "-m", "composer3d.commands.plan", *overrides, "cluster.device=cpu",
                              "plan.measure=true", "plan.measure_steps=1", "plan.format=json"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
 

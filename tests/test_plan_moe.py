@@ -80,7 +80,7 @@ def test_float8_prices_what_composer3d_converts_the_experts_and_head_in_bf16():
     plan.published_float8_experts (Transformer Engine's grouped GEMMs) moves the experts to float8 too."""
     from composer3d.config import resolve_model_config
     from composer3d.models import build_model
-    from composer3d.parallel.float8 import convert_to_float8
+    from composer3d.precision.float8 import convert_to_float8
 
     cfg = plan_config("model=tiny_moe")
     resolve_model_config(cfg.model)

@@ -13,7 +13,6 @@ process. (The Hugging Face model's logits under PP × FSDP against transformers'
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from harness import FAST, RunResult, train_in_one_group

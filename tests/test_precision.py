@@ -25,8 +25,8 @@ def _one_rank_cast_worker(rank, world, out_path):
 
     from composer3d.config import register_configs, validate
     from composer3d.data import build_sequences
-    from composer3d.layout import ParallelMesh, layout_from_degrees
     from composer3d.models.llama import Llama
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.trainer import Trainer
 
     register_configs()

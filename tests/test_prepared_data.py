@@ -16,8 +16,16 @@ from hf_models import make_tokenizer
 from omegaconf import OmegaConf
 
 from composer3d.config import ConfigError
-from composer3d.data import (MANIFEST, GlobalBatchLoader, PreparedSequences, build_sequences, check_prepared,
-                             prepare_corpus, read_manifest, token_dtype)
+from composer3d.data import (
+    MANIFEST,
+    GlobalBatchLoader,
+    PreparedSequences,
+    build_sequences,
+    check_prepared,
+    prepare_corpus,
+    read_manifest,
+    token_dtype,
+)
 
 WORDS = ("the quick brown fox jumps over the lazy dog pipeline tensor data parallel shard rank checkpoint "
          "layout loss step").split()
@@ -283,7 +291,7 @@ def test_two_ranks_train_the_same_losses_and_a_changed_corpus_is_not_resumed(tmp
     source.write_text((corpus / "a.jsonl").read_text() + (corpus / "b.jsonl").read_text())
     data = ["data=text_files", f"data.paths=[{source}]", f"data.tokenizer={tokenizer_dir}"]
     prepared = f"data.prepared={tmp_path / 'prepared'}"
-    proc = subprocess.run([sys.executable, "-m", "composer3d.prepare", *data, prepared, "data.prepare_workers=1"],
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.prepare", *data, prepared, "data.prepare_workers=1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -308,9 +316,9 @@ def test_two_ranks_train_the_same_losses_and_a_changed_corpus_is_not_resumed(tmp
 
 
 @pytest.mark.parametrize("command, overrides, message", [
-    ("composer3d.prepare", ["data=text_files", "data.paths=[{tmp}/nothing/*.jsonl]", "data.prepared={tmp}/p"],
+    ("composer3d.commands.prepare", ["data=text_files", "data.paths=[{tmp}/nothing/*.jsonl]", "data.prepared={tmp}/p"],
      "composer3d-prepare: invalid configuration: data.paths: '{tmp}/nothing/*.jsonl' matches no file"),
-    ("composer3d.train", ["data=text_files", "data.prepared={tmp}", "launch.nproc_per_node=2", "run.dir={tmp}/run"],
+    ("composer3d.commands.train", ["data=text_files", "data.prepared={tmp}", "launch.nproc_per_node=2", "run.dir={tmp}/run"],
      "composer3d: invalid configuration: data.prepared: {tmp} holds no manifest.json"),
 ])
 def test_cli_refuses_bad_input_before_any_worker(tmp_path, command, overrides, message):

@@ -12,6 +12,8 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
+from harness import train
+from hf_models import _CORPUS, make_model
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
 from omegaconf import OmegaConf
@@ -19,8 +21,6 @@ from omegaconf import OmegaConf
 import composer3d.config as config_module
 from composer3d.config import ConfigError, register_configs, validate
 from composer3d.models import MODEL_REGISTRY
-from harness import train
-from hf_models import _CORPUS, make_model
 
 RECIPE_DIR = files("composer3d.recipes") / "recipe"
 
@@ -137,7 +137,7 @@ def test_unknown_recipe_lists_the_available_ones():
 def test_cli_finds_recipes_from_any_directory(tmp_path):
     """The installed entry point, started elsewhere than the repository, knows the recipe group."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.run([sys.executable, "-m", "composer3d.train", "recipe=llama9_1t"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.train", "recipe=llama9_1t"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode != 0
     assert "Could not find 'recipe/llama9_1t'" in proc.stderr and "mistral_7b" in proc.stderr
@@ -174,7 +174,7 @@ def test_peft_recipe_validates_on_one_gpu_and_its_state_fits_by_its_arithmetic(n
     the adapters at 16 B, within half the GPU (the rest: activations); a full fine-tune would not fit."""
     needs_hf_model()
     from composer3d.models import build_model
-    from composer3d.parallel.peft import check_targets, targets, trainable_params
+    from composer3d.peft.apply import check_targets, targets, trainable_params
 
     model_name, gpu = PEFT_RECIPES[name]
     cfg = compose_recipe(name, "data.paths=[/data/sft/*.jsonl]")

@@ -33,7 +33,7 @@ def test_joins_a_torchrun_job_and_ranks_share_one_run_dir(tmp_path):
     """
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "composer3d.train", *FAST, "train.steps=2", "parallel.tp=2", "parallel.dp_shard=1",
+           "-m", "composer3d.commands.train", *FAST, "train.steps=2", "parallel.tp=2", "parallel.dp_shard=1",
            "run.dir=runs/${now:%H-%M-%S-%f}"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={**env, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -69,7 +69,7 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
     assert "starting 2 workers" not in piped.output
 
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "composer3d.train", *FAST, "logging.progress_bar=true",
+    proc = subprocess.Popen([sys.executable, "-m", "composer3d.commands.train", *FAST, "logging.progress_bar=true",
                              "train.steps=2", f"run.dir={tmp_path / 'tty'}"], stdin=subprocess.DEVNULL,
                             stdout=secondary, stderr=secondary, env={**os.environ, "OMP_NUM_THREADS": "1"})
     os.close(secondary)
@@ -96,7 +96,7 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
 
 def _train_in(cwd, *overrides: str) -> str:
     """composer3d-train as a user types it in ``cwd``: no run.dir, so the config's default places the run."""
-    proc = subprocess.run([sys.executable, "-m", "composer3d.train", *FAST, *overrides], cwd=cwd, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "composer3d.commands.train", *FAST, *overrides], cwd=cwd, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -12,10 +12,10 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 from composer3d.config import ConfigError, register_configs, validate
 from composer3d.data import IGNORE_INDEX
 from composer3d.training import loss as loss_module
-from composer3d.training.flops import flops_per_token, peak_flops
-from composer3d.training.loss import cross_entropy_sum
 from composer3d.training import optim
 from composer3d.training.compiled_adamw import CompiledAdamW
+from composer3d.training.flops import flops_per_token, peak_flops
+from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.optim import adamw_implementation, build_optimizer
 
 CPU = torch.device("cpu")
@@ -178,7 +178,7 @@ def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.trainer import Trainer, prepare_rank
 
     cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
@@ -227,7 +227,7 @@ def _garbage_collection_worker(rank, world_size, gc_every, steps, out):
     from pathlib import Path
 
     from composer3d.data import build_sequences
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training.metrics import MetricsSink
     from composer3d.training.trainer import Trainer, prepare_rank
 
@@ -364,7 +364,7 @@ def test_loss_kernels_compile_with_compile_enabled_or_on_an_accelerator(monkeypa
     graphs test_chunked_cross_entropy_matches_torch counts) with compile.enabled, and on an accelerator in an eager
     run too; an eager run on the CPU runs them eagerly. The same loss either way."""
     from composer3d.launch import distributed
-    from composer3d.layout import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
     from composer3d.training import fused_loss
     from composer3d.training.trainer import Trainer, prepare_rank
 

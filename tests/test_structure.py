@@ -1,4 +1,4 @@
-"""The package's import graph has no cycles: every module imports only modules below it (issue 16's layering).
+"""The package's structure: no import cycle, the house's import contracts, its architecture page.
 
 Read statically from the source (every ``import`` and ``from … import``, at module level or inside functions,
 since a deferred import is still a dependency), so the test needs no heavy imports and names the cycle it finds.
@@ -87,61 +87,48 @@ def test_the_cycle_finder_finds_one():
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_errors_sit_at_the_bottom():
-    """Every module may raise ConfigError: the module defining it imports nothing of the package."""
-    assert _import_graph()["composer3d.errors"] == set()
-
-
 def test_a_submodule_import_runs_its_package():
-    """`from composer3d.parallel.pipeline import x` runs composer3d/parallel/__init__.py: a dependency too."""
+    """`from composer3d.parallel.pipeline.stages import x` runs composer3d/parallel/__init__.py: a dependency too."""
     assert "composer3d.parallel" in _import_graph()["composer3d.config.checks.layout"]
     assert "composer3d.data" not in _import_graph()["composer3d.data.corpus"], "its own package is not"
 
 
-# The house (issue 26): the rooms say what they hold, model families sit behind one door.
-MAX_MODULE_LINES = 350
+# The house's rules are import-linter's contracts in pyproject.toml ([tool.importlinter]): the layers, the schema
+# importing nothing of the package, models/ a leaf, Hugging Face code behind models/hf's door, no cycle inside a
+# package. The cycle test above stays: it also counts the package ``__init__`` a submodule import runs, which
+# import-linter's graph does not.
+PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 MAX_ROOT_MODULES = 12
-HF = "composer3d.models.hf"
 
 
-def _importers_of_inner_modules(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
-    """Modules outside ``package`` that import one of its inner modules (not its ``__init__``)."""
-    found = {}
-    for module, imported in graph.items():
-        inner = {name for name in imported if name.startswith(package + ".")}
-        if inner and not module.startswith(package + ".") and module != package:
-            found[module] = inner
-    return found
+def test_the_import_contracts_hold(capsys):
+    from importlinter.cli import lint_imports
+
+    code = lint_imports(config_filename=str(PYPROJECT), no_cache=True, no_logo=True)
+    report = capsys.readouterr().out
+    assert code == 0, report
+    assert report.count(" KEPT") == len(_contracts()) >= 6, report
 
 
-def test_no_module_is_over_350_lines():
-    long = {str(path.relative_to(PACKAGE_DIR)): n for path in PACKAGE_DIR.rglob("*.py")
-            if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by concern): {long}"
+def _contracts() -> list[dict]:
+    import tomllib
+
+    return tomllib.loads(PYPROJECT.read_text())["tool"]["importlinter"]["contracts"]
+
+
+def test_every_module_sits_in_a_layer():
+    """A module outside every layer would escape the layers contract: a new package or root module must be placed."""
+    (layers,) = [c["layers"] for c in _contracts() if c["type"] == "layers"]
+    placed = {name.strip() for layer in layers for name in layer.split("|")}
+    containers = {"composer3d", "composer3d.parallel", "composer3d.peft"}  # their modules are placed one by one
+    unplaced = sorted(m for m in _module_names() if m not in containers
+                      and not any(m == p or m.startswith(p + ".") for p in placed))
+    assert not unplaced, f"modules in no layer of pyproject.toml's [tool.importlinter] contract: {unplaced}"
 
 
 def test_the_package_root_holds_at_most_a_dozen_modules():
     root = sorted(path.name for path in PACKAGE_DIR.glob("*.py"))
     assert len(root) <= MAX_ROOT_MODULES, f"{len(root)} modules directly in composer3d/: {root}"
-
-
-def test_hugging_face_code_is_reached_only_through_its_package():
-    """Outside models/ and convert/ nothing imports composer3d.models.hf at all but through its ``__init__``, and
-    the trainer's and parallel/'s code imports none of it: the model interface (models.interface) is their door."""
-    graph = _import_graph()
-    assert HF in graph and f"{HF}.model" in graph, "models/hf/ is a package"
-    strays = {module: inner for module, inner in _importers_of_inner_modules(graph, HF).items()
-              if not module.startswith(("composer3d.models.", "composer3d.convert."))}
-    assert not strays, f"inner modules of {HF} imported from outside models/ and convert/: {strays}"
-    family_blind = [m for m in graph if m.startswith(("composer3d.training.", "composer3d.parallel"))]
-    knowing = {m: sorted(n for n in graph[m] if n == HF or n.startswith(HF + ".")) for m in family_blind}
-    assert not {m: n for m, n in knowing.items() if n}, "the trainer and parallel/ import Hugging Face code"
-
-
-def test_the_door_checks_can_fail():
-    """The inner-module finder reports an import that bypasses a package's ``__init__``."""
-    graph = {"a.x": {"p.inner"}, "p.inner": set(), "p": {"p.inner"}, "a.y": {"p"}}
-    assert _importers_of_inner_modules(graph, "p") == {"a.x": {"p.inner"}}
 
 
 ARCHITECTURE_PAGE = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
@@ -177,18 +164,3 @@ def test_the_architecture_page_maps_every_module():
 def test_the_map_reader_follows_the_indentation():
     page = "## The package map\n```\npkg/  root\n  a.py  x\n  sub/  y\n    b.py  z\n  c.py\n```\n"
     assert _mapped_modules(page) == {"__init__.py", "a.py", "sub/__init__.py", "sub/b.py", "c.py"}
-
-
-def _folder_of(module: str) -> str:
-    """``composer3d.training.loop`` → ``training``; a root module is a folder of its own."""
-    return module.split(".")[1] if module.count(".") else module
-
-
-def test_the_folders_are_layers():
-    """Between the package's folders (and root modules) no cycle either: each imports only those below it."""
-    graph: dict[str, set[str]] = {}
-    for module, imported in _import_graph().items():
-        folder = _folder_of(module)
-        graph.setdefault(folder, set()).update(_folder_of(name) for name in imported if _folder_of(name) != folder)
-    cycle = _find_cycle(graph)
-    assert cycle is None, "folders import each other: " + " -> ".join(cycle)

@@ -1,4 +1,4 @@
-"""ZeRO-1's gradient buckets (parallel/zero_buckets.py, parallel/zero.py) on 4 gloo ranks against plain PyTorch: the
+"""ZeRO-1's gradient buckets (parallel/data_parallel/zero_buckets.py, parallel/data_parallel/zero.py) on 4 gloo ranks against plain PyTorch: the
 reduced gradient slices and the updated parameters equal an AdamW step on the all-reduced gradients; the collectives
 are one reduce-scatter (in the reduce dtype) and one all-gather per bucket, no all-reduce; the first bucket's
 reduce-scatter starts while the backward still has layers to go, and only the last micro-batch reduces."""
@@ -10,8 +10,8 @@ import torch.nn as nn
 from harness import spawn
 from torch.distributed.device_mesh import init_device_mesh
 
-from composer3d.parallel.zero import OptimizerStateSharder
-from composer3d.parallel.zero_buckets import plan_buckets
+from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
+from composer3d.parallel.data_parallel.zero_buckets import plan_buckets
 
 # 1765 parameters: slices of uneven lengths, a parameter cut between ranks, a rank holding parts of several
 SIZES = [16 * 32, 32, 32 * 32, 32, 32 * 5, 5]
@@ -124,7 +124,7 @@ def _norm_in_one_reduction(rank, world):
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from composer3d.layout import Layout
+    from composer3d.parallel.mesh import Layout
     from composer3d.training.grad import clip_grad_norm_
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -8,11 +8,12 @@ import os
 import shutil
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -37,7 +38,6 @@ from composer3d.checkpoint.format import (
     set_model_state,
     verified_checkpoints,
 )
-from composer3d.checkpoint.peft_base import BASE_KEY, base_source
 from composer3d.checkpoint.rng import rng_state, set_rng_state
 from composer3d.config import ConfigError
 from composer3d.dtypes import DTYPES
@@ -52,8 +52,12 @@ WRITE_FAILURES = (CheckpointException, OSError)
 class Checkpointer:
     """Saves and restores a Trainer's whole state; see the module docstring for the on-disk contract."""
 
-    def __init__(self, ckpt_cfg, run_dir: Path, trainer, config_dict: dict):
+    def __init__(self, ckpt_cfg, run_dir: Path, trainer, config_dict: dict, whole_model: Callable[[], nn.Module],
+                 extra_meta: dict | None = None):
+        """``whole_model``: the model this run trains, whole and on meta (what a checkpoint it loads must hold);
+        ``extra_meta``: recorded in every checkpoint's meta too (a peft run's base source)."""
         self.cfg = ckpt_cfg
+        self.whole_model, self.extra_meta = whole_model, extra_meta or {}
         self.dir = checkpoint_dir(ckpt_cfg, run_dir)
         self.trainer = trainer
         self.config_dict = config_dict
@@ -90,8 +94,7 @@ class Checkpointer:
         t = self.trainer
         meta = {"format": FORMAT_VERSION, "step": step, "model_only": model_only, "config": self.config_dict,
                 "layout": t.mesh.layout.as_dict(), "world_size": dist.get_world_size()}
-        if (self.config_dict.get("peft") or {}).get("method", "none") != "none":  # the base is not saved: its source
-            meta[BASE_KEY] = base_source(self.config_dict)
+        meta.update(self.extra_meta)
         if not model_only:
             meta.update({"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())})
             if t.scaler is not None:  # fp16: resume with the scale reached, not loss_scale_init
@@ -272,7 +275,7 @@ class Checkpointer:
 
     def _load(self, path: Path) -> int:
         meta = read_meta(path)
-        check_same_model(path, self.config_dict["model"], peft=self.config_dict.get("peft"))
+        check_same_model(path, self.whole_model())
         t = self.trainer
         if meta["model_only"]:  # pretrained weights: start training from them
             load_model_weights(t.model, path)

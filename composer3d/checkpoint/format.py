@@ -13,16 +13,13 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
+import torch.nn as nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from composer3d.config import ConfigError, ModelConfig
-from composer3d.config.schema import PeftConfig
-from composer3d.models import build_model
-from composer3d.parallel.peft import apply_peft
-from composer3d.parallel.tied import from_checkpoint_names, shared_second_names, to_checkpoint_names
+from composer3d.config import ConfigError
+from composer3d.parallel.pipeline.tied import from_checkpoint_names, shared_second_names, to_checkpoint_names
 
 log = logging.getLogger("composer3d")
 
@@ -188,18 +185,15 @@ def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
                           "or start afresh with checkpoint.resume=none")
 
 
-def check_same_model(path: Path, current: dict,
-                     remedy: str = "Resume with its model config (see {meta})", peft: dict | None = None) -> None:
-    """Refuse a checkpoint whose model tensors have other names or shapes (fields like max_seq_len may change),
-    naming the first that differs with both shapes; ``remedy`` ends the line (``{meta}``: its recorded config).
-    ``peft``: the run's peft section; LoRA's adapters and wrapped base linears are part of the model's names.
+def check_same_model(path: Path, model: nn.Module,
+                     remedy: str = "Resume with its model config (see {meta})") -> None:
+    """Refuse a checkpoint whose model tensors have other names or shapes than ``model`` (the whole model the run
+    builds, on meta: with its LoRA adapters under peft, ``peft.apply.build_with_adapters``), naming the first that
+    differs with both shapes; ``remedy`` ends the line (``{meta}``: its recorded config).
 
     What the checkpoint holds is read from its own DCP index, not rebuilt from its config: for model=hf that would
     need the directory it was trained from, which may have moved since."""
     stored = SafeFileSystemReader(path).read_metadata().state_dict_metadata
-    model = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), current))
-    if peft is not None and peft.get("method", "none") != "none":
-        apply_peft(model, OmegaConf.merge(OmegaConf.structured(PeftConfig), peft))
     # A tied head is stored once, as the embedding (checkpoints before that also held it under its own name); a
     # frozen base not at all (checkpoints before that held it: not compared, it is rebuilt from its source).
     skipped = {*shared_second_names(model), *(n for n, p in model.named_parameters() if not p.requires_grad)}

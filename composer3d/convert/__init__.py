@@ -15,10 +15,9 @@ RoPE permutation live in ``composer3d.models.llama``. Nothing is unpickled: safe
 ``SafeFileSystemReader``.
 """
 
-from composer3d.convert.cli import main
 from composer3d.convert.common import ConvertError, hydra_overrides
 from composer3d.convert.export import export, load_model_tensors, stored_model_shapes
 from composer3d.convert.import_hf import import_hf, load_hf_state
 
-__all__ = ["ConvertError", "export", "hydra_overrides", "import_hf", "load_hf_state", "load_model_tensors", "main",
+__all__ = ["ConvertError", "export", "hydra_overrides", "import_hf", "load_hf_state", "load_model_tensors",
            "stored_model_shapes"]

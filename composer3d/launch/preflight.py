@@ -12,8 +12,6 @@ import logging
 import tempfile
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from composer3d.checkpoint import (
     META_FILE,
     check_complete,
@@ -24,13 +22,13 @@ from composer3d.checkpoint import (
     read_meta,
     verified_checkpoints,
 )
-from composer3d.checkpoint.peft_base import check_base_from, check_same_base
 from composer3d.config import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
-from composer3d.parallel.peft import check_init_from, check_targets
+from composer3d.peft.apply import check_init_from, check_targets
+from composer3d.peft.base import build_with_adapters, check_base_from, check_same_base
 
 log = logging.getLogger("composer3d")
 
@@ -128,8 +126,7 @@ def check_resumable(cfg, directory: Path) -> Path | None:
                               f"peft.base_from={path} (checkpoint.resume continues a run of the same kind)")
         check_same_base(path, meta, cfg)
     try:
-        check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True),
-                         peft=OmegaConf.to_container(cfg.peft, resolve=True))
+        check_same_model(path, build_with_adapters(cfg.model, cfg.peft))
     except ConfigError:
         raise
     except Exception:  # an unreadable index: resume=auto falls back to an older checkpoint when it loads

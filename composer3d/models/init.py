@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from composer3d.models.lora import adapter_init, base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
+from composer3d.peft.lora import adapter_init, base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
 
 InitRule = Callable[[tuple[int, ...], torch.Generator, torch.device], torch.Tensor]
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from composer3d.layout import ParallelMesh
 from composer3d.models.moe import moe_layers
+from composer3d.parallel.mesh import ParallelMesh
 
 # Shared experts' nn.Linear weights [out, in]: column-parallel w1/w3, row-parallel w2.
 _SHARED_TP_DIM = {"shared_w1": 0, "shared_w3": 0, "shared_w2": 1}

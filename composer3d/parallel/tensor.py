@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from composer3d.models import ModelSpec
 from composer3d.models.interface import has_submodule
-from composer3d.parallel.peft import tensor_parallel_styles
+from composer3d.peft.apply import tensor_parallel_styles
 
 
 def apply_tensor_parallel(model: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh, sequence_parallel: bool,

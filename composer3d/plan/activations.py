@@ -16,7 +16,7 @@ reduce-scattered 2·h/tp; without SP the all-reduced 2·h), and under ``memory.a
 (whole on every rank) and the all-gather style's K/V, which they otherwise gather again in backward, as
 tests/test_plan.py measures. A MoE layer's feed-forward part: ``_mlp_elements``. Sequence tiling
 (``memory.tile_mlp``) leaves one tile's MLP hidden, recomputed in backward: that term over the tile count. Op-level
-selective keeps nothing computed inside a tile (parallel/activation.py): no MLP matmul outputs, no w2 output and
+selective keeps nothing computed inside a tile (memory/activation_checkpointing.py): no MLP matmul outputs, no w2 output and
 none of the MLP's collectives' (SP's gather and scatter, TP's all-reduce run inside the tile).
 
 Context parallel (plan/context.py): every term per token counts the seq_len / cp tokens a rank holds; on top,
@@ -63,13 +63,13 @@ def _mlp_elements(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int
 
 def block_matmul_outputs(shape: ModelShape, c: Candidate, moe: bool, compute_bytes: int) -> list[float]:
     """A block's linear matmuls' outputs per token (elements of the compute dtype), in the order they run: what
-    ``alternate_matmuls`` (parallel/activation.py) counts afresh in each block, keeping the 1st, 3rd, … and
+    ``alternate_matmuls`` (memory/activation_checkpointing.py) counts afresh in each block, keeping the 1st, 3rd, … and
     recomputing the others (plan/kernels.py charges the rerun of the same ones, by their GEMMs' shapes).
 
     Attention: wq wk wv wo. Dense: w1 w3 w2, so alternate_matmuls recomputes wk, wo and w3. MoE: the router's
     fp32 logits and the shared experts' w1 w3 w2 (the routed experts' grouped matmuls are not counted: always
     kept), so wk, wo, shared w1 and w2. Under ``tile_mlp`` attention's only: the policy neither keeps nor counts
-    a sequence tile's matmuls (parallel/tiling.py), whose own checkpoint recomputes them."""
+    a sequence tile's matmuls (memory/tiling.py), whose own checkpoint recomputes them."""
     t, h = c.tp, shape.dim
     q, kv = shape.n_heads * shape.head_dim / t, shape.n_kv_heads * shape.head_dim / t
     attention = [q, kv, kv, h]
@@ -92,7 +92,7 @@ def layer_activations(shape: ModelShape, c: Candidate, moe: bool, compute_bytes:
     mlp_tile = 0.0
     tiled = c.tile_mlp > 1 and not moe
     if tiled:
-        # parallel/tiling.py: the feed-forward keeps only its tiles' inputs (the norm's output, counted in the
+        # memory/tiling.py: the feed-forward keeps only its tiles' inputs (the norm's output, counted in the
         # residual part; SP gathers inside the tile); one tile's hidden and gradients exist at a time, in backward.
         mlp_tile = (mlp + mlp_backward) / c.tile_mlp
         mlp = mlp_selective = mlp_backward = 0.0

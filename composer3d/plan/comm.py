@@ -12,7 +12,7 @@ The counts are composer3d's (measured by tests/test_plan.py around the real trai
     the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
   SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
     Op-level selective checkpointing gathers each block's two inputs again in backward, unless
-    memory.ac_save_gathers=true (parallel/activation.py).
+    memory.ac_save_gathers=true (memory/activation_checkpointing.py).
   MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of the input and a
     reduce-scatter of the output under SP, the reduce-scatter's all-gather in backward), and in backward one
     all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per
@@ -30,14 +30,13 @@ and an all-to-all by their tensor. Gathered parameters travel in the compute dty
 from __future__ import annotations
 
 import math
-from functools import cache
 from dataclasses import dataclass
+from functools import cache
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import fsdp_shards, shard_degree, shard_numel, whole, zero1_degree
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
-
 
 # plan.ep_dispatch: every routed copy sent to its expert's rank (composer3d-train), or a token once per node
 EP_DISPATCH = ("all_to_all", "per_node")

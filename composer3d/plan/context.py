@@ -1,5 +1,5 @@
 """Context parallel in the planner: what each ``parallel.cp_style`` moves between the cp ranks, how much of it the
-attention compute hides, and the attention memory it adds per rank (parallel/context.py, parallel/ring_attention.py).
+attention compute hides, and the attention memory it adds per rank (parallel/context/context_parallel.py, parallel/context/ring_attention.py).
 
 Every cp rank holds ``seq_len / cp`` tokens of each sequence (head-tail chunks: the same causal work on each), so
 the block's activations, its compute and the logits fall as 1/cp; FSDP shards the parameters over dp_shard × cp.

@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from composer3d.dtypes import DTYPES
-from composer3d.parallel.autocast import auto_cast
+from composer3d.peft.planning import Peft
 from composer3d.plan import comm, context
-from composer3d.plan.adapters import Peft
 from composer3d.plan.bubble import bubble_fraction, bubble_ratio
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.host import host_fits, host_seconds
@@ -26,6 +25,7 @@ from composer3d.plan.kernels import Work, step_compute
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import OPTIMIZER_STATE_BYTES, Memory, memory
 from composer3d.plan.shapes import ModelShape, stage_sets
+from composer3d.precision.autocast import auto_cast
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Workload:
     published_overlap: bool = False  # plan.published_overlap
     published_ep_overlap: bool = False  # plan.published_ep_overlap
     ep_dispatch: str = "all_to_all"  # plan.ep_dispatch
-    peft: Peft | None = None  # LoRA / QLoRA: what trains (plan/adapters.py)
+    peft: Peft | None = None  # LoRA / QLoRA: what trains (peft/planning.py)
     cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
 
     @classmethod

@@ -197,7 +197,7 @@ def step_compute(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int
         if alternate:  # the routed experts' grouped matmuls are not counted: always kept
             rerun_alternate += stages.moe_layers * block_gemms(every[1::2], work.float8)
     forward_gemm = stages.dense_layers * dense + stages.moe_layers * moe
-    # the output head stays in the compute dtype under float8 (parallel/float8.py, as torchtitan's and Megatron's)
+    # the output head stays in the compute dtype under float8 (precision/float8.py, as torchtitan's and Megatron's)
     head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0, 1)], False) if stages.last else 0.0
     gemm = (3 + rerun_gemm) * forward_gemm + rerun_alternate + 3 * head
 

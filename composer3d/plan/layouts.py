@@ -16,10 +16,10 @@ from types import SimpleNamespace
 from composer3d.config.checks import pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
 from composer3d.errors import ConfigError
+from composer3d.memory.activation_checkpointing import blocks_all_gather
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.activation import blocks_all_gather
-from composer3d.parallel.context import STYLES as CP_STYLES
-from composer3d.parallel.pipeline import SCHEDULES, V_SHAPED, default_stages_per_rank, schedule_problem
+from composer3d.parallel.context.context_parallel import STYLES as CP_STYLES
+from composer3d.parallel.pipeline.stages import SCHEDULES, V_SHAPED, default_stages_per_rank, schedule_problem
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
 

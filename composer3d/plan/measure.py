@@ -37,8 +37,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
-from composer3d.layout import ParallelMesh, layout_from_degrees
-from composer3d.training.trainer import Trainer, prepare_rank
+from composer3d.launch.rank import prepare_rank
+from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.training.trainer import Trainer
 
 
 @dataclass

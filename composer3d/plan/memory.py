@@ -9,7 +9,7 @@ are divided by ep and sharded (FSDP, or ZeRO-1's state) over what ep leaves of t
 
 Activations: a block's saved tensors per token (``plan.activations``), times the tokens and layers in flight.
 Activation offload keeps on the device the saved tensors of two blocks (the one in backward and the one
-prefetched; parallel/activation_offload.py), the others in host memory. Logits: the head's output and its
+prefetched; memory/activation_offload.py), the others in host memory. Logits: the head's output and its
 gradient in the compute dtype, plus the loss's fp32 chunks (loss.py); under ``memory.tile_loss`` one tile's,
 recomputed in backward.
 """
@@ -20,9 +20,9 @@ import math
 from dataclasses import dataclass
 from functools import cache
 
-from composer3d.parallel.fsdp import reshard_blocks_after_forward
+from composer3d.parallel.data_parallel.fsdp import reshard_blocks_after_forward
+from composer3d.peft.planning import BLOCK_MODULES, Peft, Split, nf4_bytes, split_block, split_root
 from composer3d.plan.activations import cp_attention, cp_mask_bytes, layer_activations
-from composer3d.plan.adapters import BLOCK_MODULES, Peft, Split, nf4_bytes, split_block, split_root
 from composer3d.plan.bubble import microbatches_in_flight
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
@@ -69,13 +69,13 @@ def fsdp_shards(c: Candidate) -> bool:
 
 def shard_degree(c: Candidate, unit: Unit) -> int:
     """Ranks FSDP shards ``unit`` over: dp_shard × cp, or for routed experts what ep leaves of it (ep takes every
-    cp rank first: layout.py)."""
+    cp rank first: parallel/mesh.py)."""
     return c.dp_shard * c.cp // c.ep if unit.kind == "experts" else c.dp_shard * c.cp
 
 
 def zero1_degree(c: Candidate, unit: Unit) -> int:
     """Ranks ZeRO-1 shards ``unit``'s optimizer state and gradients over: every data-parallel rank (dp × cp), or
-    for routed experts the ranks holding the same ones (what ep leaves of them; parallel/zero.py)."""
+    for routed experts the ranks holding the same ones (what ep leaves of them; parallel/data_parallel/zero.py)."""
     return c.dp * c.cp // c.ep if unit.kind == "experts" else c.dp * c.cp
 
 
@@ -99,7 +99,7 @@ def model_state(units: list[Unit], c: Candidate, optimizer: str, peft: Peft | No
                 ) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's state (and
     ZeRO-1's fp32 masters of its slices when its gather carries a narrower ``compute_bytes``). Under ``peft``
-    (plan/adapters.py) only the adapters and modules_to_save have gradients and state; the frozen weights are
+    (peft/planning.py) only the adapters and modules_to_save have gradients and state; the frozen weights are
     their bytes, QLoRA's NF4 ones theirs."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     trainable, frozen = (units, 0.0) if peft is None else _peft_units(units, c, peft)

@@ -8,7 +8,7 @@ vocab-parallel embedding and head, norms replicated. Biases are left out (a few 
 Mixture-of-experts layers (the native model's ``model.moe``, models/moe.py, or a Hugging Face model's config.json
 read in the same terms, models/hf/config.py ``moe_sizes``): the router [experts, dim] whole on every
 rank, shared experts split like a dense MLP, and the routed experts' stacked weights [experts, hidden, dim] split by
-expert over ep and by hidden width over tp. The routed experts are an FSDP unit of their own (parallel/fsdp.py), so
+expert over ep and by hidden width over tp. The routed experts are an FSDP unit of their own (parallel/data_parallel/fsdp.py), so
 a rank's parameters come as ``Unit``s: what FSDP gathers and reduces together, over which ranks.
 """
 
@@ -21,7 +21,7 @@ from functools import cache, cached_property
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
 from composer3d.models.llama import ffn_hidden_dim
-from composer3d.parallel.pipeline import split_layers, stage_ids_of_rank
+from composer3d.parallel.pipeline.stages import split_layers, stage_ids_of_rank
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Unit:
     params: tuple[tuple[int, ...], ...]
     count: int
     kind: str  # block | experts | root
-    names: tuple[str, ...] = ()  # the root's: embedding, norm, head (plan/adapters.py matches them)
+    names: tuple[str, ...] = ()  # the root's: embedding, norm, head (peft/planning.py matches them)
 
     @cached_property  # the search asks for it of the same units tens of thousands of times
     def numel(self) -> int:

@@ -7,16 +7,18 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from composer3d.checkpoint.peft_base import base_source, fill_base
-from composer3d.layout import ParallelMesh
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
-from composer3d.models.peft_adapters import load_adapters
-from composer3d.parallel import parallelize, runs_fsdp
-from composer3d.parallel.peft import adapter_params, saved_params, trainable_params
-from composer3d.parallel.pipeline import StageModule
+from composer3d.parallel.compose import parallelize
+from composer3d.parallel.context.context_parallel import ContextParallel
+from composer3d.parallel.data_parallel.fsdp import runs_fsdp
+from composer3d.parallel.mesh import ParallelMesh
+from composer3d.parallel.pipeline.stages import StageModule
+from composer3d.parallel.pipeline.tied import check_twins_match, init_aliases
 from composer3d.parallel.tensor import keep_grads_in_param_layout
-from composer3d.parallel.tied import check_twins_match, init_aliases
+from composer3d.peft.adapter_files import load_adapters
+from composer3d.peft.apply import adapter_params, saved_params, trainable_params
+from composer3d.peft.base import base_source, fill_base
 from composer3d.training.flops import attention_layers, embedding_params, flops_per_token
 
 
@@ -24,6 +26,7 @@ from composer3d.training.flops import attention_layers, embedding_params, flops_
 class ParallelModel:
     model: nn.Module
     stages: list[StageModule]  # this rank's pipeline stages ([] without PP)
+    context: ContextParallel | None  # the cp group's attention (None: cp = 1), as ``parallelize`` returned it
     num_params: int  # of the whole model, before any split
     trainable_params: int  # of those, what the optimizer updates (``peft``: the adapters and modules_to_save)
     active_params: int  # that one token goes through (mixture of experts: only top_k routed experts a layer)
@@ -44,7 +47,8 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     flops = flops_per_token(matmul, embedding, attention_layers(spec.attention_windows(m), cfg.train.seq_len),
                             m.n_heads * (m.head_dim or m.dim // m.n_heads), cfg.train.seq_len, trained)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
-    stages = parallelize(model, spec, mesh, cfg, device)
+    parallelized = parallelize(model, spec, mesh, cfg, device)
+    stages = parallelized.stages
     offload = cfg.parallel.offload == "cpu"
     # FSDP's CPU offload keeps the parameters in host memory and requires them there from the start.
     placement = {"fsdp_roots": stages, "compute_device": device, "aliases": init_aliases(model)}
@@ -62,7 +66,7 @@ def build_parallel_model(cfg, mesh: ParallelMesh, device: torch.device, from_che
     check_twins_match(model)
     if not runs_fsdp(mesh, cfg.parallel):  # after materialize: it makes the parameters
         keep_grads_in_param_layout(model)
-    return ParallelModel(model, stages, num_params, trainable, active_params, flops)
+    return ParallelModel(model, stages, parallelized.context, num_params, trainable, active_params, flops)
 
 
 def _matmul_params(model: nn.Module, active_params: int, peft) -> tuple[int, int, int | None]:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from composer3d.layout import ParallelMesh
 from composer3d.models import Routing
 from composer3d.models.moe import routing_counters
+from composer3d.parallel.mesh import ParallelMesh
 
 
 class ExpertLoad:

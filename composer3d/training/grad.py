@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from composer3d.layout import Layout
-from composer3d.parallel.offload import HostOffloadOptimizer
+from composer3d.memory.optimizer_offload import HostOffloadOptimizer
+from composer3d.parallel.mesh import Layout
 from composer3d.training.compiled_adamw import CompiledAdamW
 
 

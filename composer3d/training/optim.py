@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from composer3d.launch.distributed import is_accelerator
-from composer3d.parallel.offload import HostOffloadOptimizer
-from composer3d.parallel.zero import OptimizerStateSharder
+from composer3d.memory.optimizer_offload import HostOffloadOptimizer
+from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
 from composer3d.training.compiled_adamw import CompiledAdamW
 
 

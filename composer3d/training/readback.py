@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from composer3d.layout import ParallelMesh
+from composer3d.parallel.mesh import ParallelMesh
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.metrics import Throughput, peak_memory_bytes
 

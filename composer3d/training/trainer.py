@@ -1,4 +1,4 @@
-"""The Trainer: one rank's model, optimizer, data and step, under any layout (``train.py`` is the CLI; the loop
+"""The Trainer: one rank's model, optimizer, data and step, under any layout (``commands/train.py`` is the CLI; the loop
 around the step is ``loop``, its metrics' read-back ``readback``).
 
 One step: the global batch is fixed by the seed; this data-parallel rank takes its slice and runs it as
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from composer3d.config import pipeline_microbatches, validate, validate_for_device
+from composer3d.config import pipeline_microbatches
 from composer3d.data import (
     IGNORE_INDEX,
     Batch,
@@ -30,17 +30,18 @@ from composer3d.data import (
 from composer3d.dtypes import DTYPES
 from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
-from composer3d.layout import ParallelMesh
-from composer3d.parallel.context import ContextParallel
-from composer3d.parallel.pipeline import build_schedule, stage_boundary
-from composer3d.parallel.tied import (
+from composer3d.memory.tiling import tiled_head_loss
+from composer3d.parallel.context.context_parallel import ContextParallel
+from composer3d.parallel.data_parallel.zero import replica_mesh
+from composer3d.parallel.mesh import ParallelMesh
+from composer3d.parallel.pipeline.stages import build_schedule, stage_boundary
+from composer3d.parallel.pipeline.tied import (
     optimizer_from_checkpoint_names,
     optimizer_to_checkpoint_names,
     sum_twin_grads,
     uncounted_in_norm,
 )
-from composer3d.parallel.tiling import tiled_head_loss
-from composer3d.parallel.zero import replica_mesh
+from composer3d.precision.loss_scaling import DynamicLossScaler
 from composer3d.training.assemble import build_parallel_model
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.flops import peak_flops
@@ -49,9 +50,13 @@ from composer3d.training.grad import clip_grad_norm_, replicas
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
-from composer3d.training.optim import (build_optimizer, build_scheduler, configured_settings,
-                                      restore_configured_settings, with_configured_kernels)
-from composer3d.training.precision import DynamicLossScaler, resolve_precision
+from composer3d.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    configured_settings,
+    restore_configured_settings,
+    with_configured_kernels,
+)
 from composer3d.training.readback import window_records
 
 log = logging.getLogger("composer3d")
@@ -108,8 +113,8 @@ class Trainer:
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg, self.model, mesh, device)
         # Context parallel: each cp rank takes its share of every sequence (the model attends over all of it), by the
-        # model's own ContextParallel: the batch's placement (parallel.cp_balance) is set once for both.
-        self.context: ContextParallel | None = self.model.context_parallel if mesh.layout.cp > 1 else None
+        # ContextParallel parallelize gave the model: the batch's placement (parallel.cp_balance) is set once for both.
+        self.context: ContextParallel | None = built.context
         self.step = 0
         self.run_info_extra: dict = {}  # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.nonfinite_skipped_steps = 0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
@@ -289,7 +294,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, windows: torch.Tensor) -> dict:
-        """Mean next-token loss, perplexity and predicted-token count over ``windows`` (see ``evaluate.py``),
+        """Mean next-token loss, perplexity and predicted-token count over ``windows`` (see ``commands/evaluate.py``),
         in the training layout: data-parallel ranks split the windows; under PP the schedule runs forward only."""
         per_forward = self.cfg.train.micro_batch_size * (self.accumulation_steps if self.pipeline is not None else 1)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -337,13 +342,3 @@ def _expert_load(cfg: DictConfig, model: torch.nn.Module, mesh: ParallelMesh, de
         return None
     return ExpertLoad(model, routing, cfg.train.global_batch_size, mesh, device, cfg.train.micro_batch_size)
 
-
-def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[dict, torch.device]:
-    """Checks and settings every rank makes before its process group exists (training and evaluation alike):
-    the layout's degrees, this rank's device, and the resolved compute dtype."""
-    degrees = validate(cfg, env.world_size if env else 1)
-    device = distributed.resolve_device(cfg.launch.device, env.local_rank if env else 0,
-                                        cfg.memory.expandable_segments)
-    validate_for_device(cfg, degrees, device.type)
-    resolve_precision(cfg, device, env.world_size if env else 1)
-    return degrees, device

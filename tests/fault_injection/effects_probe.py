@@ -1,7 +1,7 @@
 """COMPOSER3D_TEST_EFFECTS=DIR — every rank writes DIR/rank{R}.json after its first optimizer step: what the
 precision and memory switches did to its model, its FSDP wrapping and its optimizer, so a test can assert a switch's
 effect, not only that the loss stayed close (which a switch that does nothing passes). Loaded by sitecustomize in
-the ``composer3d.train`` processes of a run (``harness.train(probe_effects=True)``), or imported by the workers of
+the ``composer3d.commands.train`` processes of a run (``harness.train(probe_effects=True)``), or imported by the workers of
 ``harness.train_in_one_group(probe_effects=True)``, which set DIR per job; it only reads state.
 """
 
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from composer3d.parallel.activation import checkpointed_forward
-from composer3d.parallel.activation_offload import OffloadedCall
+from composer3d.memory.activation_checkpointing import checkpointed_forward
+from composer3d.memory.activation_offload import OffloadedCall
 from composer3d.training import loss as loss_module
 from composer3d.training.metrics import local_bytes
 from composer3d.training.trainer import Trainer
@@ -302,7 +302,7 @@ def _first_heads(attention: torch.nn.Module, name: str, module, args, out: torch
 def _tied_twin(trainer: Trainer) -> dict | None:
     """This rank's tied embedding, or its twin head on the last pipeline stage (``parallel.tied``): its name, its
     embedding group's ranks and a digest of its values and its optimizer state (equal twins, equal digests)."""
-    from composer3d.parallel.tied import twins_of
+    from composer3d.parallel.pipeline.tied import twins_of
 
     twins = twins_of(trainer.model)
     if twins is None or twins.group is None:

@@ -21,7 +21,7 @@ had seen a non-finite loss: its peers wait in that step's collectives until the 
 COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE=1 — DCP's DefaultStager closes its copier at the end of every stage, as
 torch 2.11 and 2.12 do (pytorch/pytorch#183413): a stager reused for a second async save then fails.
 
-COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.train`` run writes what the precision and memory switches
+COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.commands.train`` run writes what the precision and memory switches
 did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
 """
 
@@ -134,5 +134,5 @@ if os.environ.get("COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE"):
 
     DefaultStager._stage = _stage_then_close
 
-if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.train"]:
+if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.commands.train"]:
     import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)

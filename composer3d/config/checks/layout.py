@@ -9,10 +9,10 @@ from typing import Any
 from composer3d.config.checks.common import _divisors, _require
 from composer3d.config.schema import ParallelConfig
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.context import STYLES as CP_STYLES
-from composer3d.parallel.cp_balance import BALANCES as CP_BALANCES
-from composer3d.parallel.pipeline import SCHEDULES as PP_SCHEDULES
-from composer3d.parallel.pipeline import V_SHAPED, default_stages_per_rank, schedule_problem
+from composer3d.parallel.context.balance import BALANCES as CP_BALANCES
+from composer3d.parallel.context.context_parallel import STYLES as CP_STYLES
+from composer3d.parallel.pipeline.stages import SCHEDULES as PP_SCHEDULES
+from composer3d.parallel.pipeline.stages import V_SHAPED, default_stages_per_rank, schedule_problem
 
 
 def resolve_degrees(p: ParallelConfig, world_size: int) -> dict[str, int]:

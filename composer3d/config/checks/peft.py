@@ -52,7 +52,7 @@ def _check_peft(cfg: Any, degrees: dict[str, int]) -> None:
 def _check_init_from(f: Any) -> None:
     """The adapter directory is there, PEFT's LoRA, with this run's rank and alpha (its tensors' names and shapes
     are checked against the model's targeted linears before launch: ``parallel.peft.check_init_from``)."""
-    from composer3d.models.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
+    from composer3d.peft.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter_config
 
     directory = Path(f.init_from)
     missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (directory / name).is_file()]

@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import DTYPE_NAMES, _divisors, _require
+from composer3d.memory.activation_checkpointing import POLICIES as AC_POLICIES
+from composer3d.memory.activation_checkpointing import blocks_all_gather
 from composer3d.models import build_model
-from composer3d.parallel.activation import POLICIES as AC_POLICIES, blocks_all_gather
 
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 PRECISION_CASTS = ("auto", "params", "autocast")

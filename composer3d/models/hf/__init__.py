@@ -18,8 +18,14 @@ below); its modules, bottom to top:
 transformers itself is imported only where a Hugging Face model is used, never by importing this package.
 """
 
-from composer3d.models.hf.config import (attention_windows, expert_count, fill_model_config, load_hf_config, moe_sizes,
-                                        resolve_model_dir)
+from composer3d.models.hf.config import (
+                                        attention_windows,
+                                        expert_count,
+                                        fill_model_config,
+                                        load_hf_config,
+                                        moe_sizes,
+                                        resolve_model_dir,
+)
 from composer3d.models.hf.context_parallel import context_parallel_problem
 from composer3d.models.hf.conversion import to_checkpoint_names
 from composer3d.models.hf.experts import expert_parallel_support

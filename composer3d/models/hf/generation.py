@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+
 class HFDecoder:
     """``decoder(tokens, attention_mask)`` → the logits after each row's last new token, (batch, vocab).
 

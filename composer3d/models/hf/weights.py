@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from composer3d.errors import ConfigError
 from composer3d.models.hf.conversion import CheckpointMap, Fused, map_checkpoint
 from composer3d.models.init import local_shard
-from composer3d.models.lora import base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
+from composer3d.peft.lora import base_name, copy_nf4_, is_adapter, is_nf4, to_nf4
 
 if TYPE_CHECKING:
     from composer3d.models.hf.model import HFCausalLM

@@ -32,7 +32,11 @@ def tensor_parallel_plan(model: Llama, sequence_parallel: bool, float8: bool = F
     if float8:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel as Colwise,
+        )
+        from torchao.float8.float8_tensor_parallel import (
             Float8RowwiseParallel as Rowwise,
+        )
+        from torchao.float8.float8_tensor_parallel import (
             PrepareFloat8ModuleInput as PrepareInput,
         )
     else:

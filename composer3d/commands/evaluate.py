@@ -34,17 +34,18 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
-from composer3d.checkpoint.peft_base import checkpoint_base
+from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data import eval_windows
 from composer3d.data.tokenizers import build_tokenizer
 from composer3d.errors import require_eval_extra
-from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
-from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.peft.base import build_with_adapters, checkpoint_base
 from composer3d.training import console
-from composer3d.training.trainer import Trainer, prepare_rank
+from composer3d.training.trainer import Trainer
 
 
 def check_weights_source(cfg: DictConfig) -> None:
@@ -87,9 +88,9 @@ def check_checkpoint_model(cfg: DictConfig) -> None:
     """A model asked for that is not the checkpoint's: one line naming both shapes (not DCP's size mismatch)."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
-        check_same_model(Path(resume), OmegaConf.to_container(cfg.model, resolve=True),
+        check_same_model(Path(resume), build_with_adapters(cfg.model, cfg.peft),
                          remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own model "
-                                "(see {meta})", peft=OmegaConf.to_container(cfg.peft, resolve=True))
+                                "(see {meta})")
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:
@@ -120,7 +121,7 @@ def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, win
         load_model_weights(trainer.model, Path(resume))
     if windows is not None:
         return trainer.evaluate(windows)
-    from composer3d.eval_harness import run_tasks  # lm-eval: the eval extra, imported only when asked for
+    from composer3d.evaluation.harness import run_tasks  # lm-eval: the eval extra, imported only when asked for
 
     return run_tasks(trainer, build_tokenizer(cfg.data, cfg.model), cfg.eval, cfg.train.seq_len)
 
@@ -131,7 +132,7 @@ def check_tasks_or_windows(cfg: DictConfig, degrees: dict) -> None:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         return
     require_eval_extra("eval.tasks")
-    from composer3d.eval_harness import check_tasks, generation_problem
+    from composer3d.evaluation.harness import check_tasks, generation_problem
 
     check_tasks(cfg.eval, generation=generation_problem(degrees, cfg.parallel.sequence_parallel))
 
@@ -150,7 +151,7 @@ def _main(cfg: DictConfig) -> None:
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
             check_tasks_or_windows(cfg, degrees)
         if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.evaluate", job_overrides())
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.commands.evaluate", job_overrides())
             return
         run(cfg, env)
 

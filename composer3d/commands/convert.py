@@ -7,11 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
-
-from composer3d.dtypes import DTYPES
 from composer3d.convert.common import ConvertError, hydra_overrides
 from composer3d.convert.export import export, peft_method, read_checkpoint_meta
 from composer3d.convert.import_hf import import_hf
+from composer3d.dtypes import DTYPES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "export":
             if peft_method(read_checkpoint_meta(args.checkpoint)) != "none" or args.merge:
-                from composer3d.convert.peft_export import export_peft
+                from composer3d.peft.export import export_peft
 
                 written = export_peft(args.checkpoint, args.out, args.dtype, args.max_shard_size, args.overwrite,
                                       args.merge)
@@ -62,3 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"composer3d-convert {args.command}: error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,4 @@
-"""The compute dtype's ``auto`` settings resolved for a rank's device (``resolve_precision``), and dynamic loss
-scaling for fp16 training, correct under any mix of FSDP, TP and PP.
+"""Dynamic loss scaling for fp16 training, correct under any mix of FSDP, TP and PP.
 
 Each rank checks only its own gradient shards for inf/nan; one all-reduce (MAX) over the whole world makes every
 rank take the same decision — skip the step and halve the scale, or unscale and step — so no rank's optimizer
@@ -11,19 +10,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-
-from composer3d.launch import distributed
-from composer3d.parallel.autocast import auto_cast
-
-
-def resolve_precision(cfg, device: torch.device, world_size: int) -> None:
-    """``precision.param_dtype=auto``: bf16 where it is fast, fp32 on the CPU; ``precision.cast=auto``:
-    ``parallel.autocast.auto_cast``. In place, so the run's config.yaml records what ran."""
-    if cfg.precision.param_dtype == "auto":
-        cfg.precision.param_dtype = "float32" if device.type == "cpu" else "bfloat16"
-    if cfg.precision.cast == "auto":
-        cfg.precision.cast = auto_cast(distributed.is_accelerator(device), world_size, cfg.compile.enabled,
-                                       cfg.parallel.zero_stage, cfg.peft.method)
 
 
 class DynamicLossScaler:

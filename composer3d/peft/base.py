@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint.format import META_FILE, SafeFileSystemReader, check_same_model, incomplete, read_meta
@@ -22,11 +23,16 @@ from composer3d.config import ConfigError, ModelConfig
 from composer3d.config.peft_schema import PeftConfig
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.init import materialize
-from composer3d.models.lora import is_nf4
-from composer3d.parallel.peft import apply_peft
+from composer3d.peft.apply import apply_peft
+from composer3d.peft.lora import is_nf4
 
 # composer3d.json's key for the record
 BASE_KEY = "peft_base"
+
+
+def base_meta(cfg: DictConfig) -> dict:
+    """What a peft run's checkpoints record of their base, which they do not hold (nothing without peft)."""
+    return {BASE_KEY: base_source(cfg)} if cfg.peft.method != "none" else {}
 
 
 def base_source(config: dict | DictConfig) -> dict:
@@ -95,7 +101,7 @@ def check_base_from(cfg: DictConfig) -> None:
     problem = incomplete(path)
     if problem is not None:
         raise ConfigError(f"peft.base_from: {path} {problem}. Name a complete checkpoint")
-    check_same_model(path, OmegaConf.to_container(cfg.model, resolve=True),
+    check_same_model(path, build_model(cfg.model),
                      remedy="Set peft.base_from to a checkpoint of this run's model, or the model.* keys as {meta} "
                             "records them")
 
@@ -155,3 +161,12 @@ def whole_base(meta: dict) -> dict[str, torch.Tensor]:
               torch.device("cpu"))
     return {name: (p.get_original_weight() if is_nf4(p) else p).detach() for name, p in model.named_parameters()
             if not p.requires_grad}
+
+
+def build_with_adapters(model: dict | DictConfig, peft: dict | DictConfig | None) -> nn.Module:
+    """The whole model a run of these ``model`` and ``peft`` sections trains, on meta: with LoRA's adapters and
+    wrapped base linears, whose names are part of its checkpoints'."""
+    built = build_model(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))
+    if peft is not None and peft.get("method", "none") != "none":
+        apply_peft(built, OmegaConf.merge(OmegaConf.structured(PeftConfig), peft))
+    return built

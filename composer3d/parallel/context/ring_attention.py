@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from composer3d.parallel.attention_blocks import Block, block_backward, block_forward
-from composer3d.parallel.cp_balance import Placement
+from composer3d.parallel.context.attention_blocks import Block, block_backward, block_forward
+from composer3d.parallel.context.balance import Placement
 
 
 def ring_blocks(rank: int, placement: Placement, documents: torch.Tensor | None) -> list[list[Block]]:

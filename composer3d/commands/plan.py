@@ -18,8 +18,8 @@ import json
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from composer3d.commands.hydra_entry import hydra_entry_point
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
-from composer3d.hydra_entry import hydra_entry_point
 from composer3d.launch import launcher
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate

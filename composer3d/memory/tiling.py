@@ -14,7 +14,7 @@ the loss takes its targets in the same order.
 Under op-level selective checkpointing a tiled feed-forward runs inside its block's checkpoint, whose policy
 sees every op, the tiles' too: were it to keep their matmul outputs, every tile's hidden would stay until the
 block's backward and tiling would save nothing. A tile therefore runs under an ``fx.traceback.annotate`` mark
-(``in_sequence_tile``) that the policies (parallel/activation.py) read to keep nothing of it: the tile's own
+(``in_sequence_tile``) that the policies (memory/activation_checkpointing.py) read to keep nothing of it: the tile's own
 checkpoint keeps its input and recomputes it in its backward. The mark is torch's annotation of the ops being
 traced, which the compiled checkpoint's policy sees as the eager one does (a flag set in Python would be a side
 effect that breaks the compiled graph at the checkpoint). Every run of a tile carries the mark (forward, the block's

@@ -16,7 +16,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from composer3d.dtypes import DTYPES
-from composer3d.layout import ParallelMesh
+from composer3d.parallel.mesh import ParallelMesh
 
 
 def shards_or_replicates(mesh: ParallelMesh, offload: bool, zero_stage: int) -> bool:

@@ -17,7 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from composer3d.errors import ConfigError
 from composer3d.models.interface import has_submodule
-from composer3d.models.lora import BASE, NF4_BLOCK, LoRALinear, quantize_base
+from composer3d.peft.lora import BASE, NF4_BLOCK, LoRALinear, quantize_base
+
 
 def matches(name: str, patterns) -> bool:
     """PEFT's rule: a module is targeted when its name is a pattern or ends with ``.pattern``; shell wildcards
@@ -70,7 +71,7 @@ def check_targets(model: nn.Module, cfg, shards: int) -> None:
 def check_init_from(model: nn.Module, cfg, model_cfg) -> None:
     """Before launch, on the whole model (on meta): ``peft.init_from``'s tensors are exactly the adapters of the
     targeted linears and the modules_to_save, in their shapes, under PEFT's keys."""
-    from composer3d.models.peft_adapters import adapter_shapes, hf_weight_names, peft_key
+    from composer3d.peft.adapter_files import adapter_shapes, hf_weight_names, peft_key
 
     names = hf_weight_names(model_cfg)
     expected = {}
@@ -157,3 +158,4 @@ def _replicated_input(module: nn.Module, inputs: tuple, device_mesh: DeviceMesh)
     if isinstance(x, DTensor):
         return (x.redistribute(device_mesh, [Replicate()]), *inputs[1:])
     return (DTensor.from_local(x, device_mesh, [Replicate()], run_check=False), *inputs[1:])
+

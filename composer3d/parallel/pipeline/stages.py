@@ -16,12 +16,11 @@ from functools import partial
 import torch
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
-
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from composer3d.dtypes import DTYPES
 from composer3d.models.moe import routing_unrecorded
-from composer3d.parallel.fsdp import runs_fsdp
+from composer3d.parallel.data_parallel.fsdp import runs_fsdp
 
 # composer3d name → torch's schedule name
 SCHEDULES = {

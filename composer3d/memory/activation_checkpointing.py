@@ -14,7 +14,7 @@ gathered K/V) are the whole sequence, tp× (cp×) what they are gathered from, a
 in backward. The recomputation gathers the same shards again (the norm's output it recomputes first), and every
 rank of the group recomputes the same blocks in the same order, so the redone collectives stay matched. The
 reduce-scatters, all-reduces and all-to-alls stay kept: they hold no more than the tensors they come from. Both
-keep nothing of a sequence tile (``memory.tile_mlp``, parallel/tiling.py): the tile's own checkpoint recomputes it,
+keep nothing of a sequence tile (``memory.tile_mlp``, memory/tiling.py): the tile's own checkpoint recomputes it,
 one at a time.
 
 Why not torch's composable ``checkpoint`` (forward hooks): under ``compile.enabled`` its selective policy never sees
@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from composer3d.parallel.tiling import in_sequence_tile
+from composer3d.memory.tiling import in_sequence_tile
 
 aten = torch.ops.aten
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from composer3d.models.init import local_shard
-from composer3d.models.lora import ADAPTERS
+from composer3d.peft.lora import ADAPTERS
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -32,19 +32,19 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
-from composer3d.checkpoint.peft_base import checkpoint_base
+from composer3d.commands.evaluate import check_weights_source
+from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.dtypes import DTYPES
-from composer3d.evaluate import check_weights_source
 from composer3d.generation import Generation, generate
-from composer3d.hydra_entry import hydra_entry_point, job_overrides
 from composer3d.launch import distributed, launcher
-from composer3d.layout import ParallelMesh, layout_from_degrees
+from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.peft.base import checkpoint_base
 from composer3d.training import console
 from composer3d.training.assemble import build_parallel_model
-from composer3d.training.trainer import prepare_rank
 
 log = logging.getLogger("composer3d")
 
@@ -174,7 +174,7 @@ def _main(cfg: DictConfig) -> None:
             check_generation(cfg, degrees, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate))
             MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
         if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.generate", job_overrides())
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.commands.generate", job_overrides())
             return
         run(cfg, env)
 

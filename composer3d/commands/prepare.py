@@ -1,4 +1,4 @@
-"""The ``composer3d-prepare`` entry point (also ``python -m composer3d.prepare``): a corpus tokenized once into token
+"""The ``composer3d-prepare`` entry point (also ``python -m composer3d.commands.prepare``): a corpus tokenized once into token
 shards that ``composer3d-train`` then maps on every rank (``data.prepared``), instead of every rank reading and
 tokenizing it at start-up.
 
@@ -20,9 +20,9 @@ import sys
 
 from omegaconf import DictConfig
 
+from composer3d.commands.hydra_entry import hydra_entry_point
 from composer3d.config import ConfigError, register_configs, resolve_model_config, validate_data
 from composer3d.data import prepare_corpus
-from composer3d.hydra_entry import hydra_entry_point
 from composer3d.training import console
 
 

@@ -29,8 +29,8 @@ from composer3d.convert.export import (
     write_model,
 )
 from composer3d.dtypes import DTYPES
-from composer3d.models.lora import ADAPTERS, base_name
-from composer3d.models.peft_adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_weight_names, peft_key, rope_heads
+from composer3d.peft.adapter_files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, hf_weight_names, peft_key, rope_heads
+from composer3d.peft.lora import ADAPTERS, base_name
 
 BASE_DIR = "base"  # where the base is written when no directory holds it
 
@@ -74,7 +74,7 @@ def load_lora_state(checkpoint: Path, meta: dict) -> dict[str, torch.Tensor]:
     """Every model tensor, whole, under its name in the LoRA model: the adapters (and modules_to_save) as the
     checkpoint holds them; the frozen base rebuilt from the source the checkpoint records (``checkpoint.peft_base``;
     QLoRA's NF4 base dequantized, fp32)."""
-    from composer3d.checkpoint.peft_base import whole_base
+    from composer3d.peft.base import whole_base
 
     base = whole_base(meta)
     shapes = stored_model_shapes(checkpoint)
@@ -119,7 +119,7 @@ def _hf_module_names(model_fields: dict, base: dict[str, torch.Tensor]) -> dict[
 
 def _saved_modules(patterns: list[str], base: dict[str, torch.Tensor], adapters: dict) -> list[str]:
     """The modules ``peft.modules_to_save`` trained whole (the outermost that a pattern names)."""
-    from composer3d.parallel.peft import matches
+    from composer3d.peft.apply import matches
 
     saved = set()
     for name in base:

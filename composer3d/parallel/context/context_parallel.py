@@ -26,8 +26,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from composer3d.parallel.cp_balance import BALANCES, Placement, document_ids, head_tail, plan_placement
-from composer3d.parallel.ring_attention import ring_attention, ring_blocks
+from composer3d.parallel.context.balance import BALANCES, Placement, document_ids, head_tail, plan_placement
+from composer3d.parallel.context.ring_attention import ring_attention, ring_blocks
 
 STYLES = ("ring", "allgather", "ulysses")
 

@@ -31,9 +31,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from composer3d.layout import ParallelMesh
-from composer3d.parallel.zero_buckets import GradientBuckets, all_gather
-from composer3d.parallel.zero_buckets import local as _local
+from composer3d.parallel.data_parallel.zero_buckets import GradientBuckets, all_gather
+from composer3d.parallel.data_parallel.zero_buckets import local as _local
+from composer3d.parallel.mesh import ParallelMesh
 
 
 def replica_mesh(model: nn.Module, mesh: ParallelMesh) -> Callable[[torch.Tensor], DeviceMesh]:

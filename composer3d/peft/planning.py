@@ -5,9 +5,9 @@ weights every parameter keeps; FSDP casts them for compute). QLoRA's targeted ba
 tensors: half a byte per value, one int8 scale per block of 64 values, one fp32 factor per 256 of those scales,
 and a scale mean and the 16-value lookup table per tensor (per FSDP shard, each shard being an NF4 tensor of its
 own). Each targeted linear gains its adapters, trainable: ``lora_A`` [r, in] and ``lora_B`` [out, r], split under
-TP as parallel/peft.py splits them (a column-parallel base: A whole, B by rows; a row-parallel base: A by
+TP as peft/apply.py splits them (a column-parallel base: A whole, B by rows; a row-parallel base: A by
 columns, B whole). ``peft.modules_to_save`` train whole. The names the patterns are matched against are the
-native model's and Hugging Face's Llama-layout names of each parameter, PEFT's rule (parallel/peft.py).
+native model's and Hugging Face's Llama-layout names of each parameter, PEFT's rule (peft/apply.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from composer3d.parallel.peft import matches
+from composer3d.peft.apply import matches
 
 NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256  # torchao's NF4: values per scale, scales per fp32 factor
 NF4_TENSOR_BYTES = 4 + 16 * 4  # the scale mean, the lookup table

@@ -1,5 +1,0 @@
-import sys
-
-from composer3d.convert.cli import main
-
-sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation beyond the loss: lm-evaluation-harness tasks scored in any layout."""

@@ -1,0 +1,1 @@
+"""Memory: activation checkpointing and offload, sequence tiling, the optimizer on the host."""

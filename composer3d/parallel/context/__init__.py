@@ -1,0 +1,1 @@
+"""Context parallel: sequence shares per cp rank, ring / all-gather / Ulysses attention, balancing."""

@@ -1,0 +1,1 @@
+"""Parameter-efficient fine-tuning: everything LoRA/QLoRA (the schema stays with the config)."""
