@@ -1,10 +1,12 @@
-"""How much of a Hugging Face checkpoint each rank reads and holds when ``model=hf`` loads it into its shards.
+"""How much of a Hugging Face checkpoint each rank reads and holds when ``model=hf`` loads it into
+its shards.
 
-Saves a random Llama-shaped model (default ~0.2B parameters, fp32 safetensors) to a temporary directory, then for
-world sizes 1, 2 and 4 (FSDP over all ranks) builds the model on meta, parallelizes it and loads the weights
-through composer3d's loader (DCP's HuggingFaceStorageReader), in fresh gloo processes. Prints, per world size,
-the fraction of the checkpoint's elements each rank read, the rank's peak RSS growth during build+load (Linux), and the
-wall time of the load. Side by side in one run; CPU only.
+Saves a random Llama-shaped model (default ~0.2B parameters, fp32 safetensors) to a temporary
+directory, then for world sizes 1, 2 and 4 (FSDP over all ranks) builds the model on meta,
+parallelizes it and loads the weights through composer3d's loader (DCP's HuggingFaceStorageReader),
+in fresh gloo processes. Prints, per world size, the fraction of the checkpoint's elements each rank
+read, the rank's peak RSS growth during build+load (Linux), and the wall time of the load. Side by
+side in one run; CPU only.
 
     python benchmarks/hf_loading.py [--hidden 1024 --layers 12 --vocab 32000] [--worlds 1 2 4]
 """
@@ -26,9 +28,16 @@ import torch.multiprocessing as mp
 def save_model(path: Path, hidden: int, layers: int, vocab: int) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-                         num_attention_heads=hidden // 64, num_key_value_heads=hidden // 256, vocab_size=vocab,
-                         max_position_embeddings=2048, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 256,
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
     return sum(p.numel() for p in model.parameters())
@@ -56,9 +65,10 @@ def _worker(rank: int, world: int, path: str, store: str, results) -> None:
     from omegaconf import OmegaConf
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from composer3d.config import TrainConfig, resolve_model_config, validate
+    from composer3d.config.checks import resolve_model_config, validate
+    from composer3d.config.schema import TrainConfig
     from composer3d.launch.distributed import shut_down
-    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+    from composer3d.parallel.mesh import ParallelMesh
     from composer3d.training.assemble import build_parallel_model
 
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -72,16 +82,19 @@ def _worker(rank: int, world: int, path: str, store: str, results) -> None:
 
     HuggingFaceStorageReader._process_read_request = counting
     cfg = OmegaConf.structured(TrainConfig)
-    cfg.model = OmegaConf.merge(cfg.model, {"name": "hf", "path": path, "dim": 0, "n_layers": 0, "n_heads": 0,
-                                            "vocab_size": 0})
+    cfg.model = OmegaConf.merge(
+        cfg.model,
+        {"name": "hf", "path": path, "dim": 0, "n_layers": 0, "n_heads": 0, "vocab_size": 0},
+    )
     cfg.run.dir, cfg.precision.param_dtype = "unused", "float32"
     cfg.train.global_batch_size, cfg.train.micro_batch_size = 8, 1
     resolve_model_config(cfg.model)
     rss_before = _reset_peak_rss()
     dist.barrier()
     start = time.perf_counter()
-    built = build_parallel_model(cfg, ParallelMesh(layout_from_degrees(validate(cfg, world)), "cpu"),
-                                 torch.device("cpu"))
+    built = build_parallel_model(
+        cfg, ParallelMesh(validate(cfg, world), "cpu"), torch.device("cpu")
+    )
     dist.barrier()
     seconds = time.perf_counter() - start
     total = sum(math.prod(s) for s in built.model.full_shapes.values())
@@ -95,21 +108,31 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to load into")
+    parser.add_argument(
+        "--worlds", type=int, nargs="+", default=[1, 2, 4], help="world sizes to load into"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "model"
         params = save_model(path, args.hidden, args.layers, args.vocab)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-        print(f"model: {params / 1e6:.0f}M params, checkpoint {size / 2**20:.0f} MiB (fp32 safetensors)")
-        print("| ranks | read per rank (of the checkpoint) | peak RSS growth per rank (max) | load wall time |")
+        print(
+            f"model: {params / 1e6:.0f}M params, checkpoint {size / 2**20:.0f} MiB (fp32 "
+            "safetensors)"
+        )
+        print(
+            "| ranks | read per rank (of the checkpoint) | peak RSS growth per rank (max) | load "
+            "wall time |"
+        )
         print("|---|---|---|---|")
         for world in args.worlds:
             context = mp.get_context("spawn")
             results = context.Queue()
             store = Path(tmp) / f"store{world}"
-            procs = [context.Process(target=_worker, args=(r, world, str(path), str(store), results))
-                     for r in range(world)]
+            procs = [
+                context.Process(target=_worker, args=(r, world, str(path), str(store), results))
+                for r in range(world)
+            ]
             for p in procs:
                 p.start()
             rows = [results.get() for _ in procs]
@@ -118,8 +141,12 @@ def main() -> None:
             share = max(r[1] for r in rows)
             grown = max(r[2] for r in rows)
             seconds = max(r[3] for r in rows)
-            print(f"| {world} | {share:.1%} | {grown / 2**20:.0f} MiB ({grown / size:.2f}× the checkpoint) | "
-                  f"{seconds:.2f} s |", flush=True)
+            print(
+                f"| {world} | {share:.1%} | {grown / 2**20:.0f} MiB ({grown / size:.2f}× the "
+                "checkpoint) | "
+                f"{seconds:.2f} s |",
+                flush=True,
+            )
     sys.exit(0)
 
 

@@ -1,4 +1,5 @@
-"""The floating-point dtypes a config may name (precision.*, checkpoint.export_dtype, the converter's --dtype)."""
+"""The floating-point dtypes a config may name (precision.*, checkpoint.export_dtype, the
+converter's --dtype)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Runs composer3d-train as a user would (a subprocess; N local gloo workers) and reads what it wrote."""
+"""Runs composer3d-train as a user would (a subprocess; N local gloo workers) and reads what it
+wrote."""
 
 from __future__ import annotations
 
@@ -13,8 +14,14 @@ from pathlib import Path
 
 # Small and fast: the tiny model on a slice of the stdlib corpus, fp32, deterministic.
 FAST = [
-    "model=tiny", "data.max_tokens=200000", "train.seq_len=64", "train.global_batch_size=8",
-    "train.micro_batch_size=2", "logging.progress_bar=false", "train.deterministic=true", "launch.device=cpu",
+    "model=tiny",
+    "data.max_tokens=200000",
+    "train.seq_len=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "logging.progress_bar=false",
+    "train.deterministic=true",
+    "launch.device=cpu",
 ]
 # model=tiny_moe's routed experts: 3 MoE layers of 8 experts, each w1, w2, w3 of 64 × 64
 TINY_MOE_EXPERT_PARAMS = 3 * 8 * 3 * 64 * 64
@@ -42,159 +49,261 @@ class RunResult:
 
     @property
     def effects(self) -> list[dict]:
-        """Per rank, what the switches did to the model and optimizer (``train(probe_effects=True)``)."""
-        return [json.loads(p.read_text()) for p in sorted((self.run_dir / "effects").glob("rank*.json"))]
+        """Per rank, what the switches did to the model and optimizer
+        (``train(probe_effects=True)``)."""
+        return [
+            json.loads(p.read_text()) for p in sorted((self.run_dir / "effects").glob("rank*.json"))
+        ]
 
 
 FAULT_INJECTION = Path(__file__).parent / "fault_injection"
-# Where the composer3d these tests import lives: the checkout under an editable install, site-packages under a wheel
-# (whose mapped conf/ the checkout's own tree lacks).
+# Where the composer3d these tests import lives: the checkout under an editable install,
+# site-packages under a wheel (whose mapped conf/ the checkout's own tree lacks).
 PACKAGE_ROOT = Path(importlib.util.find_spec("composer3d").origin).parents[1]
 
 
-def train(run_dir: Path, *overrides: str, nproc: int = 1, timeout: float = 600, check: bool = True,
-          env: dict | None = None, faults: dict | None = None, probe_effects: bool = False) -> RunResult:
-    """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the run loads;
-    ``probe_effects``: each rank records its model's and optimizer's state after the first step (``effects``)."""
+def train(
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    timeout: float = 600,
+    check: bool = True,
+    env: dict | None = None,
+    faults: dict | None = None,
+    probe_effects: bool = False,
+) -> RunResult:
+    """``faults``: COMPOSER3D_TEST_* variables for tests/fault_injection, which every process of the
+    run loads; ``probe_effects``: each rank records its model's and optimizer's state after the
+    first step (``effects``)."""
     if probe_effects:
         faults = {**(faults or {}), "COMPOSER3D_TEST_EFFECTS": str(Path(run_dir) / "effects")}
     began = time.monotonic()
-    proc = subprocess.run(_command(run_dir, overrides, nproc), capture_output=True, text=True, timeout=timeout,
-                          env=_child_env(env, faults))
-    result = RunResult(proc.returncode, proc.stdout + proc.stderr, time.monotonic() - began, Path(run_dir))
+    proc = subprocess.run(
+        _command(run_dir, overrides, nproc),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=_child_env(env, faults),
+    )
+    result = RunResult(
+        proc.returncode, proc.stdout + proc.stderr, time.monotonic() - began, Path(run_dir)
+    )
     if check and proc.returncode != 0:
-        raise AssertionError(f"composer3d-train {' '.join(overrides)} failed ({proc.returncode}):\n{result.output[-6000:]}")
+        raise AssertionError(
+            f"composer3d-train {' '.join(overrides)} failed "
+            f"({proc.returncode}):\n{result.output[-6000:]}"
+        )
     return result
 
 
-def start(run_dir: Path, *overrides: str, nproc: int = 1, faults: dict | None = None) -> subprocess.Popen:
-    """composer3d-train in the background, in its own process group (as a shell starts a job), output piped."""
-    return subprocess.Popen(_command(run_dir, overrides, nproc), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_child_env(None, faults), start_new_session=True)
+def start(
+    run_dir: Path, *overrides: str, nproc: int = 1, faults: dict | None = None
+) -> subprocess.Popen:
+    """composer3d-train in the background, in its own process group (as a shell starts a job),
+    output piped."""
+    return subprocess.Popen(
+        _command(run_dir, overrides, nproc),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_child_env(None, faults),
+        start_new_session=True,
+    )
 
 
-def train_in_background(run_dir: Path, *overrides: str, nproc: int = 1, env: dict | None = None,
-                        faults: dict | None = None) -> subprocess.Popen:
-    """The run ``train`` makes, started in the background to act on while it trains; output in ``<run_dir>.out``."""
+def train_in_background(
+    run_dir: Path,
+    *overrides: str,
+    nproc: int = 1,
+    env: dict | None = None,
+    faults: dict | None = None,
+) -> subprocess.Popen:
+    """The run ``train`` makes, started in the background to act on while it trains; output in
+    ``<run_dir>.out``."""
     with open(f"{run_dir}.out", "w") as out:
-        return subprocess.Popen(_command(run_dir, overrides, nproc), stdout=out, stderr=subprocess.STDOUT, text=True,
-                                env=_child_env(env, faults))
+        return subprocess.Popen(
+            _command(run_dir, overrides, nproc),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_child_env(env, faults),
+        )
 
 
 def wait_until(proc: subprocess.Popen, condition, what: str, timeout: float = 300) -> None:
-    """Poll ``condition()`` while ``proc`` runs; fail with its output if it ends (or time runs out) first."""
+    """Poll ``condition()`` while ``proc`` runs; fail with its output if it ends (or time runs out)
+    first."""
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"no {what} (exit {proc.returncode}):\n{proc.communicate()[1][-4000:]}")
+            raise AssertionError(
+                f"no {what} (exit {proc.returncode}):\n{proc.communicate()[1][-4000:]}"
+            )
         time.sleep(0.2)
 
 
 def _command(run_dir: Path, overrides, nproc: int) -> list[str]:
-    return [sys.executable, "-m", "composer3d.commands.train", f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}",
-            *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "composer3d.commands.train",
+        f"launch.nproc_per_node={nproc}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
 
 
 def _child_env(env: dict | None, faults: dict | None) -> dict:
-    child_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    child_env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    }
     child_env.update({"OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env or {})})
     if faults:
         child_env.update(faults)
-        # The hooks import composer3d at interpreter start-up, before `python -m` puts the working directory on
-        # sys.path: name the tests' own composer3d first, so the hooks patch the code the run executes.
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(FAULT_INJECTION), str(PACKAGE_ROOT),
-                                                                child_env.get("PYTHONPATH")]))
+        # The hooks import composer3d at interpreter start-up, before `python -m` puts the working
+        # directory on sys.path: name the tests' own composer3d first, so the hooks patch the code
+        # the run executes.
+        child_env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(FAULT_INJECTION), str(PACKAGE_ROOT), child_env.get("PYTHONPATH")])
+        )
     return child_env
 
 
-def train_in_one_group(jobs: list[tuple[Path, list[str]]], nproc: int, probe_effects: bool = False
-                       ) -> list[RunResult]:
-    """Each job (run directory, overrides) trained by ``composer3d.commands.train.run`` as a torchrun worker runs it, one after
-    another in the same ``nproc`` processes: the interpreter and import start-up (most of a tiny run's time) is
-    paid once. For numerics across many models; the command line itself is what ``train`` tests. ``probe_effects``:
-    each job's ranks record what the switches did (``RunResult.effects``), as ``train(probe_effects=True)``."""
+def train_in_one_group(
+    jobs: list[tuple[Path, list[str]]], nproc: int, probe_effects: bool = False
+) -> list[RunResult]:
+    """Each job (run directory, overrides) trained by ``composer3d.commands.train.run`` as a
+    torchrun worker runs it, one after another in the same ``nproc`` processes: the interpreter and
+    import start-up (most of a tiny run's time) is paid once. For numerics across many models; the
+    command line itself is what ``train`` tests. ``probe_effects``: each job's ranks record what the
+    switches did (``RunResult.effects``), as ``train(probe_effects=True)``."""
     import torch.distributed as dist
 
-    # Each job's rendezvous store is served from here, as torchrun's agent serves its workers', on a port the OS
-    # picks and this process holds throughout: a port found free and let go before use can be taken in between
-    # (an earlier job's client sockets draw from the same range), and the job then fails to start.
+    # Each job's rendezvous store is served from here, as torchrun's agent serves its workers', on a
+    # port the OS picks and this process holds throughout: a port found free and let go before use
+    # can be taken in between (an earlier job's client sockets draw from the same range), and the
+    # job then fails to start.
     stores = [dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in jobs]
-    processes(_train_jobs, nproc, nproc, [(str(d), list(o)) for d, o in jobs], [s.port for s in stores], probe_effects)
+    processes(
+        _train_jobs,
+        nproc,
+        nproc,
+        [(str(d), list(o)) for d, o in jobs],
+        [s.port for s in stores],
+        probe_effects,
+    )
     return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
 
 
-def _train_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], probe_effects: bool
-                ) -> None:
+def _train_jobs(
+    rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], probe_effects: bool
+) -> None:
     from hydra import compose, initialize_config_module
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from composer3d.commands.train import run
-    from composer3d.config import register_configs, resolve_model_config
+    from composer3d.config.checks import resolve_model_config
+    from composer3d.config.registration import register_configs
     from composer3d.launch import distributed
 
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         for (run_dir, overrides), port in zip(jobs, ports):
             os.environ["MASTER_PORT"] = str(port)
-            # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the same ranks and
-            # names compares equal to this job's: its cached outputs would carry that mesh, whose process groups
-            # are gone ("Could not resolve the process group") unless they happened to get the same names.
+            # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the
+            # same ranks and names compares equal to this job's: its cached outputs would carry that
+            # mesh, whose process groups are gone ("Could not resolve the process group") unless
+            # they happened to get the same names.
             _clear_sharding_prop_cache()  # the Python cache and the C++ dispatch's
             if probe_effects:
                 os.environ["COMPOSER3D_TEST_EFFECTS"] = str(Path(run_dir) / "effects")
                 if str(FAULT_INJECTION) not in sys.path:
                     sys.path.insert(0, str(FAULT_INJECTION))
                 import effects_probe  # noqa: F401  (patches the Trainer of this process, once)
-            cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides])
+            cfg = compose(
+                "train",
+                overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides],
+            )
             resolve_model_config(cfg.model)
             run(cfg, distributed.job_env(), Path(run_dir))
 
 
-def compiled_jobs(rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], report: str) -> None:
-    """``_train_jobs`` with compiled blocks, failing on any recompile, and each rank's dynamo counts written to
-    ``report``/rank{rank}.json: the reasons its graphs broke and how many graphs it compiled."""
+def compiled_jobs(
+    rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], report: str
+) -> None:
+    """``_train_jobs`` with compiled blocks, failing on any recompile, and each rank's dynamo counts
+    written to ``report``/rank{rank}.json: the reasons its graphs broke and how many graphs it
+    compiled."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.config.error_on_recompile = True  # a graph compiled again at a later step fails the run
+    torch._dynamo.config.error_on_recompile = (
+        True  # a graph compiled again at a later step fails the run
+    )
     _train_jobs(rank, nproc, jobs, ports, False)
-    Path(report, f"rank{rank}.json").write_text(json.dumps(
-        {"graph_breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"]}))
+    Path(report, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "graph_breaks": dict(counters["graph_break"]),
+                "graphs": counters["stats"]["unique_graphs"],
+            }
+        )
+    )
 
 
 def spawn(fn, world_size: int, tmp_path: Path, *args) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback fails the test."""
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; a worker's traceback
+    fails the test."""
     processes(_worker, world_size, fn, world_size, str(tmp_path / "store"), args)
 
 
 # What every in-process worker imports: loaded once, in the server the workers are forked from.
-FORKSERVER_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.pipelining",
-                      "torch.distributed.checkpoint", "transformers", "composer3d.commands.train", "harness"]
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.pipelining",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "composer3d.commands.train",
+    "harness",
+]
 
 
 def processes(fn, nprocs: int, *args) -> None:
-    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a process's traceback fails the test (``mp.spawn``).
+    """``fn(rank, *args)`` in ``nprocs`` processes, joined; a process's traceback fails the test
+    (``mp.spawn``).
 
-    The processes are forked from a server process that imported torch, transformers and composer3d once for the
-    session (multiprocessing's forkserver): a spawned process would spend ~6 s of CPU on its own imports first,
-    which is most of what a tiny run costs on 2 cores. The server is a fresh interpreter (no threads, no process
-    group), so its forks are as clean as spawned processes."""
+    The processes are forked from a server process that imported torch, transformers and composer3d
+    once for the session (multiprocessing's forkserver): a spawned process would spend ~6 s of CPU
+    on its own imports first, which is most of what a tiny run costs on 2 cores. The server is a
+    fresh interpreter (no threads, no process group), so its forks are as clean as spawned
+    processes."""
     import multiprocessing
     from multiprocessing import forkserver
 
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    # OpenMP reads OMP_NUM_THREADS when torch loads, which is in the server: one thread per worker from there on.
+    # OpenMP reads OMP_NUM_THREADS when torch loads, which is in the server: one thread per worker
+    # from there on.
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     try:
         forkserver.ensure_running()
     finally:
-        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(OMP_NUM_THREADS=saved)
+        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(
+            OMP_NUM_THREADS=saved
+        )
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
@@ -210,13 +319,18 @@ def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
         fn(rank, world_size, *args)
         finished = True
     finally:
-        shut_down(finished)  # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
+        shut_down(
+            finished
+        )  # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
 
 
 def assert_follows(reference: RunResult, run: RunResult, what: str) -> None:
-    """``run`` on the one-process curve over 10 steps: losses within 1e-4, gradient norms within 1e-3."""
+    """``run`` on the one-process curve over 10 steps: losses within 1e-4, gradient norms within
+    1e-3."""
     assert len(reference.losses) == len(run.losses) == 10, what
     diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
     assert max(diffs) < 1e-4, f"{what}: per-step |Δloss| {diffs}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    grad_diffs = [
+        abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)
+    ]
     assert max(grad_diffs) < 1e-3, f"{what}: grad norms differ {grad_diffs}"

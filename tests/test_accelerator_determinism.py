@@ -1,17 +1,31 @@
-"""``train.deterministic=true`` on an accelerator (issue 31, item 6): two runs of one config give bit-identical
-metrics, and a run stopped at a checkpoint and resumed gives the straight run's bit for bit — eager with the fused
-SDPA kernels (causal), eager and compiled with packed-document masks (flex attention: the heads are 32 wide).
-The CPU side of the same promise is held by tests/test_checkpoint.py (every CPU test runs deterministic)."""
+"""``train.deterministic=true`` on an accelerator (issue 31, item 6): two runs of one config give
+bit-identical metrics, and a run stopped at a checkpoint and resumed gives the straight run's bit
+for bit — eager with the fused SDPA kernels (causal), eager and compiled with packed-document masks
+(flex attention: the heads are 32 wide). The CPU side of the same promise is held by
+tests/test_checkpoint.py (every CPU test runs deterministic)."""
 
 import pytest
 import torch
 from harness import train
 
-pytestmark = pytest.mark.skipif(not torch.accelerator.is_available(), reason="determinism on an accelerator")
+pytestmark = pytest.mark.skipif(
+    not torch.accelerator.is_available(), reason="determinism on an accelerator"
+)
 
-BASE = ["model=tiny", "model.dim=128", "model.n_heads=4", "model.n_kv_heads=2", "data.max_tokens=400000",
-        "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=2", "logging.progress_bar=false",
-        "train.deterministic=true", "launch.device=auto", "checkpoint.interval=5"]
+BASE = [
+    "model=tiny",
+    "model.dim=128",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "data.max_tokens=400000",
+    "train.seq_len=256",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "logging.progress_bar=false",
+    "train.deterministic=true",
+    "launch.device=auto",
+    "checkpoint.interval=5",
+]
 MODES = {
     "eager_causal": ["data.document_masking=false"],
     "eager_documents": ["data.document_masking=true"],
@@ -33,4 +47,6 @@ def test_deterministic_reruns_and_resume_are_bit_exact(tmp_path, mode):
     resumed = train(tmp_path / "resumed", *overrides, "train.steps=10")
     assert len(_trace(straight)) == 10
     assert _trace(again) == _trace(straight), "a rerun of the same config must be bit-identical"
-    assert _trace(resumed) == _trace(straight), "stopped at step 5 and resumed must equal the straight run"
+    assert _trace(resumed) == _trace(straight), (
+        "stopped at step 5 and resumed must equal the straight run"
+    )

@@ -1,10 +1,11 @@
-"""Bad input is refused up front: one ConfigError naming the key and what would work, exit code 2, before any
-worker starts (``preflight``), printed once — for the corpus, the checkpoint to resume, the device, the output
-directories, keys Hydra's ``+`` adds, and what composer3d-eval would evaluate.
+"""Bad input is refused up front: one ConfigError naming the key and what would work, exit code 2,
+before any worker starts (``preflight``), printed once — for the corpus, the checkpoint to resume,
+the device, the output directories, keys Hydra's ``+`` adds, and what composer3d-eval would
+evaluate.
 
-Most cases call ``preflight`` in-process on a config composed by Hydra (fast: no torch import per case); the CLI
-cases show the paths those errors take: the launcher refuses before starting workers, a late corpus error in the
-workers is reported once, and Hydra's own errors exit 2 too.
+Most cases call ``preflight`` in-process on a config composed by Hydra (fast: no torch import per
+case); the CLI cases show the paths those errors take: the launcher refuses before starting workers,
+a late corpus error in the workers is reported once, and Hydra's own errors exit 2 too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from hf_models import make_model
 from hydra import compose, initialize_config_module
 
 from composer3d.commands.evaluate import check_weights_source
-from composer3d.config import ConfigError, register_configs, resolve_model_config
+from composer3d.config.checks import resolve_model_config
+from composer3d.config.registration import register_configs
+from composer3d.errors import ConfigError
 from composer3d.launch.preflight import preflight
 
 PREFIX = "composer3d: invalid configuration: "
@@ -31,7 +34,9 @@ def compose_cfg(tmp_path_factory):
     register_configs()
     run_dir = tmp_path_factory.mktemp("run")
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        yield lambda *overrides: compose("train", overrides=[f"run.dir={run_dir}", "launch.device=cpu", *overrides])
+        yield lambda *overrides: compose(
+            "train", overrides=[f"run.dir={run_dir}", "launch.device=cpu", *overrides]
+        )
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,9 @@ def files(tmp_path_factory):
     (root / "not_a_dir").write_text("a file where a directory is asked for")
     hf_unknown = make_model(root / "hf_unknown", "llama")
     config = json.loads((hf_unknown / "config.json").read_text())
-    (hf_unknown / "config.json").write_text(json.dumps({**config, "model_type": "no_such_architecture"}))
+    (hf_unknown / "config.json").write_text(
+        json.dumps({**config, "model_type": "no_such_architecture"})
+    )
     return root
 
 
@@ -69,45 +76,133 @@ def _absent_accelerator() -> str:
     return "xpu" if here is not None and here.type == "cuda" else "cuda"
 
 
-# (id, overrides with {files}/{checkpoint} placeholders, key the message starts with, a fragment it contains)
+# (id, overrides with {files}/{checkpoint} placeholders, key the message starts with, a fragment it
+# contains)
 PREFLIGHT_CASES = [
-    ("empty_corpus", ["data=text_files", "data.paths=[{files}/empty]"], "data.paths", "every file is empty"),
-    ("jsonl_without_field", ["data=text_files", "data.paths=[{files}/nofield.jsonl]"], "data.text_field",
-     "fields: ['body']"),
-    ("parquet_without_field", ["data=text_files", "data.paths=[{files}/nofield.parquet]"], "data.text_field",
-     "fields: ['body']"),
-    ("binary_text", ["data=text_files", "data.paths=[{files}/binary.txt]"], "data.paths", "is not UTF-8 text"),
-    ("malformed_json_line", ["data=text_files", "data.paths=[{files}/malformed.jsonl]"], "data.paths",
-     "line 2 is not valid JSON"),
-    ("corrupt_parquet", ["data=text_files", "data.paths=[{files}/corrupt.parquet]"], "data.paths",
-     "is not a readable parquet file"),
-    ("non_string_json_text", ["data=text_files", "data.paths=[{files}/nonstring.jsonl]"], "data.text_field",
-     "holds int '5'"),
-    ("non_string_parquet_column", ["data=text_files", "data.paths=[{files}/nonstring.parquet]"], "data.text_field",
-     "holds int64, not text"),
-    ("paths_without_text_files", ["data.paths=[{files}/good.txt]"], "data.paths", "Add data=text_files"),
-    ("unknown_key_added_with_plus", ["+some.unknown_key=1"], "some.unknown_key", "is not a composer3d setting"),
+    (
+        "empty_corpus",
+        ["data=text_files", "data.paths=[{files}/empty]"],
+        "data.paths",
+        "every file is empty",
+    ),
+    (
+        "jsonl_without_field",
+        ["data=text_files", "data.paths=[{files}/nofield.jsonl]"],
+        "data.text_field",
+        "fields: ['body']",
+    ),
+    (
+        "parquet_without_field",
+        ["data=text_files", "data.paths=[{files}/nofield.parquet]"],
+        "data.text_field",
+        "fields: ['body']",
+    ),
+    (
+        "binary_text",
+        ["data=text_files", "data.paths=[{files}/binary.txt]"],
+        "data.paths",
+        "is not UTF-8 text",
+    ),
+    (
+        "malformed_json_line",
+        ["data=text_files", "data.paths=[{files}/malformed.jsonl]"],
+        "data.paths",
+        "line 2 is not valid JSON",
+    ),
+    (
+        "corrupt_parquet",
+        ["data=text_files", "data.paths=[{files}/corrupt.parquet]"],
+        "data.paths",
+        "is not a readable parquet file",
+    ),
+    (
+        "non_string_json_text",
+        ["data=text_files", "data.paths=[{files}/nonstring.jsonl]"],
+        "data.text_field",
+        "holds int '5'",
+    ),
+    (
+        "non_string_parquet_column",
+        ["data=text_files", "data.paths=[{files}/nonstring.parquet]"],
+        "data.text_field",
+        "holds int64, not text",
+    ),
+    (
+        "paths_without_text_files",
+        ["data.paths=[{files}/good.txt]"],
+        "data.paths",
+        "Add data=text_files",
+    ),
+    (
+        "unknown_key_added_with_plus",
+        ["+some.unknown_key=1"],
+        "some.unknown_key",
+        "is not a composer3d setting",
+    ),
     ("unknown_nested_key", ["+train.stepz=3"], "train.stepz", "is not a composer3d setting"),
-    ("resume_missing", ["checkpoint.resume={files}/nope"], "checkpoint.resume", "no composer3d.json"),
-    ("resume_other_model_shape", ["checkpoint.resume={checkpoint}", "model.n_layers=3"], "model",
-     "a model of another shape"),
-    ("resume_past_train_steps", ["checkpoint.resume={checkpoint}", "train.steps=1"], "train.steps",
-     "past train.steps=1"),
-    ("async_pinned_on_cpu", ["checkpoint.async_mode=async_pinned"], "checkpoint.async_mode", "needs an accelerator"),
-    ("compile_tp_on_cpu", ["compile.enabled=true", "parallel.tp=2", "launch.nproc_per_node=2"], "compile.enabled",
-     "wrong gradients on the CPU"),
-    ("absent_accelerator", ["launch.device={absent}"], "launch.device", "is not an accelerator here"),
+    (
+        "resume_missing",
+        ["checkpoint.resume={files}/nope"],
+        "checkpoint.resume",
+        "no composer3d.json",
+    ),
+    (
+        "resume_other_model_shape",
+        ["checkpoint.resume={checkpoint}", "model.n_layers=3"],
+        "model",
+        "a model of another shape",
+    ),
+    (
+        "resume_past_train_steps",
+        ["checkpoint.resume={checkpoint}", "train.steps=1"],
+        "train.steps",
+        "past train.steps=1",
+    ),
+    (
+        "async_pinned_on_cpu",
+        ["checkpoint.async_mode=async_pinned"],
+        "checkpoint.async_mode",
+        "needs an accelerator",
+    ),
+    (
+        "compile_tp_on_cpu",
+        ["compile.enabled=true", "parallel.tp=2", "launch.nproc_per_node=2"],
+        "compile.enabled",
+        "wrong gradients on the CPU",
+    ),
+    (
+        "absent_accelerator",
+        ["launch.device={absent}"],
+        "launch.device",
+        "is not an accelerator here",
+    ),
     ("unknown_device_name", ["launch.device=gpu"], "launch.device", "Use launch.device=auto"),
     ("run_dir_not_writable", ["run.dir={files}/not_a_dir/run"], "run.dir", "cannot write into"),
-    ("checkpoint_dir_not_writable", ["checkpoint.dir={files}/not_a_dir/ckpt"], "checkpoint.dir", "cannot write into"),
-    ("unknown_hf_model_type", ["model=hf", "model.path={files}/hf_unknown"], "model.path", "no_such_architecture"),
+    (
+        "checkpoint_dir_not_writable",
+        ["checkpoint.dir={files}/not_a_dir/ckpt"],
+        "checkpoint.dir",
+        "cannot write into",
+    ),
+    (
+        "unknown_hf_model_type",
+        ["model=hf", "model.path={files}/hf_unknown"],
+        "model.path",
+        "no_such_architecture",
+    ),
 ]
 
 
-@pytest.mark.parametrize("overrides, key, fragment", [c[1:] for c in PREFLIGHT_CASES],
-                         ids=[c[0] for c in PREFLIGHT_CASES])
+@pytest.mark.parametrize(
+    "overrides, key, fragment",
+    [c[1:] for c in PREFLIGHT_CASES],
+    ids=[c[0] for c in PREFLIGHT_CASES],
+)
 def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overrides, key, fragment):
-    filled = [o.format(files=files, checkpoint=checkpoint, absent=_absent_accelerator()) for o in overrides]
+    filled = [
+        o.format(files=files, checkpoint=checkpoint, absent=_absent_accelerator())
+        for o in overrides
+    ]
     with pytest.raises(ConfigError) as error:
         cfg = compose_cfg(*filled)
         resolve_model_config(cfg.model)
@@ -118,97 +213,153 @@ def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overri
 
 
 def test_preflight_passes_what_can_run(compose_cfg, files, checkpoint):
-    """The checks are not simply refusing: good files, a matching checkpoint and writable dirs pass."""
-    cfg = compose_cfg("data=text_files", f"data.paths=[{files}/good.txt]", f"checkpoint.resume={checkpoint}",
-                      "train.steps=4")
-    assert preflight(cfg, 1)["dp_shard"] == 1
+    """The checks are not simply refusing: good files, a matching checkpoint and writable dirs
+    pass."""
+    cfg = compose_cfg(
+        "data=text_files",
+        f"data.paths=[{files}/good.txt]",
+        f"checkpoint.resume={checkpoint}",
+        "train.steps=4",
+    )
+    assert preflight(cfg, 1).dp_shard == 1
 
 
 def test_auto_device_needs_an_accelerator_per_local_process(monkeypatch):
-    """launch.device=auto on a machine with one (simulated) CUDA device: one process takes it; four are refused
-    before any worker starts (before: the workers past the first failed on a device index that does not exist),
-    and so is a worker whose launcher says the node runs four (LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    """launch.device=auto on a machine with one (simulated) CUDA device: one process takes it; four
+    are refused before any worker starts (before: the workers past the first failed on a device
+    index that does not exist), and so is a worker whose launcher says the node runs four
+    (LOCAL_WORLD_SIZE, as torchrun sets it)."""
     from composer3d.launch import distributed
 
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
-    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(
+        torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda")
+    )
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
     assert distributed.device_type("auto", local_processes=1) == "cuda"
     assert distributed.device_type("cpu", local_processes=4) == "cpu"
-    with pytest.raises(ConfigError, match=r"^launch.nproc_per_node: 4 processes on this node but it has 1 cuda "
-                                          r"device\(s\). Use launch.nproc_per_node<=1, or launch.device=cpu"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^launch.nproc_per_node: 4 processes on this node but it has 1 cuda "
+        r"device\(s\). Use launch.nproc_per_node<=1, or launch.device=cpu",
+    ):
         distributed.device_type("auto", local_processes=4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="launch.nproc_per_node: 4 processes"):
-        distributed.resolve_device("auto", local_rank=0)  # rank 0 refuses too, not only the ranks past the device
+        distributed.resolve_device(
+            "auto", local_rank=0
+        )  # rank 0 refuses too, not only the ranks past the device
 
 
 def test_eval_refuses_random_weights(compose_cfg, checkpoint):
-    with pytest.raises(ConfigError, match=r"^checkpoint\.resume: model=llama has no weights .* random"):
+    with pytest.raises(
+        ConfigError, match=r"^checkpoint\.resume: model=llama has no weights .* random"
+    ):
         check_weights_source(compose_cfg("model=tiny"))
-    check_weights_source(compose_cfg(f"checkpoint.resume={checkpoint}"))  # a checkpoint's weights: fine
+    check_weights_source(
+        compose_cfg(f"checkpoint.resume={checkpoint}")
+    )  # a checkpoint's weights: fine
 
 
-# ------------------------------------------------------------------------------------------ the CLI paths
+# ------------------------------------------------------------------------------------ the CLI paths
+
 
 def _refused_once(run, key: str) -> str:
     assert run.returncode == 2, run.output
     assert run.output.count(PREFIX) == 1, run.output
     assert "Traceback" not in run.output, run.output
-    message = run.output[run.output.index(PREFIX) + len(PREFIX):]
+    message = run.output[run.output.index(PREFIX) + len(PREFIX) :]
     assert message.startswith(key + ":"), run.output
     return message
 
 
 def test_launcher_refuses_bad_corpus_before_any_worker(tmp_path, files):
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{files}/nonstring.parquet]", "launch.device=cpu",
-                nproc=2, check=False)
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=[{files}/nonstring.parquet]",
+        "launch.device=cpu",
+        nproc=2,
+        check=False,
+    )
     _refused_once(run, "data.text_field")
     assert "worker" not in run.output, "refused by the launcher, not by failing workers"
 
 
 def test_late_corpus_error_in_workers_is_reported_once(tmp_path):
-    """A malformed line past what the launcher reads up front fails in every worker alike: one message, exit 2."""
+    """A malformed line past what the launcher reads up front fails in every worker alike: one
+    message, exit 2."""
     corpus = tmp_path / "late.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(150)) + '{"text": "cut\n')
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=[{corpus}]", "launch.device=cpu", nproc=2,
-                check=False)
+    corpus.write_text(
+        "".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(150))
+        + '{"text": "cut\n'
+    )
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=[{corpus}]",
+        "launch.device=cpu",
+        nproc=2,
+        check=False,
+    )
     message = _refused_once(run, "data.paths")
-    # the line Python's JSON refuses, counted from 1 (arrow said "row 150", "Invalid encoding"), and no noise
-    # of the datasets library (its progress bars, its own log of the failure)
+    # the line Python's JSON refuses, counted from 1 (arrow said "row 150", "Invalid encoding"), and
+    # no noise of the datasets library (its progress bars, its own log of the failure)
     assert "late.jsonl line 151 is not valid JSON" in message, message
-    assert "Generating train split" not in run.output and "Failed to load JSON" not in run.output, run.output
+    assert "Generating train split" not in run.output and "Failed to load JSON" not in run.output, (
+        run.output
+    )
 
 
 def test_resume_after_data_change_is_a_config_error_not_a_bad_checkpoint(tmp_path, checkpoint):
-    """A healthy checkpoint resumed with another seq_len: named as the change it is, not as 'unreadable'."""
-    run = train(tmp_path / "run", *FAST, "train.seq_len=16", "train.steps=4", f"checkpoint.resume={checkpoint}",
-                nproc=2, check=False)
+    """A healthy checkpoint resumed with another seq_len: named as the change it is, not as
+    'unreadable'."""
+    run = train(
+        tmp_path / "run",
+        *FAST,
+        "train.seq_len=16",
+        "train.steps=4",
+        f"checkpoint.resume={checkpoint}",
+        nproc=2,
+        check=False,
+    )
     message = _refused_once(run, "checkpoint.resume")
     assert "train.seq_len or train.seed changed" in message and "unreadable" not in run.output
 
 
 def test_resume_with_checkpointing_off_is_refused(tmp_path, checkpoint):
-    """checkpoint.resume=<step> with checkpoint.enabled=false: before, it trained from scratch without a word."""
-    run = train(tmp_path / "run", *FAST, "train.steps=4", "checkpoint.enabled=false", f"checkpoint.resume={checkpoint}",
-                check=False)
+    """checkpoint.resume=<step> with checkpoint.enabled=false: before, it trained from scratch
+    without a word."""
+    run = train(
+        tmp_path / "run",
+        *FAST,
+        "train.steps=4",
+        "checkpoint.enabled=false",
+        f"checkpoint.resume={checkpoint}",
+        check=False,
+    )
     assert "would not be read" in _refused_once(run, "checkpoint.resume")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("overrides, fragment", [(["model=nonexistent"], "model/nonexistent"),
-                                                 (["train.steps=abc"], "train.steps")])
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [(["model=nonexistent"], "model/nonexistent"), (["train.steps=abc"], "train.steps")],
+)
 def test_hydra_errors_exit_2(tmp_path, overrides, fragment):
     run = train(tmp_path / "run", *overrides, nproc=2, check=False)
     assert run.returncode == 2 and fragment in run.output, run.output
 
 
 def test_unreadable_metrics_line_is_refused_before_any_worker(tmp_path):
-    """A metrics.jsonl line that no crash could have cut (not the last) is refused in one line naming run.dir and
-    the line, by the launcher: before, rank 0 raised a raw ValueError traceback once training had started."""
+    """A metrics.jsonl line that no crash could have cut (not the last) is refused in one line
+    naming run.dir and the line, by the launcher: before, rank 0 raised a raw ValueError traceback
+    once training had started."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('garbage{\n{"step": 2, "loss": 1.0}\n')
     run = train(run_dir, *FAST, "train.steps=2", nproc=2, check=False)
     message = _refused_once(run, "run.dir")
-    assert "metrics.jsonl, line 1, is not a metrics record" in message and "worker" not in run.output
+    assert (
+        "metrics.jsonl, line 1, is not a metrics record" in message and "worker" not in run.output
+    )

@@ -1,4 +1,5 @@
-"""The data path off the step's critical path: global target counts without a collective, background prefetch."""
+"""The data path off the step's critical path: global target counts without a collective, background
+prefetch."""
 
 import threading
 import time
@@ -18,9 +19,17 @@ from composer3d.data import (
 
 CPU = torch.device("cpu")
 SEQ_LEN, GLOBAL_BATCH = 16, 8
-DOCS = ["the quick brown fox", "jumps over", "the lazy dog!", "a", "pipeline parallel splits layers"]
+DOCS = [
+    "the quick brown fox",
+    "jumps over",
+    "the lazy dog!",
+    "a",
+    "pipeline parallel splits layers",
+]
 
-pytestmark = pytest.mark.timeout(60)  # a prefetch thread that hangs fails the test instead of the run
+pytestmark = pytest.mark.timeout(
+    60
+)  # a prefetch thread that hangs fails the test instead of the run
 
 
 def text_sequences(document_masking: bool) -> PackedSequences:
@@ -29,17 +38,23 @@ def text_sequences(document_masking: bool) -> PackedSequences:
 
 
 def chat_sequences(document_masking: bool) -> PackedSequences:
-    """A stream with conversations starting every 23 tokens and a random half of the tokens trainable."""
+    """A stream with conversations starting every 23 tokens and a random half of the tokens
+    trainable."""
     generator = torch.Generator().manual_seed(0)
     n = 12 * SEQ_LEN + 1
     starts = torch.arange(n) % 23 == 0
-    stream = TokenStream(torch.randint(0, 256, (n,), generator=generator), starts,
-                         torch.rand(n, generator=generator) < 0.5)
+    stream = TokenStream(
+        torch.randint(0, 256, (n,), generator=generator),
+        starts,
+        torch.rand(n, generator=generator) < 0.5,
+    )
     return PackedSequences.from_stream(stream, SEQ_LEN, document_masking)
 
 
 def synthetic_sequences() -> PackedSequences:
-    return PackedSequences(torch.randint(0, 256, (12, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0)))
+    return PackedSequences(
+        torch.randint(0, 256, (12, SEQ_LEN + 1), generator=torch.Generator().manual_seed(0))
+    )
 
 
 SEQUENCES = {
@@ -64,28 +79,38 @@ def wait_for(condition, seconds=30.0):
         time.sleep(0.01)
 
 
-# --------------------------------------------------------------------------- global target count, no collective
+# --------------------------------------------------------------- global target count, no collective
+
 
 @pytest.mark.parametrize("kind", SEQUENCES)
 @pytest.mark.parametrize("dp_size", [1, 2, 4])
 def test_global_targets_equal_the_sum_over_data_parallel_slices(kind, dp_size):
     sequences = SEQUENCES[kind]()
-    loaders = [GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_size, seed=1) for rank in range(dp_size)]
+    loaders = [
+        GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_size, seed=1) for rank in range(dp_size)
+    ]
     steps = 2 * len(sequences) // GLOBAL_BATCH + 1  # past two epoch boundaries
     for step in range(steps):
         parts = [loader.next_batch() for loader in loaders]
         summed = sum(int((p.targets != IGNORE_INDEX).sum()) for p in parts)
         assert [p.global_targets for p in parts] == [summed] * dp_size, (kind, step)
         total = GLOBAL_BATCH * SEQ_LEN
-        # masking must have removed targets where it applies (else this test could not tell the rules apart)
-        assert summed < total if kind in ("text_masked", "chat_masked", "chat_unmasked") else summed == total
+        # masking must have removed targets where it applies (else this test could not tell the
+        # rules apart)
+        assert (
+            summed < total
+            if kind in ("text_masked", "chat_masked", "chat_unmasked")
+            else summed == total
+        )
 
 
 @pytest.mark.parametrize("kind", SEQUENCES)
 def test_target_count_applies_the_batch_masks(kind):
     sequences = SEQUENCES[kind]()
     for rows in ([0], [3, 1, 3], list(range(len(sequences)))):
-        assert sequences.target_count(rows) == int((sequences.batch(rows).targets != IGNORE_INDEX).sum())
+        assert sequences.target_count(rows) == int(
+            (sequences.batch(rows).targets != IGNORE_INDEX).sum()
+        )
 
 
 def test_global_targets_travel_with_the_batch():
@@ -93,7 +118,8 @@ def test_global_targets_travel_with_the_batch():
     assert batch.global_targets is not None and batch.to(CPU).global_targets == batch.global_targets
 
 
-# ------------------------------------------------------------------------------------------- background prefetch
+# ------------------------------------------------------------------------------ background prefetch
+
 
 def test_prefetcher_yields_the_loaders_batches_across_epochs():
     sequences = text_sequences(True)
@@ -110,7 +136,9 @@ def test_prefetcher_yields_the_loaders_batches_across_epochs():
 def test_state_is_the_trainers_position_not_the_threads():
     sequences = text_sequences(True)
     bare = GlobalBatchLoader(sequences, GLOBAL_BATCH, 0, 1, seed=2)
-    prefetcher = BatchPrefetcher(GlobalBatchLoader(sequences, GLOBAL_BATCH, 0, 1, seed=2), CPU, depth=2)
+    prefetcher = BatchPrefetcher(
+        GlobalBatchLoader(sequences, GLOBAL_BATCH, 0, 1, seed=2), CPU, depth=2
+    )
     try:
         k = 3
         for _ in range(k):
@@ -152,7 +180,9 @@ class FailingLoader(GlobalBatchLoader):
 
 
 def test_an_error_in_the_thread_is_raised_by_next_batch():
-    prefetcher = BatchPrefetcher(FailingLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0, fail_at=3), CPU)
+    prefetcher = BatchPrefetcher(
+        FailingLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0, fail_at=3), CPU
+    )
     try:
         prefetcher.next_batch(), prefetcher.next_batch()
         with pytest.raises(RuntimeError, match="corrupt shard at call 3"):
@@ -168,7 +198,9 @@ def test_an_error_in_the_thread_is_raised_by_next_batch():
 
 def test_close_joins_the_thread_even_when_it_is_blocked():
     before = set(threading.enumerate())
-    prefetcher = BatchPrefetcher(GlobalBatchLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0), CPU, depth=1)
+    prefetcher = BatchPrefetcher(
+        GlobalBatchLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0), CPU, depth=1
+    )
     prefetcher.next_batch()
     (thread,) = set(threading.enumerate()) - before
     assert thread.daemon and thread.is_alive()
@@ -183,7 +215,9 @@ def test_close_joins_the_thread_even_when_it_is_blocked():
 
 def test_a_dropped_prefetcher_stops_its_thread():
     before = set(threading.enumerate())
-    prefetcher = BatchPrefetcher(GlobalBatchLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0), CPU)
+    prefetcher = BatchPrefetcher(
+        GlobalBatchLoader(text_sequences(True), GLOBAL_BATCH, 0, 1, 0), CPU
+    )
     prefetcher.next_batch()
     (thread,) = set(threading.enumerate()) - before
     del prefetcher

@@ -1,5 +1,6 @@
-"""precision.cast=params's mechanism (parallel.cast_once) on a small model of its own: one copy a forward, read by
-checkpointing's recomputation, gone after the backward, fresh after the weights change; one set for generation."""
+"""precision.cast=params's mechanism (parallel.cast_once) on a small model of its own: one copy a
+forward, read by checkpointing's recomputation, gone after the backward, fresh after the weights
+change; one set for generation."""
 
 import torch
 import torch.nn as nn
@@ -28,7 +29,8 @@ def _model_and_seen():
     torch.manual_seed(0)
     model = Tied()
     CastOnce(model, torch.bfloat16).attach(model)
-    seen = []  # the first linear's weight as each call of it (forward, then the recomputation) sees it
+    # the first linear's weight as each call of it (forward, then the recomputation) sees it
+    seen = []
     model.block[0].register_forward_pre_hook(lambda module, args: seen.append(module.weight))
     return model, seen
 
@@ -40,15 +42,27 @@ def test_one_copy_a_forward_read_again_in_recomputation_and_dropped_after_backwa
     reference.load_state_dict(model.state_dict())
     reference.to(torch.bfloat16)  # the model cast whole, the plain way
     logits = model(tokens)
-    assert logits.dtype == torch.bfloat16 and model.head.weight is model.embed.weight  # one copy for the tied pair
+    assert (
+        logits.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
+    )  # one copy for the tied pair
     logits.float().square().mean().backward()
-    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == torch.bfloat16  # cast once, recomputed from it
-    assert not any(name in m.__dict__ for m in model.modules() for name, _ in m.named_parameters(recurse=False))
-    assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    assert (
+        len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == torch.bfloat16
+    )  # cast once, recomputed from it
+    assert not any(
+        name in m.__dict__ for m in model.modules() for name, _ in m.named_parameters(recurse=False)
+    )
+    assert (
+        {p.dtype for p in model.parameters()}
+        == {p.grad.dtype for p in model.parameters()}
+        == {torch.float32}
+    )
     assert set(model.state_dict()) == set(reference.state_dict())  # the names as they were
     reference(tokens).float().square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad.float()), name  # the tied table's two uses summed in bf16, as plainly
+        assert torch.equal(p.grad, q.grad.float()), (
+            name
+        )  # the tied table's two uses summed in bf16, as plainly
 
 
 def test_the_next_forward_casts_the_weights_as_they_are_then():
@@ -58,14 +72,19 @@ def test_the_next_forward_casts_the_weights_as_they_are_then():
     with torch.no_grad():
         model.block[0].weight.add_(1.0)  # an optimizer step
         after = model(tokens)  # a forward without a graph: its copies go when it returns
-    assert torch.equal(seen[-1], model.block[0].weight.to(torch.bfloat16)) and not seen[-1].requires_grad
+    assert (
+        torch.equal(seen[-1], model.block[0].weight.to(torch.bfloat16))
+        and not seen[-1].requires_grad
+    )
     assert after.dtype == torch.bfloat16 and model.block[0].weight.dtype == torch.float32
 
 
 def test_held_keeps_one_set_of_copies_for_calls_of_the_modules_themselves():
     model, seen = _model_and_seen()
     with model.cast_once.held():
-        model.block(torch.randn(2, 8, dtype=torch.bfloat16))  # as a decoder calls a block, not the model
+        model.block(
+            torch.randn(2, 8, dtype=torch.bfloat16)
+        )  # as a decoder calls a block, not the model
         model(torch.randint(0, 16, (2, 5)))
         assert model.block[0].weight.dtype == torch.bfloat16
     assert len(seen) == 2 and seen[0] is seen[1] and model.block[0].weight.dtype == torch.float32

@@ -1,5 +1,6 @@
-"""optim.implementation=compiled: AdamW's update of every parameter as one torch.compile graph, checked against
-torch's own AdamW, on its own and in training runs on sharded (FSDP × TP), sliced (ZeRO-1) and resumed state."""
+"""optim.implementation=compiled: AdamW's update of every parameter as one torch.compile graph,
+checked against torch's own AdamW, on its own and in training runs on sharded (FSDP × TP), sliced
+(ZeRO-1) and resumed state."""
 
 import pytest
 import torch
@@ -22,8 +23,10 @@ def _params(seed=0, device=CPU):
 
 
 def _groups(params):  # as build_optimizer makes them: decay on matrices only
-    return [{"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
-            {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in params if p.ndim > 1], "weight_decay": 0.1},
+        {"params": [p for p in params if p.ndim == 1], "weight_decay": 0.0},
+    ]
 
 
 def _schedule(optimizer):
@@ -34,34 +37,46 @@ def _graphs() -> int:
     return len(_debug_get_cache_entry_list(compiled_adamw._update.__code__))
 
 
-NEEDS_ACCELERATOR = pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+NEEDS_ACCELERATOR = pytest.mark.skipif(
+    not torch.accelerator.is_available(), reason="needs an accelerator"
+)
 
 
 @pytest.mark.parametrize("on_accelerator", [False, pytest.param(True, marks=NEEDS_ACCELERATOR)])
-def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it(on_accelerator):
+def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_without_storing_it(
+    on_accelerator,
+):
     torch._dynamo.reset()
     device = torch.accelerator.current_accelerator() if on_accelerator else CPU
     compiled_params, reference_params = _params(device=device), _params(device=device)
     compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
-    reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                  foreach=False, fused=False)  # torch's loop over parameters: the plain update
+    reference = torch.optim.AdamW(
+        _groups(reference_params), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False, fused=False
+    )  # torch's loop over parameters: the plain update
     schedules = [_schedule(compiled), _schedule(reference)]
     assert divides_in_step(compiled), "the clip is handed to the step"
     generator = torch.Generator().manual_seed(1)
     for step in range(5):  # the first step compiles: its tracing runs the ops on fake tensors
         grads = [torch.randn(s, generator=generator).to(device) for s in SHAPES]
-        divisor = torch.tensor(1.0 + step, device=device)  # the clip's factor, a different one each step
+        divisor = torch.tensor(
+            1.0 + step, device=device
+        )  # the clip's factor, a different one each step
         for c, r, g in zip(compiled_params, reference_params, grads):
             c.grad, r.grad = g.clone(), g / divisor
         compiled.grad_scale = divisor
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:  # the host's calls
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU]
+        ) as prof:  # the host's calls
             compiled.step()
         reference.step()
         for schedule in schedules:
             schedule.step()  # a new learning rate each step: a graph input, not a constant
         ops = {event.key for event in prof.key_averages()}
         assert "Torch-Compiled Region" in " ".join(ops), sorted(ops)
-        assert step == 0 or not {"aten::_fused_adamw_", "aten::_foreach_addcdiv_", "aten::_foreach_lerp_"} & ops, sorted(ops)
+        assert (
+            step == 0
+            or not {"aten::_fused_adamw_", "aten::_foreach_addcdiv_", "aten::_foreach_lerp_"} & ops
+        ), sorted(ops)
         for c, g in zip(compiled_params, grads):
             assert torch.equal(c.grad, g), "the divided gradient is not stored back"
         for c, r in zip(compiled_params, reference_params):
@@ -71,11 +86,14 @@ def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_witho
         state, expected = compiled.state[c], reference.state[r]
         assert set(state) == set(expected) and state["step"].device == c.device
         assert float(state["step"]) == float(expected["step"]) == 5
-        torch.testing.assert_close(state["exp_avg_sq"], expected["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(
+            state["exp_avg_sq"], expected["exp_avg_sq"], rtol=1e-6, atol=1e-9
+        )
 
 
 def test_compiled_adamw_continues_torch_adamw_state_and_the_other_way():
-    """A checkpoint's state moves between implementations, each keeping its own kernels and step counts' place."""
+    """A checkpoint's state moves between implementations, each keeping its own kernels and step
+    counts' place."""
     generator = torch.Generator().manual_seed(2)
     steps = [[torch.randn(s, generator=generator) for s in SHAPES] for _ in range(4)]
 
@@ -102,14 +120,17 @@ def test_compiled_adamw_continues_torch_adamw_state_and_the_other_way():
     for first, second in ((loop, compiled), (compiled, loop)):
         params, optimizer = run(first, second)
         for p, q in zip(params, straight):
-            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)  # an ulp of O(1) weights; steps are ~1e-2
+            torch.testing.assert_close(
+                p, q, rtol=1e-6, atol=1e-6
+            )  # an ulp of O(1) weights; steps are ~1e-2
         assert all(float(s["step"]) == 4 for s in optimizer.state.values())
         assert all(not g["capturable"] for g in optimizer.param_groups) == (second is loop)
 
 
 def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_update(caplog):
-    """The graph is made for the parameters that had gradients at the first step; a graph per set would reach
-    torch.compile's recompile limit, a hard error under fullgraph (a dozen sets here). Other sets step eagerly."""
+    """The graph is made for the parameters that had gradients at the first step; a graph per set
+    would reach torch.compile's recompile limit, a hard error under fullgraph (a dozen sets here).
+    Other sets step eagerly."""
     torch._dynamo.reset()
     compiled_params, reference_params = _params(), _params()
     compiled = CompiledAdamW(_groups(compiled_params), lr=1e-2)
@@ -118,7 +139,11 @@ def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_up
     fused_steps = 0
     for step in range(12):
         for i, (c, r) in enumerate(zip(compiled_params, reference_params)):
-            grad = torch.randn(c.shape, generator=generator) if step % 3 == 0 or (i + step) % 2 else None
+            grad = (
+                torch.randn(c.shape, generator=generator)
+                if step % 3 == 0 or (i + step) % 2
+                else None
+            )
             c.grad, r.grad = grad, None if grad is None else grad / 2
         compiled.grad_scale = torch.tensor(2.0)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -128,30 +153,47 @@ def test_a_step_with_gradients_on_other_parameters_runs_eagerly_with_the_same_up
     for c, r in zip(compiled_params, reference_params):
         torch.testing.assert_close(c, r, rtol=1e-6, atol=1e-6)
         assert float(compiled.state[c]["step"]) == float(reference.state[r]["step"]) < 12
-    assert fused_steps == 8, "the steps with another set of gradients (not every third) run the fused kernel"
+    assert fused_steps == 8, (
+        "the steps with another set of gradients (not every third) run the fused kernel"
+    )
     assert _graphs() == 1 and "run torch's fused AdamW eagerly" in caplog.text
 
 
 def _blocks(shapes_per_block, blocks, seed=4):
-    """A model's parameters as named_parameters gives them: an embedding, numbered blocks, a final norm."""
+    """A model's parameters as named_parameters gives them: an embedding, numbered blocks, a final
+    norm."""
     generator = torch.Generator().manual_seed(seed)
-    names = ["embedding.weight", *(f"layers.{b}.p{i}" for b in range(blocks) for i in range(len(shapes_per_block))),
-             "norm.weight"]
+    names = [
+        "embedding.weight",
+        *(f"layers.{b}.p{i}" for b in range(blocks) for i in range(len(shapes_per_block))),
+        "norm.weight",
+    ]
     shapes = [(24, 16), *shapes_per_block * blocks, (16,)]
     return names, [nn.Parameter(torch.randn(s, generator=generator)) for s in shapes]
 
 
-@pytest.mark.parametrize("layer_shapes, blocks, graphs", [
-    ([(16, 16), (40, 16), (16,)], 6, 2),  # every block one shape: one graph for them, one for the rest
-    ([(16, 16), (16,)], 1, 2),
-])
-def test_compiled_adamw_steps_each_block_as_one_call_of_a_graph_per_shape(layer_shapes, blocks, graphs):
-    """Chunked by optim.numbered_block, blocks of one shape share a graph: the compile costs a block's tensors, not
-    the model's. The same update as torch's AdamW."""
+@pytest.mark.parametrize(
+    "layer_shapes, blocks, graphs",
+    [
+        (
+            [(16, 16), (40, 16), (16,)],
+            6,
+            2,
+        ),  # every block one shape: one graph for them, one for the rest
+        ([(16, 16), (16,)], 1, 2),
+    ],
+)
+def test_compiled_adamw_steps_each_block_as_one_call_of_a_graph_per_shape(
+    layer_shapes, blocks, graphs
+):
+    """Chunked by optim.numbered_block, blocks of one shape share a graph: the compile costs a
+    block's tensors, not the model's. The same update as torch's AdamW."""
     torch._dynamo.reset()
     names, compiled_params = _blocks(layer_shapes, blocks)
     _, reference_params = _blocks(layer_shapes, blocks)
-    compiled = CompiledAdamW(_groups(compiled_params), block_of=numbered_blocks(names, compiled_params), lr=1e-2)
+    compiled = CompiledAdamW(
+        _groups(compiled_params), block_of=numbered_blocks(names, compiled_params), lr=1e-2
+    )
     reference = torch.optim.AdamW(_groups(reference_params), lr=1e-2, foreach=False, fused=False)
     generator = torch.Generator().manual_seed(5)
     for _ in range(3):
@@ -183,7 +225,9 @@ def test_numbered_block_names_the_block_a_parameter_is_in():
     assert numbered_block("layers.3.attention.wq.weight") == "layers.3"
     assert numbered_block("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
     assert numbered_block("_orig_mod.layers.0.moe.experts.w1") == "_orig_mod.layers.0"
-    assert numbered_block("tok_embeddings.weight") is None and numbered_block("output.weight") is None
+    assert (
+        numbered_block("tok_embeddings.weight") is None and numbered_block("output.weight") is None
+    )
 
 
 def test_compiled_adamw_refuses_what_it_does_not_step():
@@ -196,21 +240,44 @@ def test_compiled_adamw_refuses_what_it_does_not_step():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Four ranks, one group of jobs: FSDP × TP (+ SP) with torch's loop AdamW and with the compiled one (each
-    checkpointing at step 3), each resumed from the other's checkpoint, and ZeRO-1's slices stepped compiled."""
+    """Four ranks, one group of jobs: FSDP × TP (+ SP) with torch's loop AdamW and with the compiled
+    one (each checkpointing at step 3), each resumed from the other's checkpoint, and ZeRO-1's
+    slices stepped compiled."""
     root = tmp_path_factory.mktemp("compiled_adamw")
-    fsdp_tp = [*FAST, "train.steps=6", "checkpoint.interval=3", "parallel.dp_shard=2", "parallel.tp=2",
-               "parallel.sequence_parallel=true"]
+    fsdp_tp = [
+        *FAST,
+        "train.steps=6",
+        "checkpoint.interval=3",
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ]
     resume = "checkpoint.resume={}/checkpoints/step-00000003"
     jobs = {
         "loop": [*fsdp_tp, "optim.implementation=for_loop"],
         "compiled": [*fsdp_tp, "optim.implementation=compiled"],
-        "loop_then_compiled": [*fsdp_tp, "optim.implementation=compiled", resume.format(root / "loop")],
-        "compiled_then_fused": [*fsdp_tp, "optim.implementation=fused", resume.format(root / "compiled")],
-        "zero1": [*FAST, "train.steps=6", "parallel.dp_shard=4", "parallel.zero_stage=1",
-                  "optim.implementation=compiled", "checkpoint.enabled=false"],
+        "loop_then_compiled": [
+            *fsdp_tp,
+            "optim.implementation=compiled",
+            resume.format(root / "loop"),
+        ],
+        "compiled_then_fused": [
+            *fsdp_tp,
+            "optim.implementation=fused",
+            resume.format(root / "compiled"),
+        ],
+        "zero1": [
+            *FAST,
+            "train.steps=6",
+            "parallel.dp_shard=4",
+            "parallel.zero_stage=1",
+            "optim.implementation=compiled",
+            "checkpoint.enabled=false",
+        ],
     }
-    results = train_in_one_group([(root / name, args) for name, args in jobs.items()], nproc=4, probe_effects=True)
+    results = train_in_one_group(
+        [(root / name, args) for name, args in jobs.items()], nproc=4, probe_effects=True
+    )
     return dict(zip(jobs, results))
 
 
@@ -224,14 +291,22 @@ def test_compiled_adamw_trains_sharded_and_sliced_parameters_as_torch_adamw(runs
         diffs = [abs(a - b) for a, b in zip(reference, runs[name].losses)]
         assert len(diffs) == 6 and max(diffs) < 1e-4, (name, diffs)
     assert [e["optimizer_class"] for e in runs["loop"].effects] == ["AdamW"] * 4
+
     # each rank keeps the moments of its own shards, as torch's AdamW keeps them
     def held(run, rank):
-        return sorted((s["param"], s["key"], s["numel"], s["dtype"]) for s in run.effects[rank]["optimizer_state"])
+        return sorted(
+            (s["param"], s["key"], s["numel"], s["dtype"])
+            for s in run.effects[rank]["optimizer_state"]
+        )
+
     for rank in range(4):
         assert held(runs["compiled"], rank) == held(runs["loop"], rank)
     moments = sum(s["numel"] for s in runs["compiled"].effects[0]["optimizer_state"])
-    # both moments of every parameter would be 2 × num_params; a 2 × 2 layout keeps about a quarter of them
-    assert 0 < moments <= runs["compiled"].run_info["num_params"], "a shard of the moments, not all of them"
+    # both moments of every parameter would be 2 × num_params; a 2 × 2 layout keeps about a quarter
+    # of them
+    assert 0 < moments <= runs["compiled"].run_info["num_params"], (
+        "a shard of the moments, not all of them"
+    )
 
 
 def test_compiled_adamw_resumes_the_other_implementations_checkpoint(runs):

@@ -1,10 +1,10 @@
-"""Context parallel (parallel.cp): each cp rank holds 1/cp of every sequence, attention spans all of it.
-What it cannot run yet is refused before launch (tests/test_config_errors.py).
+"""Context parallel (parallel.cp): each cp rank holds 1/cp of every sequence, attention spans all of
+it. What it cannot run yet is refused before launch (tests/test_config_errors.py).
 
-Checked against plain full attention (the same model on one process, per token and per gradient) in each style
-(ring, allgather, ulysses), and by loss parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp × FSDP with full activation
-checkpointing follow the single-process curve with ring attention, and cp 2 and cp × FSDP with the other two
-styles, with document masking on and off.
+Checked against plain full attention (the same model on one process, per token and per gradient) in
+each style (ring, allgather, ulysses), and by loss parity: cp 2, cp 4, cp × FSDP, cp × HSDP and cp ×
+FSDP with full activation checkpointing follow the single-process curve with ring attention, and cp
+2 and cp × FSDP with the other two styles, with document masking on and off.
 """
 
 import json
@@ -24,39 +24,65 @@ LAYOUTS = {  # name: (world size, cp, overrides); ring attention, the default st
     "cp2_fsdp2": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2"]),
     "cp2_hsdp2": (4, 2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.cp=2"]),
     # recomputed in backward, the blocks pass keys and values round the ring again
-    "cp2_fsdp2_full_ac": (4, 2, ["parallel.dp_shard=2", "parallel.cp=2", "memory.activation_checkpointing=full"]),
+    "cp2_fsdp2_full_ac": (
+        4,
+        2,
+        ["parallel.dp_shard=2", "parallel.cp=2", "memory.activation_checkpointing=full"],
+    ),
 }
 # the other styles in the cp 2 and cp × FSDP layouts
-LAYOUTS.update({f"{name}_{style}": (world, cp, [*overrides, f"parallel.cp_style={style}"])
-                for style in ("allgather", "ulysses") for name in ("cp2", "cp2_fsdp2")
-                for world, cp, overrides in [LAYOUTS[name]]})
+LAYOUTS.update(
+    {
+        f"{name}_{style}": (world, cp, [*overrides, f"parallel.cp_style={style}"])
+        for style in ("allgather", "ulysses")
+        for name in ("cp2", "cp2_fsdp2")
+        for world, cp, overrides in [LAYOUTS[name]]
+    }
+)
 
 
-# ------------------------------------------------------------------------------------ against full attention
+# --------------------------------------------------------------------------- against full attention
 
-def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool, style: str, errors) -> None:
+
+def _cp_against_full_attention(
+    rank: int, world: int, port: int, documents: bool, style: str, errors
+) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False)  # served by the test's process
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from composer3d.config import ModelConfig
+        from composer3d.config.schema import ModelConfig
         from composer3d.models import build_model
         from composer3d.models.init import materialize
         from composer3d.parallel.context.context_parallel import ContextParallel
 
-        cfg = ModelConfig(name="llama", dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, max_seq_len=64,
-                          init_std=0.1)  # sharp attention: a key of the wrong document or future moves logits
+        cfg = ModelConfig(
+            name="llama",
+            dim=64,
+            n_layers=2,
+            n_heads=8,
+            n_kv_heads=4,
+            vocab_size=128,
+            max_seq_len=64,
+            init_std=0.1,
+        )  # sharp attention: a key of the wrong document or future moves logits
         full, parted = build_model(cfg), build_model(cfg)
         for model in (full, parted):  # the same weights: each generated from (seed, name)
             materialize(model, torch.device("cpu"), seed=0)
-        context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], style)
+        context = ContextParallel(
+            init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], style
+        )
         parted.use_context_parallel(context)
         seq = 32
         torch.manual_seed(1)
         tokens = torch.randint(0, 128, (2, seq))
         # two packed documents a row, restarting at different places (or plain causal rows)
-        positions = torch.cat([torch.arange(11), torch.arange(seq - 11)]).repeat(2, 1) if documents else None
+        positions = (
+            torch.cat([torch.arange(11), torch.arange(seq - 11)]).repeat(2, 1)
+            if documents
+            else None
+        )
         if documents:
             positions[1] = torch.cat([torch.arange(20), torch.arange(seq - 20)])
         expected = full(tokens, position_ids=positions)
@@ -70,7 +96,9 @@ def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool
         grad_error = 0.0  # relative to the largest gradient entry of each parameter
         for a, b in zip(full.parameters(), parted.parameters()):
             dist.all_reduce(b.grad)
-            grad_error = max(grad_error, ((a.grad - b.grad).abs().max() / a.grad.abs().max()).item())
+            grad_error = max(
+                grad_error, ((a.grad - b.grad).abs().max() / a.grad.abs().max()).item()
+            )
         errors[rank] = (logits_error, grad_error)
     finally:
         dist.destroy_process_group()
@@ -80,31 +108,39 @@ def _cp_against_full_attention(rank: int, world: int, port: int, documents: bool
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("style", ["ring", "allgather", "ulysses"])
 def test_cp_logits_and_gradients_equal_full_attention(style, world, documents):
-    """Each rank's logits are full attention's at the tokens it holds; gradients summed over cp are full's."""
+    """Each rank's logits are full attention's at the tokens it holds; gradients summed over cp are
+    full's."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = mp.Manager().dict()
     processes(_cp_against_full_attention, world, world, store.port, documents, style, errors)
     for rank, (logits_error, grad_error) in errors.items():
-        assert logits_error < 1e-5 and grad_error < 1e-5, f"rank {rank}: logits {logits_error}, grads {grad_error}"
+        assert logits_error < 1e-5 and grad_error < 1e-5, (
+            f"rank {rank}: logits {logits_error}, grads {grad_error}"
+        )
 
 
 def test_head_tail_chunks_balance_causal_work():
-    """Rank r holds chunks r and 2·cp−1−r: together every token once, and the same number of causal pairs each."""
+    """Rank r holds chunks r and 2·cp−1−r: together every token once, and the same number of causal
+    pairs each."""
     from composer3d.parallel.context.balance import head_tail
 
     seq, cp = 64, 4
     held = [head_tail(cp, seq).token_index(rank) for rank in range(cp)]
     assert torch.equal(torch.cat(held).sort().values, torch.arange(seq))
     assert held[1].tolist() == [*range(8, 16), *range(48, 56)]
-    work = {int((index + 1).sum()) for index in held}  # keys each query attends to under a causal mask
+    work = {
+        int((index + 1).sum()) for index in held
+    }  # keys each query attends to under a causal mask
     assert len(work) == 1, work
 
 
-# ------------------------------------------------------------------------------------------------ loss parity
+# -------------------------------------------------------------------------------------- loss parity
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> list[str]:
-    """Short documents (5 to 60 bytes: several in every 64-token window, so masks cut across the cp chunks)."""
+    """Short documents (5 to 60 bytes: several in every 64-token window, so masks cut across the cp
+    chunks)."""
     rng = random.Random(0)
     words = "the of ring attention keys values chunk rank token sequence mask document".split()
     path = tmp_path_factory.mktemp("cp_corpus") / "docs.jsonl"
@@ -123,9 +159,21 @@ def documents(corpus):
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, documents):
     root = tmp_path_factory.mktemp("cp_ref")
-    runs = dict(zip(documents, train_in_one_group([(root / kind, [*FAST, *STEPS, *overrides])
-                                                   for kind, overrides in documents.items()], nproc=1)))
-    assert runs["documents"].losses != runs["causal"].losses, "document masking changes this corpus's curve"
+    runs = dict(
+        zip(
+            documents,
+            train_in_one_group(
+                [
+                    (root / kind, [*FAST, *STEPS, *overrides])
+                    for kind, overrides in documents.items()
+                ],
+                nproc=1,
+            ),
+        )
+    )
+    assert runs["documents"].losses != runs["causal"].losses, (
+        "document masking changes this corpus's curve"
+    )
     return runs
 
 
@@ -135,9 +183,15 @@ def cp_runs(tmp_path_factory, documents):
     root = tmp_path_factory.mktemp("cp")
     runs = {}
     for world in sorted({w for w, _, _ in LAYOUTS.values()}):
-        jobs = [((name, kind), root / f"{name}_{kind}", [*FAST, *STEPS, *overrides, *documents[kind]])
-                for name, (w, _, overrides) in LAYOUTS.items() if w == world for kind in MASKING]
-        results = train_in_one_group([(run_dir, overrides) for _, run_dir, overrides in jobs], nproc=world)
+        jobs = [
+            ((name, kind), root / f"{name}_{kind}", [*FAST, *STEPS, *overrides, *documents[kind]])
+            for name, (w, _, overrides) in LAYOUTS.items()
+            if w == world
+            for kind in MASKING
+        ]
+        results = train_in_one_group(
+            [(run_dir, overrides) for _, run_dir, overrides in jobs], nproc=world
+        )
         runs.update(zip([key for key, _, _ in jobs], results))
     return runs
 
@@ -149,14 +203,19 @@ def test_cp_loss_matches_single_process(name, kind, references, cp_runs):
     assert len(reference.losses) == len(run.losses) == 10
     diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
     assert max(diffs) < 1e-4, f"{name} ({kind}): per-step |Δloss| {diffs}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    grad_diffs = [
+        abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)
+    ]
     assert max(grad_diffs) < 1e-3, f"{name} ({kind}): grad norms differ {grad_diffs}"
     assert run.run_info["layout"]["cp"] == LAYOUTS[name][1]
 
 
-@pytest.mark.parametrize("name, sharding", [("cp2", 2), ("cp4", 4), ("cp2_fsdp2", 4), ("cp2_hsdp2", 2)])
+@pytest.mark.parametrize(
+    "name, sharding", [("cp2", 2), ("cp4", 4), ("cp2_fsdp2", 4), ("cp2_hsdp2", 2)]
+)
 def test_parameters_are_sharded_over_cp_not_replicated(name, sharding, cp_runs):
-    """FSDP shards over dp_shard × cp: the model state per rank is 16 bytes a parameter over that many ranks."""
+    """FSDP shards over dp_shard × cp: the model state per rank is 16 bytes a parameter over that
+    many ranks."""
     info = cp_runs[(name, "documents")].run_info
     expected = 16 * info["num_params"] / sharding
     assert abs(info["model_state_bytes_per_rank"] - expected) / expected < 0.05, (info, expected)
@@ -164,8 +223,9 @@ def test_parameters_are_sharded_over_cp_not_replicated(name, sharding, cp_runs):
 
 @pytest.mark.parametrize("masking", ["causal", "documents"])
 def test_materialized_block_kernel_in_row_tiles_equals_the_fused_one(monkeypatch, masking):
-    """The materialized block kernel (CUDA's document-cut and fp32 blocks, other devices) holds the scores of a tile
-    of query rows at a time: in tiles of 3 rows it equals the CPU's fused kernel, forward and backward (1e-5)."""
+    """The materialized block kernel (CUDA's document-cut and fp32 blocks, other devices) holds the
+    scores of a tile of query rows at a time: in tiles of 3 rows it equals the CPU's fused kernel,
+    forward and backward (1e-5)."""
     from composer3d.parallel.context import attention_blocks
     from composer3d.parallel.context.attention_blocks import Block, block_backward, block_forward
 
@@ -176,10 +236,12 @@ def test_materialized_block_kernel_in_row_tiles_equals_the_fused_one(monkeypatch
         mask = torch.ones(2, 1, 16, 16, dtype=torch.bool)
         mask[..., :5, 5:] = False
     block = Block(slice(0, 16), slice(0, 16), masking == "causal", mask)
-    scale = 8 ** -0.5
+    scale = 8**-0.5
     fused_out, fused_lse = block_forward(q, k, v, block, scale, "cpu_flash")
     fused_grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "cpu_flash")
-    monkeypatch.setattr(attention_blocks, "SCORE_TILE_BYTES", 2 * 4 * 16 * 4 * 3)  # 3 query rows a tile
+    monkeypatch.setattr(
+        attention_blocks, "SCORE_TILE_BYTES", 2 * 4 * 16 * 4 * 3
+    )  # 3 query rows a tile
     assert len(attention_blocks._row_tiles(q, 16)) == 6
     out, lse = block_forward(q, k, v, block, scale, "materialized")
     grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "materialized")

@@ -1,13 +1,16 @@
-"""Context parallel for Hugging Face models (model=hf): transformers' attention modules call composer3d's attention
-through transformers' attention interface, over the cp ranks' shares of the sequence.
+"""Context parallel for Hugging Face models (model=hf): transformers' attention modules call
+composer3d's attention through transformers' attention interface, over the cp ranks' shares of the
+sequence.
 
-Checked against transformers itself: tiny random Llama and Qwen3 under cp 2 give, at the tokens each rank holds,
-transformers' own logits (fp32, 1e-5) in every cp style, causal and with packed documents (transformers run on each
-document alone), ring attention also under the placement balanced by the documents (parallel.cp_balance), and so do
-the other families cp accepts (Qwen2, Phi-3, StableLM, four MoE, and Granite with its own attention scale) in ring
-attention. model=hf trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters sharded over all 4 ranks, on
-the one-process curve within 1e-4 with document masking on a corpus of short documents (where the masks change the
-curve). What the interface cannot compute is refused before launch (tests/test_config_errors.py).
+Checked against transformers itself: tiny random Llama and Qwen3 under cp 2 give, at the tokens each
+rank holds, transformers' own logits (fp32, 1e-5) in every cp style, causal and with packed
+documents (transformers run on each document alone), ring attention also under the placement
+balanced by the documents (parallel.cp_balance), and so do the other families cp accepts (Qwen2,
+Phi-3, StableLM, four MoE, and Granite with its own attention scale) in ring attention. model=hf
+trains under cp 2 and (``-m slow``) cp 2 × FSDP 2, its parameters sharded over all 4 ranks, on the
+one-process curve within 1e-4 with document masking on a corpus of short documents (where the masks
+change the curve). What the interface cannot compute is refused before launch
+(tests/test_config_errors.py).
 """
 
 from __future__ import annotations
@@ -23,13 +26,36 @@ from test_hf_models import SEQ, _tokens, train_config
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 STYLES = ("ring", "allgather", "ulysses")
-# (architecture, cp styles): Llama and Qwen3 in every style; the other families context parallel accepts in ring
-# attention (the styles differ only behind ContextParallel.attend, which the native tests check in each)
-CASES = {"llama": STYLES, "qwen3": STYLES, **{arch: ("ring",) for arch in (
-    "qwen2", "phi3", "stablelm", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granite")}}
-# Granite scales its attention scores by attention_multiplier, not head_dim**-0.5 (folded into the queries)
-OVERRIDES = {"granite": {"attention_multiplier": 0.3, "embedding_multiplier": 2.0, "logits_scaling": 4.0,
-                         "residual_multiplier": 0.5}}
+# (architecture, cp styles): Llama and Qwen3 in every style; the other families context parallel
+# accepts in ring attention (the styles differ only behind ContextParallel.attend, which the native
+# tests check in each)
+CASES = {
+    "llama": STYLES,
+    "qwen3": STYLES,
+    **{
+        arch: ("ring",)
+        for arch in (
+            "qwen2",
+            "phi3",
+            "stablelm",
+            "qwen3_moe",
+            "mixtral",
+            "qwen2_moe",
+            "olmoe",
+            "granite",
+        )
+    },
+}
+# Granite scales its attention scores by attention_multiplier, not head_dim**-0.5 (folded into the
+# queries)
+OVERRIDES = {
+    "granite": {
+        "attention_multiplier": 0.3,
+        "embedding_multiplier": 2.0,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+    }
+}
 # two packed documents a row, restarting at different places
 DOCUMENTS = [(11, SEQ - 11), (20, SEQ - 20)]
 
@@ -38,8 +64,12 @@ DOCUMENTS = [(11, SEQ - 11), (20, SEQ - 20)]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_hf")
     # the tokenizer only where a run reads text with it
-    return {arch: make_model(root / arch, arch, seed=i, tokenizer=arch == "llama", **OVERRIDES.get(arch, {}))
-            for i, arch in enumerate(CASES)}
+    return {
+        arch: make_model(
+            root / arch, arch, seed=i, tokenizer=arch == "llama", **OVERRIDES.get(arch, {})
+        )
+        for i, arch in enumerate(CASES)
+    }
 
 
 def _positions() -> torch.Tensor:
@@ -48,42 +78,56 @@ def _positions() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def references(models):
-    """transformers' logits of each row whole (causal) and of each of its documents alone (packed)."""
+    """transformers' logits of each row whole (causal) and of each of its documents alone
+    (packed)."""
     from transformers import AutoModelForCausalLM
 
     tokens, refs = _tokens(), {}
     for arch, path in models.items():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         with torch.no_grad():
-            packed = torch.stack([torch.cat([model(part[None]).logits[0] for part in row.split(lengths)])
-                                  for row, lengths in zip(tokens, DOCUMENTS)])
+            packed = torch.stack(
+                [
+                    torch.cat([model(part[None]).logits[0] for part in row.split(lengths)])
+                    for row, lengths in zip(tokens, DOCUMENTS)
+                ]
+            )
             refs[arch] = {"causal": model(tokens).logits, "documents": packed}
     return refs
 
 
 def _check_forward_under_cp(rank, world_size, models, references):
-    from composer3d.config import validate
-    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+    from composer3d.config.checks import validate
+    from composer3d.parallel.mesh import ParallelMesh
     from composer3d.training.assemble import build_parallel_model
 
     tokens, errors = _tokens(), {}
     for arch, path in models.items():
-        # Llama and Qwen3 in ring attention also with the placement balanced by the documents (parallel.cp_balance)
-        cases = [(style, "head_tail") for style in CASES[arch]] + [("ring", "documents")] * (arch in ("llama", "qwen3"))
+        # Llama and Qwen3 in ring attention also with the placement balanced by the documents
+        # (parallel.cp_balance)
+        cases = [(style, "head_tail") for style in CASES[arch]] + [("ring", "documents")] * (
+            arch in ("llama", "qwen3")
+        )
         for style, balance in cases:
             cfg = train_config(path, dp_shard=1, cp=2, cp_style=style, cp_balance=balance)
-            mesh = ParallelMesh(layout_from_degrees(validate(cfg, world_size)), "cpu")
+            mesh = ParallelMesh(validate(cfg, world_size), "cpu")
             model = build_parallel_model(cfg, mesh, torch.device("cpu")).model.eval()
             # every attention module calls composer3d's function through transformers' interface
             assert model.config._attn_implementation == "composer3d_context_parallel"
-            context = model.context_parallel  # the model's own: each batch placed on it, as the trainer does
+            context = (
+                model.context_parallel
+            )  # the model's own: each batch placed on it, as the trainer does
             for kind, positions in (("causal", None), ("documents", _positions())):
                 context.place(positions, SEQ)
                 # balanced: 16 chunks of 2 tokens (head-tail holds 2 of 8)
-                assert context.placement(SEQ).chunk == (2 if balance == "documents" and positions is not None else 8)
+                assert context.placement(SEQ).chunk == (
+                    2 if balance == "documents" and positions is not None else 8
+                )
                 with torch.no_grad():
                     got = model(context.shard(tokens), position_ids=context.shard(positions))
-                assert got.shape == (2, SEQ // 2, 512), got.shape  # this rank computes only its tokens
+                assert got.shape == (2, SEQ // 2, 512), (
+                    got.shape
+                )  # this rank computes only its tokens
                 expected = context.shard(references[arch][kind])
                 errors[(arch, style, balance, kind)] = (got - expected).abs().max().item()
     bad = {key: error for key, error in errors.items() if not error < 1e-5}
@@ -94,14 +138,20 @@ def test_forward_under_cp_matches_transformers(models, references, tmp_path):
     spawn(_check_forward_under_cp, 2, tmp_path, models, references)
 
 
-# ------------------------------------------------------------------------------------------------ loss parity
+# -------------------------------------------------------------------------------------- loss parity
 
 HF_CP = [o for o in FAST if not o.startswith("model=")] + [
-    "model=hf", "train.steps=10", "train.seq_len=32", "optim.lr=3e-3", "optim.warmup_steps=2",
-    "checkpoint.enabled=false", "data.document_masking=true"]
+    "model=hf",
+    "train.steps=10",
+    "train.seq_len=32",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    "checkpoint.enabled=false",
+    "data.document_masking=true",
+]
 CP2 = ["parallel.dp_shard=1", "parallel.cp=2"]
-# 4 processes: its parts are in the default run (cp × FSDP of the native model in test_context_parallel, model=hf
-# under FSDP in test_hf_training, model=hf under cp here)
+# 4 processes: its parts are in the default run (cp × FSDP of the native model in
+# test_context_parallel, model=hf under FSDP in test_hf_training, model=hf under cp here)
 CP2_FSDP2 = ["parallel.dp_shard=2", "parallel.cp=2"]
 
 
@@ -113,25 +163,36 @@ def base(models, corpus):  # noqa: F811 — the imported fixture
 @pytest.fixture(scope="module")
 def single_process(base, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_hf_single")
-    run, causal = train_in_one_group([(root / "documents", base),
-                                      (root / "causal", [*base, "data.document_masking=false"])], nproc=1)
+    run, causal = train_in_one_group(
+        [(root / "documents", base), (root / "causal", [*base, "data.document_masking=false"])],
+        nproc=1,
+    )
     assert len(run.losses) == 10 and run.losses[-1] < run.losses[0], run.losses
-    assert max(abs(a - b) for a, b in zip(run.losses, causal.losses)) > 1e-3, "the masks change this corpus's curve"
+    assert max(abs(a - b) for a, b in zip(run.losses, causal.losses)) > 1e-3, (
+        "the masks change this corpus's curve"
+    )
     return run.losses
 
 
 def _assert_parity(name, run, reference):
     diffs = [abs(a - b) for a, b in zip(reference, run.losses)]
-    assert len(run.losses) == len(reference) and max(diffs) < 1e-4, f"{name}: per-step |Δloss| {diffs}"
+    assert len(run.losses) == len(reference) and max(diffs) < 1e-4, (
+        f"{name}: per-step |Δloss| {diffs}"
+    )
     assert run.run_info["layout"]["cp"] == 2
 
 
 def test_cp2_training_follows_the_single_process_curve(base, single_process, tmp_path):
-    _assert_parity("cp2", train_in_one_group([(tmp_path / "cp2", [*base, *CP2])], nproc=2)[0], single_process)
+    _assert_parity(
+        "cp2", train_in_one_group([(tmp_path / "cp2", [*base, *CP2])], nproc=2)[0], single_process
+    )
 
 
 @pytest.mark.slow
 def test_cp2_fsdp2_training_follows_the_single_process_curve(base, single_process, tmp_path):
     run = train_in_one_group([(tmp_path / "cp2_fsdp2", [*base, *CP2_FSDP2])], nproc=4)[0]
     _assert_parity("cp2_fsdp2", run, single_process)
-    assert abs(run.run_info["model_state_bytes_per_rank"] / (16 * run.run_info["num_params"] / 4) - 1) < 0.05
+    assert (
+        abs(run.run_info["model_state_bytes_per_rank"] / (16 * run.run_info["num_params"] / 4) - 1)
+        < 0.05
+    )

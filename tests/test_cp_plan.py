@@ -1,5 +1,6 @@
-"""composer3d-plan with context parallel: Llama 3 8B at 131,072 tokens on one node of 8 H100s (the arithmetic;
-the bytes and peaks of real cp runs are checked against the planner in tests/test_plan.py's measured layouts)."""
+"""composer3d-plan with context parallel: Llama 3 8B at 131,072 tokens on one node of 8 H100s (the
+arithmetic; the bytes and peaks of real cp runs are checked against the planner in
+tests/test_plan.py's measured layouts)."""
 
 import pytest
 from planned import plan_config, planned
@@ -13,36 +14,51 @@ from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.search import best, checked
 from composer3d.plan.shapes import stage_sets
 
-LONG = ["model=llama3_8b", "train.seq_len=131072", "train.global_batch_size=8", "train.micro_batch_size=1",
-        "cluster.nodes=1", "cluster.device=h100", "memory.activation_checkpointing=full"]
+LONG = [
+    "model=llama3_8b",
+    "train.seq_len=131072",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+    "cluster.nodes=1",
+    "cluster.device=h100",
+    "memory.activation_checkpointing=full",
+]
 GIB = 2**30
 
 
 @pytest.fixture(scope="module")
 def by_cp():
-    """FSDP over the 8 GPUs as dp_shard × cp, cp 1, 2, 4, 8: the same model state, the sequence cut in cp."""
-    return {cp: planned(*LONG, f"parallel.dp_shard={8 // cp}", f"parallel.cp={cp}")[0] for cp in (1, 2, 4, 8)}
+    """FSDP over the 8 GPUs as dp_shard × cp, cp 1, 2, 4, 8: the same model state, the sequence cut
+    in cp."""
+    return {
+        cp: planned(*LONG, f"parallel.dp_shard={8 // cp}", f"parallel.cp={cp}")[0]
+        for cp in (1, 2, 4, 8)
+    }
 
 
 def test_fsdp_shards_over_cp_and_activation_memory_falls_as_one_over_cp(by_cp):
     state = {cp: e.memory.model_state for cp, e in by_cp.items()}
-    assert len({round(s) for s in state.values()}) == 1, f"FSDP shards over dp_shard × cp = 8 in each: {state}"
+    assert len({round(s) for s in state.values()}) == 1, (
+        f"FSDP shards over dp_shard × cp = 8 in each: {state}"
+    )
     sequence = {cp: e.memory.activations + e.memory.logits for cp, e in by_cp.items()}
-    # cp 2 and 4 peak in one phase, a block's recomputation in backward: exactly as 1/cp. cp 1 and 8 peak at the
-    # end of forward beside the logits, which their gradient overwrites, and beside those the head's weight gradient
-    # (1 GiB at any cp): within 10% of 1/cp
+    # cp 2 and 4 peak in one phase, a block's recomputation in backward: exactly as 1/cp. cp 1 and 8
+    # peak at the end of forward beside the logits, which their gradient overwrites, and beside
+    # those the head's weight gradient (1 GiB at any cp): within 10% of 1/cp
     assert sequence[2] / sequence[4] == pytest.approx(2, rel=1e-6), sequence
     for cp in (2, 4, 8):
         assert sequence[1] / sequence[cp] == pytest.approx(cp, rel=0.1), (cp, sequence)
-    # the whole sequence on one GPU does not fit in 79 GiB × 0.9 with full checkpointing; cut in 2 it does
+    # the whole sequence on one GPU does not fit in 79 GiB × 0.9 with full checkpointing; cut in 2
+    # it does
     assert not by_cp[1].fits and by_cp[1].memory.total > 0.9 * 79 * GIB
     assert all(by_cp[cp].fits for cp in (2, 4, 8))
 
 
 def test_ring_bytes_are_the_hand_count(by_cp):
-    """cp 4 (dp_shard 2: 4 micro-batches of 1 per rank), 32 layers, bf16: each pass carries this rank's K/V, 2 ×
-    8 KV heads × 128 × 32,768 tokens × 2 bytes = 128 MiB. Per layer and micro-batch: 3 passes forward, 3 again in
-    full checkpointing's rerun, 3 in backward, and 4 of the fp32 gradients (256 MiB) back to their owner."""
+    """cp 4 (dp_shard 2: 4 micro-batches of 1 per rank), 32 layers, bf16: each pass carries this
+    rank's K/V, 2 × 8 KV heads × 128 × 32,768 tokens × 2 bytes = 128 MiB. Per layer and micro-batch:
+    3 passes forward, 3 again in full checkpointing's rerun, 3 in backward, and 4 of the fp32
+    gradients (256 MiB) back to their owner."""
     kv = 2 * 8 * 128 * 32768 * 2
     assert kv == 128 * 2**20
     sends = {col.overlapped: col.bytes for col in by_cp[4].collectives if col.dim == "cp"}
@@ -52,46 +68,62 @@ def test_ring_bytes_are_the_hand_count(by_cp):
 
 
 def test_ring_passes_hide_behind_attention_at_long_context_not_at_short():
-    """At 131k a K/V pass (128 MiB at 450 GB/s) takes far less than the attention of the block computed meanwhile,
-    so only the gradients' passes are exposed; at 2,048 tokens over cp 8 the passes outlast the blocks (at 4,096
-    they about match them: attention runs at flash attention's rate, plan/kernels.py)."""
+    """At 131k a K/V pass (128 MiB at 450 GB/s) takes far less than the attention of the block
+    computed meanwhile, so only the gradients' passes are exposed; at 2,048 tokens over cp 8 the
+    passes outlast the blocks (at 4,096 they about match them: attention runs at flash attention's
+    rate, plan/kernels.py)."""
     long, cluster = planned(*LONG, "parallel.dp_shard=2", "parallel.cp=4")
     grads = 4 * 32 * 4 * (2 * 8 * 128 * 32768 * 4) / cluster.intra_node_bw
     assert long.exposed_comm_s["cp"] == pytest.approx(grads, rel=1e-9)
     short, cluster = planned(*LONG, "train.seq_len=2048", "parallel.dp_shard=1", "parallel.cp=8")
     shape = Workload.from_config(plan_config(*LONG)).shape
-    exposed = exposed_seconds(shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster, "sdpa")
+    exposed = exposed_seconds(
+        shape, short.candidate, stage_sets(shape, 1, 1, "1f1b")[0], 2048, cluster, "sdpa"
+    )
     grads = 8 * 32 * 8 * (2 * 8 * 128 * 256 * 4) / cluster.intra_node_bw
-    assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, "the K/V passes add to the gradients' at 2,048"
+    assert exposed == short.exposed_comm_s["cp"] > grads * 1.05, (
+        "the K/V passes add to the gradients' at 2,048"
+    )
 
 
 @pytest.mark.parametrize("style, extra", [("allgather", "all_gather"), ("ulysses", "all_to_all")])
 def test_other_styles_cost_their_collectives_and_masks(by_cp, style, extra):
     """Neither is hidden behind compute: the step waits for all of their traffic."""
-    e, cluster = planned(*LONG, "parallel.dp_shard=4", "parallel.cp=2", f"parallel.cp_style={style}")
+    e, cluster = planned(
+        *LONG, "parallel.dp_shard=4", "parallel.cp=2", f"parallel.cp_style={style}"
+    )
     mine = [col for col in e.collectives if col.dim == "cp"]
-    assert mine and all(col.kind in (extra, "reduce_scatter") and not col.overlapped for col in mine)
-    assert e.exposed_comm_s["cp"] == pytest.approx(sum(seconds(col, e.candidate, cluster) for col in mine))
-    # a boolean mask of local (all-gather: 65,536) or all (Ulysses) queries × all 131,072 keys, kept by every
-    # layer's attention: more than the ring's buffers
+    assert mine and all(
+        col.kind in (extra, "reduce_scatter") and not col.overlapped for col in mine
+    )
+    assert e.exposed_comm_s["cp"] == pytest.approx(
+        sum(seconds(col, e.candidate, cluster) for col in mine)
+    )
+    # a boolean mask of local (all-gather: 65,536) or all (Ulysses) queries × all 131,072 keys, kept
+    # by every layer's attention: more than the ring's buffers
     mask = {"allgather": 8 * GIB, "ulysses": 16 * GIB}[style]
     assert cp_mask_bytes(e.candidate, 131072) == mask
     assert e.memory.activations >= mask and e.memory.total > by_cp[2].memory.total + mask / 2
 
 
 def test_the_search_chooses_context_parallel_at_131k_tokens():
-    """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without cp, and it
-    passes composer3d's own checks. The all-gather of K/V (8 of 32 heads: a quarter of q's bytes) comes within 0.1%
-    of the ring, at 17 GiB more a GPU: the ring, the smaller of two equals, is chosen. The all-gather's estimate
-    says what it has not measured: its attention runs under a dense mask, priced at the causal kernel's rate."""
+    """parallel=auto's choice: the fastest layout that fits is a cp layout, faster than any without
+    cp, and it passes composer3d's own checks. The all-gather of K/V (8 of 32 heads: a quarter of
+    q's bytes) comes within 0.1% of the ring, at 17 GiB more a GPU: the ring, the smaller of two
+    equals, is chosen. The all-gather's estimate says what it has not measured: its attention runs
+    under a dense mask, priced at the causal kernel's rate."""
     cfg = plan_config(*LONG)
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
     chosen, fitting, _ = best(cfg, cluster)
     assert chosen.candidate.cp > 1 and chosen.candidate.cp_style == "ring", chosen.candidate.short()
-    gathering = min((e for e in fitting if e.candidate.cp_style == "allgather"), key=lambda e: e.step_time_s)
+    gathering = min(
+        (e for e in fitting if e.candidate.cp_style == "allgather"), key=lambda e: e.step_time_s
+    )
     assert gathering.step_time_s < chosen.step_time_s < 1.001 * gathering.step_time_s
     assert gathering.memory.total > chosen.memory.total + 10 * GIB
-    assert not chosen.notes and gathering.notes == [CP_MASKED_UNMEASURED.format(style="allgather")], gathering.notes
+    assert not chosen.notes and gathering.notes == [
+        CP_MASKED_UNMEASURED.format(style="allgather")
+    ], gathering.notes
     without = [e for e in fitting if e.candidate.cp == 1]
     assert without and chosen.step_time_s < min(e.step_time_s for e in without)
     trial = checked(cfg, chosen.candidate, cluster.world_size)

@@ -1,4 +1,5 @@
-"""Behaviour of composer3d.data: the layout-free global batch order, resume, packing, and the corpora."""
+"""Behaviour of composer3d.data: the layout-free global batch order, resume, packing, and the
+corpora."""
 
 import itertools
 import json
@@ -9,7 +10,6 @@ import torch
 from harness import train
 from omegaconf import OmegaConf
 
-from composer3d.config import ConfigError
 from composer3d.data import (
     ByteTokenizer,
     GlobalBatchLoader,
@@ -20,9 +20,11 @@ from composer3d.data import (
     text_file_documents,
     token_stream,
 )
+from composer3d.errors import ConfigError
 
 NUM_SEQ, SEQ_LEN, GLOBAL_BATCH = 10, 4, 4
-STEPS = 8  # 32 sequences: three epoch boundaries, at positions 10, 20 and 30, two of them inside a batch
+# 32 sequences: three epoch boundaries, at positions 10, 20 and 30, two of them inside a batch
+STEPS = 8
 
 
 def make_sequences(n=NUM_SEQ, seq_len=SEQ_LEN):
@@ -32,7 +34,9 @@ def make_sequences(n=NUM_SEQ, seq_len=SEQ_LEN):
 
 def global_batches(sequences, dp_size, steps, seed=0, state=None):
     """Each step's batch as the concatenation of every data-parallel rank's slice, in rank order."""
-    loaders = [GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_size, seed) for rank in range(dp_size)]
+    loaders = [
+        GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_size, seed) for rank in range(dp_size)
+    ]
     if state is not None:
         for loader in loaders:
             loader.load_state_dict(state)
@@ -40,7 +44,8 @@ def global_batches(sequences, dp_size, steps, seed=0, state=None):
 
 
 def windows(batch):
-    """A Batch of bare token windows (no documents: nothing masked) back as its (b, seq_len + 1) windows."""
+    """A Batch of bare token windows (no documents: nothing masked) back as its (b, seq_len + 1)
+    windows."""
     assert torch.equal(batch.inputs[:, 1:], batch.targets[:, :-1]) and (batch.targets >= 0).all()
     return torch.cat([batch.inputs, batch.targets[:, -1:]], dim=1)
 
@@ -51,12 +56,24 @@ def unpack(sequences):
 
 
 def data_cfg(**kw):
-    return OmegaConf.create({"name": "stdlib", "paths": [], "format": "text", "text_field": "text",
-                             "messages_field": "messages", "tokenizer": None, "document_masking": True,
-                             "max_tokens": 0, "synthetic_sequences": 16, **kw})
+    return OmegaConf.create(
+        {
+            "name": "stdlib",
+            "paths": [],
+            "format": "text",
+            "text_field": "text",
+            "messages_field": "messages",
+            "tokenizer": None,
+            "document_masking": True,
+            "max_tokens": 0,
+            "synthetic_sequences": 16,
+            **kw,
+        }
+    )
 
 
-# ------------------------------------------------------------------------------------------ global batch order
+# ------------------------------------------------------------------------------- global batch order
+
 
 def test_global_batch_order_is_layout_independent():
     sequences = make_sequences()
@@ -66,15 +83,21 @@ def test_global_batch_order_is_layout_independent():
     for dp_size in (2, 4):
         batches = global_batches(sequences, dp_size, STEPS)
         for step, (got, want) in enumerate(zip(batches, reference)):
-            assert torch.equal(got, want), f"dp_size={dp_size}, step {step}: {got[:, 0]} vs {want[:, 0]}"
+            assert torch.equal(got, want), (
+                f"dp_size={dp_size}, step {step}: {got[:, 0]} vs {want[:, 0]}"
+            )
 
 
 def test_each_epoch_is_a_fresh_permutation():
     sequences = make_sequences()
-    rows = torch.cat(global_batches(sequences, 2, STEPS))[:, 0] // (SEQ_LEN + 1)  # row ids in consumption order
-    epochs = [rows[i * NUM_SEQ:(i + 1) * NUM_SEQ].tolist() for i in range(3)]
+    rows = torch.cat(global_batches(sequences, 2, STEPS))[:, 0] // (
+        SEQ_LEN + 1
+    )  # row ids in consumption order
+    epochs = [rows[i * NUM_SEQ : (i + 1) * NUM_SEQ].tolist() for i in range(3)]
     for order in epochs:
-        assert sorted(order) == list(range(NUM_SEQ)), f"an epoch must use every sequence once: {order}"
+        assert sorted(order) == list(range(NUM_SEQ)), (
+            f"an epoch must use every sequence once: {order}"
+        )
     assert epochs[0] != epochs[1] != epochs[2], "each epoch should be shuffled anew"
     assert epochs[0] != list(range(NUM_SEQ)), "the order should be shuffled"
     other_seed = torch.cat(global_batches(sequences, 1, 3, seed=1))[:, 0] // (SEQ_LEN + 1)
@@ -89,51 +112,69 @@ def test_dp_rank_takes_its_contiguous_slice():
     assert torch.equal(rank1.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN))
 
 
-# ----------------------------------------------------------------------------------------------------- resume
+# ------------------------------------------------------------------------------------------- resume
+
 
 @pytest.mark.parametrize("dp_before, dp_after", [(1, 1), (1, 4), (4, 2), (2, 1)])
 def test_resume_continues_the_same_global_batches(dp_before, dp_after):
     sequences = make_sequences()
     uninterrupted = global_batches(sequences, 1, STEPS)
-    first = [GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_before, 0) for rank in range(dp_before)]
+    first = [
+        GlobalBatchLoader(sequences, GLOBAL_BATCH, rank, dp_before, 0) for rank in range(dp_before)
+    ]
     for _ in range(3):
         for loader in first:
             loader.next_batch()
     state = first[0].state_dict()
-    assert all(loader.state_dict() == state for loader in first), "the state must not depend on the rank"
+    assert all(loader.state_dict() == state for loader in first), (
+        "the state must not depend on the rank"
+    )
     assert state["consumed_sequences"] == 3 * GLOBAL_BATCH
     resumed = global_batches(sequences, dp_after, STEPS - 3, state=json.loads(json.dumps(state)))
     for step, (got, want) in enumerate(zip(resumed, uninterrupted[3:]), start=3):
         assert torch.equal(got, want), f"step {step} after resuming {dp_before}->{dp_after} ranks"
-    # Without the state, a loader starts over: the comparison above would have caught a lost position.
+    # Without the state, a loader starts over: the comparison above would have caught a lost
+    # position.
     assert not torch.equal(global_batches(sequences, dp_after, 1)[0], uninterrupted[3])
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"n": NUM_SEQ - 1}, f"state is for {NUM_SEQ} sequences"),
-    ({"seed": 7}, "with seed 0, but this run has .* with seed 7"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"n": NUM_SEQ - 1}, f"state is for {NUM_SEQ} sequences"),
+        ({"seed": 7}, "with seed 0, but this run has .* with seed 7"),
+    ],
+)
 def test_resume_refuses_state_from_another_corpus_or_seed(change, match):
     source = GlobalBatchLoader(make_sequences(), GLOBAL_BATCH, 0, 1, 0)
     source.next_batch()
-    target = GlobalBatchLoader(make_sequences(n=change.get("n", NUM_SEQ)), GLOBAL_BATCH, 0, 1, change.get("seed", 0))
+    target = GlobalBatchLoader(
+        make_sequences(n=change.get("n", NUM_SEQ)), GLOBAL_BATCH, 0, 1, change.get("seed", 0)
+    )
     with pytest.raises(ValueError, match=match) as error:
         target.load_state_dict(source.state_dict())
     assert "train.seed" in str(error.value)  # says what may have changed
-    assert target.state_dict()["consumed_sequences"] == 0, "a refused state must not be half-applied"
+    assert target.state_dict()["consumed_sequences"] == 0, (
+        "a refused state must not be half-applied"
+    )
 
 
-# ---------------------------------------------------------------------------------------------------- packing
+# ------------------------------------------------------------------------------------------ packing
+
 
 def test_packed_windows_overlap_by_one_token():
-    tokens = torch.arange(100, 123)  # 23 tokens, seq_len 5: (23 - 1) // 5 = 4 windows, 2 tokens left over
+    tokens = torch.arange(
+        100, 123
+    )  # 23 tokens, seq_len 5: (23 - 1) // 5 = 4 windows, 2 tokens left over
     rows = packed_sequences(tokens, 5)
     assert rows.shape == (4, 6)
     for a, b in zip(rows[:-1], rows[1:]):
         assert a[-1] == b[0], "each window's last token (a target) is the next window's first input"
     inputs, targets = rows[:, :-1], rows[:, 1:]
     assert torch.equal(inputs.flatten(), tokens[:20]), "inputs cover the stream once, without gaps"
-    assert torch.equal(targets.flatten(), tokens[1:21]), "targets are the inputs shifted by one token"
+    assert torch.equal(targets.flatten(), tokens[1:21]), (
+        "targets are the inputs shifted by one token"
+    )
 
 
 def test_packing_needs_one_full_sequence():
@@ -154,12 +195,15 @@ def test_stdlib_corpus_is_deterministic_and_capped():
     cfg = data_cfg(max_tokens=20_000)
     first, second = (build_sequences(cfg, 512, 64, seed=0).tokens for _ in range(2))
     assert torch.equal(first, second)
-    assert first.shape == ((20_000 - 1) // 64, 65), "exactly max_tokens tokens read, packed into full windows"
+    assert first.shape == ((20_000 - 1) // 64, 65), (
+        "exactly max_tokens tokens read, packed into full windows"
+    )
     assert first.max() < 512 and first.min() >= 0
-    # The stream is the first stdlib sources in sorted order, each followed by the end-of-document token.
+    # The stream is the first stdlib sources in sorted order, each followed by the end-of-document
+    # token.
     stream, tok = unpack(first), ByteTokenizer()
     expected = token_stream(itertools.islice(stdlib_documents(), 3), tok, 0)
-    assert torch.equal(stream[:expected.numel()], expected)
+    assert torch.equal(stream[: expected.numel()], expected)
     assert (stream == tok.eos_id).sum() >= 3, "several documents, each ended by the eos token"
     first_doc = next(stdlib_documents())
     first_eos = int((stream == tok.eos_id).nonzero()[0])
@@ -178,7 +222,7 @@ def test_synthetic_sequences_follow_the_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-# ------------------------------------------------------------------------ text_files with a Hugging Face tokenizer
+# --------------------------------------------------------- text_files with a Hugging Face tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -193,13 +237,16 @@ TEXTS = [
 def _save_tokenizer(tokenizer, directory):
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>").save_pretrained(directory)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>"
+    ).save_pretrained(directory)
     return directory
 
 
 @pytest.fixture(scope="module")
 def hf_cache(tmp_path_factory):
-    """Keep Hugging Face datasets' cache out of the home directory, here and in the CLI's processes."""
+    """Keep Hugging Face datasets' cache out of the home directory, here and in the CLI's
+    processes."""
     import datasets
 
     cache = tmp_path_factory.mktemp("hf_datasets_cache")
@@ -210,14 +257,19 @@ def hf_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bpe_dir(tmp_path_factory):
-    """A byte-level BPE tokenizer of 300 tokens (smaller than the tiny model's 512): exact round trips."""
+    """A byte-level BPE tokenizer of 300 tokens (smaller than the tiny model's 512): exact round
+    trips."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<eos>", "<unk>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(TEXTS, trainer)
     return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("bpe"))
 
@@ -225,7 +277,9 @@ def bpe_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    (root / "docs.jsonl").write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(TEXTS * 2)))
+    (root / "docs.jsonl").write_text(
+        "".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(TEXTS * 2))
+    )
     (root / "body.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
     (root / "txt").mkdir()
     for i, text in enumerate(TEXTS):  # one document per .txt file, spanning several lines
@@ -234,7 +288,8 @@ def corpus(tmp_path_factory):
 
 
 def _documents(stream, eos_id):
-    """Split a token stream at the end-of-document tokens (a trailing partial document is dropped)."""
+    """Split a token stream at the end-of-document tokens (a trailing partial document is
+    dropped)."""
     docs, current = [], []
     for token in stream.tolist():
         if token == eos_id:
@@ -245,25 +300,41 @@ def _documents(stream, eos_id):
     return docs
 
 
-@pytest.mark.parametrize("name, field, texts", [("docs.jsonl", "text", TEXTS * 2), ("txt/*.txt", "text", [t + "\nsecond line\n" for t in TEXTS]),
-                                                ("body.jsonl", "body", TEXTS)])
+@pytest.mark.parametrize(
+    "name, field, texts",
+    [
+        ("docs.jsonl", "text", TEXTS * 2),
+        ("txt/*.txt", "text", [t + "\nsecond line\n" for t in TEXTS]),
+        ("body.jsonl", "body", TEXTS),
+    ],
+)
 def test_text_files_are_tokenized_and_round_trip(hf_cache, bpe_dir, corpus, name, field, texts):
     tokenizer = HFTokenizer(str(bpe_dir))
     assert tokenizer.vocab_size == 300 and tokenizer.eos_id is not None
-    cfg = data_cfg(name="text_files", paths=[str(corpus / name)], text_field=field, tokenizer=str(bpe_dir))
+    cfg = data_cfg(
+        name="text_files", paths=[str(corpus / name)], text_field=field, tokenizer=str(bpe_dir)
+    )
     sequences = build_sequences(cfg, 512, 8, seed=0).tokens
     stream = unpack(sequences)
     full = token_stream(iter(texts), tokenizer, 0)
     assert sequences.shape == ((full.numel() - 1) // 8, 9)
-    assert torch.equal(stream, full[:stream.numel()]), "the packed corpus is the documents' token stream"
-    assert full.numel() < sum(len(t.encode()) for t in texts), "BPE should merge bytes, not be byte-level"
+    assert torch.equal(stream, full[: stream.numel()]), (
+        "the packed corpus is the documents' token stream"
+    )
+    assert full.numel() < sum(len(t.encode()) for t in texts), (
+        "BPE should merge bytes, not be byte-level"
+    )
     docs = _documents(full, tokenizer.eos_id)
-    assert [tokenizer.decode(d) for d in docs] == texts, "documents decode back to the corpus text, in order"
+    assert [tokenizer.decode(d) for d in docs] == texts, (
+        "documents decode back to the corpus text, in order"
+    )
 
 
 def test_text_files_directory_and_glob(hf_cache, corpus):
     texts = list(text_file_documents([str(corpus / "txt")], "text"))
-    assert texts == [t + "\nsecond line\n" for t in TEXTS], "a directory: its files in sorted order, one document each"
+    assert texts == [t + "\nsecond line\n" for t in TEXTS], (
+        "a directory: its files in sorted order, one document each"
+    )
     with pytest.raises(ConfigError, match=r"^data\.paths: mixes \.txt and \.jsonl"):
         list(text_file_documents([str(corpus)], "text"))
 
@@ -274,10 +345,21 @@ def test_text_files_missing_field_names_text_field(hf_cache, corpus):
 
 
 def test_text_files_trains_through_the_cli(tmp_path, hf_cache, bpe_dir, corpus):
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus / 'docs.jsonl'}']",
-                f"data.tokenizer='{bpe_dir}'", "train.steps=3", "train.seq_len=32", "train.global_batch_size=4",
-                "train.micro_batch_size=2", "logging.progress_bar=false", "launch.device=cpu", nproc=2, env=hf_cache,
-                timeout=300)
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=['{corpus / 'docs.jsonl'}']",
+        f"data.tokenizer='{bpe_dir}'",
+        "train.steps=3",
+        "train.seq_len=32",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.progress_bar=false",
+        "launch.device=cpu",
+        nproc=2,
+        env=hf_cache,
+        timeout=300,
+    )
     assert [m["step"] for m in run.metrics] == [1, 2, 3], run.output
     assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in run.metrics), run.metrics
     assert run.run_info["world_size"] == 2
@@ -286,13 +368,26 @@ def test_text_files_trains_through_the_cli(tmp_path, hf_cache, bpe_dir, corpus):
 
 
 def test_a_corpus_smaller_than_one_global_batch_is_named_once(tmp_path):
-    """Before, a corpus that packs into fewer sequences than a global batch was repeated within each step silently."""
+    """Before, a corpus that packs into fewer sequences than a global batch was repeated within each
+    step silently."""
     corpus = tmp_path / "small.jsonl"
     corpus.write_text(json.dumps({"text": "a corpus of one short sentence."}) + "\n")
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus}']", "train.steps=1", "train.seq_len=16",
-                "train.global_batch_size=4", "train.micro_batch_size=2", "logging.progress_bar=false",
-                "launch.device=cpu", nproc=2, timeout=300)
-    assert run.output.count("fewer than one global batch (train.global_batch_size=4)") == 1, run.output
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=['{corpus}']",
+        "train.steps=1",
+        "train.seq_len=16",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.progress_bar=false",
+        "launch.device=cpu",
+        nproc=2,
+        timeout=300,
+    )
+    assert run.output.count("fewer than one global batch (train.global_batch_size=4)") == 1, (
+        run.output
+    )
 
 
 @pytest.fixture(scope="module")
@@ -307,22 +402,45 @@ def big_vocab_dir(tmp_path_factory):
 
 
 def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_vocab_dir, corpus):
-    # Two workers asked for: the launcher checks the data sources first and starts none (exit 2, one message).
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=['{corpus / 'docs.jsonl'}']",
-                f"data.tokenizer='{big_vocab_dir}'", "logging.progress_bar=false", "launch.device=cpu", nproc=2, check=False,
-                env=hf_cache, timeout=60)
+    # Two workers asked for: the launcher checks the data sources first and starts none (exit 2, one
+    # message).
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=['{corpus / 'docs.jsonl'}']",
+        f"data.tokenizer='{big_vocab_dir}'",
+        "logging.progress_bar=false",
+        "launch.device=cpu",
+        nproc=2,
+        check=False,
+        env=hf_cache,
+        timeout=60,
+    )
     assert run.returncode == 2, run.output
     assert run.output.count("invalid configuration") == 1, run.output
-    assert "invalid configuration: model.vocab_size: 512 is smaller than the tokenizer's vocabulary (602)" \
-        in run.output, run.output
+    assert (
+        "invalid configuration: model.vocab_size: 512 is smaller than the tokenizer's vocabulary "
+        "(602)" in run.output
+    ), run.output
     assert run.metrics == []
     assert run.seconds < 60
 
 
 def test_cli_refuses_path_matching_no_file(tmp_path, hf_cache, corpus):
     missing = corpus / "no_such_dir" / "*.jsonl"
-    run = train(tmp_path / "run", "data=text_files", f"data.paths=['{missing}']", "logging.progress_bar=false",
-                "launch.device=cpu", nproc=2, check=False, env=hf_cache, timeout=60)
+    run = train(
+        tmp_path / "run",
+        "data=text_files",
+        f"data.paths=['{missing}']",
+        "logging.progress_bar=false",
+        "launch.device=cpu",
+        nproc=2,
+        check=False,
+        env=hf_cache,
+        timeout=60,
+    )
     assert run.returncode == 2, run.output
-    assert f"invalid configuration: data.paths: '{missing}' matches no file" in run.output, run.output
+    assert f"invalid configuration: data.paths: '{missing}' matches no file" in run.output, (
+        run.output
+    )
     assert run.seconds < 60

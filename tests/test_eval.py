@@ -1,4 +1,5 @@
-"""composer3d-eval against a plain transformers computation of the same definition, under several layouts."""
+"""composer3d-eval against a plain transformers computation of the same definition, under several
+layouts."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ SEQ = 32
 
 
 def reference(model_dir, text: str) -> dict:
-    """The definition, with transformers alone: model tokenizer, no special tokens, non-overlapping windows of
-    SEQ tokens (the partial tail dropped), mean loss over every predicted position."""
+    """The definition, with transformers alone: model tokenizer, no special tokens, non-overlapping
+    windows of SEQ tokens (the partial tail dropped), mean loss over every predicted position."""
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,24 +36,48 @@ def reference(model_dir, text: str) -> dict:
 
 def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "composer3d.commands.evaluate", f"launch.nproc_per_node={nproc}", "launch.device=cpu",
-                           f"train.seq_len={SEQ}", "train.micro_batch_size=2", "train.global_batch_size=8",
-                           "logging.progress_bar=false", *overrides],
-                          capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composer3d.commands.evaluate",
+            f"launch.nproc_per_node={nproc}",
+            "launch.device=cpu",
+            f"train.seq_len={SEQ}",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=8",
+            "logging.progress_bar=false",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
 
 
-@pytest.mark.parametrize("nproc,layout", [
-    (1, []),
-    (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
-    (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
-])
+@pytest.mark.parametrize(
+    "nproc,layout",
+    [
+        (1, []),
+        (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+        (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
+    ],
+)
 def test_eval_matches_transformers(nproc, layout, tmp_path):
     model_dir = make_model(tmp_path / "model", "qwen2")
-    text = ("Pipeline stages pass activations forward; tensor parallel splits each matmul. " * 40
-            + "A tail that does not fill a window")
+    text = (
+        "Pipeline stages pass activations forward; tensor parallel splits each matmul. " * 40
+        + "A tail that does not fill a window"
+    )
     (tmp_path / "valid.txt").write_text(text)
-    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'valid.txt'}", *layout,
-                    nproc=nproc)
+    proc = run_eval(
+        "model=hf",
+        f"model.path={model_dir}",
+        f"eval.path={tmp_path / 'valid.txt'}",
+        *layout,
+        nproc=nproc,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1, proc.stdout
@@ -65,8 +90,14 @@ def test_eval_matches_transformers(nproc, layout, tmp_path):
 def test_eval_file_too_short_is_a_config_error(tmp_path):
     model_dir = make_model(tmp_path / "model", "llama")
     (tmp_path / "short.txt").write_text("too short")
-    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'short.txt'}", nproc=2)
-    assert proc.returncode == 2 and "eval.path" in proc.stderr and "fewer than one window" in proc.stderr
+    proc = run_eval(
+        "model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'short.txt'}", nproc=2
+    )
+    assert (
+        proc.returncode == 2
+        and "eval.path" in proc.stderr
+        and "fewer than one window" in proc.stderr
+    )
 
 
 def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
@@ -74,29 +105,55 @@ def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
 
     valid = tmp_path / "valid.txt"
     valid.write_text("def f(x):\n    return x + 1\n" * 60)
-    # A model other than model=tiny's default shape: composer3d-eval must take it from the checkpoint.
-    run = train(tmp_path / "run", *FAST, "model.n_layers=1", "train.steps=4", "train.eval_every=2",
-                f"eval.path={valid}", "parallel.dp_shard=2", nproc=2)
+    # A model other than model=tiny's default shape: composer3d-eval must take it from the
+    # checkpoint.
+    run = train(
+        tmp_path / "run",
+        *FAST,
+        "model.n_layers=1",
+        "train.steps=4",
+        "train.eval_every=2",
+        f"eval.path={valid}",
+        "parallel.dp_shard=2",
+        nproc=2,
+    )
     evaluated = {m["step"]: m["eval_loss"] for m in run.metrics if "eval_loss" in m}
     assert sorted(evaluated) == [2, 4]
     assert evaluated[4] < evaluated[2]  # training on Python source helps on Python source
 
     step = run.run_dir / "checkpoints" / "step-00000004"
-    common = [sys.executable, "-m", "composer3d.commands.evaluate", "launch.device=cpu", "train.seq_len=64",
-              "logging.progress_bar=false", f"eval.path={valid}", f"checkpoint.resume={step}"]
+    common = [
+        sys.executable,
+        "-m",
+        "composer3d.commands.evaluate",
+        "launch.device=cpu",
+        "train.seq_len=64",
+        "logging.progress_bar=false",
+        f"eval.path={valid}",
+        f"checkpoint.resume={step}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # No model overrides: the checkpoint's one-layer model, and the loss the run measured at that step.
+    # No model overrides: the checkpoint's one-layer model, and the loss the run measured at that
+    # step.
     proc = subprocess.run(common, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
     assert abs(got["loss"] - evaluated[4]) < 1e-5, (got, evaluated[4])
-    # A model the checkpoint is not: one line naming a parameter and both its shapes, before any worker starts.
-    proc = subprocess.run([*common, "model.dim=32", "launch.nproc_per_node=2"], capture_output=True, text=True,
-                          timeout=300, env=env)
+    # A model the checkpoint is not: one line naming a parameter and both its shapes, before any
+    # worker starts.
+    proc = subprocess.run(
+        [*common, "model.dim=32", "launch.nproc_per_node=2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr[-4000:]
     assert "size mismatch" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     line = next(line for line in proc.stderr.splitlines() if "another shape" in line)
-    assert "layers.0.attention.wk.weight: (32, 64) in the checkpoint, (16, 32) in this config" in line, line
+    assert (
+        "layers.0.attention.wk.weight: (32, 64) in the checkpoint, (16, 32) in this config" in line
+    ), line
 
 
 def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_path):
@@ -105,17 +162,47 @@ def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_pat
     model_dir = make_model(tmp_path / "model", "mistral")
     text = "def add(a, b):\n    return a + b\n" * 80
     (tmp_path / "valid.txt").write_text(text)
-    run = train(tmp_path / "run", *[o for o in FAST if not o.startswith("model=")], "model=hf",
-                f"model.path={model_dir}", "train.steps=3", "train.seq_len=32", "optim.lr=1e-2",
-                "data.max_tokens=20000", "parallel.dp_shard=2", nproc=2)
+    run = train(
+        tmp_path / "run",
+        *[o for o in FAST if not o.startswith("model=")],
+        "model=hf",
+        f"model.path={model_dir}",
+        "train.steps=3",
+        "train.seq_len=32",
+        "optim.lr=1e-2",
+        "data.max_tokens=20000",
+        "parallel.dp_shard=2",
+        nproc=2,
+    )
     step = run.run_dir / "checkpoints" / "step-00000003"
-    export = subprocess.run([sys.executable, "-m", "composer3d.convert", "export", str(step), str(tmp_path / "out"),
-                             "--dtype", "float32"], capture_output=True, text=True, timeout=300)
+    export = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "composer3d.convert",
+            "export",
+            str(step),
+            str(tmp_path / "out"),
+            "--dtype",
+            "float32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert export.returncode == 0, export.stderr
-    proc = run_eval("model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'valid.txt'}",
-                    f"checkpoint.resume={step}", "parallel.tp=2", nproc=2)
+    proc = run_eval(
+        "model=hf",
+        f"model.path={model_dir}",
+        f"eval.path={tmp_path / 'valid.txt'}",
+        f"checkpoint.resume={step}",
+        "parallel.tp=2",
+        nproc=2,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
     trained, untouched = reference(tmp_path / "out", text), reference(model_dir, text)
     assert abs(got["loss"] - trained["loss"]) < 1e-5, (got, trained)
-    assert abs(got["loss"] - untouched["loss"]) > 1e-3  # the checkpoint's weights were evaluated, not model.path's
+    assert (
+        abs(got["loss"] - untouched["loss"]) > 1e-3
+    )  # the checkpoint's weights were evaluated, not model.path's

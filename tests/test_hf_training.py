@@ -1,9 +1,9 @@
 """model=hf through the CLI: training parity across layouts, export round trips, clear errors.
 
-Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP, FSDP×TP+SP, PP×FSDP, and
-(``pytest -m slow``) PP×FSDP×TP+SP on 8 processes, and must follow the single-process curve within 1e-4 (fp32,
-deterministic). The parity runs of a layout share one process group (``train_in_one_group``); the tests after them
-use the command.
+Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP,
+FSDP×TP+SP, PP×FSDP, and (``pytest -m slow``) PP×FSDP×TP+SP on 8 processes, and must follow the
+single-process curve within 1e-4 (fp32, deterministic). The parity runs of a layout share one
+process group (``train_in_one_group``); the tests after them use the command.
 """
 
 from __future__ import annotations
@@ -24,17 +24,34 @@ from safetensors import safe_open
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
 HF_FAST = [o for o in FAST if not o.startswith("model=")] + [
-    "model=hf", "train.steps=10", "train.seq_len=32", "optim.lr=3e-3", "optim.warmup_steps=2",
-    "data.max_tokens=30000", "checkpoint.enabled=false"]
+    "model=hf",
+    "train.steps=10",
+    "train.seq_len=32",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    "data.max_tokens=30000",
+    "checkpoint.enabled=false",
+]
 LAYOUTS = {  # name: (processes, overrides)
     "fsdp2": (2, ["parallel.dp_shard=2"]),
-    "fsdp2_tp2_sp": (4, ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "fsdp2_tp2_sp": (
+        4,
+        ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+    ),
     "pp2_fsdp2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=1f1b"]),
-    # 8 processes on CI's 2 cores take ~6 s a step (DTensor dispatch in every process): marked slow. The default run
-    # covers it in parts: this 3-D layout's forward against transformers' logits (test_hf_models, 8 processes), and
-    # training under each pair of its dimensions above.
-    "pp2_fsdp2_tp2_sp": (8, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                             "parallel.pp_schedule=1f1b"]),
+    # 8 processes on CI's 2 cores take ~6 s a step (DTensor dispatch in every process): marked slow.
+    # The default run covers it in parts: this 3-D layout's forward against transformers' logits
+    # (test_hf_models, 8 processes), and training under each pair of its dimensions above.
+    "pp2_fsdp2_tp2_sp": (
+        8,
+        [
+            "parallel.pp=2",
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.pp_schedule=1f1b",
+        ],
+    ),
 }
 SLOW = {"pp2_fsdp2_tp2_sp"}
 
@@ -49,8 +66,10 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 def single_process(model_dirs, tmp_path_factory) -> dict[str, list[float]]:
     """architecture -> its curve in one process."""
     root = tmp_path_factory.mktemp("hf_single")
-    runs = train_in_one_group([(root / arch, [*HF_FAST, f"model.path={path}"]) for arch, path in model_dirs.items()],
-                              nproc=1)
+    runs = train_in_one_group(
+        [(root / arch, [*HF_FAST, f"model.path={path}"]) for arch, path in model_dirs.items()],
+        nproc=1,
+    )
     curves = {arch: run.losses for arch, run in zip(model_dirs, runs)}
     for arch, losses in curves.items():
         assert len(losses) == 10 and losses[-1] < losses[0], (arch, losses)
@@ -58,19 +77,25 @@ def single_process(model_dirs, tmp_path_factory) -> dict[str, list[float]]:
 
 
 def _jobs(root: Path, layout: str, model_dirs: dict[str, Path]) -> list[tuple[Path, list[str]]]:
-    return [(root / layout / arch, [*HF_FAST, f"model.path={path}", *LAYOUTS[layout][1]])
-            for arch, path in model_dirs.items()]
+    return [
+        (root / layout / arch, [*HF_FAST, f"model.path={path}", *LAYOUTS[layout][1]])
+        for arch, path in model_dirs.items()
+    ]
 
 
 @pytest.fixture(scope="module")
 def layout_runs(model_dirs, tmp_path_factory) -> dict[str, list]:
-    """layout -> each architecture's run: the default run's layouts, those of one world size in one process group
-    (its start-up paid once)."""
+    """layout -> each architecture's run: the default run's layouts, those of one world size in one
+    process group (its start-up paid once)."""
     root = tmp_path_factory.mktemp("hf_layouts")
     runs = {}
     for nproc in sorted({n for name, (n, _) in LAYOUTS.items() if name not in SLOW}):
         names = [name for name, (n, _) in LAYOUTS.items() if n == nproc and name not in SLOW]
-        results = iter(train_in_one_group([job for name in names for job in _jobs(root, name, model_dirs)], nproc))
+        results = iter(
+            train_in_one_group(
+                [job for name in names for job in _jobs(root, name, model_dirs)], nproc
+            )
+        )
         runs.update({name: [next(results) for _ in model_dirs] for name in names})
     return runs
 
@@ -96,13 +121,18 @@ def test_training_parity_at_8_processes(layout, model_dirs, single_process, tmp_
         _assert_parity(arch, layout, run.losses, single_process[arch])
 
 
-# Adam's update lr·m/(√v+eps) with these underflows to exactly 0 in fp32 (even for weights that are 0).
+# Adam's update lr·m/(√v+eps) with these underflows to exactly 0 in fp32 (even for weights that are
+# 0).
 NO_UPDATE = ["optim.lr=1e-30", "optim.eps=1e30", "optim.weight_decay=0"]
 
 
 def _convert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer3d.convert", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "composer3d.convert", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -119,8 +149,16 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = make_model(tmp_path / "src", "qwen3", tie_word_embeddings=True)
-    frozen = train(tmp_path / "frozen", *HF_FAST, f"model.path={source}", "train.steps=1", *NO_UPDATE,
-                   "checkpoint.enabled=true", "parallel.dp_shard=2", nproc=2)
+    frozen = train(
+        tmp_path / "frozen",
+        *HF_FAST,
+        f"model.path={source}",
+        "train.steps=1",
+        *NO_UPDATE,
+        "checkpoint.enabled=true",
+        "parallel.dp_shard=2",
+        nproc=2,
+    )
     ckpt = frozen.run_dir / "checkpoints" / "step-00000001"
     proc = _convert("export", ckpt, tmp_path / "same", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
@@ -129,9 +167,23 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
     for name in before:
         assert torch.equal(before[name], after[name]), name
 
-    trained = train(tmp_path / "trained", *HF_FAST, f"model.path={source}", "train.steps=3", "checkpoint.enabled=true",
-                    "parallel.dp_shard=2", "parallel.tp=2", nproc=4)
-    proc = _convert("export", trained.run_dir / "checkpoints" / "step-00000003", tmp_path / "out", "--dtype", "float32")
+    trained = train(
+        tmp_path / "trained",
+        *HF_FAST,
+        f"model.path={source}",
+        "train.steps=3",
+        "checkpoint.enabled=true",
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        nproc=4,
+    )
+    proc = _convert(
+        "export",
+        trained.run_dir / "checkpoints" / "step-00000003",
+        tmp_path / "out",
+        "--dtype",
+        "float32",
+    )
     assert proc.returncode == 0, proc.stderr
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
     exported = _tensors(tmp_path / "out")
@@ -144,34 +196,62 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
 
 
 def test_mixture_of_experts_load_then_export_is_identity_and_trained_export_loads(tmp_path):
-    """Mixtral, whose checkpoint holds every expert's weights one by one under ``block_sparse_moe`` (transformers
-    fuses and renames them while loading): loaded under FSDP and saved after a step that changes nothing, it exports
-    the same tensors under the same names; trained under PP, it exports what transformers loads with no missing or
-    unexpected key, into exactly the trained (fused) weights."""
+    """Mixtral, whose checkpoint holds every expert's weights one by one under ``block_sparse_moe``
+    (transformers fuses and renames them while loading): loaded under FSDP and saved after a step
+    that changes nothing, it exports the same tensors under the same names; trained under PP, it
+    exports what transformers loads with no missing or unexpected key, into exactly the trained
+    (fused) weights."""
     from transformers import AutoModelForCausalLM
 
     from composer3d.convert.export import export, load_hf_model_state
 
     source = make_model(tmp_path / "src", "mixtral")
-    frozen, trained = train_in_one_group([
-        (tmp_path / "frozen", [*HF_FAST, f"model.path={source}", "train.steps=1", *NO_UPDATE, "checkpoint.enabled=true",
-                               "parallel.dp_shard=2"]),
-        (tmp_path / "trained", [*HF_FAST, f"model.path={source}", "train.steps=2", "checkpoint.enabled=true",
-                                "parallel.pp=2"])], nproc=2)
+    frozen, trained = train_in_one_group(
+        [
+            (
+                tmp_path / "frozen",
+                [
+                    *HF_FAST,
+                    f"model.path={source}",
+                    "train.steps=1",
+                    *NO_UPDATE,
+                    "checkpoint.enabled=true",
+                    "parallel.dp_shard=2",
+                ],
+            ),
+            (
+                tmp_path / "trained",
+                [
+                    *HF_FAST,
+                    f"model.path={source}",
+                    "train.steps=2",
+                    "checkpoint.enabled=true",
+                    "parallel.pp=2",
+                ],
+            ),
+        ],
+        nproc=2,
+    )
     export(frozen.run_dir / "checkpoints" / "step-00000001", tmp_path / "same", dtype="float32")
     before, after = _tensors(source), _tensors(tmp_path / "same")
-    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in after and set(before) == set(after)
+    assert "model.layers.0.block_sparse_moe.experts.7.w2.weight" in after and set(before) == set(
+        after
+    )
     for name in before:
         assert torch.equal(before[name], after[name]), name
 
     checkpoint = trained.run_dir / "checkpoints" / "step-00000002"
     export(checkpoint, tmp_path / "out", dtype="float32")
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info
     trained_state = load_hf_model_state(checkpoint, {"tie_embeddings": False})
     assert set(trained_state) == set(model.state_dict())
     fused = "model.layers.0.mlp.experts.gate_up_proj"
-    assert not torch.equal(trained_state[fused], AutoModelForCausalLM.from_pretrained(source).state_dict()[fused])
+    assert not torch.equal(
+        trained_state[fused], AutoModelForCausalLM.from_pretrained(source).state_dict()[fused]
+    )
     for name, param in model.state_dict().items():
         assert torch.equal(param, trained_state[name]), name
 
@@ -194,42 +274,80 @@ def test_bad_hf_inputs_fail_before_launch(tmp_path):
         assert run.returncode != 0 and needle in run.output, (overrides, run.output[-3000:])
 
 
-@pytest.mark.parametrize("extra", [
-    ["parallel.dp_shard=2", "memory.activation_checkpointing=full"],
-    ["parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
-    ["compile.enabled=true"],
-    ["compile.enabled=true", "memory.activation_checkpointing=selective"],  # the policy traced into the graph
-])
-def test_activation_checkpointing_and_compile_keep_the_curve(extra, model_dirs, single_process, tmp_path):
-    run = train(tmp_path, *HF_FAST, f"model.path={model_dirs['qwen3']}", *extra, nproc=2 if "dp_shard=2" in extra[0] else 1)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["parallel.dp_shard=2", "memory.activation_checkpointing=full"],
+        ["parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
+        ["compile.enabled=true"],
+        [
+            "compile.enabled=true",
+            "memory.activation_checkpointing=selective",
+        ],  # the policy traced into the graph
+    ],
+)
+def test_activation_checkpointing_and_compile_keep_the_curve(
+    extra, model_dirs, single_process, tmp_path
+):
+    run = train(
+        tmp_path,
+        *HF_FAST,
+        f"model.path={model_dirs['qwen3']}",
+        *extra,
+        nproc=2 if "dp_shard=2" in extra[0] else 1,
+    )
     _assert_parity("qwen3", " ".join(extra), run.losses, single_process["qwen3"])
 
 
 def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_dirs, tmp_path):
-    """model.pretrained=false: transformers' own _init_weights per parameter (Gemma's norms start at 0, linears
-    at std initializer_range), seeded by name, so FSDP×TP+SP starts from the same weights as one process."""
+    """model.pretrained=false: transformers' own _init_weights per parameter (Gemma's norms start at
+    0, linears at std initializer_range), seeded by name, so FSDP×TP+SP starts from the same weights
+    as one process."""
     import torch.distributed.checkpoint as dcp
 
     from composer3d.checkpoint import SafeFileSystemReader
 
     path = model_dirs["gemma2"]
-    scratch = [*HF_FAST, f"model.path={path}", "model.pretrained=false", "train.steps=3", "checkpoint.enabled=true",
-               *NO_UPDATE]
+    scratch = [
+        *HF_FAST,
+        f"model.path={path}",
+        "model.pretrained=false",
+        "train.steps=3",
+        "checkpoint.enabled=true",
+        *NO_UPDATE,
+    ]
     single = train(tmp_path / "one", *scratch)
-    sharded = train(tmp_path / "four", *scratch, "parallel.dp_shard=2", "parallel.tp=2",
-                    "parallel.sequence_parallel=true", nproc=4)
+    sharded = train(
+        tmp_path / "four",
+        *scratch,
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        nproc=4,
+    )
     worst = max(abs(a - b) for a, b in zip(sharded.losses, single.losses))
     assert len(single.losses) == 3 and worst < 1e-4, (sharded.losses, single.losses)
-    names = ["model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight", "lm_head.weight"]
-    state = {n: torch.empty(s) for n, s in [(names[0], (64,)), (names[1], (128, 64)), (names[2], (512, 64))]}
+    names = [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "lm_head.weight",
+    ]
+    state = {
+        n: torch.empty(s)
+        for n, s in [(names[0], (64,)), (names[1], (128, 64)), (names[2], (512, 64))]
+    }
     wrapped = {"model": state}
-    dcp.load(wrapped, storage_reader=SafeFileSystemReader(single.run_dir / "checkpoints" / "step-00000003"),
-             no_dist=True)
+    dcp.load(
+        wrapped,
+        storage_reader=SafeFileSystemReader(single.run_dir / "checkpoints" / "step-00000003"),
+        no_dist=True,
+    )
     assert torch.equal(state[names[0]], torch.zeros(64))  # Gemma's (1 + w) norms start at w = 0
     assert abs(state[names[1]].std().item() - 0.1) < 0.01  # initializer_range of the fixture
     assert not torch.equal(state[names[1]], _tensors(path)[names[1]])  # not the saved weights
-    # Gemma 2's layers alternate a 24-token window with full attention: of a 32-token causal layer's 528 scores a
-    # windowed one computes 24 · (64 − 24 + 1) / 2 = 492 (transformers' layer_types name which layers)
+    # Gemma 2's layers alternate a 24-token window with full attention: of a 32-token causal layer's
+    # 528 scores a windowed one computes 24 · (64 − 24 + 1) / 2 = 492 (transformers' layer_types
+    # name which layers)
     from transformers import AutoConfig
 
     from composer3d.training.flops import flops_per_token
@@ -238,17 +356,32 @@ def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_d
     layers = sum(492 / 528 if kind == "sliding_attention" else 1 for kind in config.layer_types)
     assert 0 < config.layer_types.count("sliding_attention") < len(config.layer_types)
     info = single.run_info
-    assert info["flops_per_token"] == flops_per_token(info["num_params"], 512 * 64, layers, 4 * 16, 32)
+    assert info["flops_per_token"] == flops_per_token(
+        info["num_params"], 512 * 64, layers, 4 * 16, 32
+    )
 
 
 def test_resume_under_another_layout(model_dirs, tmp_path):
-    """3 steps under FSDP, then the same command resumed under TP+SP to step 5 = 5 steps in one process."""
-    # A constant schedule: the LR of a step does not depend on train.steps, which the two commands change.
-    common = [*HF_FAST, f"model.path={model_dirs['qwen3']}", "checkpoint.enabled=true", "optim.schedule=constant"]
+    """3 steps under FSDP, then the same command resumed under TP+SP to step 5 = 5 steps in one
+    process."""
+    # A constant schedule: the LR of a step does not depend on train.steps, which the two commands
+    # change.
+    common = [
+        *HF_FAST,
+        f"model.path={model_dirs['qwen3']}",
+        "checkpoint.enabled=true",
+        "optim.schedule=constant",
+    ]
     straight = train(tmp_path / "straight", *common, "train.steps=5")
     train(tmp_path / "resumed", *common, "train.steps=3", "parallel.dp_shard=2", nproc=2)
-    resumed = train(tmp_path / "resumed", *common, "train.steps=5", "parallel.tp=2", "parallel.sequence_parallel=true",
-                    nproc=2)
+    resumed = train(
+        tmp_path / "resumed",
+        *common,
+        "train.steps=5",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        nproc=2,
+    )
     assert "resumed from" in resumed.output
     assert max(abs(a - b) for a, b in zip(resumed.losses, straight.losses)) < 1e-4
     assert len(resumed.losses) == 5

@@ -1,9 +1,10 @@
-"""Model configs: the Llama-3 shapes build on the meta device with the published parameter counts."""
+"""Model configs: the Llama-3 shapes build on the meta device with the published parameter
+counts."""
 
 import pytest
 from hydra import compose, initialize_config_module
 
-from composer3d.config import register_configs
+from composer3d.config.registration import register_configs
 from composer3d.models import build_model, count_params
 
 PUBLISHED = {  # parameter counts of the released checkpoints

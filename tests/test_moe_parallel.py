@@ -1,9 +1,10 @@
-"""Mixture of experts under every layout that composes with expert parallel, on real gloo processes: the loss curve of
-one process (fp32, same seed and global batch, both load-balancing mechanisms on: ``model=tiny_moe``), the experts
-actually split by expert and width with tokens exchanged, an EP checkpoint resumed under other EP degrees, and the
-load metrics; ZeRO-1 under expert parallel (Megatron's distributed optimizer with its expert data-parallel group):
-the dense parameters' gradients and state sharded over all data-parallel ranks, the experts' over the ranks holding
-the same experts, and its checkpoint resumed under FSDP and the other way round."""
+"""Mixture of experts under every layout that composes with expert parallel, on real gloo processes:
+the loss curve of one process (fp32, same seed and global batch, both load-balancing mechanisms on:
+``model=tiny_moe``), the experts actually split by expert and width with tokens exchanged, an EP
+checkpoint resumed under other EP degrees, and the load metrics; ZeRO-1 under expert parallel
+(Megatron's distributed optimizer with its expert data-parallel group): the dense parameters'
+gradients and state sharded over all data-parallel ranks, the experts' over the ranks holding the
+same experts, and its checkpoint resumed under FSDP and the other way round."""
 
 import pytest
 from harness import FAST, TINY_MOE_EXPERT_PARAMS, train, train_in_one_group
@@ -14,21 +15,34 @@ LAYOUTS = {  # name: (world size, overrides)
     "ep2_selective_ac": (2, ["parallel.ep=2", "memory.activation_checkpointing=selective"]),
     "tp2": (2, ["parallel.tp=2"]),  # no data parallel: no FSDP, experts split by width only
     "zero1_ep2_dp2": (2, ZERO1_EP),  # each rank alone holds its experts
-    # ep4 also writes the checkpoint the resume jobs below read (jobs of a group run one after another)
+    # ep4 also writes the checkpoint the resume jobs below read (jobs of a group run one after
+    # another)
     "ep4": (4, ["parallel.ep=4", "checkpoint.interval=5", "checkpoint.keep_last=0"]),
-    "ep2_fsdp4": (4, ["parallel.ep=2"]),  # dp_shard 4: experts FSDP-sharded over the 2 ranks ep leaves
+    "ep2_fsdp4": (
+        4,
+        ["parallel.ep=2"],
+    ),  # dp_shard 4: experts FSDP-sharded over the 2 ranks ep leaves
     "hsdp2x2_ep2": (4, ["parallel.dp_replicate=2", "parallel.ep=2"]),
     "pp2_ep2": (4, ["parallel.pp=2", "parallel.ep=2"]),
-    "pp2_fsdp2_tp2_sp_ep2": (8, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
-    # ZeRO-1 over dp 4 (the dense parameters), its experts' buckets over the 2 ranks ep leaves; it writes a checkpoint
+    "pp2_fsdp2_tp2_sp_ep2": (
+        8,
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"],
+    ),
+    # ZeRO-1 over dp 4 (the dense parameters), its experts' buckets over the 2 ranks ep leaves; it
+    # writes a checkpoint
     "zero1_ep2": (4, [*ZERO1_EP, "checkpoint.interval=5", "checkpoint.keep_last=0"]),
-    # ZeRO-1 × EP inside pipeline stages, and with the experts split by width too (2-D DTensors): groups of one
+    # ZeRO-1 × EP inside pipeline stages, and with the experts split by width too (2-D DTensors):
+    # groups of one
     "pp2_zero1_ep2": (4, ["parallel.pp=2", *ZERO1_EP]),
     "zero1_ep2_tp2_sp": (4, [*ZERO1_EP, "parallel.tp=2", "parallel.sequence_parallel=true"]),
 }
 # name: (the 4-rank run whose step-5 checkpoint it resumes, its overrides)
-RESUMED = {"resumed_ep2": ("ep4", ["parallel.ep=2"]), "resumed_ep1": ("ep4", []),
-           "resumed_zero1_ep2": ("ep4", ZERO1_EP), "resumed_ep4_from_zero1": ("zero1_ep2", ["parallel.ep=4"])}
+RESUMED = {
+    "resumed_ep2": ("ep4", ["parallel.ep=2"]),
+    "resumed_ep1": ("ep4", []),
+    "resumed_zero1_ep2": ("ep4", ZERO1_EP),
+    "resumed_ep4_from_zero1": ("zero1_ep2", ["parallel.ep=4"]),
+}
 PROBED = ("ep2_fsdp2_tp2_sp", ["parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true"])
 
 
@@ -46,8 +60,18 @@ def layout_runs(tmp_path_factory):
         jobs = [(root / name, [*FAST, *MOE, *LAYOUTS[name][1]]) for name in names]
         if world == 4:  # after the runs they resume (jobs of a group run one after another)
             names += list(RESUMED)
-            jobs += [(root / name, [*FAST, *MOE, f"checkpoint.resume={root / source / 'checkpoints' / 'step-00000005'}",
-                                    *overrides]) for name, (source, overrides) in RESUMED.items()]
+            jobs += [
+                (
+                    root / name,
+                    [
+                        *FAST,
+                        *MOE,
+                        f"checkpoint.resume={root / source / 'checkpoints' / 'step-00000005'}",
+                        *overrides,
+                    ],
+                )
+                for name, (source, overrides) in RESUMED.items()
+            ]
         runs.update(zip(names, train_in_one_group(jobs, nproc=world, probe_effects=world == 4)))
     name, overrides = PROBED
     runs[name] = train(root / name, *FAST, *MOE, *overrides, nproc=4, probe_effects=True)
@@ -59,8 +83,12 @@ def test_moe_loss_matches_single_process(name, reference, layout_runs):
     run = layout_runs[name]
     assert len(reference.losses) == len(run.losses) == 10
     diffs = [abs(a - b) for a, b in zip(reference.losses, run.losses)]
-    assert max(diffs) < 1e-4, f"{name}: per-step |Δloss| {diffs}\nref {reference.losses}\ngot {run.losses}"
-    grad_diffs = [abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)]
+    assert max(diffs) < 1e-4, (
+        f"{name}: per-step |Δloss| {diffs}\nref {reference.losses}\ngot {run.losses}"
+    )
+    grad_diffs = [
+        abs(a["grad_norm"] - b["grad_norm"]) for a, b in zip(reference.metrics, run.metrics)
+    ]
     assert max(grad_diffs) < 1e-3, f"{name}: grad norms differ {grad_diffs}"
     # The routing statistics are global: the same load and auxiliary loss as one process.
     for key in ("moe_aux_loss", "expert_load_max", "expert_load_min"):
@@ -75,34 +103,43 @@ def test_moe_metrics_and_active_flops(reference):
     # tiny_moe: 3 MoE layers × 8 experts of 3 × 64 × 64 weights; a token goes through 2 of them
     inactive = 3 * 6 * 3 * 64 * 64
     assert info["num_params"] - info["num_active_params"] == inactive
-    assert info["flops_per_token"] < 6 * (info["num_params"] - 512 * 64)  # counts the active parameters only
+    assert info["flops_per_token"] < 6 * (
+        info["num_params"] - 512 * 64
+    )  # counts the active parameters only
 
 
 def test_experts_split_by_expert_and_width(layout_runs):
-    """ep=2 × tp=2 (+SP) on 4 ranks with dp_shard=2: each rank holds 4 of the 8 experts at half their width, FSDP gives
-    the experts a unit of their own over the one rank ep leaves of dp_shard, the router stays whole over TP, and
-    tokens crossed ranks by all-to-all (forward: one exchange each way per MoE layer and micro-batch)."""
+    """ep=2 × tp=2 (+SP) on 4 ranks with dp_shard=2: each rank holds 4 of the 8 experts at half
+    their width, FSDP gives the experts a unit of their own over the one rank ep leaves of dp_shard,
+    the router stays whole over TP, and tokens crossed ranks by all-to-all (forward: one exchange
+    each way per MoE layer and micro-batch)."""
     effects = layout_runs[PROBED[0]].effects
     assert len(effects) == 4
     for rank in effects:
         layers = rank["moe_layers"]
         assert len(layers) == 3  # tiny_moe: layer 0 dense, 1-3 MoE
         for layer in layers:
-            assert layer["experts_local_shape"] == [4, 32, 64], layer  # [experts/ep, hidden/tp, dim]
+            assert layer["experts_local_shape"] == [4, 32, 64], (
+                layer
+            )  # [experts/ep, hidden/tp, dim]
             assert layer["experts_own_fsdp_group_size"] == 1, layer
             assert layer["ep_group_size"] == 2
-            # one shared expert [64, 64], column-split over tp, then FSDP-sharded over dp_shard=2 with the block
+            # one shared expert [64, 64], column-split over tp, then FSDP-sharded over dp_shard=2
+            # with the block
             assert layer["shared_local_shape"] == [16, 64]
-            assert layer["gate_placements"][-1] == "R", layer  # whole on every TP rank (FSDP shards it over dp)
-        # forward: 2 exchanges per layer and micro-batch; 3 layers, 2 micro-batches per rank (8 / dp 2 / 2)
+            assert layer["gate_placements"][-1] == "R", (
+                layer
+            )  # whole on every TP rank (FSDP shards it over dp)
+        # forward: 2 exchanges per layer and micro-batch; 3 layers, 2 micro-batches per rank (8 / dp
+        # 2 / 2)
         assert rank["all_to_all"]["calls"] == 2 * 3 * 2, rank["all_to_all"]
         assert rank["all_to_all"]["rows_sent"] > 0
 
 
 def test_expert_parallel_checkpoint_resumes_under_other_degrees(reference, layout_runs):
-    """The checkpoint ep=4 wrote at step 5 resumes under ep=2 (× FSDP), ep=1 (FSDP over 4) and ZeRO-1 × ep=2, and
-    ZeRO-1 × ep=2's under ep=4, on the straight curve: expert weights, their optimizer state and the balancing bias
-    re-shard like every other parameter."""
+    """The checkpoint ep=4 wrote at step 5 resumes under ep=2 (× FSDP), ep=1 (FSDP over 4) and
+    ZeRO-1 × ep=2, and ZeRO-1 × ep=2's under ep=4, on the straight curve: expert weights, their
+    optimizer state and the balancing bias re-shard like every other parameter."""
     for name in RESUMED:
         resumed = layout_runs[name]
         assert [m["step"] for m in resumed.metrics] == list(range(6, 11)), name
@@ -111,11 +148,11 @@ def test_expert_parallel_checkpoint_resumes_under_other_degrees(reference, layou
 
 
 def test_zero1_under_expert_parallel_shards_experts_over_their_replicas(layout_runs):
-    """ZeRO-1 × ep=2 on 4 ranks: the dense parameters' gradients are reduce-scattered over all 4 data-parallel ranks
-    and their Adam state is a quarter of them; each rank's 4 experts of 8 (ep=2) over the 2 ranks that hold the same
-    experts, their state a half of those; one all-gather of each back. Nothing goes through FSDP. Model state per
-    rank is what that sharding holds (fp32 parameters and gradient buckets whole, Adam moments and reduced slices
-    sharded)."""
+    """ZeRO-1 × ep=2 on 4 ranks: the dense parameters' gradients are reduce-scattered over all 4
+    data-parallel ranks and their Adam state is a quarter of them; each rank's 4 experts of 8 (ep=2)
+    over the 2 ranks that hold the same experts, their state a half of those; one all-gather of each
+    back. Nothing goes through FSDP. Model state per rank is what that sharding holds (fp32
+    parameters and gradient buckets whole, Adam moments and reduced slices sharded)."""
     experts = TINY_MOE_EXPERT_PARAMS
     run = layout_runs["zero1_ep2"]
     dense = run.run_info["num_params"] - experts
@@ -123,9 +160,12 @@ def test_zero1_under_expert_parallel_shards_experts_over_their_replicas(layout_r
     assert len(run.effects) == 4
     for rank in run.effects:
         assert rank["fsdp"] == [], rank["fsdp"]
-        assert sorted((b["group_size"], b["elements"]) for b in rank["zero1_buckets"]) == [(2, mine), (4, dense)]
-        # one step: every gradient reduced once (the whole buckets went in, padded to the group), every updated
-        # slice gathered once
+        assert sorted((b["group_size"], b["elements"]) for b in rank["zero1_buckets"]) == [
+            (2, mine),
+            (4, dense),
+        ]
+        # one step: every gradient reduced once (the whole buckets went in, padded to the group),
+        # every updated slice gathered once
         reduced = rank["collective_elements_by_group"]["reduce_scatter"]
         gathered = rank["collective_elements_by_group"]["all_gather"]
         assert reduced == {"4": dense, "2": mine}, reduced

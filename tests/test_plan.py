@@ -1,18 +1,20 @@
 """composer3d-plan: predictions measured on this machine, the console script, and parallel=auto.
 
-The measured-vs-predicted tests train 35 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two steps each, in
-two process groups (tests/plan_measure.py): 22 layouts on 2 processes (one per core of this machine), 13 that need
-4; 8 of them are the same width with mixture-of-experts layers (tiny_moe: FSDP, expert parallel alone, with FSDP
-over what it leaves, HSDP, TP+SP, PP and checkpointing), 4 are context parallel (each style, the ring under full
-checkpointing, cp × FSDP). Per layout they compare what the planner predicts with
-what the real training step did: model-state bytes (within 2%), the peak of live tensor bytes on the busiest rank
-(within 15%), bytes per collective kind and group per rank (within 2%; all-to-all as its pipeline stage's mean,
-which the routing does not change; collectives under 1% of a rank's traffic — the gradient norm's scalars — are
-only required to stay under 1% together). For pp=2 at M=8 under GPipe, 1F1B and interleaved 1F1B (v=2) a third
-group times the pipeline's idle share (within 20%), each chunk's compute lengthened by a fixed wait
-so that what is measured is the schedule, not this shared machine's CPU scheduler. pp=4 with one layer per stage is measured at 8 micro-batches (its peak predicted
-9% low under 1F1B, 1% under GPipe; at 16, 12.5% and 5%: the planner leaves out the pipeline's per-micro-batch
-receive buffers and backward's temporaries, README).
+The measured-vs-predicted tests train 35 layouts of a 4-layer Llama (dim 128, fp32, gloo) for two
+steps each, in two process groups (tests/plan_measure.py): 22 layouts on 2 processes (one per core
+of this machine), 13 that need 4; 8 of them are the same width with mixture-of-experts layers
+(tiny_moe: FSDP, expert parallel alone, with FSDP over what it leaves, HSDP, TP+SP, PP and
+checkpointing), 4 are context parallel (each style, the ring under full checkpointing, cp × FSDP).
+Per layout they compare what the planner predicts with what the real training step did: model-state
+bytes (within 2%), the peak of live tensor bytes on the busiest rank (within 15%), bytes per
+collective kind and group per rank (within 2%; all-to-all as its pipeline stage's mean, which the
+routing does not change; collectives under 1% of a rank's traffic — the gradient norm's scalars —
+are only required to stay under 1% together). For pp=2 at M=8 under GPipe, 1F1B and interleaved 1F1B
+(v=2) a third group times the pipeline's idle share (within 20%), each chunk's compute lengthened by
+a fixed wait so that what is measured is the schedule, not this shared machine's CPU scheduler. pp=4
+with one layer per stage is measured at 8 micro-batches (its peak predicted 9% low under 1F1B, 1%
+under GPipe; at 16, 12.5% and 5%: the planner leaves out the pipeline's per-micro-batch receive
+buffers and backward's temporaries, README).
 """
 
 from __future__ import annotations
@@ -36,103 +38,264 @@ from plan_measure import run_measurements
 from planned import plan_config, planned
 from yaml import safe_load as yaml_value
 
-from composer3d.config import register_configs
+from composer3d.config.registration import register_configs
 from composer3d.plan import Workload, candidate_from_config, estimate
 from composer3d.plan.hardware import cluster_from_config
 
 ROOT = Path(__file__).parents[1]
-RUN = ["data=synthetic", "train.seq_len=64", "launch.device=cpu", "checkpoint.enabled=false",
-       "logging.progress_bar=false"]
-MODEL = ["model=tiny", "model.dim=128", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4",
-         "model.vocab_size=512", *RUN]
-# tiny_moe at the same width: 8 experts of width 128, top-2, one shared expert, the first of 4 layers dense.
+RUN = [
+    "data=synthetic",
+    "train.seq_len=64",
+    "launch.device=cpu",
+    "checkpoint.enabled=false",
+    "logging.progress_bar=false",
+]
+MODEL = [
+    "model=tiny",
+    "model.dim=128",
+    "model.n_layers=4",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=512",
+    *RUN,
+]
+# tiny_moe at the same width: 8 experts of width 128, top-2, one shared expert, the first of 4
+# layers dense.
 MOE = ["model=tiny_moe", "model.dim=128", "model.moe.expert_hidden_dim=128", *RUN]
 BATCH = ["train.global_batch_size=8", "train.micro_batch_size=2"]
-TP_BATCH = ["train.global_batch_size=4", "train.micro_batch_size=2"]  # few micro-batches: TP's collectives are many
-PP_BATCH = ["train.global_batch_size=8", "train.micro_batch_size=1"]  # 8 micro-batches per pipeline at dp=1
+TP_BATCH = [
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+]  # few micro-batches: TP's collectives are many
+PP_BATCH = [
+    "train.global_batch_size=8",
+    "train.micro_batch_size=1",
+]  # 8 micro-batches per pipeline at dp=1
 
 # Two ranks, one per core of this machine.
 LAYOUTS_2 = {
     "fsdp_z3": [*MODEL, *BATCH, "parallel.dp_shard=2"],
     "fsdp_z2": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.zero_stage=2"],
-    "fsdp_accumulate": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp_shard=2"],
+    "fsdp_accumulate": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.dp_shard=2",
+    ],
     "zero1": [*MODEL, *BATCH, "parallel.zero_stage=1"],
-    "zero1_accumulate": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.zero_stage=1"],
+    "zero1_accumulate": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.zero_stage=1",
+    ],
     "ddp": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2"],
-    "ddp_accumulate": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.dp_shard=1",
-                       "parallel.dp_replicate=2"],
+    "ddp_accumulate": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.dp_shard=1",
+        "parallel.dp_replicate=2",
+    ],
     "tp2": [*MODEL, *TP_BATCH, "parallel.tp=2"],
     "tp2_sp": [*MODEL, *TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "fsdp_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=full"],
-    "fsdp_ac_selective": [*MODEL, *BATCH, "parallel.dp_shard=2", "memory.activation_checkpointing=selective"],
-    "ddp_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.dp_replicate=2", "memory.activation_checkpointing=full"],
-    "tp_sp_ac_full": [*MODEL, *TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true",
-                      "memory.activation_checkpointing=full"],
+    "fsdp_ac_selective": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "memory.activation_checkpointing=selective",
+    ],
+    "ddp_ac_full": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=1",
+        "parallel.dp_replicate=2",
+        "memory.activation_checkpointing=full",
+    ],
+    "tp_sp_ac_full": [
+        *MODEL,
+        *TP_BATCH,
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "memory.activation_checkpointing=full",
+    ],
     "pp_1f1b": [*MODEL, *PP_BATCH, "parallel.pp=2", "parallel.pp_schedule=1f1b"],
     "pp_gpipe": [*MODEL, *PP_BATCH, "parallel.pp=2", "parallel.pp_schedule=gpipe"],
     "moe_fsdp": [*MOE, *BATCH, "parallel.dp_shard=2"],
     "moe_ep2": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2"],
-    "moe_ep2_ac_full": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2", "memory.activation_checkpointing=full"],
-    "moe_ep2_ac_selective": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2",
-                             "memory.activation_checkpointing=selective"],
-    # ZeRO-1 under ep = dp_shard: each rank alone holds its experts, their gradients reduced over no other rank
-    "moe_zero1_ep2": [*MOE, *BATCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.zero_stage=1"],
-    # context parallel: FSDP over the cp ranks; the ring's K/V sends (forward, backward, full AC's rerun), the
-    # all-gather's K/V and their gradients, Ulysses' all-to-alls (the ring without AC: cp2_fsdp2, on 4 ranks)
-    "cp2_ring_ac_full": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "memory.activation_checkpointing=full"],
-    "cp2_allgather": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=allgather"],
-    "cp2_ulysses": [*MODEL, *BATCH, "parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=ulysses"],
+    "moe_ep2_ac_full": [
+        *MOE,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "memory.activation_checkpointing=full",
+    ],
+    "moe_ep2_ac_selective": [
+        *MOE,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "memory.activation_checkpointing=selective",
+    ],
+    # ZeRO-1 under ep = dp_shard: each rank alone holds its experts, their gradients reduced over no
+    # other rank
+    "moe_zero1_ep2": [
+        *MOE,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+    ],
+    # context parallel: FSDP over the cp ranks; the ring's K/V sends (forward, backward, full AC's
+    # rerun), the all-gather's K/V and their gradients, Ulysses' all-to-alls (the ring without AC:
+    # cp2_fsdp2, on 4 ranks)
+    "cp2_ring_ac_full": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=1",
+        "parallel.cp=2",
+        "memory.activation_checkpointing=full",
+    ],
+    "cp2_allgather": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=1",
+        "parallel.cp=2",
+        "parallel.cp_style=allgather",
+    ],
+    "cp2_ulysses": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=1",
+        "parallel.cp=2",
+        "parallel.cp_style=ulysses",
+    ],
 }
-# Pipelines whose idle share is timed (tests/plan_measure.py): PAD_S of simulated compute per forward chunk, twice
-# that per backward. Looped BFS and the zero-bubble schedules are not among them: they measure above the planner's
-# (P−1)/(v·M) and its zero-bubble ideal (README).
-TIMED_PIPELINES = {schedule: [*MODEL, *PP_BATCH, "parallel.pp=2", f"parallel.pp_schedule={schedule}"]
-                   for schedule in ("1f1b", "gpipe", "interleaved_1f1b")}
+# Pipelines whose idle share is timed (tests/plan_measure.py): PAD_S of simulated compute per
+# forward chunk, twice that per backward. Looped BFS and the zero-bubble schedules are not among
+# them: they measure above the planner's (P−1)/(v·M) and its zero-bubble ideal (README).
+TIMED_PIPELINES = {
+    schedule: [*MODEL, *PP_BATCH, "parallel.pp=2", f"parallel.pp_schedule={schedule}"]
+    for schedule in ("1f1b", "gpipe", "interleaved_1f1b")
+}
 TIMED_STEPS, PAD_S = 3, 0.1
 # Layouts of four ranks (two dimensions of two).
 LAYOUTS_4 = {
     "hsdp_z3": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2"],
-    "hsdp_z2": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.dp_replicate=2", "parallel.zero_stage=2"],
+    "hsdp_z2": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.dp_replicate=2",
+        "parallel.zero_stage=2",
+    ],
     "fsdp_tp_sp": [*MODEL, *TP_BATCH, "parallel.tp=2", "parallel.sequence_parallel=true"],
     "tp4_sp": [*MODEL, *TP_BATCH, "parallel.tp=4", "parallel.sequence_parallel=true"],
     # 8 micro-batches per pipeline
-    "pp_tp_sp": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2", "parallel.tp=2",
-                 "parallel.sequence_parallel=true"],
-    "pp_ddp": [*MODEL, "train.global_batch_size=16", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=1",
-               "parallel.dp_replicate=2"],
-    # a tied embedding: its twin head on the last stage, their gradient shards summed (parallel.tied)
-    "pp_fsdp_tied": [*MODEL, "model.tie_embeddings=true", "train.global_batch_size=8", "train.micro_batch_size=1",
-                     "parallel.pp=2", "parallel.dp_shard=2"],
+    "pp_tp_sp": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ],
+    "pp_ddp": [
+        *MODEL,
+        "train.global_batch_size=16",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "parallel.dp_shard=1",
+        "parallel.dp_replicate=2",
+    ],
+    # a tied embedding: its twin head on the last stage, their gradient shards summed
+    # (parallel.tied)
+    "pp_fsdp_tied": [
+        *MODEL,
+        "model.tie_embeddings=true",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+    ],
     # one layer per stage, 8 micro-batches
-    "pp4_1f1b": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=4",
-                 "parallel.pp_schedule=1f1b"],
-    "pp4_gpipe": [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=4",
-                  "parallel.pp_schedule=gpipe"],
+    "pp4_1f1b": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=4",
+        "parallel.pp_schedule=1f1b",
+    ],
+    "pp4_gpipe": [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=4",
+        "parallel.pp_schedule=gpipe",
+    ],
     "moe_ep2_fsdp4": [*MOE, *BATCH, "parallel.dp_shard=4", "parallel.ep=2"],
-    "moe_hsdp_ep2": [*MOE, *BATCH, "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.ep=2"],
-    "moe_ep2_tp2_sp": [*MOE, *TP_BATCH, "parallel.dp_shard=2", "parallel.ep=2", "parallel.tp=2",
-                       "parallel.sequence_parallel=true"],
-    "moe_pp2_ep2": [*MOE, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2",
-                    "parallel.dp_shard=2", "parallel.ep=2"],
-    "cp2_fsdp2": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2"],  # FSDP over dp_shard × cp = 4
-    # ZeRO-1: the dense parameters' state over dp × cp (4), the experts' over the 2 ranks holding the same ones
+    "moe_hsdp_ep2": [
+        *MOE,
+        *BATCH,
+        "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+    ],
+    "moe_ep2_tp2_sp": [
+        *MOE,
+        *TP_BATCH,
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ],
+    "moe_pp2_ep2": [
+        *MOE,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.ep=2",
+    ],
+    "cp2_fsdp2": [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.cp=2",
+    ],  # FSDP over dp_shard × cp = 4
+    # ZeRO-1: the dense parameters' state over dp × cp (4), the experts' over the 2 ranks holding
+    # the same ones
     "cp2_zero1": [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2", "parallel.zero_stage=1"],
-    "moe_zero1_ep2_dp4": [*MOE, *BATCH, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=1"],
+    "moe_zero1_ep2_dp4": [
+        *MOE,
+        *BATCH,
+        "parallel.dp_shard=4",
+        "parallel.ep=2",
+        "parallel.zero_stage=1",
+    ],
 }
 
 
 def _predict(overrides: list[str], nproc: int):
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        cfg = compose("train", overrides=[f"launch.nproc_per_node={nproc}", "run.dir=unused", *overrides])
-    cluster = cluster_from_config(OmegaConf.create({**OmegaConf.to_container(cfg.cluster), "device": "cpu",
-                                                    "gpus_per_node": nproc}), "float32")
+        cfg = compose(
+            "train", overrides=[f"launch.nproc_per_node={nproc}", "run.dir=unused", *overrides]
+        )
+    cluster = cluster_from_config(
+        OmegaConf.create(
+            {**OmegaConf.to_container(cfg.cluster), "device": "cpu", "gpus_per_node": nproc}
+        ),
+        "float32",
+    )
     return estimate(Workload.from_config(cfg), candidate_from_config(cfg, nproc), cluster)
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory) -> dict[str, tuple[list[dict], object]]:
-    """Per layout: what each rank measured, and the planner's estimate (one process group per world size)."""
+    """Per layout: what each rank measured, and the planner's estimate (one process group per world
+    size)."""
     out = {}
     for nproc, layouts in ((2, LAYOUTS_2), (4, LAYOUTS_4)):
         jobs = list(layouts.values())
@@ -161,20 +324,30 @@ def test_model_state_bytes_within_2_percent(measured):
     assert not bad, f"model state off by more than 2% (layout, predicted, measured, error): {bad}"
 
 
-# LoRA / QLoRA on a model whose linears dominate (2 layers of 512, MLP 4096: every targeted weight whole NF4
-# blocks), the head trained whole beside the adapters; one process.
-PEFT_MODEL = ["model=tiny", "model.dim=512", "model.ffn_hidden_dim=4096", "model.n_heads=8", "model.n_kv_heads=4",
-              *RUN, *BATCH, "parallel.dp_shard=1"]
-PEFT_JOBS = {"lora": [*PEFT_MODEL, "peft=lora", "peft.modules_to_save=[output]"],
-             "qlora": [*PEFT_MODEL, "peft=qlora", "peft.modules_to_save=[output]"]}
+# LoRA / QLoRA on a model whose linears dominate (2 layers of 512, MLP 4096: every targeted weight
+# whole NF4 blocks), the head trained whole beside the adapters; one process.
+PEFT_MODEL = [
+    "model=tiny",
+    "model.dim=512",
+    "model.ffn_hidden_dim=4096",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    *RUN,
+    *BATCH,
+    "parallel.dp_shard=1",
+]
+PEFT_JOBS = {
+    "lora": [*PEFT_MODEL, "peft=lora", "peft.modules_to_save=[output]"],
+    "qlora": [*PEFT_MODEL, "peft=qlora", "peft.modules_to_save=[output]"],
+}
 
 
 def test_peft_model_state_is_the_trainable_parameters_and_the_frozen_bytes(tmp_path):
-    """A frozen parameter has no gradient and no optimizer state, QLoRA's base is NF4 (half a byte a value and
-    its scales): the planner's model-state bytes for LoRA and QLoRA against the real model's after a step (sum of
-    its parameters', gradients' and optimizer state's tensor bytes) within 2%, where 16 B per parameter (the full
-    fine-tune's state, held to the real one by test_model_state_bytes_within_2_percent) is 3× (LoRA) and 10×
-    (QLoRA) more."""
+    """A frozen parameter has no gradient and no optimizer state, QLoRA's base is NF4 (half a byte a
+    value and its scales): the planner's model-state bytes for LoRA and QLoRA against the real
+    model's after a step (sum of its parameters', gradients' and optimizer state's tensor bytes)
+    within 2%, where 16 B per parameter (the full fine-tune's state, held to the real one by
+    test_model_state_bytes_within_2_percent) is 3× (LoRA) and 10× (QLoRA) more."""
     runs = run_measurements(list(PEFT_JOBS.values()), 1, tmp_path)
     got = {name: ranks[0]["model_state_bytes"] for name, ranks in zip(PEFT_JOBS, runs)}
     predicted = {name: _predict(job, 1).memory.model_state for name, job in PEFT_JOBS.items()}
@@ -194,8 +367,9 @@ def test_peak_memory_within_15_percent(measured):
 
 
 def _routing_averaged(ranks: list[dict], rank: int, est) -> dict[str, float]:
-    """``rank``'s measured bytes, its all-to-all as the mean of its pipeline stage's ranks: how many token copies
-    a rank's experts receive (and send back) depends on the routing, the group's total does not."""
+    """``rank``'s measured bytes, its all-to-all as the mean of its pipeline stage's ranks: how many
+    token copies a rank's experts receive (and send back) depends on the routing, the group's total
+    does not."""
     got = dict(ranks[rank]["collective_bytes"])
     key = f"all_to_all/{est.candidate.ep}"
     if key in got:
@@ -215,37 +389,59 @@ def test_collective_bytes_within_2_percent(measured):
                     want[key] = want.get(key, 0.0) + col.bytes
             got = _routing_averaged(ranks, rank, est)
             total = sum(got.values())
-            big = {k for k in set(want) | set(got) if max(want.get(k, 0), got.get(k, 0)) >= 0.01 * total}
+            big = {
+                k
+                for k in set(want) | set(got)
+                if max(want.get(k, 0), got.get(k, 0)) >= 0.01 * total
+            }
             for key in big:
                 if key not in got or _rel(want.get(key, 0.0), got[key]) > 0.02:
                     bad.append((name, rank, key, want.get(key), got.get(key)))
             small = sum(v for k, v in got.items() if k not in big)
             if small > 0.01 * total:
                 bad.append((name, rank, "unpredicted small collectives", small, total))
-    assert not bad, f"collective bytes off by more than 2% (layout, rank, kind/group, predicted, measured): {bad}"
+    assert not bad, (
+        "collective bytes off by more than 2% (layout, rank, kind/group, predicted, measured): "
+        f"{bad}"
+    )
 
 
 def test_pipeline_idle_fraction_within_20_percent(tmp_path):
-    """The pipeline's idle share of a step per schedule (pp=2, 8 micro-batches; v=2 stages per rank where the
-    schedule loops): 1 − the ranks' mean time inside stage compute over the step (the longest rank's time inside the
-    schedule), median of TIMED_STEPS steps, against the predicted bubble (P−1)/(v·M) as a share of the step. Each
-    chunk's compute is lengthened by a fixed wait (tests/plan_measure.py says why: on this 2-core machine a rank's
-    own compute runs at whatever share of a core it gets)."""
+    """The pipeline's idle share of a step per schedule (pp=2, 8 micro-batches; v=2 stages per rank
+    where the schedule loops): 1 − the ranks' mean time inside stage compute over the step (the
+    longest rank's time inside the schedule), median of TIMED_STEPS steps, against the predicted
+    bubble (P−1)/(v·M) as a share of the step. Each chunk's compute is lengthened by a fixed wait
+    (tests/plan_measure.py says why: on this 2-core machine a rank's own compute runs at whatever
+    share of a core it gets)."""
     runs = run_measurements(list(TIMED_PIPELINES.values()), 2, tmp_path, TIMED_STEPS, PAD_S)
     rows = []
     for (name, job), ranks in zip(TIMED_PIPELINES.items(), runs):
         est = _predict(job, 2)
-        idle = [1 - sum(r["busy_s"][i] for r in ranks) / len(ranks) / max(r["schedule_s"][i] for r in ranks)
-                for i in range(TIMED_STEPS)]
+        idle = [
+            1
+            - sum(r["busy_s"][i] for r in ranks)
+            / len(ranks)
+            / max(r["schedule_s"][i] for r in ranks)
+            for i in range(TIMED_STEPS)
+        ]
         got = statistics.median(idle)
-        rows.append((name, round(est.bubble_fraction, 4), round(got, 4), round(_rel(est.bubble_fraction, got), 3)))
+        rows.append(
+            (
+                name,
+                round(est.bubble_fraction, 4),
+                round(got, 4),
+                round(_rel(est.bubble_fraction, got), 3),
+            )
+        )
     bad = [r for r in rows if r[3] > 0.2]
-    assert not bad, f"pipeline idle share off by more than 20% (schedule, predicted, measured, error): {bad}"
+    assert not bad, (
+        f"pipeline idle share off by more than 20% (schedule, predicted, measured, error): {bad}"
+    )
 
 
 def _published_rows() -> list[tuple[int, str, float | None, object]]:
-    """benchmarks/plan_published.py's rows as (row, source, published tokens/s, the planner's Estimate): the CLI's
-    arithmetic, in process."""
+    """benchmarks/plan_published.py's rows as (row, source, published tokens/s, the planner's
+    Estimate): the CLI's arithmetic, in process."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from plan_published import ROWS, on_device
 
@@ -255,14 +451,24 @@ def _published_rows() -> list[tuple[int, str, float | None, object]]:
         for row, source, overrides, tokens, _ in ROWS:
             cfg = compose("train", overrides=on_device(overrides))
             cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-            out.append((row, source, tokens,
-                        estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)))
+            out.append(
+                (
+                    row,
+                    source,
+                    tokens,
+                    estimate(
+                        Workload.from_config(cfg),
+                        candidate_from_config(cfg, cluster.world_size),
+                        cluster,
+                    ),
+                )
+            )
     return out
 
 
 def test_readme_table_is_what_the_planner_predicts():
-    """recipes/README.md's comparison with published throughput: its predicted column is the planner's for the rows of
-    benchmarks/plan_published.py."""
+    """recipes/README.md's comparison with published throughput: its predicted column is the
+    planner's for the rows of benchmarks/plan_published.py."""
     table = {}
     for line in (ROOT / "recipes" / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.split("|")]
@@ -272,14 +478,18 @@ def test_readme_table_is_what_the_planner_predicts():
 
 
 def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
-    """benchmarks/plan_published.py end to end on three of its rows (a smoke run: the whole script plans 40 layouts,
-    minutes): a table row and two held-out ones, the mixture of experts among them, each with the error of the
-    planner's prediction against its published figure."""
+    """benchmarks/plan_published.py end to end on three of its rows (a smoke run: the whole script
+    plans 40 layouts, minutes): a table row and two held-out ones, the mixture of experts among
+    them, each with the error of the planner's prediction against its published figure."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_published
 
     monkeypatch.setattr(plan_published, "ROWS", [r for r in plan_published.ROWS if r[0] == 16])
-    monkeypatch.setattr(plan_published, "HELD_OUT", [r for r in plan_published.HELD_OUT if r[0] in ("T5.1", "MB.Q3")])
+    monkeypatch.setattr(
+        plan_published,
+        "HELD_OUT",
+        [r for r in plan_published.HELD_OUT if r[0] in ("T5.1", "MB.Q3")],
+    )
     monkeypatch.setattr(sys, "argv", ["plan_published.py"])
     plan_published.main()
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
@@ -289,22 +499,34 @@ def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
 
 
 def test_planner_predicts_composer3d_steps_at_the_current_code():
-    """composer3d's own runs on one H200 at the current code (benchmarks/plan_published.py, rows measured beside
-    torchtitan from 2026-11-26 to 28): eager and compiled, selective AC by either policy or none, either cast, the
-    1B and the 3B, each predicted within 6% of its measured tokens/s. The eager constants set on the issue's older
-    eager runs predicted row 19 29% slow; charging alternate_matmuls half the forward GEMMs (it reruns wk, wo and
-    w3: a third of their FLOPs) predicted rows 24 and 28 4% and 7% slow."""
-    errors = {row: round(e.tokens_per_s_per_gpu / tokens - 1, 3) for row, source, tokens, e in _published_rows()
-              if "H200" in source}
+    """composer3d's own runs on one H200 at the current code (benchmarks/plan_published.py, rows
+    measured beside torchtitan from 2026-11-26 to 28): eager and compiled, selective AC by either
+    policy or none, either cast, the 1B and the 3B, each predicted within 6% of its measured
+    tokens/s. The eager constants set on the issue's older eager runs predicted row 19 29% slow;
+    charging alternate_matmuls half the forward GEMMs (it reruns wk, wo and w3: a third of their
+    FLOPs) predicted rows 24 and 28 4% and 7% slow."""
+    errors = {
+        row: round(e.tokens_per_s_per_gpu / tokens - 1, 3)
+        for row, source, tokens, e in _published_rows()
+        if "H200" in source
+    }
     assert len(errors) == 8 and all(abs(err) < 0.06 for err in errors.values()), errors
 
 
 def test_readme_what_fits_rows_are_what_the_planner_prints():
-    """The README's plan.what_fits example: its command, rerun, prints every row the README shows, to the digit."""
+    """The README's plan.what_fits example: its command, rerun, prints every row the README shows,
+    to the digit."""
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("$ composer3d-plan model=llama3_8b cluster.gpus_per_node=1", 1)[1].split("```", 1)[0]
+    block = readme.split("$ composer3d-plan model=llama3_8b cluster.gpus_per_node=1", 1)[1].split(
+        "```", 1
+    )[0]
     command, shown = block.split("plan.what_fits=true\n", 1)
-    overrides = ["model=llama3_8b", "cluster.gpus_per_node=1", *command.replace("\\", " ").split(), "plan.what_fits=true"]
+    overrides = [
+        "model=llama3_8b",
+        "cluster.gpus_per_node=1",
+        *command.replace("\\", " ").split(),
+        "plan.what_fits=true",
+    ]
     out = _plan(*overrides)
     assert out.returncode == 0, out.stderr
     rows = [line for line in shown.splitlines() if line.startswith("  ") and line.strip() != "…"]
@@ -314,114 +536,218 @@ def test_readme_what_fits_rows_are_what_the_planner_prints():
 
 
 def test_attention_kernel_times_attention_at_its_rate_and_nothing_else():
-    """plan.attention_kernel: Llama 3 8B at 32,768 tokens under full checkpointing (torchtitan's Table 2 layout)
-    predicted with FlashAttention-2's rate (flash2) and SDPA's (sdpa). The compute differs by the attention alone,
-    counted by hand: 32 layers × 2·s·H·Q FLOPs a token forward × 4.5 (backward 2.5×, the forward rerun once) at
-    0.33 against 0.38 of the peak; under the ring (cp 8, 2,048 tokens) the slower blocks hide more of each K/V pass."""
+    """plan.attention_kernel: Llama 3 8B at 32,768 tokens under full checkpointing (torchtitan's
+    Table 2 layout) predicted with FlashAttention-2's rate (flash2) and SDPA's (sdpa). The compute
+    differs by the attention alone, counted by hand: 32 layers × 2·s·H·Q FLOPs a token forward × 4.5
+    (backward 2.5×, the forward rerun once) at 0.33 against 0.38 of the peak; under the ring (cp 8,
+    2,048 tokens) the slower blocks hide more of each K/V pass."""
     register_configs()
-    layout = ["model=llama3_8b", "train.seq_len=32768", "train.global_batch_size=8", "train.micro_batch_size=1",
-              "cluster.nodes=1", "parallel.dp_shard=8", "memory.activation_checkpointing=full", "cluster.device=h100"]
-    ring = [*layout[:1], "train.seq_len=2048", *layout[2:5], "parallel.dp_shard=1", "parallel.cp=8", *layout[6:]]
+    layout = [
+        "model=llama3_8b",
+        "train.seq_len=32768",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "cluster.nodes=1",
+        "parallel.dp_shard=8",
+        "memory.activation_checkpointing=full",
+        "cluster.device=h100",
+    ]
+    ring = [
+        *layout[:1],
+        "train.seq_len=2048",
+        *layout[2:5],
+        "parallel.dp_shard=1",
+        "parallel.cp=8",
+        *layout[6:],
+    ]
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         got = {}
         for kernel in ("sdpa", "flash2"):
             for name, overrides in (("fsdp", layout), ("ring", ring)):
                 cfg = compose("train", overrides=[*overrides, f"plan.attention_kernel={kernel}"])
                 cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-                got[kernel, name] = estimate(Workload.from_config(cfg), candidate_from_config(cfg, 8), cluster)
+                got[kernel, name] = estimate(
+                    Workload.from_config(cfg), candidate_from_config(cfg, 8), cluster
+                )
     s = 32768
     attention_flops = 32 * 2 * s * 4096 * s * 4.5
     expected = attention_flops / cluster.peak_flops * (1 / 0.33 - 1 / 0.38)
-    assert got["flash2", "fsdp"].compute_s - got["sdpa", "fsdp"].compute_s == pytest.approx(expected, rel=1e-9)
+    assert got["flash2", "fsdp"].compute_s - got["sdpa", "fsdp"].compute_s == pytest.approx(
+        expected, rel=1e-9
+    )
     assert expected > 0.5  # seconds, of a 6 s step: at this length attention is most of the step
-    assert got["flash2", "fsdp"].exposed_comm_s == got["sdpa", "fsdp"].exposed_comm_s  # FSDP hides behind both
+    assert (
+        got["flash2", "fsdp"].exposed_comm_s == got["sdpa", "fsdp"].exposed_comm_s
+    )  # FSDP hides behind both
     assert 0 < got["flash2", "ring"].exposed_comm_s["cp"] < got["sdpa", "ring"].exposed_comm_s["cp"]
 
 
 def test_norm_kernel_adds_a_composite_norms_bytes_to_an_eager_step_only():
-    """plan.norm_kernel=composite (torchtitan's 2024-12 RMSNorm, its published eager rows): Llama 3 8B on FSDP 8 under
-    op-level selective checkpointing. The eager step grows by the composite norms' extra bytes over HBM, counted by
-    hand: 65 norms (two a block, the final one) × 16,384 tokens × 4096 × (32 more bytes forward, rerun once, 70 more
-    backward); a compiled step, whose norms Inductor fuses, not at all."""
+    """plan.norm_kernel=composite (torchtitan's 2024-12 RMSNorm, its published eager rows): Llama 3
+    8B on FSDP 8 under op-level selective checkpointing. The eager step grows by the composite
+    norms' extra bytes over HBM, counted by hand: 65 norms (two a block, the final one) × 16,384
+    tokens × 4096 × (32 more bytes forward, rerun once, 70 more backward); a compiled step, whose
+    norms Inductor fuses, not at all."""
     register_configs()
-    layout = ["model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=16", "train.micro_batch_size=2",
-              "cluster.nodes=1", "parallel.dp_shard=8", "memory.activation_checkpointing=selective",
-              "cluster.device=h100"]
+    layout = [
+        "model=llama3_8b",
+        "train.seq_len=8192",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=2",
+        "cluster.nodes=1",
+        "parallel.dp_shard=8",
+        "memory.activation_checkpointing=selective",
+        "cluster.device=h100",
+    ]
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         got = {}
         for compiled in (False, True):
             for kernel in ("fused", "composite"):
-                cfg = compose("train", overrides=[*layout, f"compile.enabled={str(compiled).lower()}",
-                                                  f"plan.norm_kernel={kernel}"])
+                cfg = compose(
+                    "train",
+                    overrides=[
+                        *layout,
+                        f"compile.enabled={str(compiled).lower()}",
+                        f"plan.norm_kernel={kernel}",
+                    ],
+                )
                 cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-                got[compiled, kernel] = estimate(Workload.from_config(cfg), candidate_from_config(cfg, 8), cluster)
+                got[compiled, kernel] = estimate(
+                    Workload.from_config(cfg), candidate_from_config(cfg, 8), cluster
+                )
     expected = 65 * 16384 * 4096 * (32 * 2 + 70) / cluster.hbm_bw
-    assert got[False, "composite"].compute_s - got[False, "fused"].compute_s == pytest.approx(expected, rel=1e-9)
+    assert got[False, "composite"].compute_s - got[False, "fused"].compute_s == pytest.approx(
+        expected, rel=1e-9
+    )
     assert expected > 0.1  # seconds, of a 2.4 s step
     assert got[True, "composite"].compute_s == got[True, "fused"].compute_s
 
 
 def _plan(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "composer3d.commands.plan", *overrides], check=False, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "composer3d.commands.plan", *overrides],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_plan_ranks_layouts_as_json_and_reports_one_layout():
-    search = _plan("model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=32", "cluster.nodes=4",
-                   "plan.format=json", "plan.top=5")
+    search = _plan(
+        "model=llama3_8b",
+        "train.seq_len=8192",
+        "train.global_batch_size=32",
+        "cluster.nodes=4",
+        "plan.format=json",
+        "plan.top=5",
+    )
     assert search.returncode == 0, search.stderr
     rows = [json.loads(line) for line in search.stdout.splitlines()]
     assert len(rows) == 5
     for row in rows:
-        for key in ("layout", "memory_bytes_per_gpu", "step_time_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                    "bubble_fraction"):
+        for key in (
+            "layout",
+            "memory_bytes_per_gpu",
+            "step_time_s",
+            "tokens_per_s_per_gpu",
+            "tflops_per_gpu",
+            "mfu",
+            "bubble_fraction",
+        ):
             assert key in row, key
         assert row["memory_bytes_per_gpu"] <= 79 * 2**30 * 0.9
-    tokens, memory = [r["tokens_per_s_per_gpu"] for r in rows], [r["memory_bytes_per_gpu"] for r in rows]
-    for i in range(len(rows) - 1):  # faster first; within 0.1% of each other (equals to the planner), smaller first
-        assert tokens[i] >= tokens[i + 1] or (tokens[i + 1] <= 1.001 * tokens[i] and memory[i] <= memory[i + 1]), rows
-    one = _plan("model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=32", "cluster.nodes=4",
-                "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=interleaved_1f1b")
+    tokens, memory = (
+        [r["tokens_per_s_per_gpu"] for r in rows],
+        [r["memory_bytes_per_gpu"] for r in rows],
+    )
+    for i in range(
+        len(rows) - 1
+    ):  # faster first; within 0.1% of each other (equals to the planner), smaller first
+        assert tokens[i] >= tokens[i + 1] or (
+            tokens[i + 1] <= 1.001 * tokens[i] and memory[i] <= memory[i + 1]
+        ), rows
+    one = _plan(
+        "model=llama3_8b",
+        "train.seq_len=8192",
+        "train.global_batch_size=32",
+        "cluster.nodes=4",
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.pp_schedule=interleaved_1f1b",
+    )
     assert one.returncode == 0, one.stderr
-    for part in ("parameters", "optimizer", "activations", "logits", "comm_buffers", "dp_shard", "tp", "pp",
-                 "bubble", "MFU", "tokens/s per GPU"):
+    for part in (
+        "parameters",
+        "optimizer",
+        "activations",
+        "logits",
+        "comm_buffers",
+        "dp_shard",
+        "tp",
+        "pp",
+        "bubble",
+        "MFU",
+        "tokens/s per GPU",
+    ):
         assert part in one.stdout, part
 
 
 def test_plan_of_a_mixture_of_experts_weighs_expert_parallel():
-    """A MoE shape (Llama 3 8B with 8 experts of its MLP's width, top-2): the search tries ep degrees, and a layout
-    with ep reports the all-to-all and the experts' own FSDP group, whose sharding ep divides."""
-    moe = ["model=llama3_8b", "model.moe.experts=8", "model.moe.top_k=2", "model.moe.dense_layers=0",
-           "train.seq_len=4096", "train.global_batch_size=64", "cluster.nodes=2"]
+    """A MoE shape (Llama 3 8B with 8 experts of its MLP's width, top-2): the search tries ep
+    degrees, and a layout with ep reports the all-to-all and the experts' own FSDP group, whose
+    sharding ep divides."""
+    moe = [
+        "model=llama3_8b",
+        "model.moe.experts=8",
+        "model.moe.top_k=2",
+        "model.moe.dense_layers=0",
+        "train.seq_len=4096",
+        "train.global_batch_size=64",
+        "cluster.nodes=2",
+    ]
     search = _plan(*moe, "plan.format=json", "plan.top=200")
     assert search.returncode == 0, search.stderr
     rows = [json.loads(line) for line in search.stdout.splitlines()]
     with_ep = [r for r in rows if r["layout"]["ep"] > 1]
     assert with_ep and all("ep:all_to_all" in r["comm_bytes_per_step"] for r in with_ep)
-    assert not any("ep:all_to_all" in r["comm_bytes_per_step"] for r in rows if r["layout"]["ep"] == 1)
+    assert not any(
+        "ep:all_to_all" in r["comm_bytes_per_step"] for r in rows if r["layout"]["ep"] == 1
+    )
     layout = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=1"]
     reports = {ep: _plan(*moe, *layout, f"parallel.ep={ep}", "plan.format=json") for ep in (1, 4)}
     one, four = (json.loads(reports[ep].stdout) for ep in (1, 4))
-    assert "expert_dp:all_gather" in four["comm_bytes_per_step"] and "ep:all_to_all" in four["comm_bytes_per_step"]
-    # dp_shard is 8: ep=4 leaves the experts sharded over 2 ranks, ep=1 over 8 — the same bytes of model state
-    assert four["memory_breakdown_bytes"]["parameters"] == pytest.approx(one["memory_breakdown_bytes"]["parameters"],
-                                                                          rel=0.01)
-    # but each rank gathers a quarter of the experts (the bulk of the model), over a group of 2 instead of 8
+    assert (
+        "expert_dp:all_gather" in four["comm_bytes_per_step"]
+        and "ep:all_to_all" in four["comm_bytes_per_step"]
+    )
+    # dp_shard is 8: ep=4 leaves the experts sharded over 2 ranks, ep=1 over 8 — the same bytes of
+    # model state
+    assert four["memory_breakdown_bytes"]["parameters"] == pytest.approx(
+        one["memory_breakdown_bytes"]["parameters"], rel=0.01
+    )
+    # but each rank gathers a quarter of the experts (the bulk of the model), over a group of 2
+    # instead of 8
     assert "expert_dp:all_gather" not in one["comm_bytes_per_step"]
-    gathered = four["comm_bytes_per_step"]["expert_dp:all_gather"] + four["comm_bytes_per_step"]["dp_shard:all_gather"]
+    gathered = (
+        four["comm_bytes_per_step"]["expert_dp:all_gather"]
+        + four["comm_bytes_per_step"]["dp_shard:all_gather"]
+    )
     assert gathered < one["comm_bytes_per_step"]["dp_shard:all_gather"] / 3
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe"])
 def test_plan_counts_a_hugging_face_mixture_of_experts(model_type, tmp_path):
-    """A transformers mixture of experts planned from its config.json: its parameters are the model's own (the
-    experts counted one by one, not as one dense MLP; what is left out are q/k norms, biases and Qwen2-MoE's shared
-    expert gate), its routed experts' are the model's experts', its active ones leave out all but top_k of them;
-    and a layout with ep plans, its tokens exchanged over the ep ranks."""
+    """A transformers mixture of experts planned from its config.json: its parameters are the
+    model's own (the experts counted one by one, not as one dense MLP; what is left out are q/k
+    norms, biases and Qwen2-MoE's shared expert gate), its routed experts' are the model's experts',
+    its active ones leave out all but top_k of them; and a layout with ep plans, its tokens
+    exchanged over the ep ranks."""
     from hf_models import make_model
     from transformers import AutoModelForCausalLM
 
-    from composer3d.config import resolve_model_config
+    from composer3d.config.checks import resolve_model_config
     from composer3d.plan.shapes import ModelShape
 
     path = make_model(tmp_path / model_type, model_type, tokenizer=False)
@@ -436,22 +762,37 @@ def test_plan_counts_a_hugging_face_mixture_of_experts(model_type, tmp_path):
     config = model.config
     assert shape.moe.experts == 8 and shape.moe.top_k == config.num_experts_per_tok
     assert shape.num_params == pytest.approx(real, rel=0.01) and shape.num_params <= real
-    experts = sum(math.prod(p) for i in range(shape.n_layers) if shape.is_moe(i) for p in shape.expert_params(1, 1))
+    experts = sum(
+        math.prod(p)
+        for i in range(shape.n_layers)
+        if shape.is_moe(i)
+        for p in shape.expert_params(1, 1)
+    )
     assert experts == routed
-    assert shape.num_params - shape.num_active_params == routed * (8 - config.num_experts_per_tok) // 8
-    proc = _plan("model=hf", f"model.path={path}", "model.pretrained=false", "cluster.gpus_per_node=2",
-                 "parallel.ep=2", "plan.format=json")
+    assert (
+        shape.num_params - shape.num_active_params == routed * (8 - config.num_experts_per_tok) // 8
+    )
+    proc = _plan(
+        "model=hf",
+        f"model.path={path}",
+        "model.pretrained=false",
+        "cluster.gpus_per_node=2",
+        "parallel.ep=2",
+        "plan.format=json",
+    )
     assert proc.returncode == 0, proc.stderr
-    assert json.loads(proc.stdout.splitlines()[-1])["comm_bytes_per_step"]["ep:all_to_all"] > 0, proc.stdout
+    assert json.loads(proc.stdout.splitlines()[-1])["comm_bytes_per_step"]["ep:all_to_all"] > 0, (
+        proc.stdout
+    )
 
 
 def test_plan_counts_a_sliding_window_models_flops_as_training_does(tmp_path):
-    """Gemma 3's layers alternate a 24-token window with full attention (transformers' layer_types): the planner's
-    FLOPs per token, as training's, count the scores a windowed layer needs, 24 · (64 − 24 + 1) / 2 = 492 of a
-    32-token causal layer's 528."""
+    """Gemma 3's layers alternate a 24-token window with full attention (transformers' layer_types):
+    the planner's FLOPs per token, as training's, count the scores a windowed layer needs, 24 · (64
+    − 24 + 1) / 2 = 492 of a 32-token causal layer's 528."""
     from hf_models import make_model
 
-    from composer3d.config import resolve_model_config
+    from composer3d.config.checks import resolve_model_config
     from composer3d.plan.shapes import ModelShape
 
     path = make_model(tmp_path / "gemma3_text", "gemma3_text", tokenizer=False)
@@ -465,13 +806,14 @@ def test_plan_counts_a_sliding_window_models_flops_as_training_does(tmp_path):
     assert shape.flops_per_token(16) == full + 4 * attention // 2  # the window covers all 16 tokens
     # plan.what_fits grows the layers: the pattern repeats (8 layers, 4 of them windowed)
     grown = dataclasses.replace(shape, n_layers=8)
-    assert grown.flops_per_token(32) == round(6 * (grown.num_active_params - grown.embedding_numel)
-                                              + (4 * 492 / 528 + 4) * attention)
+    assert grown.flops_per_token(32) == round(
+        6 * (grown.num_active_params - grown.embedding_numel) + (4 * 492 / 528 + 4) * attention
+    )
 
 
 def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):
-    """Dense layers between MoE ones (Qwen3-MoE's mlp_only_layers): no native shape has them; refused naming
-    model.path and why, not planned as if the dense layers came first."""
+    """Dense layers between MoE ones (Qwen3-MoE's mlp_only_layers): no native shape has them;
+    refused naming model.path and why, not planned as if the dense layers came first."""
     from hf_models import make_model
 
     path = make_model(tmp_path / "qwen3_moe", "qwen3_moe", tokenizer=False, mlp_only_layers=[1])
@@ -480,11 +822,18 @@ def test_plan_refuses_a_mixture_of_experts_it_cannot_count(tmp_path):
     assert "model.path" in proc.stderr and "mlp_only_layers=[1]" in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("override, key", [("parallel.ep=2", "parallel.ep"), ("cluster.device=tpu", "cluster.device"),
-                                           ("plan.format=csv", "plan.format"), ("cluster.hbm_gbps=0", "cluster.hbm_gbps"),
-                                           ("plan.attention_kernel=flash3", "plan.attention_kernel"),
-                                           ("plan.norm_kernel=triton", "plan.norm_kernel"),
-                                           ("plan.ep_dispatch=deepep", "plan.ep_dispatch")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("parallel.ep=2", "parallel.ep"),
+        ("cluster.device=tpu", "cluster.device"),
+        ("plan.format=csv", "plan.format"),
+        ("cluster.hbm_gbps=0", "cluster.hbm_gbps"),
+        ("plan.attention_kernel=flash3", "plan.attention_kernel"),
+        ("plan.norm_kernel=triton", "plan.norm_kernel"),
+        ("plan.ep_dispatch=deepep", "plan.ep_dispatch"),
+    ],
+)
 def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr
@@ -496,101 +845,169 @@ def test_parallel_auto_trains_and_records_its_choice(tmp_path):
     auto = run.run_info["parallel_auto"]
     assert auto["overrides"] and auto["why"] and "prediction" in auto
     assert "parallel=auto chose" in run.output
-    assert run.run_info["layout"]["pp"] * run.run_info["layout"]["tp"] * run.run_info["layout"]["dp_shard"] * \
-        run.run_info["layout"]["dp_replicate"] == 2
+    assert (
+        run.run_info["layout"]["pp"]
+        * run.run_info["layout"]["tp"]
+        * run.run_info["layout"]["dp_shard"]
+        * run.run_info["layout"]["dp_replicate"]
+        == 2
+    )
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
 def test_activation_offload_keeps_two_blocks_on_the_device(ac):
-    """memory.activation_offload: the device keeps the saved tensors of the block in backward and the one
-    prefetched (2 of Llama 3 8B's 32), the other 30 are host memory; nothing else moves, and the search keeps the
-    option in the layouts it proposes."""
+    """memory.activation_offload: the device keeps the saved tensors of the block in backward and
+    the one prefetched (2 of Llama 3 8B's 32), the other 30 are host memory; nothing else moves, and
+    the search keeps the option in the layouts it proposes."""
     from composer3d.plan.layouts import enumerate_candidates
 
     register_configs()
-    args = ["model=llama3_8b", "train.seq_len=8192", "train.global_batch_size=8", "train.micro_batch_size=1",
-            "parallel.dp_shard=8", "cluster.device=h100", f"memory.activation_checkpointing={ac}"]
+    args = [
+        "model=llama3_8b",
+        "train.seq_len=8192",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.dp_shard=8",
+        "cluster.device=h100",
+        f"memory.activation_checkpointing={ac}",
+    ]
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        plain_cfg, offload_cfg = (compose("train", overrides=[*args, *extra])
-                                  for extra in ([], ["memory.activation_offload=true"]))
+        plain_cfg, offload_cfg = (
+            compose("train", overrides=[*args, *extra])
+            for extra in ([], ["memory.activation_offload=true"])
+        )
     cluster = cluster_from_config(plain_cfg.cluster, plain_cfg.precision.param_dtype)
-    plain, offload = (estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
-                      for cfg in (plain_cfg, offload_cfg))
+    plain, offload = (
+        estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+        for cfg in (plain_cfg, offload_cfg)
+    )
     before, after = plain.memory.as_dict(), offload.memory.as_dict()
-    # full checkpointing keeps each block's input (8192 tokens × 4096, bf16); without it, every block the same
-    # share of what the forward keeps; a block's recomputation in backward stays on the device
+    # full checkpointing keeps each block's input (8192 tokens × 4096, bf16); without it, every
+    # block the same share of what the forward keeps; a block's recomputation in backward stays on
+    # the device
     moved = 30 * 8192 * 4096 * 2 if ac == "full" else before["activations"] * 30 / 32
     assert after["host_activations"] == pytest.approx(moved, rel=1e-9)
-    assert after["activations"] + after["host_activations"] == pytest.approx(before["activations"], rel=1e-9)
+    assert after["activations"] + after["host_activations"] == pytest.approx(
+        before["activations"], rel=1e-9
+    )
     assert before["host_activations"] == 0 and after["total"] < before["total"]
-    assert {k: v for k, v in after.items() if "activations" not in k and k != "total"} == \
-        {k: v for k, v in before.items() if "activations" not in k and k != "total"}
+    assert {k: v for k, v in after.items() if "activations" not in k and k != "total"} == {
+        k: v for k, v in before.items() if "activations" not in k and k != "total"
+    }
     assert "memory.activation_offload=true" in offload.candidate.overrides()
     assert all(c.activation_offload for c in enumerate_candidates(offload_cfg, 8, 8))
 
 
 # Op-level selective checkpointing, per memory.ac_policy
 SELECTIVE = ["memory.activation_checkpointing=selective", "memory.ac_every=0"]
-AC_POLICY_LAYOUTS = {  # (ranks, overrides): 1,024 tokens a step, so that the blocks' activations lead the peak
+# (ranks, overrides): 1,024 tokens a step, so that the blocks' activations lead the peak
+AC_POLICY_LAYOUTS = {
     "dense": (1, [*MODEL, "model.vocab_size=256", "train.seq_len=256"]),
-    "moe": (1, [*MOE, "train.seq_len=256"]),  # one dense layer, three with a shared expert beside the routed ones
-    "tp2_sp": (2, [*MODEL, "model.vocab_size=256", "train.seq_len=256", "parallel.tp=2",
-                   "parallel.sequence_parallel=true", "parallel.dp_shard=1"]),
+    "moe": (
+        1,
+        [*MOE, "train.seq_len=256"],
+    ),  # one dense layer, three with a shared expert beside the routed ones
+    "tp2_sp": (
+        2,
+        [
+            *MODEL,
+            "model.vocab_size=256",
+            "train.seq_len=256",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.dp_shard=1",
+        ],
+    ),
 }
 
 
 @pytest.mark.parametrize("layout", list(AC_POLICY_LAYOUTS))
 def test_alternate_matmuls_keeps_less_by_what_one_measured_rank_shows(layout):
-    """memory.ac_policy=alternate_matmuls recomputes a block's 2nd, 4th, … linear matmul (wk, wo, w3; in a MoE
-    block wk, wo and the shared expert's w1 and w2) instead of keeping its output: the planner's peak falls below
-    all_matmuls's by what rank 0 measures (plan.measure's tracker, fake process group, one step each), within 10%
-    of the difference (it is exact), and each peak is within 5% (measured: 1–3%; under TP + SP it was 17% low
-    while the planner left out the outputs of TP's collectives, which both policies keep). At this vocabulary
-    both peaks fall in backward, where the block being recomputed holds all its activations whatever the policy:
-    the difference is the other blocks' (at vocab 512 the planner puts all_matmuls's at the end of forward and the
+    """memory.ac_policy=alternate_matmuls recomputes a block's 2nd, 4th, … linear matmul (wk, wo,
+    w3; in a MoE block wk, wo and the shared expert's w1 and w2) instead of keeping its output: the
+    planner's peak falls below all_matmuls's by what rank 0 measures (plan.measure's tracker, fake
+    process group, one step each), within 10% of the difference (it is exact), and each peak is
+    within 5% (measured: 1–3%; under TP + SP it was 17% low while the planner left out the outputs
+    of TP's collectives, which both policies keep). At this vocabulary both peaks fall in backward,
+    where the block being recomputed holds all its activations whatever the policy: the difference
+    is the other blocks' (at vocab 512 the planner puts all_matmuls's at the end of forward and the
     difference is 8% off). The planner used to give both policies the same activations."""
-    from composer3d.config import validate
+    from composer3d.config.checks import validate
     from composer3d.plan.measure import measure_rank
 
     register_configs()
     ranks, overrides = AC_POLICY_LAYOUTS[layout]
     predicted, measured = {}, {}
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # one thread, as a worker runs (tests/harness.py): ten times faster on this machine
+    torch.set_num_threads(
+        1
+    )  # one thread, as a worker runs (tests/harness.py): ten times faster on this machine
     try:
         for policy in ("all_matmuls", "alternate_matmuls"):
             with initialize_config_module(config_module="composer3d.conf", version_base=None):
-                cfg = compose("train", overrides=[*overrides, "train.global_batch_size=4", "train.micro_batch_size=4",
-                                                  *SELECTIVE, f"memory.ac_policy={policy}", "run.dir=unused",
-                                                  f"launch.nproc_per_node={ranks}", "cluster.device=cpu",
-                                                  f"cluster.gpus_per_node={ranks}"])
+                cfg = compose(
+                    "train",
+                    overrides=[
+                        *overrides,
+                        "train.global_batch_size=4",
+                        "train.micro_batch_size=4",
+                        *SELECTIVE,
+                        f"memory.ac_policy={policy}",
+                        "run.dir=unused",
+                        f"launch.nproc_per_node={ranks}",
+                        "cluster.device=cpu",
+                        f"cluster.gpus_per_node={ranks}",
+                    ],
+                )
             validate(cfg, ranks)
             cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-            predicted[policy] = estimate(Workload.from_config(cfg), candidate_from_config(cfg, ranks),
-                                         cluster).memory.total
+            predicted[policy] = estimate(
+                Workload.from_config(cfg), candidate_from_config(cfg, ranks), cluster
+            ).memory.total
             measured[policy] = measure_rank(cfg, ranks, 0, 1).peak_bytes
     finally:
         torch.set_num_threads(threads)
     for policy in predicted:
         assert _rel(predicted[policy], measured[policy]) < 0.05, (policy, predicted, measured)
-    saved = {name: d["all_matmuls"] - d["alternate_matmuls"] for name, d in (("predicted", predicted),
-                                                                              ("measured", measured))}
+    saved = {
+        name: d["all_matmuls"] - d["alternate_matmuls"]
+        for name, d in (("predicted", predicted), ("measured", measured))
+    }
     assert saved["measured"] > 0.05 * measured["all_matmuls"], (saved, measured)
-    assert abs(saved["predicted"] - saved["measured"]) < 0.1 * saved["measured"], (saved, predicted, measured)
-
+    assert abs(saved["predicted"] - saved["measured"]) < 0.1 * saved["measured"], (
+        saved,
+        predicted,
+        measured,
+    )
 
 
 # Op-level selective over blocks that all-gather: the gathered tensors recomputed (default) or kept
-# (memory.ac_save_gathers): tp=2 + SP's inputs of attention and the feed-forward, cp_style=allgather's K/V
-GATHERING = {"tp2_sp": [*MODEL, "model.vocab_size=256", "train.seq_len=256", "parallel.tp=2",
-                        "parallel.sequence_parallel=true", "parallel.dp_shard=1", "train.global_batch_size=4",
-                        "train.micro_batch_size=4"],
-             # vocab 2048: the logits hold the peak at the end of forward (at 512 a block's recomputation in
-             # backward comes within a few percent of it, and which of the two holds it is then not the planner's)
-             "cp2_allgather": [o if not o.startswith("model.vocab_size=") else "model.vocab_size=2048"
-                               for o in LAYOUTS_2["cp2_allgather"]]}
-GATHER_JOBS = {(name, keep): [*job, *SELECTIVE, f"memory.ac_save_gathers={str(keep).lower()}"]
-               for name, job in GATHERING.items() for keep in (False, True)}
+# (memory.ac_save_gathers): tp=2 + SP's inputs of attention and the feed-forward,
+# cp_style=allgather's K/V
+GATHERING = {
+    "tp2_sp": [
+        *MODEL,
+        "model.vocab_size=256",
+        "train.seq_len=256",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.dp_shard=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+    ],
+    # vocab 2048: the logits hold the peak at the end of forward (at 512 a block's recomputation in
+    # backward comes within a few percent of it, and which of the two holds it is then not the
+    # planner's)
+    "cp2_allgather": [
+        o if not o.startswith("model.vocab_size=") else "model.vocab_size=2048"
+        for o in LAYOUTS_2["cp2_allgather"]
+    ],
+}
+GATHER_JOBS = {
+    (name, keep): [*job, *SELECTIVE, f"memory.ac_save_gathers={str(keep).lower()}"]
+    for name, job in GATHERING.items()
+    for keep in (False, True)
+}
 
 
 def _gather_bytes(collectives) -> float:
@@ -598,74 +1015,128 @@ def _gather_bytes(collectives) -> float:
 
 
 def test_op_level_selective_gathers_again_in_backward_for_less_memory(tmp_path):
-    """The gathered tensors are recomputed by default: backward all-gathers them again (under tp=2 + SP each
-    block's two inputs, 2·L·tokens·dim·4 bytes more on a rank; under cp=2 allgather each block's K/V), and every
-    rank's peak is lower by what the planner predicts, within 2% of the difference (measured: to the byte, 3 MiB
-    or 11% of the TP rank's peak, 128 KiB of the cp rank's; the peak falls in backward: all blocks' kept tensors
-    but the one recomputing, whose whole activations exist either way). memory.ac_save_gathers=true keeps them:
-    no all-gather in backward but those of the reduce-scatters' gradients and FSDP's."""
+    """The gathered tensors are recomputed by default: backward all-gathers them again (under tp=2 +
+    SP each block's two inputs, 2·L·tokens·dim·4 bytes more on a rank; under cp=2 allgather each
+    block's K/V), and every rank's peak is lower by what the planner predicts, within 2% of the
+    difference (measured: to the byte, 3 MiB or 11% of the TP rank's peak, 128 KiB of the cp rank's;
+    the peak falls in backward: all blocks' kept tensors but the one recomputing, whose whole
+    activations exist either way). memory.ac_save_gathers=true keeps them: no all-gather in backward
+    but those of the reduce-scatters' gradients and FSDP's."""
     runs = dict(zip(GATHER_JOBS, run_measurements(list(GATHER_JOBS.values()), 2, tmp_path)))
     est = {job: _predict(overrides, 2) for job, overrides in GATHER_JOBS.items()}
     for name in GATHERING:
         regather, keep = runs[name, False], runs[name, True]
-        predicted = (_gather_bytes(est[name, False].collectives_per_pp_rank[0])
-                     - _gather_bytes(est[name, True].collectives_per_pp_rank[0]))
+        predicted = _gather_bytes(est[name, False].collectives_per_pp_rank[0]) - _gather_bytes(
+            est[name, True].collectives_per_pp_rank[0]
+        )
         if name == "tp2_sp":
             assert predicted == 2 * 4 * (4 * 256) * 128 * 4, predicted
         for rank in range(2):
-            regathered = (regather[rank]["collective_bytes"]["all_gather/2"]
-                          - keep[rank]["collective_bytes"]["all_gather/2"])
-            assert regathered > 0 and _rel(predicted, regathered) < 0.02, (name, rank, predicted, regathered)
+            regathered = (
+                regather[rank]["collective_bytes"]["all_gather/2"]
+                - keep[rank]["collective_bytes"]["all_gather/2"]
+            )
+            assert regathered > 0 and _rel(predicted, regathered) < 0.02, (
+                name,
+                rank,
+                predicted,
+                regathered,
+            )
         peak = {k: max(r["peak_bytes"] for r in runs[name, k]) for k in (False, True)}
         total = {k: est[name, k].memory.total for k in (False, True)}
         saved = {"measured": peak[True] - peak[False], "predicted": total[True] - total[False]}
-        assert saved["measured"] > 0 and _rel(saved["predicted"], saved["measured"]) < 0.02, (name, saved, peak)
+        assert saved["measured"] > 0 and _rel(saved["predicted"], saved["measured"]) < 0.02, (
+            name,
+            saved,
+            peak,
+        )
         for k in (False, True):
             assert _rel(total[k], peak[k]) < 0.15, (name, k, total, peak)
     tp_peak = max(r["peak_bytes"] for r in runs["tp2_sp", True])
     assert tp_peak - max(r["peak_bytes"] for r in runs["tp2_sp", False]) > 0.05 * tp_peak
 
+
 LLAMA_3B = ["model.dim=3072", "model.n_layers=28", "model.n_heads=24", "model.ffn_hidden_dim=8192"]
-H200_1B = ["model=llama3_1b", "model.tie_embeddings=false", "train.seq_len=8192", "train.global_batch_size=1",
-           "train.micro_batch_size=1", "cluster.nodes=1", "cluster.gpus_per_node=1", "cluster.device=h200",
-           "parallel.dp_shard=1", *SELECTIVE]
+H200_1B = [
+    "model=llama3_1b",
+    "model.tie_embeddings=false",
+    "train.seq_len=8192",
+    "train.global_batch_size=1",
+    "train.micro_batch_size=1",
+    "cluster.nodes=1",
+    "cluster.gpus_per_node=1",
+    "cluster.device=h200",
+    "parallel.dp_shard=1",
+    *SELECTIVE,
+]
 
 
-@pytest.mark.parametrize("overrides, measured_gib", [
-    (["compile.enabled=false"], 28.94),  # eager: precision.cast=auto is params, cast_once's copies kept
-    (["compile.enabled=true"], 26.21),  # compiled: autocast, each block's casts made again in its recomputation
-    (["compile.enabled=true", "memory.ac_policy=alternate_matmuls"], 23.58),
-    (["compile.enabled=false", "precision.cast=autocast"], 28.52),  # eager autocast: its cache holds every cast
-    # without checkpointing, compiled (autocast) and eager (params, cast_once)
-    (["compile.enabled=true", "memory.activation_checkpointing=none"], 31.02),
-    (["compile.enabled=false", "memory.activation_checkpointing=none"], 33.50),
-    (["compile.enabled=true", *LLAMA_3B], 57.82),  # the 3B (2026-11-28): its peak is the end of forward
-])
+@pytest.mark.parametrize(
+    "overrides, measured_gib",
+    [
+        (
+            ["compile.enabled=false"],
+            28.94,
+        ),  # eager: precision.cast=auto is params, cast_once's copies kept
+        (
+            ["compile.enabled=true"],
+            26.21,
+        ),  # compiled: autocast, each block's casts made again in its recomputation
+        (["compile.enabled=true", "memory.ac_policy=alternate_matmuls"], 23.58),
+        (
+            ["compile.enabled=false", "precision.cast=autocast"],
+            28.52,
+        ),  # eager autocast: its cache holds every cast
+        # without checkpointing, compiled (autocast) and eager (params, cast_once)
+        (["compile.enabled=true", "memory.activation_checkpointing=none"], 31.02),
+        (["compile.enabled=false", "memory.activation_checkpointing=none"], 33.50),
+        (
+            ["compile.enabled=true", *LLAMA_3B],
+            57.82,
+        ),  # the 3B (2026-11-28): its peak is the end of forward
+    ],
+)
 def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
-    """The peaks one H200 measured (README: the loss's gradient written over the logits, 2026-11-27; the autocast rows
-    again on 2026-11-28, the head casting its weight in backward: Llama 3.2 1B dims, untied head, 8192 tokens) within
-    3%: whole bf16 copies of the weights under precision.cast=params; under autocast compiled, the recomputing
-    block's (an embedding lookup casts none, the head keeps none: the compiled rows fell 0.46 GiB with it); eager,
-    every block's until forward ends (that row did not move: 28.52 GiB before and after, predicted 2.7% low).
-    Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it, predicted the
-    compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured, 26.6 predicted). Not here: the
-    3B under alternate_matmuls, 54.07 GiB measured and 52.40 predicted (-3.1%). Its allocator trace puts the peak
-    just after the head's backward with 10.6 GiB of the blocks' saved tensors, where the same compiled block on the
-    CPU keeps the planner's 9.2 to the byte: inductor's CUDA partition of that block keeps more."""
+    """The peaks one H200 measured (README: the loss's gradient written over the logits, 2026-11-27;
+    the autocast rows again on 2026-11-28, the head casting its weight in backward: Llama 3.2 1B
+    dims, untied head, 8192 tokens) within 3%: whole bf16 copies of the weights under
+    precision.cast=params; under autocast compiled, the recomputing block's (an embedding lookup
+    casts none, the head keeps none: the compiled rows fell 0.46 GiB with it); eager, every block's
+    until forward ends (that row did not move: 28.52 GiB before and after, predicted 2.7% low).
+    Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it,
+    predicted the compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured,
+    26.6 predicted). Not here: the 3B under alternate_matmuls, 54.07 GiB measured and 52.40
+    predicted (-3.1%). Its allocator trace puts the peak just after the head's backward with 10.6
+    GiB of the blocks' saved tensors, where the same compiled block on the CPU keeps the planner's
+    9.2 to the byte: inductor's CUDA partition of that block keeps more."""
     est, _ = planned(*H200_1B, *overrides)
-    assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (est.memory.total / 2**30, measured_gib)
+    assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (
+        est.memory.total / 2**30,
+        measured_gib,
+    )
 
 
-BLOCK = (64, 4, 2, 192)  # dim, heads, KV heads, ffn: a tiny block, built as TransformerBlock and as the config
-BLOCK_DIMS = ["model=tiny", *(f"model.{key}={value}" for key, value in
-                              zip(("dim", "n_heads", "n_kv_heads", "ffn_hidden_dim"), BLOCK))]
+BLOCK = (
+    64,
+    4,
+    2,
+    192,
+)  # dim, heads, KV heads, ffn: a tiny block, built as TransformerBlock and as the config
+BLOCK_DIMS = [
+    "model=tiny",
+    *(
+        f"model.{key}={value}"
+        for key, value in zip(("dim", "n_heads", "n_kv_heads", "ffn_hidden_dim"), BLOCK)
+    ),
+]
 BLOCK_TOKENS = 128
 
 
 def _kept_by_block(compiled: bool, autocast: bool = True, policy: str | None = None) -> int:
-    """Bytes one block (BLOCK_DIMS, fp32 weights under bf16 autocast, else bf16 weights) keeps for backward on the
-    CPU: its saved tensors but the weights' casts (the planner counts those with the casts) and RoPE's tables
-    (every block's, once); under ``policy``, op-level selective checkpointing by it, as training wraps a block."""
+    """Bytes one block (BLOCK_DIMS, fp32 weights under bf16 autocast, else bf16 weights) keeps for
+    backward on the CPU: its saved tensors but the weights' casts (the planner counts those with the
+    casts) and RoPE's tables (every block's, once); under ``policy``, op-level selective
+    checkpointing by it, as training wraps a block."""
     from composer3d.memory.activation_checkpointing import apply_activation_checkpointing
     from composer3d.models.llama import TransformerBlock, rope_tables
 
@@ -680,7 +1151,9 @@ def _kept_by_block(compiled: bool, autocast: bool = True, policy: str | None = N
         block.compile()
     x = torch.randn(1, BLOCK_TOKENS, dim, dtype=dtype, requires_grad=True)
     cos, sin = rope_tables(dim // heads, BLOCK_TOKENS, 10000.0)
-    weights = {shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))}
+    weights = {
+        shape for p in block.parameters() for shape in (tuple(p.shape), tuple(p.shape[::-1]))
+    }
     tables = {cos.untyped_storage().data_ptr(), sin.untyped_storage().data_ptr()}
     saved = {}
 
@@ -697,7 +1170,8 @@ def _kept_by_block(compiled: bool, autocast: bool = True, policy: str | None = N
                 out = block(x, cos, sin, None)
             out.float().sum().backward()
     finally:
-        torch._dynamo.reset()  # this block's graph does not count towards other tests' recompile limits
+        # this block's graph does not count towards other tests' recompile limits
+        torch._dynamo.reset()
     return sum(saved.values())
 
 
@@ -709,15 +1183,25 @@ def _planned_block(autocast: bool, *memory: str) -> float:
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         cfg = compose("train", overrides=[*BLOCK_DIMS, *memory, "precision.param_dtype=bfloat16"])
-    return 2 * layer_activations(ModelShape.from_config(cfg.model), candidate_from_config(cfg, 1), False, 2,
-                                 compiled=True, fp32_residual=autocast).saved
+    return (
+        2
+        * layer_activations(
+            ModelShape.from_config(cfg.model),
+            candidate_from_config(cfg, 1),
+            False,
+            2,
+            compiled=True,
+            fp32_residual=autocast,
+        ).saved
+    )
 
 
 def test_a_compiled_block_keeps_what_the_planner_counts_without_checkpointing():
-    """A compiled block without checkpointing under bf16 autocast on the CPU: the bytes its graph keeps for
-    backward (its fp32 input, autocast's residual stream, included; the weights' bf16 casts, which the planner
-    counts with the casts, left out) are the planner's per-token count to the byte. Eager keeps q's projection,
-    o's input and the SiLU output too: counting those for compiled runs predicted the H200's 33.0 GiB 7.5% high."""
+    """A compiled block without checkpointing under bf16 autocast on the CPU: the bytes its graph
+    keeps for backward (its fp32 input, autocast's residual stream, included; the weights' bf16
+    casts, which the planner counts with the casts, left out) are the planner's per-token count to
+    the byte. Eager keeps q's projection, o's input and the SiLU output too: counting those for
+    compiled runs predicted the H200's 33.0 GiB 7.5% high."""
     compiled, eager = _kept_by_block(True), _kept_by_block(False)
     count = _planned_block(True, "memory.activation_checkpointing=none")
     assert compiled == count * BLOCK_TOKENS, (compiled, count * BLOCK_TOKENS)
@@ -726,73 +1210,117 @@ def test_a_compiled_block_keeps_what_the_planner_counts_without_checkpointing():
 
 @pytest.mark.parametrize("policy", ["all_matmuls", "alternate_matmuls"])
 def test_a_compiled_block_keeps_what_the_planner_counts_under_op_level_checkpointing(policy):
-    """A compiled block under op-level selective checkpointing, on the CPU, under autocast (its fp32 input kept)
-    and with bf16 weights (FSDP's way to bf16): what its graph keeps is the planner's count to the byte. Counting
-    what eager checkpointing keeps (w2's output, which backward never reads, included) came within 0.5% under
-    autocast only as the fp32 input's extra bytes made up for w2's, and was 8% high in bf16."""
-    selective = ["memory.activation_checkpointing=selective", "memory.ac_every=0", f"memory.ac_policy={policy}"]
+    """A compiled block under op-level selective checkpointing, on the CPU, under autocast (its fp32
+    input kept) and with bf16 weights (FSDP's way to bf16): what its graph keeps is the planner's
+    count to the byte. Counting what eager checkpointing keeps (w2's output, which backward never
+    reads, included) came within 0.5% under autocast only as the fp32 input's extra bytes made up
+    for w2's, and was 8% high in bf16."""
+    selective = [
+        "memory.activation_checkpointing=selective",
+        "memory.ac_every=0",
+        f"memory.ac_policy={policy}",
+    ]
     for autocast in (True, False):
         kept = _kept_by_block(True, autocast, policy)
         count = _planned_block(autocast, *selective)
         assert kept == count * BLOCK_TOKENS, (autocast, kept, count * BLOCK_TOKENS)
 
 
-ONE_H100_8B = ["model=llama3_8b", "train.seq_len=4096", "train.global_batch_size=1", "train.micro_batch_size=1",
-               "cluster.gpus_per_node=1", "parallel.dp_shard=1", "memory.activation_checkpointing=full"]
+ONE_H100_8B = [
+    "model=llama3_8b",
+    "train.seq_len=4096",
+    "train.global_batch_size=1",
+    "train.micro_batch_size=1",
+    "cluster.gpus_per_node=1",
+    "parallel.dp_shard=1",
+    "memory.activation_checkpointing=full",
+]
 
 
 def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_step():
-    """Llama 3 8B on one H100: it fits only with ZeRO-Offload (its fp32 parameters and gradients alone are 64 GB);
-    offload=optimizer moves the optimizer's state (masters, moments, a gradient buffer) and pays its copies and
-    host step on the critical path; a node with too little host memory for what moved does not fit."""
+    """Llama 3 8B on one H100: it fits only with ZeRO-Offload (its fp32 parameters and gradients
+    alone are 64 GB); offload=optimizer moves the optimizer's state (masters, moments, a gradient
+    buffer) and pays its copies and host step on the critical path; a node with too little host
+    memory for what moved does not fit."""
     plain, cluster = planned(*ONE_H100_8B)
     opt, _ = planned(*ONE_H100_8B, "parallel.offload=optimizer")
     cpu, _ = planned(*ONE_H100_8B, "parallel.offload=cpu")
     params, grads, state = plain.memory.parameters, plain.memory.gradients, plain.memory.optimizer
-    assert opt.memory.optimizer == 0 and opt.memory.parameters == params and opt.memory.host == params + grads + state
+    assert (
+        opt.memory.optimizer == 0
+        and opt.memory.parameters == params
+        and opt.memory.host == params + grads + state
+    )
     assert cpu.memory.parameters == cpu.memory.gradients == cpu.memory.optimizer == 0
     assert cpu.memory.host == params + grads + state
-    assert not plain.fits and opt.fits and cpu.fits, (plain.memory.total, opt.memory.total, cpu.memory.total)
+    assert not plain.fits and opt.fits and cpu.fits, (
+        plain.memory.total,
+        opt.memory.total,
+        cpu.memory.total,
+    )
     assert cpu.memory.total < opt.memory.total < plain.memory.total
     assert "host" not in plain.exposed_comm_s
-    assert opt.exposed_comm_s["host"] == pytest.approx((params + grads) / cluster.host_link_bw
-                                                       + params / cluster.host_optimizer_bw)
-    assert cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw  # the host step; its copies overlap
+    assert opt.exposed_comm_s["host"] == pytest.approx(
+        (params + grads) / cluster.host_link_bw + params / cluster.host_optimizer_bw
+    )
+    assert (
+        cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw
+    )  # the host step; its copies overlap
     assert cpu.step_time_s > plain.step_time_s
     small, _ = planned(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
     assert not small.fits  # 8B's ~120 GiB of model state does not fit a 64 GiB host
-    # offload_dir: the masters and moments in files (the gradient buffer stays in host memory), read and written
-    # back by every host step at the disk's rate; that host fits it
-    files, _ = planned(*ONE_H100_8B, "parallel.offload=optimizer", "parallel.offload_dir=/nvme",
-                         "cluster.host_memory_gib=64")
+    # offload_dir: the masters and moments in files (the gradient buffer stays in host memory), read
+    # and written back by every host step at the disk's rate; that host fits it
+    files, _ = planned(
+        *ONE_H100_8B,
+        "parallel.offload=optimizer",
+        "parallel.offload_dir=/nvme",
+        "cluster.host_memory_gib=64",
+    )
     assert files.memory.disk == params + state and files.memory.host == grads and files.fits
-    assert files.exposed_comm_s["host"] == pytest.approx(opt.exposed_comm_s["host"] + 2 * files.memory.disk
-                                                         / cluster.disk_bw)
+    assert files.exposed_comm_s["host"] == pytest.approx(
+        opt.exposed_comm_s["host"] + 2 * files.memory.disk / cluster.disk_bw
+    )
 
 
 def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
-    """plan.what_fits: every memory option lengthens the sequence that fits, or leaves it; offloading the model
-    state holds a larger model; what the longest sequence takes is a configuration training accepts."""
-    from composer3d.config import validate
+    """plan.what_fits: every memory option lengthens the sequence that fits, or leaves it;
+    offloading the model state holds a larger model; what the longest sequence takes is a
+    configuration training accepts."""
+    from composer3d.config.checks import validate
     from composer3d.plan.fits import what_fits
 
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         cfg = compose("train", overrides=[*ONE_H100_8B, "memory.activation_checkpointing=none"])
     cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
-    sequences, models = what_fits(Workload.from_config(cfg), candidate_from_config(cfg, 1), cluster, False)
+    sequences, models = what_fits(
+        Workload.from_config(cfg), candidate_from_config(cfg, 1), cluster, False
+    )
     longest = {f.options.label(): f.amount for f in sequences}
     assert longest["ac:none"] == 0  # 8B's model state alone does not fit one H100
-    assert 0 < longest["ac:none offload:cpu"] <= longest["ac:selective offload:cpu"] <= longest["ac:full offload:cpu"]
+    assert (
+        0
+        < longest["ac:none offload:cpu"]
+        <= longest["ac:selective offload:cpu"]
+        <= longest["ac:full offload:cpu"]
+    )
     assert longest["ac:full offload:cpu"] <= longest["ac:full tiled mlp+loss offload:cpu"]
-    assert longest["ac:full tiled mlp+loss offload:cpu"] <= longest["ac:full tiled mlp+loss act-offload offload:cpu"]
+    assert (
+        longest["ac:full tiled mlp+loss offload:cpu"]
+        <= longest["ac:full tiled mlp+loss act-offload offload:cpu"]
+    )
     assert sequences[0].amount == max(longest.values()) >= 128 * 1024
     layers = {f.options.label(): f.amount for f in models}
-    assert 0 < layers["ac:full"] < layers["ac:full offload:optimizer"] < layers["ac:full offload:cpu"]
+    assert (
+        0 < layers["ac:full"] < layers["ac:full offload:optimizer"] < layers["ac:full offload:cpu"]
+    )
     assert layers["ac:none offload:cpu"] <= layers["ac:full offload:cpu"]
     out = _plan(*ONE_H100_8B, "plan.what_fits=true")
     assert out.returncode == 0, out.stderr
-    assert "longest sequence on 1 × 1 h100" in out.stdout and "largest model at dim 4096" in out.stdout
+    assert (
+        "longest sequence on 1 × 1 h100" in out.stdout and "largest model at dim 4096" in out.stdout
+    )
     assert f"{sequences[0].amount:,}" in out.stdout.splitlines()[2], out.stdout
     assert "parallel.offload=cpu" in out.stdout.split("longest sequence takes: ")[1].splitlines()[0]
     for line in out.stdout.splitlines():  # what each answer takes passes training's own checks
@@ -806,9 +1334,22 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
 
 
 def _measure(*overrides: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "composer3d.commands.plan", *overrides, "cluster.device=cpu",
-                             "plan.measure=true", "plan.measure_steps=1", "plan.format=json"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "composer3d.commands.plan",
+            *overrides,
+            "cluster.device=cpu",
+            "plan.measure=true",
+            "plan.measure_steps=1",
+            "plan.format=json",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def _measured(proc: subprocess.Popen) -> dict:
@@ -818,39 +1359,70 @@ def _measured(proc: subprocess.Popen) -> dict:
 
 
 def test_one_rank_of_an_8_rank_layout_measured_here_with_a_fake_process_group():
-    """plan.measure runs rank 5 of FSDP 2 × cp 2 × TP 2 + SP alone (torch's fake backend: collectives complete without
-    the other 7 ranks) with the real shapes, and its peak and model-state bytes meet the planner's for that rank
-    (the bars the real multi-process measurements above are held to)."""
-    layout = [*MODEL, *BATCH, "parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]
+    """plan.measure runs rank 5 of FSDP 2 × cp 2 × TP 2 + SP alone (torch's fake backend:
+    collectives complete without the other 7 ranks) with the real shapes, and its peak and
+    model-state bytes meet the planner's for that rank (the bars the real multi-process measurements
+    above are held to)."""
+    layout = [
+        *MODEL,
+        *BATCH,
+        "parallel.dp_shard=2",
+        "parallel.cp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ]
     result = _measured(_measure(*layout, "cluster.gpus_per_node=8", "plan.measure_rank=5"))
     measured, predicted = result["measured"], result["predicted"]
-    assert (measured["rank"], measured["world_size"], result["layout"]) == (5, 8, "dp2 cp2:ring tp2+sp z3 mb2 ac:none")
+    assert (measured["rank"], measured["world_size"], result["layout"]) == (
+        5,
+        8,
+        "dp2 cp2:ring tp2+sp z3 mb2 ac:none",
+    )
     assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
     assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
     assert measured["step_s"] and all(t > 0 for t in measured["step_s"])
 
 
 def test_a_lora_rank_is_measured_its_frozen_base_without_gradients():
-    """plan.measure of a LoRA layout (torch's MemTracker refuses a gradient hook on a frozen weight: it crashed):
-    the rank's model state is the planner's (adapters trained, the base frozen) and its peak within the bar."""
-    result = _measured(_measure(*MODEL, *BATCH, "peft=lora", "parallel.dp_shard=2", "cluster.gpus_per_node=2"))
+    """plan.measure of a LoRA layout (torch's MemTracker refuses a gradient hook on a frozen weight:
+    it crashed): the rank's model state is the planner's (adapters trained, the base frozen) and its
+    peak within the bar."""
+    result = _measured(
+        _measure(*MODEL, *BATCH, "peft=lora", "parallel.dp_shard=2", "cluster.gpus_per_node=2")
+    )
     measured, predicted = result["measured"], result["predicted"]
     assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
     assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
 
 
 def test_a_pipeline_rank_of_an_8_rank_layout_measured_here_runs_its_part_of_the_schedule():
-    """FSDP 2 × TP 2 + SP × pp 2 under 1F1B (4 micro-batches a pipeline): rank 0 (the first stage) and rank 7 (the
-    last) each run alone, their stages built with the shapes they exchange (no other stage to ask), their sends and
-    receives the fake group's. Each meets the planner's peak and model state for its stage, and the first stage's
-    peak is the higher: 1F1B keeps pp micro-batches' activations in flight there, one on the last stage."""
-    layout = [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2", "parallel.dp_shard=2",
-              "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=1f1b", "cluster.gpus_per_node=8"]
-    first, last = (_measured(proc) for proc in [_measure(*layout, f"plan.measure_rank={rank}") for rank in (0, 7)])
+    """FSDP 2 × TP 2 + SP × pp 2 under 1F1B (4 micro-batches a pipeline): rank 0 (the first stage)
+    and rank 7 (the last) each run alone, their stages built with the shapes they exchange (no other
+    stage to ask), their sends and receives the fake group's. Each meets the planner's peak and
+    model state for its stage, and the first stage's peak is the higher: 1F1B keeps pp
+    micro-batches' activations in flight there, one on the last stage."""
+    layout = [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.pp_schedule=1f1b",
+        "cluster.gpus_per_node=8",
+    ]
+    first, last = (
+        _measured(proc)
+        for proc in [_measure(*layout, f"plan.measure_rank={rank}") for rank in (0, 7)]
+    )
     for rank, pp_rank, result in ((0, 0, first), (7, 1, last)):
         measured, predicted = result["measured"], result["predicted"]
-        assert (measured["rank"], measured["pp_rank"], result["layout"]) == (rank, pp_rank,
-                                                                             "pp2 dp2 tp2+sp z3 1f1b/v1/M4 mb1 ac:none")
+        assert (measured["rank"], measured["pp_rank"], result["layout"]) == (
+            rank,
+            pp_rank,
+            "pp2 dp2 tp2+sp z3 1f1b/v1/M4 mb1 ac:none",
+        )
         assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result
         assert _rel(measured["peak_bytes"], predicted["peak_bytes"]) < 0.15, result
     assert first["measured"]["peak_bytes"] > 1.1 * last["measured"]["peak_bytes"], (first, last)
@@ -858,33 +1430,61 @@ def test_a_pipeline_rank_of_an_8_rank_layout_measured_here_runs_its_part_of_the_
 
 
 def test_a_measured_pipeline_stage_sends_what_its_boundary_says_in_bf16():
-    """In bf16 the residual stream a first stage sends is bf16 under FSDP's mixed precision and fp32 under autocast
-    (ZeRO-1: no FSDP); the measured stage checks each micro-batch it sends against the boundary it was built with
-    (``stage_boundary``) and fails the step on a mismatch, so these runs finishing is that check passing. The model
-    state meets the planner's under both (ZeRO-1's gradient buckets counted: without them it measured 57%)."""
-    layout = [*MODEL, "train.global_batch_size=8", "train.micro_batch_size=1", "parallel.pp=2",
-              "precision.param_dtype=bfloat16", "cluster.gpus_per_node=4"]
-    runs = [_measure(*layout, data_parallel) for data_parallel in ("parallel.dp_shard=2", "parallel.zero_stage=1")]
+    """In bf16 the residual stream a first stage sends is bf16 under FSDP's mixed precision and fp32
+    under autocast (ZeRO-1: no FSDP); the measured stage checks each micro-batch it sends against
+    the boundary it was built with (``stage_boundary``) and fails the step on a mismatch, so these
+    runs finishing is that check passing. The model state meets the planner's under both (ZeRO-1's
+    gradient buckets counted: without them it measured 57%)."""
+    layout = [
+        *MODEL,
+        "train.global_batch_size=8",
+        "train.micro_batch_size=1",
+        "parallel.pp=2",
+        "precision.param_dtype=bfloat16",
+        "cluster.gpus_per_node=4",
+    ]
+    runs = [
+        _measure(*layout, data_parallel)
+        for data_parallel in ("parallel.dp_shard=2", "parallel.zero_stage=1")
+    ]
     for result, zero_stage in zip(map(_measured, runs), ("z3", "z1")):
         assert result["layout"] == f"pp2 dp2 tp1 {zero_stage} 1f1b/v1/M4 mb1 ac:none", result
         assert result["measured"]["pp_rank"] == 0 and result["measured"]["peak_bytes"] > 0, result
-        assert _rel(result["measured"]["model_state_bytes"], result["predicted"]["model_state_bytes"]) < 0.02, result
+        assert (
+            _rel(result["measured"]["model_state_bytes"], result["predicted"]["model_state_bytes"])
+            < 0.02
+        ), result
 
 
 def test_pipeline_stages_given_their_boundary_match_what_torch_infers(measured):
-    """plan.measure builds a pipeline's stages with the shapes they exchange (``parallel.pipeline.stage_boundary``,
-    from the config); in the real runs above torch inferred them by messages at the first step: every stage's input
-    and sent output are the same shape, dtype and gradient flag (1F1B, GPipe, TP + SP, DDP, FSDP with a tied
-    embedding, pp=4, MoE with expert parallel)."""
+    """plan.measure builds a pipeline's stages with the shapes they exchange
+    (``parallel.pipeline.stage_boundary``, from the config); in the real runs above torch inferred
+    them by messages at the first step: every stage's input and sent output are the same shape,
+    dtype and gradient flag (1F1B, GPipe, TP + SP, DDP, FSDP with a tied embedding, pp=4, MoE with
+    expert parallel)."""
     pipelines = {name: ranks for name, (ranks, _) in measured.items() if "stage_shapes" in ranks[0]}
     assert len(pipelines) == 8, sorted(pipelines)
-    bad = [(name, rank, index, shapes) for name, ranks in pipelines.items() for rank, r in enumerate(ranks)
-           for index, shapes in r["stage_shapes"].items() if shapes["inferred"] != shapes["boundary"]]
+    bad = [
+        (name, rank, index, shapes)
+        for name, ranks in pipelines.items()
+        for rank, r in enumerate(ranks)
+        for index, shapes in r["stage_shapes"].items()
+        if shapes["inferred"] != shapes["boundary"]
+    ]
     assert not bad, bad
 
 
 def test_measuring_a_zero_bubble_pipeline_is_refused_naming_the_key():
-    proc = _plan(*MODEL, *PP_BATCH, "parallel.pp=2", "parallel.pp_schedule=zbv", "cluster.device=cpu",
-                 "cluster.gpus_per_node=2", "plan.measure=true")
-    assert proc.returncode == 2 and "parallel.pp_schedule" in proc.stderr and "zbv" in proc.stderr, proc.stderr[-2000:]
+    proc = _plan(
+        *MODEL,
+        *PP_BATCH,
+        "parallel.pp=2",
+        "parallel.pp_schedule=zbv",
+        "cluster.device=cpu",
+        "cluster.gpus_per_node=2",
+        "plan.measure=true",
+    )
+    assert (
+        proc.returncode == 2 and "parallel.pp_schedule" in proc.stderr and "zbv" in proc.stderr
+    ), proc.stderr[-2000:]
     assert proc.stderr.strip().count("\n") == 0, proc.stderr

@@ -1,5 +1,6 @@
-"""What the training step does on the hot path: the loss, the optimizer kernels, FSDP only where it shards,
-low-precision compute without FSDP, metrics read back once per logging window, TFLOP/s and MFU."""
+"""What the training step does on the hot path: the loss, the optimizer kernels, FSDP only where it
+shards, low-precision compute without FSDP, metrics read back once per logging window, TFLOP/s and
+MFU."""
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from harness import FAST, spawn, train
 from hydra import compose, initialize_config_module
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from composer3d.config import ConfigError, register_configs, validate
+from composer3d.config.checks import validate
+from composer3d.config.registration import register_configs
 from composer3d.data import IGNORE_INDEX
+from composer3d.errors import ConfigError
 from composer3d.training import loss as loss_module
 from composer3d.training import optim
 from composer3d.training.compiled_adamw import CompiledAdamW
@@ -31,21 +34,28 @@ def _logits_and_targets(rows=24, vocab=515, dtype=torch.float32, seed=0):
 
 def _reference(logits, targets):
     full = logits.detach().float().requires_grad_(True)
-    loss = F.cross_entropy(full.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(
+        full.flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     loss.backward()
     return loss.detach(), full.grad
 
 
 def _compiled_graphs() -> int:
-    """Graphs torch.compile made for the loss's chunk kernels (dynamo's cache on their code objects)."""
-    return sum(len(_debug_get_cache_entry_list(kernel.__code__))
-               for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place))
+    """Graphs torch.compile made for the loss's chunk kernels (dynamo's cache on their code
+    objects)."""
+    return sum(
+        len(_debug_get_cache_entry_list(kernel.__code__))
+        for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place)
+    )
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, compiled):
-    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 515 * 5)  # 5 rows a chunk: several chunks, a ragged last one
+    monkeypatch.setattr(
+        loss_module, "CHUNK_ELEMENTS", 515 * 5
+    )  # 5 rows a chunk: several chunks, a ragged last one
     logits, targets = _logits_and_targets(dtype=dtype)
     expected_loss, expected_grad = _reference(logits, targets)
     logits.requires_grad_(True)
@@ -53,13 +63,17 @@ def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, comp
     graphs = _compiled_graphs()
     loss = cross_entropy_sum(logits, targets, compiled=compiled, in_place=True)
     (loss * 0.5).backward()  # a scaled loss, as the trainer divides by the token count
-    assert torch.equal(logits.detach(), given), "a leaf's logits are the caller's own: never overwritten"
+    assert torch.equal(logits.detach(), given), (
+        "a leaf's logits are the caller's own: never overwritten"
+    )
     assert loss.dtype == torch.float32 and logits.grad.dtype == dtype
     assert torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4), (loss, expected_loss)
-    assert torch.allclose(logits.grad.float(), 0.5 * expected_grad, atol=tolerance), \
+    assert torch.allclose(logits.grad.float(), 0.5 * expected_grad, atol=tolerance), (
         (logits.grad.float() - 0.5 * expected_grad).abs().max()
+    )
     assert logits.grad[0, :3].abs().max() == 0, "ignored targets take no gradient"
-    # compiled: the forward and backward kernels ran as compiled graphs (a new dtype compiles anew); eager: none
+    # compiled: the forward and backward kernels ran as compiled graphs (a new dtype compiles anew);
+    # eager: none
     assert (_compiled_graphs() > graphs) == compiled
 
 
@@ -69,14 +83,20 @@ def test_in_place_loss_writes_the_logits_gradient_over_the_heads_output(monkeypa
     hidden, targets = _logits_and_targets(vocab=32)
     head = nn.Linear(32, 515, bias=False)
     reference = head.weight.detach().clone().requires_grad_(True)
-    F.cross_entropy(F.linear(hidden, reference).flatten(0, 1), targets.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                    reduction="sum").backward()
+    F.cross_entropy(
+        F.linear(hidden, reference).flatten(0, 1),
+        targets.flatten(0, 1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    ).backward()
     logits = head(hidden)
     storage, arrived = logits.data_ptr(), []
     logits.register_hook(lambda grad: arrived.append(grad.data_ptr()))
     cross_entropy_sum(logits, targets, compiled=compiled, in_place=True).backward()
     assert arrived == [storage], "the gradient took the logits' memory"
-    assert torch.allclose(head.weight.grad, reference.grad, atol=1e-5), (head.weight.grad - reference.grad).abs().max()
+    assert torch.allclose(head.weight.grad, reference.grad, atol=1e-5), (
+        (head.weight.grad - reference.grad).abs().max()
+    )
 
     # logits an op saved for its own backward (its output): autograd's version check refuses, loudly
     capped = torch.tanh(F.linear(hidden, head.weight))
@@ -95,11 +115,19 @@ def test_chunked_cross_entropy_keeps_no_full_vocabulary_fp32_tensor():
             fn()
         return max((t.numel() for t in saved if t.dtype == torch.float32), default=0)
 
-    upcast = saved_fp32_elements(lambda: F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1),
-                                                         ignore_index=IGNORE_INDEX, reduction="sum"))
+    upcast = saved_fp32_elements(
+        lambda: F.cross_entropy(
+            logits.float().flatten(0, 1),
+            targets.flatten(0, 1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+    )
     chunked = saved_fp32_elements(lambda: cross_entropy_sum(logits, targets))
     assert upcast >= full, "the check itself: the plain upcast keeps full fp32 logits for backward"
-    assert chunked <= logits.shape[0] * logits.shape[1], f"fp32 saved per token only, got {chunked} elements"
+    assert chunked <= logits.shape[0] * logits.shape[1], (
+        f"fp32 saved per token only, got {chunked} elements"
+    )
 
 
 def _vocab_parallel_worker(rank, world_size):
@@ -107,14 +135,21 @@ def _vocab_parallel_worker(rank, world_size):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     loss_module.CHUNK_ELEMENTS = 258 * 5
-    logits, targets = _logits_and_targets(vocab=515)  # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
+    logits, targets = _logits_and_targets(
+        vocab=515
+    )  # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
     expected_loss, expected_grad = _reference(logits, targets)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
-    for compiled in (False, True):  # the row max and sum of exponentials all-reduced between compiled kernels
+    for compiled in (
+        False,
+        True,
+    ):  # the row max and sum of exponentials all-reduced between compiled kernels
         sharded = distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_(True)
         loss = cross_entropy_sum(sharded, targets, compiled=compiled)
         loss.backward()
-        assert not isinstance(loss, type(sharded)) and torch.allclose(loss, expected_loss, rtol=1e-6, atol=1e-4)
+        assert not isinstance(loss, type(sharded)) and torch.allclose(
+            loss, expected_loss, rtol=1e-6, atol=1e-4
+        )
         assert torch.allclose(sharded.grad.full_tensor(), expected_grad, atol=1e-5)
     assert len(_debug_get_cache_entry_list(loss_module._chunk_sum_exp.__code__)) > 0
 
@@ -127,8 +162,15 @@ def _tiny_model():
     return nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
 
 
-@pytest.mark.parametrize("implementation, fused, foreach", [
-    ("auto", True, False), ("fused", True, False), ("foreach", False, True), ("for_loop", False, False)])
+@pytest.mark.parametrize(
+    "implementation, fused, foreach",
+    [
+        ("auto", True, False),
+        ("fused", True, False),
+        ("foreach", False, True),
+        ("for_loop", False, False),
+    ],
+)
 def test_adamw_implementation_picks_its_kernels(implementation, fused, foreach):
     cfg = compose_cfg([f"optim.implementation={implementation}"]).optim
     model = _tiny_model()
@@ -139,12 +181,15 @@ def test_adamw_implementation_picks_its_kernels(implementation, fused, foreach):
         optimizer.step()
     ops = {event.key for event in prof.key_averages()}
     assert ("aten::_fused_adamw_" in ops) == fused, sorted(ops)
-    assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(ops)  # the unfused multi-tensor update
+    assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(
+        ops
+    )  # the unfused multi-tensor update
 
 
 def test_auto_compiles_the_step_where_every_parameter_is_on_the_accelerator(monkeypatch):
-    """The accelerator stood in by the meta device (the CPU box has none): auto picks the compiled update there,
-    the fused kernel on the CPU, foreach where some device has no fused kernel; a named implementation is kept."""
+    """The accelerator stood in by the meta device (the CPU box has none): auto picks the compiled
+    update there, the fused kernel on the CPU, foreach where some device has no fused kernel; a
+    named implementation is kept."""
     monkeypatch.setattr(optim, "is_accelerator", lambda device: device.type == "meta")
     on_accelerator, on_cpu = torch.empty(2, device="meta"), torch.empty(2)
     assert adamw_implementation("auto", [on_accelerator]) == "compiled"
@@ -170,29 +215,50 @@ def test_low_bit_optimizer_refuses_a_kernel_choice():
 def compose_cfg(overrides):
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        return compose("train", overrides=["data=synthetic", "data.synthetic_sequences=64", "run.dir=unused",
-                                           "checkpoint.enabled=false", "launch.device=cpu", *overrides])
+        return compose(
+            "train",
+            overrides=[
+                "data=synthetic",
+                "data.synthetic_sequences=64",
+                "run.dir=unused",
+                "checkpoint.enabled=false",
+                "launch.device=cpu",
+                *overrides,
+            ],
+        )
 
 
 def _fsdp_and_dtypes_worker(rank, world_size, overrides, expect_fsdp, expected):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
-    from composer3d.training.trainer import Trainer, prepare_rank
+    from composer3d.launch.rank import prepare_rank
+    from composer3d.parallel.mesh import ParallelMesh
+    from composer3d.training.trainer import Trainer
 
-    cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=2",
-                       *overrides])
-    degrees, device = prepare_rank(cfg, None if world_size == 1 else _env(rank, world_size))
+    cfg = compose_cfg(
+        [
+            "model=tiny",
+            "train.seq_len=32",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=2",
+            *overrides,
+        ]
+    )
+    layout, device = prepare_rank(cfg, None if world_size == 1 else _env(rank, world_size))
     from composer3d.data import build_sequences
 
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0)
-    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+    trainer = Trainer(cfg, ParallelMesh(layout, device.type), device, sequences)
     assert any(isinstance(m, FSDPModule) for m in trainer.model.modules()) == expect_fsdp
-    meshes = {p.device_mesh.mesh_dim_names for p in trainer.model.parameters() if isinstance(p, DTensor)}
+    meshes = {
+        p.device_mesh.mesh_dim_names for p in trainer.model.parameters() if isinstance(p, DTensor)
+    }
     assert meshes == expected["meshes"], meshes
     outputs = []
-    trainer.model.layers["0"].attention.wq.register_forward_hook(lambda m, i, o: outputs.append(o.dtype))
+    trainer.model.layers["0"].attention.wq.register_forward_hook(
+        lambda m, i, o: outputs.append(o.dtype)
+    )
     trainer.train_step()
     assert outputs and set(outputs) == {expected["compute"]}, outputs  # one per micro-batch
     assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}, "fp32 master weights"
@@ -207,17 +273,36 @@ def _env(rank, world_size):
     return Env(rank=rank, local_rank=rank, world_size=world_size)
 
 
-@pytest.mark.parametrize("overrides, world_size, expect_fsdp, expected", [
-    (["precision.param_dtype=bfloat16"], 1, False, {"meshes": set(), "compute": torch.bfloat16}),
-    (["precision.param_dtype=float32"], 1, False, {"meshes": set(), "compute": torch.float32}),
-    (["parallel.tp=2", "parallel.dp_shard=1", "precision.param_dtype=bfloat16"], 2, False,
-     {"meshes": {("tp",)}, "compute": torch.bfloat16}),
-    (["parallel.dp_shard=2", "precision.param_dtype=bfloat16"], 2, True,
-     {"meshes": {("dp_shard_cp",)}, "compute": torch.bfloat16}),
-])
-def test_fsdp_only_where_a_data_parallel_dim_shards(tmp_path, overrides, world_size, expect_fsdp, expected):
-    """One device and TP-only layouts carry no FSDP (no all-gather/reduce-scatter copies), yet compute in bf16
-    over fp32 weights, gradients and optimizer state, like FSDP's mixed precision does."""
+@pytest.mark.parametrize(
+    "overrides, world_size, expect_fsdp, expected",
+    [
+        (
+            ["precision.param_dtype=bfloat16"],
+            1,
+            False,
+            {"meshes": set(), "compute": torch.bfloat16},
+        ),
+        (["precision.param_dtype=float32"], 1, False, {"meshes": set(), "compute": torch.float32}),
+        (
+            ["parallel.tp=2", "parallel.dp_shard=1", "precision.param_dtype=bfloat16"],
+            2,
+            False,
+            {"meshes": {("tp",)}, "compute": torch.bfloat16},
+        ),
+        (
+            ["parallel.dp_shard=2", "precision.param_dtype=bfloat16"],
+            2,
+            True,
+            {"meshes": {("dp_shard_cp",)}, "compute": torch.bfloat16},
+        ),
+    ],
+)
+def test_fsdp_only_where_a_data_parallel_dim_shards(
+    tmp_path, overrides, world_size, expect_fsdp, expected
+):
+    """One device and TP-only layouts carry no FSDP (no all-gather/reduce-scatter copies), yet
+    compute in bf16 over fp32 weights, gradients and optimizer state, like FSDP's mixed precision
+    does."""
     spawn(_fsdp_and_dtypes_worker, world_size, tmp_path, overrides, expect_fsdp, expected)
 
 
@@ -227,15 +312,25 @@ def _garbage_collection_worker(rank, world_size, gc_every, steps, out):
     from pathlib import Path
 
     from composer3d.data import build_sequences
-    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+    from composer3d.launch.rank import prepare_rank
+    from composer3d.parallel.mesh import ParallelMesh
     from composer3d.training.metrics import MetricsSink
-    from composer3d.training.trainer import Trainer, prepare_rank
+    from composer3d.training.trainer import Trainer
 
-    cfg = compose_cfg(["model=tiny", "train.seq_len=32", "train.global_batch_size=4", "train.micro_batch_size=1",
-                       "parallel.dp_shard=2", f"train.steps={steps}", f"train.gc_every={gc_every}"])
-    degrees, device = prepare_rank(cfg, _env(rank, world_size))
+    cfg = compose_cfg(
+        [
+            "model=tiny",
+            "train.seq_len=32",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=1",
+            "parallel.dp_shard=2",
+            f"train.steps={steps}",
+            f"train.gc_every={gc_every}",
+        ]
+    )
+    layout, device = prepare_rank(cfg, _env(rank, world_size))
     sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, 0)
-    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, sequences)
+    trainer = Trainer(cfg, ParallelMesh(layout, device.type), device, sequences)
     collections = []  # the step a collection ran after (the trainer's count of finished steps)
     in_step = [False]
     original_step = trainer.train_step
@@ -246,27 +341,38 @@ def _garbage_collection_worker(rank, world_size, gc_every, steps, out):
             return original_step()
         finally:
             in_step[0] = False
+
     trainer.train_step = train_step
 
     def on_gc(phase, info):
         if phase == "start":
-            collections.append({"step": trainer.step, "in_step": in_step[0], "generation": info["generation"],
-                                "automatic": gc.isenabled()})
+            collections.append(
+                {
+                    "step": trainer.step,
+                    "in_step": in_step[0],
+                    "generation": info["generation"],
+                    "automatic": gc.isenabled(),
+                }
+            )
+
     gc.set_threshold(50)  # frequent automatic collections, so one inside a step cannot go unseen
     gc.callbacks.append(on_gc)
     try:
         trainer.fit(MetricsSink(Path(out), cfg, enabled=False, total_steps=steps), None)
     finally:
         gc.callbacks.remove(on_gc)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"collections": collections, "enabled": gc.isenabled()}))
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"collections": collections, "enabled": gc.isenabled()})
+    )
     trainer.close()
 
 
 @pytest.mark.parametrize("gc_every", [2, 0])
 def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
-    """train.gc_every=2: no collection runs inside a step; training's own (full) collections run on every rank when
-    training starts (before freezing the setup) and after steps 2 and 4, and Python's collector is back on
-    afterwards; gc_every=0 leaves Python's automatic collections, which then strike inside steps."""
+    """train.gc_every=2: no collection runs inside a step; training's own (full) collections run on
+    every rank when training starts (before freezing the setup) and after steps 2 and 4, and
+    Python's collector is back on afterwards; gc_every=0 leaves Python's automatic collections,
+    which then strike inside steps."""
     import json
 
     spawn(_garbage_collection_worker, 2, tmp_path, gc_every, 4, str(tmp_path))
@@ -276,8 +382,11 @@ def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
         assert result["enabled"], "the automatic collector is restored after training"
         if gc_every:
             assert not any(c["in_step"] for c in collections), collections
-            assert [(c["step"], c["generation"]) for c in collections if not c["automatic"]] == \
-                [(0, 2), (2, 2), (4, 2)], collections
+            assert [(c["step"], c["generation"]) for c in collections if not c["automatic"]] == [
+                (0, 2),
+                (2, 2),
+                (4, 2),
+            ], collections
         else:
             assert sum(c["in_step"] for c in collections) > 10, collections
 
@@ -285,36 +394,57 @@ def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
 def test_single_device_checkpoint_resumes_under_fsdp_and_tp(tmp_path):
     args = [*FAST, "train.steps=8", "checkpoint.interval=4"]
     single = train(tmp_path / "single", *args)
-    resumed = train(tmp_path / "fsdp_tp", *args, "parallel.dp_shard=2", "parallel.tp=2",
-                    "parallel.sequence_parallel=true", nproc=4,
-                    *[f"checkpoint.resume={single.run_dir / 'checkpoints' / 'step-00000004'}"])
+    resumed = train(
+        tmp_path / "fsdp_tp",
+        *args,
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        nproc=4,
+        *[f"checkpoint.resume={single.run_dir / 'checkpoints' / 'step-00000004'}"],
+    )
     assert [m["step"] for m in resumed.metrics] == [5, 6, 7, 8]
-    assert max(abs(a - b) for a, b in zip(single.losses[4:], resumed.losses)) < 1e-4, (single.losses, resumed.losses)
+    assert max(abs(a - b) for a, b in zip(single.losses[4:], resumed.losses)) < 1e-4, (
+        single.losses,
+        resumed.losses,
+    )
 
 
 def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
-    """log_every=3 defers reading the loss to every third step (and the last), yet writes every step's line with
-    the values a per-step read gives; TFLOP/s and, with a declared peak, MFU come with them."""
+    """log_every=3 defers reading the loss to every third step (and the last), yet writes every
+    step's line with the values a per-step read gives; TFLOP/s and, with a declared peak, MFU come
+    with them."""
     every_step = train(tmp_path / "each", *FAST, "train.steps=7")
-    windowed = train(tmp_path / "window", *FAST, "train.steps=7", "logging.log_every=3", "logging.peak_tflops=0.001")
+    windowed = train(
+        tmp_path / "window",
+        *FAST,
+        "train.steps=7",
+        "logging.log_every=3",
+        "logging.peak_tflops=0.001",
+    )
     assert [m["step"] for m in windowed.metrics] == list(range(1, 8))
     for key in ("loss", "grad_norm", "lr"):
         assert [m[key] for m in windowed.metrics] == [m[key] for m in every_step.metrics], key
     times = [m["step_time_s"] for m in windowed.metrics]
-    assert times[0] == times[1] == times[2] and times[3] == times[4] == times[5], "the window's average"
+    assert times[0] == times[1] == times[2] and times[3] == times[4] == times[5], (
+        "the window's average"
+    )
     for record in windowed.metrics:
         assert record["tflops_per_s"] > 0
         assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.001)
     assert all(m["mfu"] is None for m in every_step.metrics), "no peak known for the CPU"
     info = windowed.run_info
-    assert info["flops_per_token"] == flops_per_token(info["num_params"], 512 * 64, 2, 64, 64)  # tiny: vocab 512, dim 64
+    assert info["flops_per_token"] == flops_per_token(
+        info["num_params"], 512 * 64, 2, 64, 64
+    )  # tiny: vocab 512, dim 64
     assert "MFU" in windowed.output and "TFLOP/s" in windowed.output
 
 
 @pytest.mark.parametrize("seq_len", [8, 33])
 def test_a_sliding_window_counts_the_scores_transformers_mask_keeps(seq_len):
-    """attended_share: of a causal layer's (query, key) pairs, those transformers' sliding-window mask keeps, counted
-    on the mask itself, for windows shorter than, equal to and longer than the sequence (0: no window)."""
+    """attended_share: of a causal layer's (query, key) pairs, those transformers' sliding-window
+    mask keeps, counted on the mask itself, for windows shorter than, equal to and longer than the
+    sequence (0: no window)."""
     from fractions import Fraction
 
     import transformers.masking_utils as masks
@@ -325,14 +455,20 @@ def test_a_sliding_window_counts_the_scores_transformers_mask_keeps(seq_len):
     causal = int(masks.causal_mask_function(zero, zero, q, k).sum())
     for window in (1, 3, seq_len, seq_len + 7):
         kept = int(masks.sliding_window_causal_mask_function(window)(zero, zero, q, k).sum())
-        assert Fraction(attended_share(window, seq_len)).limit_denominator(10**6) == Fraction(kept, causal), window
+        assert Fraction(attended_share(window, seq_len)).limit_denominator(10**6) == Fraction(
+            kept, causal
+        ), window
     assert attended_share(0, seq_len) == 1.0
 
 
 def test_flops_per_token_and_peak_table(monkeypatch):
-    # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 6·L·H·Q·T (causal: half the score matrix)
+    # Llama-3.2-1B shape, untied head, seq 8192: 6·(N − embedding) + 6·L·H·Q·T (causal: half the
+    # score matrix)
     n, embedding = 1_498_482_688, 128256 * 2048
-    assert flops_per_token(n, embedding, 16, 32 * 64, 8192) == 6 * (n - embedding) + 6 * 16 * 2048 * 8192
+    assert (
+        flops_per_token(n, embedding, 16, 32 * 64, 8192)
+        == 6 * (n - embedding) + 6 * 16 * 2048 * 8192
+    )
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda", 0)
     assert peak_flops(cuda, "bfloat16") == 989.4e12
@@ -346,7 +482,8 @@ def test_flops_per_token_and_peak_table(monkeypatch):
 
 @pytest.fixture
 def one_rank_group():
-    """A gloo process group of this one process (a Trainer's mesh needs one), gone after the test."""
+    """A gloo process group of this one process (a Trainer's mesh needs one), gone after the
+    test."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -354,33 +491,51 @@ def one_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("compile_enabled, accelerator, expect_compiled", [
-    (False, False, False), (True, False, True), (False, True, True)], ids=["eager", "compile", "accelerator"])
+@pytest.mark.parametrize(
+    "compile_enabled, accelerator, expect_compiled",
+    [(False, False, False), (True, False, True), (False, True, True)],
+    ids=["eager", "compile", "accelerator"],
+)
 @pytest.mark.parametrize("loss_impl", ["chunked", "fused"])
-def test_loss_kernels_compile_with_compile_enabled_or_on_an_accelerator(monkeypatch, one_rank_group, loss_impl,
-                                                                         compile_enabled, accelerator,
-                                                                         expect_compiled):
-    """Trainer._compiled_loss: the step's loss asks for its compiled chunk kernels (``compiled_kernels``, whose
-    graphs test_chunked_cross_entropy_matches_torch counts) with compile.enabled, and on an accelerator in an eager
-    run too; an eager run on the CPU runs them eagerly. The same loss either way."""
+def test_loss_kernels_compile_with_compile_enabled_or_on_an_accelerator(
+    monkeypatch, one_rank_group, loss_impl, compile_enabled, accelerator, expect_compiled
+):
+    """Trainer._compiled_loss: the step's loss asks for its compiled chunk kernels
+    (``compiled_kernels``, whose graphs test_chunked_cross_entropy_matches_torch counts) with
+    compile.enabled, and on an accelerator in an eager run too; an eager run on the CPU runs them
+    eagerly. The same loss either way."""
     from composer3d.launch import distributed
-    from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+    from composer3d.launch.rank import prepare_rank
+    from composer3d.parallel.mesh import ParallelMesh
     from composer3d.training import fused_loss
-    from composer3d.training.trainer import Trainer, prepare_rank
+    from composer3d.training.trainer import Trainer
 
     requested = []
 
     def spy():  # the eager kernels: the test counts requests, it does not pay for inductor
         requested.append(True)
         return loss_module.EAGER_KERNELS
+
     for module in (loss_module, fused_loss):
         monkeypatch.setattr(module, "compiled_kernels", spy)
-    monkeypatch.setattr(distributed, "is_accelerator", lambda device: accelerator)  # what the Trainer asks
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda *args, **kwargs: None)  # blocks eager: only the loss
-    cfg = compose_cfg(["model=tiny", "train.seq_len=16", "train.global_batch_size=2", "train.micro_batch_size=2",
-                       f"compile.enabled={compile_enabled}", f"train.loss_impl={loss_impl}"])
-    degrees, device = prepare_rank(cfg, None)
-    trainer = Trainer(cfg, ParallelMesh(layout_from_degrees(degrees), device.type), device, None)
+    monkeypatch.setattr(
+        distributed, "is_accelerator", lambda device: accelerator
+    )  # what the Trainer asks
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda *args, **kwargs: None
+    )  # blocks eager: only the loss
+    cfg = compose_cfg(
+        [
+            "model=tiny",
+            "train.seq_len=16",
+            "train.global_batch_size=2",
+            "train.micro_batch_size=2",
+            f"compile.enabled={compile_enabled}",
+            f"train.loss_impl={loss_impl}",
+        ]
+    )
+    layout, device = prepare_rank(cfg, None)
+    trainer = Trainer(cfg, ParallelMesh(layout, device.type), device, None)
     inputs = torch.randint(0, cfg.model.vocab_size, (2, 16))
     trainer._model_loss(inputs, inputs.roll(-1, 1)).backward()
     assert trainer._compiled_loss == expect_compiled

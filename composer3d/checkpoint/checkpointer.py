@@ -1,4 +1,5 @@
-"""The Checkpointer: saves a Trainer's whole state (async if asked), commits it atomically, prunes, resumes."""
+"""The Checkpointer: saves a Trainer's whole state (async if asked), commits it atomically, prunes,
+resumes."""
 
 from __future__ import annotations
 
@@ -39,49 +40,73 @@ from composer3d.checkpoint.format import (
     verified_checkpoints,
 )
 from composer3d.checkpoint.rng import rng_state, set_rng_state
-from composer3d.config import ConfigError
+from composer3d.config.schema import CheckpointConfig
 from composer3d.dtypes import DTYPES
+from composer3d.errors import ConfigError
 
 log = logging.getLogger("composer3d")
-# A save that failed writing: DCP gathers every rank's write failure (the disk full: ENOSPC, or torch's "unexpected
-# pos" from its zip writer) into one CheckpointException raised on every rank alike; our own files fail with OSError.
-# (A peer that died mid-save surfaces as the process group's RuntimeError instead: a crash, handled as one.)
+# A save that failed writing: DCP gathers every rank's write failure (the disk full: ENOSPC, or
+# torch's "unexpected pos" from its zip writer) into one CheckpointException raised on every rank
+# alike; our own files fail with OSError. (A peer that died mid-save surfaces as the process group's
+# RuntimeError instead: a crash, handled as one.)
 WRITE_FAILURES = (CheckpointException, OSError)
 
 
 class Checkpointer:
-    """Saves and restores a Trainer's whole state; see the module docstring for the on-disk contract."""
+    """Saves and restores a Trainer's whole state; see the module docstring for the on-disk
+    contract."""
 
-    def __init__(self, ckpt_cfg, run_dir: Path, trainer, config_dict: dict, whole_model: Callable[[], nn.Module],
-                 extra_meta: dict | None = None):
-        """``whole_model``: the model this run trains, whole and on meta (what a checkpoint it loads must hold);
-        ``extra_meta``: recorded in every checkpoint's meta too (a peft run's base source)."""
+    def __init__(
+        self,
+        ckpt_cfg: CheckpointConfig,
+        run_dir: Path,
+        trainer,
+        config_dict: dict,
+        whole_model: Callable[[], nn.Module],
+        extra_meta: dict | None = None,
+    ):
+        """``whole_model``: the model this run trains, whole and on meta (what a checkpoint it loads
+        must hold); ``extra_meta``: recorded in every checkpoint's meta too (a peft run's base
+        source)."""
         self.cfg = ckpt_cfg
         self.whole_model, self.extra_meta = whole_model, extra_meta or {}
         self.dir = checkpoint_dir(ckpt_cfg, run_dir)
         self.trainer = trainer
         self.config_dict = config_dict
         self.rank = dist.get_rank()
-        self.pending: tuple | None = None  # (future, partial dir, final dir) of an async save in flight
-        self.unreadable: set[Path] = set()  # checkpoints whose load failed here: never kept, never chosen
-        self._expected_bytes: dict[bool, int] = {}  # a save's state bytes, full (False) and model-only (True)
+        self.pending: tuple | None = (
+            None  # (future, partial dir, final dir) of an async save in flight
+        )
+        self.unreadable: set[Path] = (
+            set()
+        )  # checkpoints whose load failed here: never kept, never chosen
+        self._expected_bytes: dict[
+            bool, int
+        ] = {}  # a save's state bytes, full (False) and model-only (True)
         self.async_group = None
         if ckpt_cfg.async_mode != "none":
-            # Background writes run collectives; on their own gloo group they never interleave with training's.
+            # Background writes run collectives; on their own gloo group they never interleave with
+            # training's.
             timeout = timedelta(minutes=config_dict["launch"]["timeout_minutes"])
             self.async_group = dist.new_group(backend="gloo", timeout=timeout)
             self.stager = self._new_stager()
 
     def _new_stager(self) -> DefaultStager:
         pinned = self.cfg.async_mode == "async_pinned"
-        return DefaultStager(StagingOptions(use_pinned_memory=pinned, use_shared_memory=False,
-                                            use_async_staging=False, use_non_blocking_copy=pinned))
+        return DefaultStager(
+            StagingOptions(
+                use_pinned_memory=pinned,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=pinned,
+            )
+        )
 
     # -- state
 
     def _state_dict(self, model_only: bool, saving: bool = False) -> dict:
-        """``saving``: ZeRO-1's fp32 masters in place of the parameters rounded to a narrower gather dtype; a load
-        writes into the parameters themselves (``_masters_from_params``)."""
+        """``saving``: ZeRO-1's fp32 masters in place of the parameters rounded to a narrower gather
+        dtype; a load writes into the parameters themselves (``_masters_from_params``)."""
         t = self.trainer
         state = {"model": model_state(t.model)}
         if saving and t.sharder is not None:
@@ -92,11 +117,19 @@ class Checkpointer:
 
     def _meta(self, step: int, model_only: bool) -> dict:
         t = self.trainer
-        meta = {"format": FORMAT_VERSION, "step": step, "model_only": model_only, "config": self.config_dict,
-                "layout": t.mesh.layout.as_dict(), "world_size": dist.get_world_size()}
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "model_only": model_only,
+            "config": self.config_dict,
+            "layout": t.mesh.layout.as_dict(),
+            "world_size": dist.get_world_size(),
+        }
         meta.update(self.extra_meta)
         if not model_only:
-            meta.update({"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())})
+            meta.update(
+                {"data": t.loader.state_dict(), "scheduler": _jsonable(t.scheduler.state_dict())}
+            )
             if t.scaler is not None:  # fp16: resume with the scale reached, not loss_scale_init
                 meta["loss_scaler"] = t.scaler.state_dict()
         return meta
@@ -104,7 +137,9 @@ class Checkpointer:
     # -- saving
 
     def due(self, step: int) -> bool:
-        return (self.cfg.interval > 0 and step % self.cfg.interval == 0) or step == self.trainer.total_steps
+        return (
+            self.cfg.interval > 0 and step % self.cfg.interval == 0
+        ) or step == self.trainer.total_steps
 
     def save(self, step: int) -> None:
         self.wait()  # at most one save in flight
@@ -124,15 +159,21 @@ class Checkpointer:
         dist.barrier()
         try:
             if not model_only:
-                (partial / "rng" / f"rank{self.rank}.json").write_text(json.dumps(rng_state(self.trainer.device)))
+                (partial / "rng" / f"rank{self.rank}.json").write_text(
+                    json.dumps(rng_state(self.trainer.device))
+                )
             if self.rank == 0:
                 (partial / META_FILE).write_text(json.dumps(self._meta(step, model_only), indent=1))
             writer = self._storage_writer(partial, step)
             if self.async_group is None:
                 dcp.save(state, storage_writer=writer)
             else:
-                response = dcp.async_save(state, storage_writer=writer, process_group=self.async_group,
-                                          async_stager=self.stager)
+                response = dcp.async_save(
+                    state,
+                    storage_writer=writer,
+                    process_group=self.async_group,
+                    async_stager=self.stager,
+                )
         except WRITE_FAILURES as error:
             self._discard(partial, final, error)
         if self.async_group is None:
@@ -144,45 +185,62 @@ class Checkpointer:
             self.pending = (future, partial, final)
 
     def _check_room(self, final: Path, state: dict, model_only: bool) -> None:
-        """Refuse the save (on every rank alike: rank 0 decides) when checkpoint.dir lacks the room it needs. Nothing
-        is pruned to make room: pruning follows a committed save, so the last good checkpoint stays until then."""
+        """Refuse the save (on every rank alike: rank 0 decides) when checkpoint.dir lacks the room
+        it needs. Nothing is pruned to make room: pruning follows a committed save, so the last good
+        checkpoint stays until then."""
         estimate = self._expected_bytes.get(model_only)
-        if estimate is None:  # the state's shapes do not change between saves: gathered once per kind
+        if (
+            estimate is None
+        ):  # the state's shapes do not change between saves: gathered once per kind
             estimate = self._expected_bytes[model_only] = space.state_bytes(state)
         verdict = [None]
         if self.rank == 0:
-            last = next((p for p in verified_checkpoints(self.dir) if read_meta(p)["model_only"] == model_only), None)
+            last = next(
+                (
+                    p
+                    for p in verified_checkpoints(self.dir)
+                    if read_meta(p)["model_only"] == model_only
+                ),
+                None,
+            )
             needed = max(estimate, space.bytes_on_disk(last) if last else 0)
             free = space.free_bytes(self.dir)
             if free < needed:
                 basis = f"the size of {last.name}" if last else "the model and optimizer state"
-                verdict[0] = (f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs about "
-                              f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. Free space "
-                              "there, keep fewer checkpoints (checkpoint.keep_last="
-                              f"{self.cfg.keep_last} now; older ones are pruned only after a save), or set "
-                              "checkpoint.dir to a disk with room"
-                              f"{self._last_good()}")
+                verdict[0] = (
+                    f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs "
+                    "about "
+                    f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. "
+                    "Free space "
+                    "there, keep fewer checkpoints (checkpoint.keep_last="
+                    f"{self.cfg.keep_last} now; older ones are pruned only after a save), or set "
+                    "checkpoint.dir to a disk with room"
+                    f"{self._last_good()}"
+                )
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0] is not None:
             raise CheckpointNotSaved(verdict[0])
 
     def _discard(self, partial: Path, final: Path, error: BaseException) -> None:
-        """A save that failed anyway (the disk filled up while writing): its partial directory is removed, so no
-        half checkpoint is left taking space, and the run stops with one line."""
+        """A save that failed anyway (the disk filled up while writing): its partial directory is
+        removed, so no half checkpoint is left taking space, and the run stops with one line."""
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        raise CheckpointNotSaved(f"checkpoint.dir: checkpoint {final.name} could not be written to {self.dir} "
-                                 f"({failure_reason(error)}); its partial directory was removed{self._last_good()}. "
-                                 "Free space there, lower checkpoint.keep_last, or set checkpoint.dir to a disk with "
-                                 "room") from None
+        raise CheckpointNotSaved(
+            f"checkpoint.dir: checkpoint {final.name} could not be written to {self.dir} "
+            f"({failure_reason(error)}); its partial directory was removed{self._last_good()}. "
+            "Free space there, lower checkpoint.keep_last, or set checkpoint.dir to a disk with "
+            "room"
+        ) from None
 
     def _last_good(self) -> str:
         good = next((p for p in verified_checkpoints(self.dir) if p not in self.unreadable), None)
         return f"; the last good checkpoint, {good}, is kept" if good else ""
 
     def _storage_writer(self, path: Path, step: int) -> FileSystemWriter:
-        """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save: tests/fault_injection)."""
+        """Where DCP writes the save of ``step`` (tests replace it to crash a rank mid-save:
+        tests/fault_injection)."""
         return FileSystemWriter(path)
 
     def poll(self) -> None:
@@ -203,7 +261,8 @@ class Checkpointer:
     def _commit(self, partial: Path, final: Path) -> None:
         if self.rank != 0:
             return
-        # DCP's coordinator wrote .metadata only after gathering every rank's write results: all data is on disk.
+        # DCP's coordinator wrote .metadata only after gathering every rank's write results: all
+        # data is on disk.
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         log.info("checkpoint saved: %s", final)
@@ -215,10 +274,13 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         if self.cfg.keep_last <= 0:
             return
-        # Only checkpoints that pass verification count as kept: a corrupt one newer than the good ones must not
-        # take the place of the newest good one. A corrupt one older than the last one kept goes like any old one.
-        good = [p for p in verified_checkpoints(self.dir) if p not in self.unreadable]  # keep_last + 1, or few more
-        kept = good[:self.cfg.keep_last]
+        # Only checkpoints that pass verification count as kept: a corrupt one newer than the good
+        # ones must not take the place of the newest good one. A corrupt one older than the last one
+        # kept goes like any old one.
+        good = [
+            p for p in verified_checkpoints(self.dir) if p not in self.unreadable
+        ]  # keep_last + 1, or few more
+        kept = good[: self.cfg.keep_last]
         oldest_kept = _step(kept[-1]) if kept else keep_newer_than
         for old in committed_checkpoints(self.dir):
             if old not in kept and (old in good or _step(old) < oldest_kept):
@@ -227,7 +289,8 @@ class Checkpointer:
     # -- resuming
 
     def resume(self) -> int:
-        """Restore the newest usable checkpoint per ``checkpoint.resume``; returns the step to continue from."""
+        """Restore the newest usable checkpoint per ``checkpoint.resume``; returns the step to
+        continue from."""
         mode = self.cfg.resume
         if mode == "none":
             return 0
@@ -235,42 +298,65 @@ class Checkpointer:
             committed = committed_checkpoints(self.dir)
             if committed and read_meta(committed[0])["model_only"]:
                 return self._finished(committed[0])
-            for path in (p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]):
+            for path in (
+                p for p in verified_checkpoints(self.dir) if not read_meta(p)["model_only"]
+            ):
                 try:
                     return self._load(path)
                 except ConfigError:
                     raise
                 except LOAD_FAILURES as error:
                     self.unreadable.add(path)
-                    log.error("checkpoint %s is unreadable (%s); falling back to the previous one", path,
-                              failure_reason(error))
+                    log.error(
+                        "checkpoint %s is unreadable (%s); falling back to the previous one",
+                        path,
+                        failure_reason(error),
+                    )
             if any(not read_meta(p)["model_only"] for p in committed):
-                raise CheckpointError(f"no readable checkpoint in {self.dir} (tried {[p.name for p in committed]}); "
-                                      "fix or remove them, or start afresh in a new run.dir with checkpoint.resume=none")
+                raise CheckpointError(
+                    f"no readable checkpoint in {self.dir} (tried {[p.name for p in committed]}); "
+                    "fix or remove them, or start afresh in a new run.dir with "
+                    "checkpoint.resume=none"
+                )
             return 0
         path = Path(mode)
         if not (path / META_FILE).exists():
-            raise ConfigError(f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no {META_FILE}). "
-                              "Give a step-N directory, or use auto/none")
+            raise ConfigError(
+                f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no "
+                f"{META_FILE}). "
+                "Give a step-N directory, or use auto/none"
+            )
         try:
             return self._load(path)
         except ConfigError:
             raise
         except LOAD_FAILURES as error:
-            raise CheckpointError(f"checkpoint {path} is unreadable ({failure_reason(error)})") from None
+            raise CheckpointError(
+                f"checkpoint {path} is unreadable ({failure_reason(error)})"
+            ) from None
 
     def _finished(self, path: Path) -> int:
-        """The newest checkpoint holds only the final weights (checkpoint.model_only_final): the run is done. Training
-        on here, from an older checkpoint or from scratch, would overwrite or prune them: it is refused."""
+        """The newest checkpoint holds only the final weights (checkpoint.model_only_final): the run
+        is done. Training on here, from an older checkpoint or from scratch, would overwrite or
+        prune them: it is refused."""
         step = read_meta(path)["step"]
         if step != self.trainer.total_steps:
             raise ConfigError(
-                f"train.steps: {path} holds the final weights of a finished run (checkpoint.model_only_final, step "
-                f"{step}; no optimizer or data state to continue from), and train.steps={self.trainer.total_steps} "
-                "would train on in this directory, overwriting or pruning them. Use a new run.dir: with "
-                f"checkpoint.resume={path} it starts from these weights, or with checkpoint.resume=<an older step-N "
-                "directory> it continues that state")
-        log.info("%s holds the final weights (checkpoint.model_only_final); nothing is loaded or written", path)
+                f"train.steps: {path} holds the final weights of a finished run "
+                "(checkpoint.model_only_final, step "
+                f"{step}; no optimizer or data state to continue from), and "
+                f"train.steps={self.trainer.total_steps} "
+                "would train on in this directory, overwriting or pruning them. Use a new run.dir: "
+                "with "
+                f"checkpoint.resume={path} it starts from these weights, or with "
+                "checkpoint.resume=<an older step-N "
+                "directory> it continues that state"
+            )
+        log.info(
+            "%s holds the final weights (checkpoint.model_only_final); nothing is loaded or "
+            "written",
+            path,
+        )
         return step
 
     def _load(self, path: Path) -> int:
@@ -283,7 +369,8 @@ class Checkpointer:
             log.info("loaded model weights from %s (step 0, fresh optimizer)", path)
             return 0
         check_steps_left(meta, t.total_steps, path)
-        # First, before the expensive read: a changed corpus, seq_len or seed is a config problem, not a bad file.
+        # First, before the expensive read: a changed corpus, seq_len or seed is a config problem,
+        # not a bad file.
         t.loader.load_state_dict(meta["data"])
         state = self._state_dict(model_only=False)
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
@@ -291,24 +378,34 @@ class Checkpointer:
         _masters_from_params(t)
         t.load_optimizer_state_dict(state["optim"])
         scheduler_state = meta["scheduler"]
-        if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):  # torchao's optimizers keep lr a tensor
+        if isinstance(
+            t.optimizer.param_groups[0]["lr"], torch.Tensor
+        ):  # torchao's optimizers keep lr a tensor
             scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
         t.scheduler.load_state_dict(scheduler_state)
         changed = t.restore_configured_settings()
         if changed:
-            log.warning("resuming with other optimizer settings than the checkpoint's: %s; this run's values apply "
-                        "from step %d on (as config.yaml says)", ", ".join(changed), meta["step"] + 1)
+            log.warning(
+                "resuming with other optimizer settings than the checkpoint's: %s; this run's "
+                "values apply "
+                "from step %d on (as config.yaml says)",
+                ", ".join(changed),
+                meta["step"] + 1,
+            )
         if t.scaler is not None and "loss_scaler" in meta:
             t.scaler.load_state_dict(meta["loss_scaler"])
         rng_file = path / "rng" / f"rank{self.rank}.json"
         if meta["world_size"] == dist.get_world_size() and rng_file.exists():
             set_rng_state(json.loads(rng_file.read_text()), t.device)
-        log.info("resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"])
+        log.info(
+            "resumed from %s at step %d (saved under layout %s)", path, meta["step"], meta["layout"]
+        )
         return meta["step"]
 
 
 def _masters_from_params(trainer) -> None:
-    """After a load into the parameters (fp32 values): ZeRO-1's masters take them, the parameters their rounding."""
+    """After a load into the parameters (fp32 values): ZeRO-1's masters take them, the parameters
+    their rounding."""
     if trainer.sharder is not None:
         trainer.sharder.take_masters()
 
@@ -318,7 +415,8 @@ def _step(path: Path) -> int:
 
 
 def _jsonable(value: Any) -> Any:
-    """Scheduler state as plain JSON: tensors (torchao keeps learning rates as tensors) become numbers."""
+    """Scheduler state as plain JSON: tensors (torchao keeps learning rates as tensors) become
+    numbers."""
     if isinstance(value, torch.Tensor):
         return value.tolist()
     if isinstance(value, dict):
@@ -330,7 +428,8 @@ def _jsonable(value: Any) -> Any:
 
 def _can_stage_again(stager: DefaultStager) -> bool:
     """False where torch closed the stager's copier at the end of its save (torch 2.11 and 2.12,
-    pytorch/pytorch#183413): the next save through it would fail with ``KeyError: <class 'type'>``. Where it can,
-    the stager is kept, and with it the pinned staging buffers it reuses from save to save."""
+    pytorch/pytorch#183413): the next save through it would fail with ``KeyError: <class 'type'>``.
+    Where it can, the stager is kept, and with it the pinned staging buffers it reuses from save to
+    save."""
     copier = getattr(stager, "_state_dict_stager", None)
     return copier is None or bool(getattr(copier, "_deepcopy_dispatch", True))

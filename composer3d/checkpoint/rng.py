@@ -1,4 +1,5 @@
-"""Each rank's random-number generator states, as JSON (restored when a resume keeps the world size)."""
+"""Each rank's random-number generator states, as JSON (restored when a resume keeps the world
+size)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,26 @@
-"""Evaluation: mean next-token loss and perplexity over a text file — ``composer3d-eval`` and ``train.eval_every``.
+"""Evaluation: mean next-token loss and perplexity over a text file — ``composer3d-eval`` and
+``train.eval_every``.
 
-The definition (what ``composer3d-eval`` prints): the file is tokenized with the model's tokenizer, no special
-tokens added; the tokens are cut into non-overlapping windows of ``train.seq_len`` tokens, the last partial window
-dropped; every position of a window but the first is predicted from the ones before it, and the loss is the mean
-over all those predictions. Perplexity is exp(loss). It runs under any layout the trainer runs (same config tree,
-same model assembly): windows are dealt to data-parallel ranks, and under pipeline parallel they go through the
-schedule's forward-only pass.
+The definition (what ``composer3d-eval`` prints): the file is tokenized with the model's tokenizer,
+no special tokens added; the tokens are cut into non-overlapping windows of ``train.seq_len``
+tokens, the last partial window dropped; every position of a window but the first is predicted from
+the ones before it, and the loss is the mean over all those predictions. Perplexity is exp(loss). It
+runs under any layout the trainer runs (same config tree, same model assembly): windows are dealt to
+data-parallel ranks, and under pipeline parallel they go through the schedule's forward-only pass.
 
     composer3d-eval model=hf model.path=/models/qwen eval.path=/data/valid.txt train.seq_len=2048 \
         launch.nproc_per_node=8 parallel.tp=2 [checkpoint.resume=<run>/checkpoints/step-N]
 
-With ``eval.tasks``, lm-evaluation-harness tasks are scored instead (``eval_harness``; the ``eval`` extra), under
-the same layouts, and their metrics printed as one JSON line:
+With ``eval.tasks``, lm-evaluation-harness tasks are scored instead (``eval_harness``; the ``eval``
+extra), under the same layouts, and their metrics printed as one JSON line:
 
-    composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' eval.num_fewshot=0 \
-        [eval.task_paths=[my_tasks/]] [eval.limit=100]
+    composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' \
+        eval.num_fewshot=0 [eval.task_paths=[my_tasks/]] [eval.limit=100]
 
-With ``checkpoint.resume``, the model and tokenizer are the checkpoint's (its recorded config names them, as for
-``composer3d-generate``); ``model.*`` or ``data.tokenizer`` overrides go on top of them, and a model that then does
-not match the checkpoint's tensors is refused before any worker starts.
+With ``checkpoint.resume``, the model and tokenizer are the checkpoint's (its recorded config names
+them, as for ``composer3d-generate``); ``model.*`` or ``data.tokenizer`` overrides go on top of
+them, and a model that then does not match the checkpoint's tensors is refused before any worker
+starts.
 """
 
 from __future__ import annotations
@@ -35,39 +37,46 @@ from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
 from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
+from composer3d.config.checks import resolve_model_config, validate
+from composer3d.config.registration import register_configs
 from composer3d.data import eval_windows
 from composer3d.data.tokenizers import build_tokenizer
-from composer3d.errors import require_eval_extra
+from composer3d.errors import ConfigError, require_eval_extra
 from composer3d.launch import distributed, launcher
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.parallel.mesh import Layout, ParallelMesh
 from composer3d.peft.base import build_with_adapters, checkpoint_base
 from composer3d.training import console
 from composer3d.training.trainer import Trainer
 
 
 def check_weights_source(cfg: DictConfig) -> None:
-    """The weights to evaluate: a checkpoint (checkpoint.resume) or the model's own (model=hf's model.path).
-    A random initialization measures nothing, so it is refused rather than reported as a loss."""
+    """The weights to evaluate: a checkpoint (checkpoint.resume) or the model's own (model=hf's
+    model.path). A random initialization measures nothing, so it is refused rather than reported as
+    a loss."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
         if not (Path(resume) / META_FILE).is_file():
-            raise ConfigError(f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
-                              "step-N directory (its model weights are evaluated), or leave it out to evaluate "
-                              "model.path's weights")
+            raise ConfigError(
+                f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). "
+                "Give a "
+                "step-N directory (its model weights are evaluated), or leave it out to evaluate "
+                "model.path's weights"
+            )
         return
     if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
-        raise ConfigError(f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
-                          "composer3d-eval would evaluate a random initialization. Give checkpoint.resume=<run>/"
-                          "checkpoints/step-N, or model=hf model.path=<dir> with model.pretrained=true")
+        raise ConfigError(
+            f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
+            "composer3d-eval would evaluate a random initialization. Give checkpoint.resume=<run>/"
+            "checkpoints/step-N, or model=hf model.path=<dir> with model.pretrained=true"
+        )
 
 
 def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
-    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run that saved it, from
-    its recorded config, with the ``model.*`` and ``data.tokenizer`` overrides typed on top (a model group typed,
-    ``model=...``, replaces it whole)."""
+    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run
+    that saved it, from its recorded config, with the ``model.*`` and ``data.tokenizer`` overrides
+    typed on top (a model group typed, ``model=...``, replaces it whole)."""
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none") or not (Path(resume) / META_FILE).is_file():
         return  # check_weights_source says what is wrong
@@ -80,30 +89,43 @@ def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
     if not any(key.startswith("data.tokenizer") for key in keys):
         cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
-    if "peft" in recorded and not any(key.startswith("peft") for key in keys):  # its LoRA adapters: its model's
+    if "peft" in recorded and not any(
+        key.startswith("peft") for key in keys
+    ):  # its LoRA adapters: its model's
         cfg.peft = OmegaConf.merge(cfg.peft, recorded["peft"])
 
 
 def check_checkpoint_model(cfg: DictConfig) -> None:
-    """A model asked for that is not the checkpoint's: one line naming both shapes (not DCP's size mismatch)."""
+    """A model asked for that is not the checkpoint's: one line naming both shapes (not DCP's size
+    mismatch)."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
-        check_same_model(Path(resume), build_with_adapters(cfg.model, cfg.peft),
-                         remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own model "
-                                "(see {meta})")
+        check_same_model(
+            Path(resume),
+            build_with_adapters(cfg.model, cfg.peft),
+            remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own "
+            "model "
+            "(see {meta})",
+        )
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:
     console.setup_logging(env.rank if env else 0, stream=sys.stderr)
-    degrees, device = prepare_rank(cfg, env)
-    windows = None if cfg.eval.tasks else eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    layout, device = prepare_rank(cfg, env)
+    windows = (
+        None if cfg.eval.tasks else eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
+    )
     check_weights_source(cfg)
     resume = cfg.checkpoint.resume
-    env = distributed.init_process_group(device, env, timedelta(minutes=cfg.launch.timeout_minutes),
-                                         host_collectives=cfg.parallel.offload == "cpu")
+    env = distributed.init_process_group(
+        device,
+        env,
+        timedelta(minutes=cfg.launch.timeout_minutes),
+        host_collectives=cfg.parallel.offload == "cpu",
+    )
     finished = False
     try:
-        metrics = _evaluate_in_group(cfg, degrees, device, windows, resume)
+        metrics = _evaluate_in_group(cfg, layout, device, windows, resume)
         if env.rank == 0:
             print(json.dumps(metrics), flush=True)
         finished = True
@@ -112,29 +134,39 @@ def run(cfg: DictConfig, env: distributed.Env | None) -> dict | None:
         distributed.shut_down(finished)
 
 
-def _evaluate_in_group(cfg: DictConfig, degrees: dict, device: torch.device, windows: torch.Tensor | None,
-                       resume: str) -> dict | None:
-    mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timedelta(minutes=cfg.launch.timeout_minutes))
-    trainer = Trainer(cfg, mesh, device, sequences=None, from_checkpoint=resume not in ("auto", "none"),
-                      base=checkpoint_base(cfg, resume))
+def _evaluate_in_group(
+    cfg: DictConfig, layout: Layout, device: torch.device, windows: torch.Tensor | None, resume: str
+) -> dict | None:
+    mesh = ParallelMesh(layout, device.type, timedelta(minutes=cfg.launch.timeout_minutes))
+    trainer = Trainer(
+        cfg,
+        mesh,
+        device,
+        sequences=None,
+        from_checkpoint=resume not in ("auto", "none"),
+        base=checkpoint_base(cfg.peft, resume),
+    )
     if resume not in ("auto", "none"):
         load_model_weights(trainer.model, Path(resume))
     if windows is not None:
         return trainer.evaluate(windows)
-    from composer3d.evaluation.harness import run_tasks  # lm-eval: the eval extra, imported only when asked for
+    from composer3d.evaluation.harness import (
+        run_tasks,  # lm-eval: the eval extra, imported only when asked for
+    )
 
     return run_tasks(trainer, build_tokenizer(cfg.data, cfg.model), cfg.eval, cfg.train.seq_len)
 
 
-def check_tasks_or_windows(cfg: DictConfig, degrees: dict) -> None:
-    """What composer3d-eval scores: lm-eval tasks (eval.tasks), or the loss over eval.path's windows."""
+def check_tasks_or_windows(cfg: DictConfig, layout: Layout) -> None:
+    """What composer3d-eval scores: lm-eval tasks (eval.tasks), or the loss over eval.path's
+    windows."""
     if not cfg.eval.tasks:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
         return
     require_eval_extra("eval.tasks")
     from composer3d.evaluation.harness import check_tasks, generation_problem
 
-    check_tasks(cfg.eval, generation=generation_problem(degrees, cfg.parallel.sequence_parallel))
+    check_tasks(cfg.eval, generation=generation_problem(layout, cfg.parallel.sequence_parallel))
 
 
 def _main(cfg: DictConfig) -> None:
@@ -145,25 +177,37 @@ def _main(cfg: DictConfig) -> None:
         adopt_checkpoint_model(cfg, list(HydraConfig.get().overrides.task))
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
-            degrees = validate(cfg, cfg.launch.nproc_per_node)
+            layout = validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
             check_checkpoint_model(cfg)
-            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
-            check_tasks_or_windows(cfg, degrees)
+            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
+            check_tasks_or_windows(cfg, layout)
         if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.commands.evaluate", job_overrides())
+            launcher.spawn_local_workers(
+                cfg.launch.nproc_per_node, "composer3d.commands.evaluate", job_overrides()
+            )
             return
         run(cfg, env)
 
 
-# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml), and under
-# `python -m` Hydra would look for a relative config_path next to this file, where an editable install has none.
+# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml),
+# and under `python -m` Hydra would look for a relative config_path next to this file, where an
+# editable install has none.
 main = hydra_entry_point(
-    _main, "composer3d-eval", "mean next-token loss and perplexity over a text file (eval.path), or lm-eval tasks (eval.tasks)", [
-    "composer3d-eval checkpoint.resume=<run>/checkpoints/step-N eval.path=valid.txt   (the checkpoint's own model)",
-    "composer3d-eval model=hf model.path=/models/qwen eval.path=valid.txt train.seq_len=2048",
-    "composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' eval.num_fewshot=0",
-    ], config_path="pkg://composer3d.conf", config_name="train")
+    _main,
+    "composer3d-eval",
+    "mean next-token loss and perplexity over a text file (eval.path), or lm-eval tasks "
+    "(eval.tasks)",
+    [
+        "composer3d-eval checkpoint.resume=<run>/checkpoints/step-N eval.path=valid.txt   (the "
+        "checkpoint's own model)",
+        "composer3d-eval model=hf model.path=/models/qwen eval.path=valid.txt train.seq_len=2048",
+        "composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' "
+        "eval.num_fewshot=0",
+    ],
+    config_path="pkg://composer3d.conf",
+    config_name="train",
+)
 
 
 register_configs()

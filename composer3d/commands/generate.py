@@ -1,20 +1,25 @@
-"""``composer3d-generate``: continue prompts with a checkpoint's model (or a Hugging Face model's own weights).
+"""``composer3d-generate``: continue prompts with a checkpoint's model (or a Hugging Face model's
+own weights).
 
-    composer3d-generate checkpoint.resume=outputs/NAME/checkpoints/step-100 generate.prompt="def main("
-    composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is" \\
-        generate.temperature=0.7 generate.top_p=0.9 launch.nproc_per_node=2 parallel.tp=2
+    composer3d-generate checkpoint.resume=outputs/NAME/checkpoints/step-100 \\
+        generate.prompt="def main("
+    composer3d-generate model=hf model.path=/models/qwen \\
+        generate.prompt="The capital of France is" generate.temperature=0.7 generate.top_p=0.9 \\
+        launch.nproc_per_node=2 parallel.tp=2
 
-With ``checkpoint.resume``, the model and the tokenizer are the run's: its recorded config (composer3d.json) names
-them, so an override of ``model`` or ``data.tokenizer`` is refused (the weights fix both). ``generate.prompt`` and
-``generate.prompts`` run as one batch (left-padded; each row gets what it would get alone). The prompts fill a KV
-cache at once, then each step runs one token a row (``composer3d.generation``: a static cache for the native
-model, transformers' StaticCache or DynamicCache for Hugging Face models; ``generate.cache=none`` recomputes the
-whole sequence every step). Decoding is greedy at ``generate.temperature=0``; otherwise the next token is drawn
-from softmax(logits / temperature), cut to the ``generate.top_k`` most likely and to the smallest set of most
-likely tokens whose probabilities reach ``generate.top_p``, by a generator seeded with ``generate.seed`` — so a
-seed and a checkpoint always give the same text, on any layout. A row stops at its eos, at a stop string
-(``generate.stop``, cut from the text) or after ``generate.max_new_tokens``. It runs on one process or under
-tensor parallel (``launch.nproc_per_node`` = ``parallel.tp``).
+With ``checkpoint.resume``, the model and the tokenizer are the run's: its recorded config
+(composer3d.json) names them, so an override of ``model`` or ``data.tokenizer`` is refused (the
+weights fix both). ``generate.prompt`` and ``generate.prompts`` run as one batch (left-padded; each
+row gets what it would get alone). The prompts fill a KV cache at once, then each step runs one
+token a row (``composer3d.generation``: a static cache for the native model, transformers'
+StaticCache or DynamicCache for Hugging Face models; ``generate.cache=none`` recomputes the whole
+sequence every step). Decoding is greedy at ``generate.temperature=0``; otherwise the next token is
+drawn from softmax(logits / temperature), cut to the ``generate.top_k`` most likely and to the
+smallest set of most likely tokens whose probabilities reach ``generate.top_p``, by a generator
+seeded with ``generate.seed`` — so a seed and a checkpoint always give the same text, on any layout.
+A row stops at its eos, at a stop string (``generate.stop``, cut from the text) or after
+``generate.max_new_tokens``. It runs on one process or under tensor parallel
+(``launch.nproc_per_node`` = ``parallel.tp``).
 """
 
 from __future__ import annotations
@@ -34,14 +39,16 @@ from omegaconf import DictConfig, OmegaConf
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.commands.evaluate import check_weights_source
 from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
+from composer3d.config.checks import resolve_model_config, validate
+from composer3d.config.registration import register_configs
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.dtypes import DTYPES
+from composer3d.errors import ConfigError
 from composer3d.generation import Generation, generate
 from composer3d.launch import distributed, launcher
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.parallel.mesh import Layout, ParallelMesh
 from composer3d.peft.base import checkpoint_base
 from composer3d.training import console
 from composer3d.training.assemble import build_parallel_model
@@ -56,13 +63,19 @@ def encode_prompts(tokenizer: ByteTokenizer | HFTokenizer, settings) -> list[lis
 
 
 def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, prompt: str, chat: bool) -> list[int]:
-    """A prompt's token ids: through the chat template as a user message with ``generate.chat``; a Hugging Face
-    tokenizer adds its own special tokens (a bos, where it has one), as transformers' pipelines do."""
+    """A prompt's token ids: through the chat template as a user message with ``generate.chat``; a
+    Hugging Face tokenizer adds its own special tokens (a bos, where it has one), as transformers'
+    pipelines do."""
     if chat:
         if not tokenizer.has_chat_template:
-            raise ConfigError("generate.chat: the run's tokenizer has no chat template. Leave generate.chat=false to "
-                              "continue the prompt as plain text, or set data.tokenizer to a tokenizer with one")
-        text = tokenizer.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            raise ConfigError(
+                "generate.chat: the run's tokenizer has no chat template. Leave "
+                "generate.chat=false to "
+                "continue the prompt as plain text, or set data.tokenizer to a tokenizer with one"
+            )
+        text = tokenizer.render_chat(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True
+        )
         return tokenizer.tokenizer.encode(text, add_special_tokens=False)
     if isinstance(tokenizer, HFTokenizer):
         return tokenizer.tokenizer.encode(prompt)
@@ -70,18 +83,27 @@ def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, prompt: str, chat: boo
 
 
 def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None:
-    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run that saved it,
-    from its recorded config."""
+    """With checkpoint.resume: the model (with its LoRA adapters, ``peft``) and tokenizer of the run
+    that saved it, from its recorded config."""
     resume = cfg.checkpoint.resume
     if resume in ("auto", "none"):
         return
     if not (Path(resume) / META_FILE).is_file():
-        raise ConfigError(f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
-                          "step-N directory, or leave it out to generate with model=hf model.path's own weights")
-    clashing = [o for o in typed_overrides if o.split("=", 1)[0].lstrip("+~").startswith(("model", "data.tokenizer"))]
+        raise ConfigError(
+            f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). Give a "
+            "step-N directory, or leave it out to generate with model=hf model.path's own weights"
+        )
+    clashing = [
+        o
+        for o in typed_overrides
+        if o.split("=", 1)[0].lstrip("+~").startswith(("model", "data.tokenizer"))
+    ]
     if clashing:
-        raise ConfigError(f"{clashing[0].split('=', 1)[0]}: the checkpoint's own model and tokenizer are used (its "
-                          f"recorded config names them). Drop {', '.join(clashing)}")
+        raise ConfigError(
+            f"{clashing[0].split('=', 1)[0]}: the checkpoint's own model and tokenizer are used "
+            "(its "
+            f"recorded config names them). Drop {', '.join(clashing)}"
+        )
     recorded = read_meta(Path(resume))["config"]
     cfg.model = OmegaConf.merge(cfg.model, recorded["model"])
     cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
@@ -89,53 +111,72 @@ def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None
         cfg.peft = OmegaConf.merge(cfg.peft, recorded["peft"])
 
 
-def check_generation(cfg: DictConfig, degrees: dict, prompts: list[list[int]]) -> None:
+def check_generation(cfg: DictConfig, layout: Layout, prompts: list[list[int]]) -> None:
     """The layouts generation runs under, and prompts that fit the model's context."""
-    others = {k: v for k, v in degrees.items() if k != "tp" and v > 1}
+    others = {k: v for k, v in layout.as_dict().items() if k != "tp" and v > 1}
     if others:
-        raise ConfigError(f"parallel: composer3d-generate runs on one process or under tensor parallel alone, and "
-                          f"this layout has {others}. Use launch.nproc_per_node=N parallel.tp=N (N = 1 for one process)")
-    if cfg.generate.compile and (degrees.get("tp", 1) > 1 or cfg.model.moe.experts > 0):
-        raise ConfigError("generate.compile: compiled decoding is built and tested for a dense model on one process "
-                          "(routed experts have data-dependent shapes; tensor parallel is untested). Use "
-                          "generate.compile=false")
+        raise ConfigError(
+            "parallel: composer3d-generate runs on one process or under tensor parallel alone, and "
+            f"this layout has {others}. Use launch.nproc_per_node=N parallel.tp=N (N = 1 for one "
+            "process)"
+        )
+    if cfg.generate.compile and (layout.tp > 1 or cfg.model.moe.experts > 0):
+        raise ConfigError(
+            "generate.compile: compiled decoding is built and tested for a dense model on one "
+            "process "
+            "(routed experts have data-dependent shapes; tensor parallel is untested). Use "
+            "generate.compile=false"
+        )
     if not all(prompts):
         key = "generate.prompts" if cfg.generate.prompts else "generate.prompt"
-        raise ConfigError(f"{key}: empty (no tokens to continue). Give the text to continue, e.g. "
-                          "generate.prompt='Once upon a time' (or \"generate.prompts=['a b','c']\" for a batch)")
+        raise ConfigError(
+            f"{key}: empty (no tokens to continue). Give the text to continue, e.g. "
+            "generate.prompt='Once upon a time' (or \"generate.prompts=['a b','c']\" for a batch)"
+        )
     longest = max(map(len, prompts))
     total = longest + cfg.generate.max_new_tokens
     if total > cfg.model.max_seq_len:
-        raise ConfigError(f"generate.max_new_tokens: the longest prompt's {longest} tokens and "
-                          f"{cfg.generate.max_new_tokens} new ones exceed the model's context (model.max_seq_len="
-                          f"{cfg.model.max_seq_len}). Use generate.max_new_tokens<="
-                          f"{max(cfg.model.max_seq_len - longest, 0)} or a shorter prompt")
+        raise ConfigError(
+            f"generate.max_new_tokens: the longest prompt's {longest} tokens and "
+            f"{cfg.generate.max_new_tokens} new ones exceed the model's context (model.max_seq_len="
+            f"{cfg.model.max_seq_len}). Use generate.max_new_tokens<="
+            f"{max(cfg.model.max_seq_len - longest, 0)} or a shorter prompt"
+        )
 
 
 def run(cfg: DictConfig, env: distributed.Env | None) -> list[Generation]:
     console.setup_logging(env.rank if env else 0, stream=sys.stderr)
-    degrees, device = prepare_rank(cfg, env)
+    layout, device = prepare_rank(cfg, env)
     tokenizer = build_tokenizer(cfg.data, cfg.model)
     prompts = encode_prompts(tokenizer, cfg.generate)
-    check_generation(cfg, degrees, prompts)
+    check_generation(cfg, layout, prompts)
     resume = cfg.checkpoint.resume
     timeout = timedelta(minutes=cfg.launch.timeout_minutes)
     env = distributed.init_process_group(device, env, timeout)
     finished = False
     try:
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type, timeout)
+        mesh = ParallelMesh(layout, device.type, timeout)
         from_checkpoint = resume not in ("auto", "none")
-        model = build_parallel_model(cfg, mesh, device, from_checkpoint, checkpoint_base(cfg, resume)).model
+        model = build_parallel_model(
+            cfg, mesh, device, from_checkpoint, checkpoint_base(cfg.peft, resume)
+        ).model
         if from_checkpoint:
             load_model_weights(model, Path(resume))
-        # The compute dtype training used where FSDP does not run (parallel.autocast and parallel.cast_once act at the
-        # model's forward; the cached decoders call its modules themselves): cast once for the whole generation
-        # where training would (precision.cast=params), else autocast
+        # The compute dtype training used where FSDP does not run (parallel.autocast and
+        # parallel.cast_once act at the model's forward; the cached decoders call its modules
+        # themselves): cast once for the whole generation where training would
+        # (precision.cast=params), else autocast
         dtype = cfg.precision.param_dtype
         casts = getattr(model, "cast_once", None)
-        with casts.held() if casts else nullcontext(), \
-                torch.autocast(device.type, dtype=DTYPES[dtype], enabled=dtype != "float32" and casts is None):
-            results = generate(model.eval(), prompts, cfg.generate, tokenizer.eos_id, tokenizer.decode, device)
+        with (
+            casts.held() if casts else nullcontext(),
+            torch.autocast(
+                device.type, dtype=DTYPES[dtype], enabled=dtype != "float32" and casts is None
+            ),
+        ):
+            results = generate(
+                model.eval(), prompts, cfg.generate, tokenizer.eos_id, tokenizer.decode, device
+            )
         if env.rank == 0:
             _print(results, tokenizer, cfg.generate.output)
         finished = True
@@ -148,45 +189,72 @@ def _print(results: list[Generation], tokenizer, output: str) -> None:
     for result in results:
         prompt = tokenizer.decode(result.prompt_ids)
         if output == "json":
-            print(json.dumps({"prompt": prompt, "completion": result.completion, "prompt_ids": result.prompt_ids,
-                              "completion_ids": result.completion_ids, "finish_reason": result.finish_reason}),
-                  flush=True)
+            print(
+                json.dumps(
+                    {
+                        "prompt": prompt,
+                        "completion": result.completion,
+                        "prompt_ids": result.prompt_ids,
+                        "completion_ids": result.completion_ids,
+                        "finish_reason": result.finish_reason,
+                    }
+                ),
+                flush=True,
+            )
         else:
             print(prompt + result.completion, flush=True)
     tokens = sum(len(result.completion_ids) for result in results)
     seconds = results[0].seconds
-    log.info("%d tokens in %.1f s (%.1f tokens/s), stopped at %s", tokens, seconds, tokens / max(seconds, 1e-9),
-             ", ".join(result.finish_reason for result in results))
+    log.info(
+        "%d tokens in %.1f s (%.1f tokens/s), stopped at %s",
+        tokens,
+        seconds,
+        tokens / max(seconds, 1e-9),
+        ", ".join(result.finish_reason for result in results),
+    )
 
 
 def _main(cfg: DictConfig) -> None:
     env = distributed.job_env()
     if launcher.started_by_local_launcher():
         launcher.die_with_launcher()
-    # The same numbers without sequence parallel, which needs a sequence length divisible by tp: a growing one is not.
+    # The same numbers without sequence parallel, which needs a sequence length divisible by tp: a
+    # growing one is not.
     cfg.parallel.sequence_parallel = False
     with launcher.exits_as_a_command("composer3d-generate", env):
         adopt_checkpoint_config(cfg, list(HydraConfig.get().overrides.task))
         resolve_model_config(cfg.model)
         if env is None:  # before any worker starts
-            degrees = validate(cfg, cfg.launch.nproc_per_node)
+            layout = validate(cfg, cfg.launch.nproc_per_node)
             check_weights_source(cfg)
-            check_generation(cfg, degrees, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate))
-            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
+            check_generation(
+                cfg, layout, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate)
+            )
+            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
         if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, "composer3d.commands.generate", job_overrides())
+            launcher.spawn_local_workers(
+                cfg.launch.nproc_per_node, "composer3d.commands.generate", job_overrides()
+            )
             return
         run(cfg, env)
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (see composer3d/train.py).
+# pkg://: the configs are the top-level conf/ mapped into the package (see
+# composer3d/commands/train.py).
 main = hydra_entry_point(
     _main,
     "composer3d-generate",
-    "continue prompts (generate.prompt, generate.prompts) with a checkpoint's model or a Hugging Face model", [
-    'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def main("',
-    'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of France is"',
-    ], config_path="pkg://composer3d.conf", config_name="train")
+    "continue prompts (generate.prompt, generate.prompts) with a checkpoint's model or a Hugging "
+    "Face model",
+    [
+        'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def '
+        'main("',
+        'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of '
+        'France is"',
+    ],
+    config_path="pkg://composer3d.conf",
+    config_name="train",
+)
 
 
 register_configs()

@@ -1,15 +1,17 @@
 """Command-line entry points on Hydra, with the exit codes the README promises.
 
-Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and exits 1 — the
-same code as a crash inside the run. A configuration the user typed wrong exits 2 here, like every other
-configuration error, so scripts can tell the two apart: Hydra's exit for its own error (HydraException) before the
-task started is the override's. (A submitit job's task runs elsewhere: its failures are not Hydra's.) A mistyped
-key is caught before Hydra composes, with the nearest real key: Hydra's own hint would be to add it with ``+``.
-Each command's ``--help`` opens with its own banner and ends with its own examples.
+Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and
+exits 1 — the same code as a crash inside the run. A configuration the user typed wrong exits 2
+here, like every other configuration error, so scripts can tell the two apart: Hydra's exit for its
+own error (HydraException) before the task started is the override's. (A submitit job's task runs
+elsewhere: its failures are not Hydra's.) A mistyped key is caught before Hydra composes, with the
+nearest real key: Hydra's own hint would be to add it with ``+``. Each command's ``--help`` opens
+with its own banner and ends with its own examples.
 
-A sweep (``-m``) runs each job through Hydra's launcher (one after another in this process, or as submitit jobs).
-A job that fails does not end the sweep: it is reported when the sweep ends, which exits with the first failed
-job's code. A stop signal or Ctrl-C (exit 75, or 128 + the signal) ends a sweep run by this process at once.
+A sweep (``-m``) runs each job through Hydra's launcher (one after another in this process, or as
+submitit jobs). A job that fails does not end the sweep: it is reported when the sweep ends, which
+exits with the first failed job's code. A stop signal or Ctrl-C (exit 75, or 128 + the signal) ends
+a sweep run by this process at once.
 """
 
 from __future__ import annotations
@@ -33,20 +35,30 @@ from composer3d.launch.distributed import in_submitit_job
 
 
 class SweepJobFailed(CompactHydraException):
-    """A sweep's job exited with ``code``; Hydra records it as the job's failure and goes on with the sweep."""
+    """A sweep's job exited with ``code``; Hydra records it as the job's failure and goes on with
+    the sweep."""
 
     def __init__(self, code: int, line: str | None):
-        super().__init__(code, line)  # both in args: a submitit job sends the exception back pickled
+        super().__init__(
+            code, line
+        )  # both in args: a submitit job sends the exception back pickled
         self.code, self.line = code, line
 
     def __str__(self) -> str:
         return f"{self.line or 'composer3d: the job failed'} (exit code {self.code})"
 
 
-def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: str, examples: list[str],
-                      config_path: str, config_name: str) -> Callable[[], None]:
-    """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses the overrides;
-    ``command`` (its name), ``about`` (what it does, one line) and ``examples`` (command lines) make its --help."""
+def hydra_entry_point(
+    task: Callable[[DictConfig], None],
+    command: str,
+    about: str,
+    examples: list[str],
+    config_path: str,
+    config_name: str,
+) -> Callable[[], None]:
+    """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses
+    the overrides; ``command`` (its name), ``about`` (what it does, one line) and ``examples``
+    (command lines) make its --help."""
     started = False
 
     @functools.wraps(task)
@@ -56,11 +68,17 @@ def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: s
         try:
             task(cfg)
         except SystemExit as exit_:
-            if not exit_.code or HydraConfig.get().mode != RunMode.MULTIRUN or _ends_a_sweep(exit_.code):
+            if (
+                not exit_.code
+                or HydraConfig.get().mode != RunMode.MULTIRUN
+                or _ends_a_sweep(exit_.code)
+            ):
                 raise
             raise SweepJobFailed(exit_.code, getattr(exit_, "line", None)) from None
 
-    hydra_main = hydra.main(config_path=config_path, config_name=config_name, version_base=None)(started_task)
+    hydra_main = hydra.main(config_path=config_path, config_name=config_name, version_base=None)(
+        started_task
+    )
 
     @functools.wraps(task)
     def entry_point() -> None:
@@ -75,7 +93,8 @@ def hydra_entry_point(task: Callable[[DictConfig], None], command: str, about: s
         try:
             hydra_main()
         except SystemExit as exit_:
-            # Hydra has printed the exception (the first failed job's line) and exits 1 from its handler of it.
+            # Hydra has printed the exception (the first failed job's line) and exits 1 from its
+            # handler of it.
             if isinstance(exit_.__context__, SweepJobFailed):
                 raise SystemExit(exit_.__context__.code) from None
             if exit_.code == 1 and not started and isinstance(exit_.__context__, HydraException):
@@ -93,14 +112,16 @@ def _typed_overrides() -> list[str]:
 
 
 def _ends_a_sweep(code) -> bool:
-    """This process was told to stop (a scheduler's SIGTERM, Ctrl-C): not the job's own failure. A submitit job's
-    task is one job of the sweep, whose code the sweep's command then exits with (75: requeue it)."""
+    """This process was told to stop (a scheduler's SIGTERM, Ctrl-C): not the job's own failure. A
+    submitit job's task is one job of the sweep, whose code the sweep's command then exits with (75:
+    requeue it)."""
     stopped = code == StoppedBySignal.EXIT_CODE or (isinstance(code, int) and code >= 128)
     return stopped and not in_submitit_job()
 
 
 def job_overrides() -> list[str]:
-    """This job's overrides as typed, hydra.* too (e.g. hydra.searchpath for the user's own recipes), for the local
-    workers it starts: each of them runs this one job, so not a sweep's ``hydra.mode=MULTIRUN``."""
+    """This job's overrides as typed, hydra.* too (e.g. hydra.searchpath for the user's own
+    recipes), for the local workers it starts: each of them runs this one job, so not a sweep's
+    ``hydra.mode=MULTIRUN``."""
     overrides = HydraConfig.get().overrides
     return list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]

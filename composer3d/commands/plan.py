@@ -1,14 +1,18 @@
 """``composer3d-plan``: the same config as composer3d-train, plus ``cluster.*`` and ``plan.*``.
 
-    composer3d-plan model=llama3_8b train.seq_len=8192 train.global_batch_size=64 cluster.nodes=8 cluster.device=h100
-    composer3d-plan model=llama3_8b ... parallel.tp=2 parallel.dp_shard=-1       # one layout, in detail
-    composer3d-plan ... plan.format=json                                            # one JSON object per layout
-    composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true     # the longest sequence, the
-                                                                                    # largest model, what they take
+    composer3d-plan model=llama3_8b train.seq_len=8192 train.global_batch_size=64 \
+        cluster.nodes=8 cluster.device=h100
+    # one layout, in detail
+    composer3d-plan model=llama3_8b ... parallel.tp=2 parallel.dp_shard=-1
+    # one JSON object per layout
+    composer3d-plan ... plan.format=json
+    # the longest sequence, the largest model, what they take
+    composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true
 
-With any ``parallel.*`` key on the command line it reports that layout; without one (or with ``parallel=auto``) it
-ranks every valid layout that fits. Nothing is started: it is arithmetic (composer3d/plan/*) — except with
-``plan.measure=true``, which runs one rank of the given layout here with a fake process group (plan/measure.py).
+With any ``parallel.*`` key on the command line it reports that layout; without one (or with
+``parallel=auto``) it ranks every valid layout that fits. Nothing is started: it is arithmetic
+(composer3d/plan/*) — except with ``plan.measure=true``, which runs one rank of the given layout
+here with a fake process group (plan/measure.py).
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from composer3d.commands.hydra_entry import hydra_entry_point
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate
+from composer3d.config.checks import resolve_model_config, validate
+from composer3d.config.registration import register_configs
+from composer3d.errors import ConfigError
 from composer3d.launch import launcher
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate
@@ -31,9 +37,11 @@ from composer3d.plan.validation import validate_plan
 
 
 def layout_given(cfg: DictConfig) -> bool:
-    """A layout is given when the command line sets a ``parallel.*`` key (and parallel=auto is not asked for)."""
-    return not cfg.parallel.auto and any(o.lstrip("+~").startswith("parallel.")
-                                         for o in HydraConfig.get().overrides.task)
+    """A layout is given when the command line sets a ``parallel.*`` key (and parallel=auto is not
+    asked for)."""
+    return not cfg.parallel.auto and any(
+        o.lstrip("+~").startswith("parallel.") for o in HydraConfig.get().overrides.task
+    )
 
 
 def _main(cfg: DictConfig) -> None:
@@ -44,29 +52,57 @@ def _main(cfg: DictConfig) -> None:
         if cfg.plan.what_fits:  # for the config's layout: the longest sequence, the largest model
             validate(cfg, cluster.world_size)
             candidate = candidate_from_config(cfg, cluster.world_size)
-            sequences, models = what_fits(Workload.from_config(cfg), candidate, cluster, cfg.compile.enabled)
-            print(report.what_fits(sequences, models, cluster, candidate.short(), cfg.train.seq_len, cfg.model.dim,
-                                   cfg.model.max_seq_len), flush=True)
+            sequences, models = what_fits(
+                Workload.from_config(cfg), candidate, cluster, cfg.compile.enabled
+            )
+            print(
+                report.what_fits(
+                    sequences,
+                    models,
+                    cluster,
+                    candidate.short(),
+                    cfg.train.seq_len,
+                    cfg.model.dim,
+                    cfg.model.max_seq_len,
+                ),
+                flush=True,
+            )
             return
         if layout_given(cfg):
             validate(cfg, cluster.world_size)
-            e = estimate(Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster)
+            e = estimate(
+                Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster
+            )
             if cfg.plan.measure:
                 _measure(cfg, e, cluster)
                 return
-            print(report.json_lines([e]) if cfg.plan.format == "json" else report.detail(e, cluster), flush=True)
+            print(
+                report.json_lines([e]) if cfg.plan.format == "json" else report.detail(e, cluster),
+                flush=True,
+            )
             return
         if cfg.plan.measure:
-            raise ConfigError("plan.measure: measures one layout, and none is given. Add its parallel.* keys (e.g. "
-                              "parallel.tp=2 parallel.dp_shard=-1; composer3d-plan without plan.measure ranks them)")
+            raise ConfigError(
+                "plan.measure: measures one layout, and none is given. Add its parallel.* keys "
+                "(e.g. "
+                "parallel.tp=2 parallel.dp_shard=-1; composer3d-plan without plan.measure ranks "
+                "them)"
+            )
         fitting, tried = ranked(cfg, cluster)
-        shown = fitting[:cfg.plan.top]
-        print(report.json_lines(shown) if cfg.plan.format == "json" else report.table(fitting, tried, cfg.plan.top,
-                                                                                       cluster), flush=True)
+        shown = fitting[: cfg.plan.top]
+        print(
+            report.json_lines(shown)
+            if cfg.plan.format == "json"
+            else report.table(fitting, tried, cfg.plan.top, cluster),
+            flush=True,
+        )
 
 
 def _measure(cfg: DictConfig, e, cluster) -> None:
-    from composer3d.plan.measure import comparison, measure_rank  # the training stack: only when measuring
+    from composer3d.plan.measure import (  # the training stack: only when measuring
+        comparison,
+        measure_rank,
+    )
 
     measured = measure_rank(cfg, cluster.world_size, cfg.plan.measure_rank, cfg.plan.measure_steps)
     result = comparison(measured, e, cluster)
@@ -76,12 +112,19 @@ def _measure(cfg: DictConfig, e, cluster) -> None:
 main = hydra_entry_point(
     _main,
     "composer3d-plan",
-    "memory and step time of parallel layouts on a cluster (cluster.*, plan.*); starts nothing", [
-    "composer3d-plan model=llama3_8b train.seq_len=8192 cluster.nodes=8 cluster.device=h100   (the layouts that fit)",
-    "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1   (one layout, in detail)",
-    "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
-    "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1 plan.measure=true   (rank 0, run here)",
-    ], config_path="pkg://composer3d.conf", config_name="train")
+    "memory and step time of parallel layouts on a cluster (cluster.*, plan.*); starts nothing",
+    [
+        "composer3d-plan model=llama3_8b train.seq_len=8192 cluster.nodes=8 cluster.device=h100   "
+        "(the layouts that fit)",
+        "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1   (one layout, in "
+        "detail)",
+        "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
+        "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1 plan.measure=true   "
+        "(rank 0, run here)",
+    ],
+    config_path="pkg://composer3d.conf",
+    config_name="train",
+)
 
 register_configs()
 

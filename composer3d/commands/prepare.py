@@ -1,15 +1,17 @@
-"""The ``composer3d-prepare`` entry point (also ``python -m composer3d.commands.prepare``): a corpus tokenized once into token
-shards that ``composer3d-train`` then maps on every rank (``data.prepared``), instead of every rank reading and
-tokenizing it at start-up.
+"""The ``composer3d-prepare`` entry point (also ``python -m composer3d.commands.prepare``): a corpus
+tokenized once into token shards that ``composer3d-train`` then maps on every rank
+(``data.prepared``), instead of every rank reading and tokenizing it at start-up.
 
 It takes the training config, so the same data and model overrides prepare and train:
 
-    composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok model.vocab_size=32000 \
-        data.prepared=corpus.prepared [data.prepare_workers=16]
-    composer3d-train   data=text_files data.tokenizer=tok model.vocab_size=32000 data.prepared=corpus.prepared ...
+    composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok \
+        model.vocab_size=32000 data.prepared=corpus.prepared [data.prepare_workers=16]
+    composer3d-train   data=text_files data.tokenizer=tok model.vocab_size=32000 \
+        data.prepared=corpus.prepared ...
 
-It prints one JSON line: the directory, tokens, documents, shards, dtype, seconds and tokens/s. A directory already
-prepared from the same sources and tokenizer is left as it is (``"reused": true``). Exit code 2 for a bad config.
+It prints one JSON line: the directory, tokens, documents, shards, dtype, seconds and tokens/s. A
+directory already prepared from the same sources and tokenizer is left as it is (``"reused":
+true``). Exit code 2 for a bad config.
 """
 
 from __future__ import annotations
@@ -21,41 +23,66 @@ import sys
 from omegaconf import DictConfig
 
 from composer3d.commands.hydra_entry import hydra_entry_point
-from composer3d.config import ConfigError, register_configs, resolve_model_config, validate_data
+from composer3d.config.checks import resolve_model_config, validate_data
+from composer3d.config.registration import register_configs
 from composer3d.data import prepare_corpus
+from composer3d.errors import ConfigError
 from composer3d.training import console
 
 
 def _main(cfg: DictConfig) -> None:
-    # each worker is one process: the Rust tokenizer's own threads would only compete with the other workers
+    # each worker is one process: the Rust tokenizer's own threads would only compete with the other
+    # workers
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     console.setup_logging(0, stream=sys.stderr)
     try:
         resolve_model_config(cfg.model)
         validate_data(cfg)
         if not cfg.data.prepared:
-            raise ConfigError("data.prepared: names no directory to write the prepared corpus to. Set "
-                              "data.prepared=<dir> (and train with the same setting)")
+            raise ConfigError(
+                "data.prepared: names no directory to write the prepared corpus to. Set "
+                "data.prepared=<dir> (and train with the same setting)"
+            )
         manifest = prepare_corpus(cfg.data, cfg.model)
     except ConfigError as error:
         print(f"composer3d-prepare: invalid configuration: {error}", file=sys.stderr)
         sys.exit(2)
     seconds = manifest["seconds"]
-    print(json.dumps({"prepared": os.path.abspath(cfg.data.prepared), "tokens": manifest["tokens"],
-                      "documents": manifest["documents"], "shards": len(manifest["shards"]),
-                      "dtype": manifest["dtype"], "identity": manifest["identity"], "reused": manifest["reused"],
-                      "seconds": round(seconds, 3),
-                      "tokens_per_s": None if manifest["reused"] else round(manifest["tokens"] / max(seconds, 1e-9))}), flush=True)
+    print(
+        json.dumps(
+            {
+                "prepared": os.path.abspath(cfg.data.prepared),
+                "tokens": manifest["tokens"],
+                "documents": manifest["documents"],
+                "shards": len(manifest["shards"]),
+                "dtype": manifest["dtype"],
+                "identity": manifest["identity"],
+                "reused": manifest["reused"],
+                "seconds": round(seconds, 3),
+                "tokens_per_s": None
+                if manifest["reused"]
+                else round(manifest["tokens"] / max(seconds, 1e-9)),
+            }
+        ),
+        flush=True,
+    )
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml), as for composer3d-train.
+# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml), as for
+# composer3d-train.
 main = hydra_entry_point(
     _main,
     "composer3d-prepare",
-    "tokenize a corpus once into token shards (data.prepared) that composer3d-train maps", [
-    "composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok data.prepared=corpus.prepared",
-    "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   (then train on them)",
-    ], config_path="pkg://composer3d.conf", config_name="train")
+    "tokenize a corpus once into token shards (data.prepared) that composer3d-train maps",
+    [
+        "composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok "
+        "data.prepared=corpus.prepared",
+        "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   "
+        "(then train on them)",
+    ],
+    config_path="pkg://composer3d.conf",
+    config_name="train",
+)
 
 
 register_configs()

@@ -1,4 +1,5 @@
-"""What export and import share: the error they report, the model config they check, Hydra overrides."""
+"""What export and import share: the error they report, the model config they check, Hydra
+overrides."""
 
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ class ConvertError(Exception):
 
 
 def model_config(fields: dict):
-    from composer3d.config import ModelConfig
-    from composer3d.config.schema import MoEConfig
+    from composer3d.config.schema import ModelConfig, MoEConfig
 
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(fields) - known)
@@ -37,7 +37,15 @@ def _override(value) -> str:
 
 
 def hydra_overrides(model_fields: dict, checkpoint_dir: Path) -> list[str]:
-    """Command-line overrides that make a run's model config equal ``model_fields`` and load ``checkpoint_dir``."""
-    flat = {f"{k}.{sub}": v for k, group in model_fields.items() if isinstance(group, dict) for sub, v in group.items()}
+    """Command-line overrides that make a run's model config equal ``model_fields`` and load
+    ``checkpoint_dir``."""
+    flat = {
+        f"{k}.{sub}": v
+        for k, group in model_fields.items()
+        if isinstance(group, dict)
+        for sub, v in group.items()
+    }
     flat.update({k: v for k, v in model_fields.items() if not isinstance(v, dict)})
-    return [f"model.{k}={_override(v)}" for k, v in flat.items()] + [f"checkpoint.resume={checkpoint_dir}"]
+    return [f"model.{k}={_override(v)}" for k, v in flat.items()] + [
+        f"checkpoint.resume={checkpoint_dir}"
+    ]

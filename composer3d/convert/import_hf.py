@@ -13,7 +13,8 @@ from composer3d.convert.common import HF_INDEX, HF_WEIGHTS, ConvertError, model_
 
 
 def load_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face safetensors directory (one file or shards named by the index)."""
+    """Every tensor of a Hugging Face safetensors directory (one file or shards named by the
+    index)."""
     from safetensors.torch import load_file
 
     index = hf_dir / HF_INDEX
@@ -26,9 +27,16 @@ def load_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
         files = [HF_WEIGHTS]
     else:
         pickled = [p.name for p in hf_dir.glob("*.bin")] + [p.name for p in hf_dir.glob("*.pth")]
-        raise ConvertError(f"{hf_dir} has no {HF_WEIGHTS} or {HF_INDEX}"
-                           + (f" (only pickled weights {pickled[:3]}, which composer3d does not unpickle: re-save "
-                              "them as safetensors)" if pickled else ""))
+        raise ConvertError(
+            f"{hf_dir} has no {HF_WEIGHTS} or {HF_INDEX}"
+            + (
+                f" (only pickled weights {pickled[:3]}, which composer3d does not unpickle: "
+                "re-save "
+                "them as safetensors)"
+                if pickled
+                else ""
+            )
+        )
     state = {}
     for name in files:
         if not (hf_dir / name).exists():
@@ -38,7 +46,8 @@ def load_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dict:
-    """Write the Llama model of ``hf_dir`` as a model-only composer3d checkpoint ``out``; returns its model config."""
+    """Write the Llama model of ``hf_dir`` as a model-only composer3d checkpoint ``out``; returns
+    its model config."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -56,7 +65,9 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
         raise ConvertError(f"{config_file}: {what}") from error
     cfg = model_config(fields)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConvertError(f"{out} exists and is not an empty directory; choose a new checkpoint directory")
+        raise ConvertError(
+            f"{out} exists and is not an empty directory; choose a new checkpoint directory"
+        )
 
     hf_state = load_hf_state(hf_dir)
     try:
@@ -66,11 +77,20 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
     shapes = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
     for name, shape in shapes.items():
         if tuple(native[name].shape) != shape:
-            raise ConvertError(f"{hf_dir}: {llama.hf_names(cfg).get(name, name)} has shape {tuple(native[name].shape)}, "
-                               f"but config.json implies {shape}")
-    # A tied output.weight is the embedding: stored once, under the embedding's name, as a trained model's save does.
-    state = {"model": {k: v.to(torch.float32).contiguous() for k, v in native.items()
-                       if not (k == "output.weight" and cfg.tie_embeddings)}}
+            raise ConvertError(
+                f"{hf_dir}: {llama.hf_names(cfg).get(name, name)} has shape "
+                f"{tuple(native[name].shape)}, "
+                f"but config.json implies {shape}"
+            )
+    # A tied output.weight is the embedding: stored once, under the embedding's name, as a trained
+    # model's save does.
+    state = {
+        "model": {
+            k: v.to(torch.float32).contiguous()
+            for k, v in native.items()
+            if not (k == "output.weight" and cfg.tie_embeddings)
+        }
+    }
     del hf_state, native
 
     out.mkdir(parents=True, exist_ok=True)
@@ -78,7 +98,16 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.save(state, storage_writer=FileSystemWriter(out), no_dist=True)
     model_fields = dataclasses.asdict(cfg)
-    meta = {"format": FORMAT_VERSION, "step": 0, "model_only": True, "config": {"model": model_fields},
-            "layout": {}, "world_size": 1, "source": {"huggingface": str(hf_dir.resolve())}}
-    (out / META_FILE).write_text(json.dumps(meta, indent=1))  # last: its presence marks the checkpoint complete
+    meta = {
+        "format": FORMAT_VERSION,
+        "step": 0,
+        "model_only": True,
+        "config": {"model": model_fields},
+        "layout": {},
+        "world_size": 1,
+        "source": {"huggingface": str(hf_dir.resolve())},
+    }
+    (out / META_FILE).write_text(
+        json.dumps(meta, indent=1)
+    )  # last: its presence marks the checkpoint complete
     return model_fields

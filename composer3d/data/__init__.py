@@ -2,23 +2,25 @@
 
 One concern per module, each importing only those listed after it (no cycles):
 
-- :mod:`~composer3d.data.loader`: the global batch order (:class:`GlobalBatchLoader`) and its background
-  prefetch (:class:`BatchPrefetcher`).
-- :mod:`~composer3d.data.preparation`: ``composer3d-prepare``: a corpus tokenized once, by a process pool, into
-  token shards with a manifest (:func:`prepare_corpus`), written atomically.
-- :mod:`~composer3d.data.corpus`: the data config → packed sequences (:func:`build_sequences`), with the
-  fail-fast checks of the sources and tokenizer (:func:`check_sources`) or of a prepared corpus
+- :mod:`~composer3d.data.loader`: the global batch order (:class:`GlobalBatchLoader`) and its
+  background prefetch (:class:`BatchPrefetcher`).
+- :mod:`~composer3d.data.preparation`: ``composer3d-prepare``: a corpus tokenized once, by a process
+  pool, into token shards with a manifest (:func:`prepare_corpus`), written atomically.
+- :mod:`~composer3d.data.corpus`: the data config → packed sequences (:func:`build_sequences`), with
+  the fail-fast checks of the sources and tokenizer (:func:`check_sources`) or of a prepared corpus
   (:func:`check_prepared`).
-- :mod:`~composer3d.data.shards`: a prepared corpus on disk: its manifest and identity, and the packed windows
-  served from read-only memory maps of its shards (:class:`PreparedSequences`).
-- :mod:`~composer3d.data.windows`: an evaluation file cut into fixed token windows, dealt to data-parallel ranks.
-- :mod:`~composer3d.data.packing`: a token stream cut into windows, and windows into :class:`Batch` rows
-  (targets, loss masks, document positions).
-- :mod:`~composer3d.data.streams`: documents or conversations tokenized into one :class:`TokenStream` with
-  per-token document-start and trainable flags.
-- :mod:`~composer3d.data.sources`: the corpora: file discovery and reading (.txt/.jsonl/.parquet, chat rows), whole
-  or in pieces.
-- :mod:`~composer3d.data.tokenizers`: the byte-level and Hugging Face tokenizers (chat template spans).
+- :mod:`~composer3d.data.shards`: a prepared corpus on disk: its manifest and identity, and the
+  packed windows served from read-only memory maps of its shards (:class:`PreparedSequences`).
+- :mod:`~composer3d.data.windows`: an evaluation file cut into fixed token windows, dealt to
+  data-parallel ranks.
+- :mod:`~composer3d.data.packing`: a token stream cut into windows, and windows into :class:`Batch`
+  rows (targets, loss masks, document positions).
+- :mod:`~composer3d.data.streams`: documents or conversations tokenized into one
+  :class:`TokenStream` with per-token document-start and trainable flags.
+- :mod:`~composer3d.data.sources`: the corpora: file discovery and reading (.txt/.jsonl/.parquet,
+  chat rows), whole or in pieces.
+- :mod:`~composer3d.data.tokenizers`: the byte-level and Hugging Face tokenizers (chat template
+  spans).
 
 Every public name is re-exported here: ``from composer3d.data import X``.
 """

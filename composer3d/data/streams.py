@@ -1,7 +1,7 @@
 """Tokenization: documents (or conversations) tokenized and joined into one :class:`TokenStream`.
 
-Next to the tokens the stream keeps, per token, whether it starts a document and whether it may be a target
-(chat: assistant tokens only).
+Next to the tokens the stream keeps, per token, whether it starts a document and whether it may be a
+target (chat: assistant tokens only).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ log = logging.getLogger("composer3d")
 class TokenStream:
     """Documents joined into one stream of token ids, with per-token flags.
 
-    ``starts[i]``: token i is the first of a document (or conversation). ``trainable[i]``: token i may be a
-    target (chat: it belongs to an assistant reply); None means every token may.
+    ``starts[i]``: token i is the first of a document (or conversation). ``trainable[i]``: token i
+    may be a target (chat: it belongs to an assistant reply); None means every token may.
     """
 
     tokens: torch.Tensor
@@ -33,8 +33,11 @@ class TokenStream:
         return self.tokens.numel()
 
 
-def _join(pieces: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_tokens: int, chat: bool) -> TokenStream:
-    """Non-empty pieces (ids, trainable mask or None) joined, each starting a document, up to ``max_tokens``."""
+def _join(
+    pieces: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_tokens: int, chat: bool
+) -> TokenStream:
+    """Non-empty pieces (ids, trainable mask or None) joined, each starting a document, up to
+    ``max_tokens``."""
     tokens, starts, trainable, total = [], [], [], 0
     for ids, mask in pieces:
         if ids.numel() == 0:
@@ -52,13 +55,22 @@ def _join(pieces: Iterable[tuple[torch.Tensor, torch.Tensor | None]], max_tokens
     if not tokens:
         empty = torch.empty(0, dtype=torch.int64)
         return TokenStream(empty, empty.bool(), empty.bool() if chat else None)
-    return TokenStream(torch.cat(tokens)[:cap], torch.cat(starts)[:cap], torch.cat(trainable)[:cap] if chat else None)
+    return TokenStream(
+        torch.cat(tokens)[:cap],
+        torch.cat(starts)[:cap],
+        torch.cat(trainable)[:cap] if chat else None,
+    )
 
 
 def document_stream(documents: Iterator[str], tokenizer, max_tokens: int) -> TokenStream:
-    """Non-empty documents tokenized and joined, each followed by the end-of-document token, up to ``max_tokens``."""
+    """Non-empty documents tokenized and joined, each followed by the end-of-document token, up to
+    ``max_tokens``."""
     eos = torch.tensor([tokenizer.eos_id], dtype=torch.int64)
-    return _join(((torch.cat([tokenizer.encode(doc), eos]), None) for doc in documents if doc), max_tokens, chat=False)
+    return _join(
+        ((torch.cat([tokenizer.encode(doc), eos]), None) for doc in documents if doc),
+        max_tokens,
+        chat=False,
+    )
 
 
 def token_stream(documents: Iterator[str], tokenizer, max_tokens: int) -> torch.Tensor:
@@ -66,7 +78,9 @@ def token_stream(documents: Iterator[str], tokenizer, max_tokens: int) -> torch.
     return document_stream(documents, tokenizer, max_tokens).tokens
 
 
-def conversation_stream(conversations: Iterator[list[dict]], tokenizer: HFTokenizer, max_tokens: int) -> TokenStream:
+def conversation_stream(
+    conversations: Iterator[list[dict]], tokenizer: HFTokenizer, max_tokens: int
+) -> TokenStream:
     """Conversations through the chat template, joined; only assistant reply tokens are trainable.
 
     No end-of-document token is added: the template ends each turn itself. Conversations without any

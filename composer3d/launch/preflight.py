@@ -1,8 +1,10 @@
-"""What is checked before any worker starts (by the launcher; by a single process before it trains): everything
-that would otherwise fail on every rank alike once workers run, or only at the first checkpoint save.
+"""What is checked before any worker starts (by the launcher; by a single process before it trains):
+everything that would otherwise fail on every rank alike once workers run, or only at the first
+checkpoint save.
 
-Each problem is one ConfigError naming the key and what would work (exit code 2). The workers check again what
-depends on their rank (the device) and read what is too large to read twice (the corpus beyond its first rows).
+Each problem is one ConfigError naming the key and what would work (exit code 2). The workers check
+again what depends on their rank (the device) and read what is too large to read twice (the corpus
+beyond its first rows).
 """
 
 from __future__ import annotations
@@ -22,128 +24,180 @@ from composer3d.checkpoint import (
     read_meta,
     verified_checkpoints,
 )
-from composer3d.config import validate, validate_for_device
+from composer3d.config.checks import validate, validate_for_device
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
+from composer3d.parallel.mesh import Layout
 from composer3d.peft.apply import check_init_from, check_targets
 from composer3d.peft.base import build_with_adapters, check_base_from, check_same_base
 
 log = logging.getLogger("composer3d")
 
 
-def preflight(cfg, world_size: int) -> dict[str, int]:
-    """Check the run ``cfg`` describes on ``world_size`` ranks; returns the layout's degrees."""
-    degrees = validate(cfg, world_size)
+def preflight(cfg, world_size: int) -> Layout:
+    """Check the run ``cfg`` describes on ``world_size`` ranks; returns the layout."""
+    layout = validate(cfg, world_size)
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
-    validate_for_device(cfg, degrees, kind)
-    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, degrees["tp"])
-    if cfg.data.prepared:  # mapped, not read: its manifest, shard sizes and what it was prepared from
+    validate_for_device(cfg, layout, kind)
+    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
+    if (
+        cfg.data.prepared
+    ):  # mapped, not read: its manifest, shard sizes and what it was prepared from
         check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.model)
     else:
         check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
-    if cfg.peft.method != "none" and cfg.peft.base_from:  # first: a resume, too, rebuilds the base from there
-        check_base_from(cfg)
+    if (
+        cfg.peft.method != "none" and cfg.peft.base_from
+    ):  # first: a resume, too, rebuilds the base from there
+        check_base_from(cfg.peft, cfg.model)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
-    if (Path(cfg.run.dir) / "metrics.jsonl").is_file():  # what a resume continues: readable, or refused now
+    if (
+        Path(cfg.run.dir) / "metrics.jsonl"
+    ).is_file():  # what a resume continues: readable, or refused now
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
     peft = cfg.peft.method != "none"
     if peft:  # the linears the patterns name, on the model (on meta)
-        check_targets(build_model(cfg.model), cfg.peft, degrees["dp_shard"] * degrees["cp"])
-        if cfg.peft.init_from and resumes_from is None:  # a checkpoint's adapters would replace them
+        check_targets(build_model(cfg.model), cfg.peft, layout.dp_shard * layout.cp)
+        if (
+            cfg.peft.init_from and resumes_from is None
+        ):  # a checkpoint's adapters would replace them
             check_init_from(build_model(cfg.model), cfg.peft, cfg.model)
-    weights = None if cfg.peft.base_from else MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
-    if weights is not None and (resumes_from is None or peft):  # a full checkpoint's weights would replace them
+    weights = (
+        None if cfg.peft.base_from else MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
+    )
+    if weights is not None and (
+        resumes_from is None or peft
+    ):  # a full checkpoint's weights would replace them
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
     # Last: these create the directories, which a refused run should not leave behind.
     check_writable("run.dir", Path(cfg.run.dir))
     if cfg.checkpoint.enabled:
         check_writable("checkpoint.dir" if cfg.checkpoint.dir else "run.dir", directory)
-    return degrees
+    return layout
 
 
 def check_writable(key: str, directory: Path) -> None:
-    """Create ``directory`` and a file in it now, rather than fail at the first log line or checkpoint save."""
+    """Create ``directory`` and a file in it now, rather than fail at the first log line or
+    checkpoint save."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=directory):
             pass
     except OSError as error:
-        raise ConfigError(f"{key}: cannot write into {directory} ({error.strerror or error}). Choose a directory "
-                          "this user can create and write") from None
+        raise ConfigError(
+            f"{key}: cannot write into {directory} ({error.strerror or error}). Choose a directory "
+            "this user can create and write"
+        ) from None
 
 
 def check_fresh_start(cfg, run_dir: Path, directory: Path) -> None:
-    """checkpoint.resume=none in a run.dir that holds an earlier run is refused: the fresh start would overwrite that
-    run's metrics.jsonl and config.yaml, and keep_last would prune the new run's checkpoints for the old run's
-    (newer by step). The way out is a run directory of its own."""
+    """checkpoint.resume=none in a run.dir that holds an earlier run is refused: the fresh start
+    would overwrite that run's metrics.jsonl and config.yaml, and keep_last would prune the new
+    run's checkpoints for the old run's (newer by step). The way out is a run directory of its
+    own."""
     if cfg.checkpoint.resume != "none":
         return
     metrics = run_dir / "metrics.jsonl"
     records = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
-    saved = [p.name for p in committed_checkpoints(directory)] + [p.name for p in directory.glob("step-*.partial")]
+    saved = [p.name for p in committed_checkpoints(directory)] + [
+        p.name for p in directory.glob("step-*.partial")
+    ]
     if not records and not saved:
         return
-    held = ", ".join(filter(None, [f"metrics.jsonl with {records} records" if records else "",
-                                   f"checkpoints {', '.join(sorted(saved))} in {directory}" if saved else ""]))
-    raise ConfigError(f"checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier run ({held}); "
-                      "starting over there would overwrite its metrics and config, and checkpoint.keep_last would "
-                      "prune this run's checkpoints for that run's. Give this run a new run.name (or run.dir), or "
-                      "resume that run with checkpoint.resume=auto")
+    held = ", ".join(
+        filter(
+            None,
+            [
+                f"metrics.jsonl with {records} records" if records else "",
+                f"checkpoints {', '.join(sorted(saved))} in {directory}" if saved else "",
+            ],
+        )
+    )
+    raise ConfigError(
+        f"checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier run "
+        f"({held}); "
+        "starting over there would overwrite its metrics and config, and checkpoint.keep_last "
+        "would "
+        "prune this run's checkpoints for that run's. Give this run a new run.name (or run.dir), "
+        "or "
+        "resume that run with checkpoint.resume=auto"
+    )
 
 
 def check_resumable(cfg, directory: Path) -> Path | None:
-    """The checkpoint a resume would load fits this run: complete (an explicit one), the same model shapes, and
-    steps left to train. (Its data position is checked against the corpus when a worker loads it.) Returns that
-    checkpoint; None where the run starts afresh."""
+    """The checkpoint a resume would load fits this run: complete (an explicit one), the same model
+    shapes, and steps left to train. (Its data position is checked against the corpus when a worker
+    loads it.) Returns that checkpoint; None where the run starts afresh."""
     mode = cfg.checkpoint.resume
     if mode == "none":
         return None
-    if mode == "auto":  # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
-        path = next((p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]), None)
+    if (
+        mode == "auto"
+    ):  # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
+        path = next(
+            (p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]), None
+        )
         if path is None:
             return None
     else:
         path = Path(mode)
         if not (path / META_FILE).is_file():
-            raise ConfigError(f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no {META_FILE}). "
-                              "Give a step-N directory, or use auto/none")
+            raise ConfigError(
+                f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no "
+                f"{META_FILE}). "
+                "Give a step-N directory, or use auto/none"
+            )
         check_complete(path)
     try:
         meta = read_meta(path)
     except ValueError as error:  # a foreign format version, or JSON that does not parse
-        raise ConfigError(f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
-                          "directory, or start afresh in a new run.dir with checkpoint.resume=none") from None
+        raise ConfigError(
+            f"checkpoint.resume: {path / META_FILE} is unreadable ({error}). Give another step-N "
+            "directory, or start afresh in a new run.dir with checkpoint.resume=none"
+        ) from None
     if cfg.peft.method != "none":
         if (meta["config"].get("peft") or {}).get("method", "none") == "none":
-            raise ConfigError(f"checkpoint.resume: {path} is a full checkpoint (trained without peft), and this run "
-                              f"trains peft={cfg.peft.method} adapters. To train them on its weights, start with "
-                              f"peft.base_from={path} (checkpoint.resume continues a run of the same kind)")
+            raise ConfigError(
+                f"checkpoint.resume: {path} is a full checkpoint (trained without peft), and this "
+                "run "
+                f"trains peft={cfg.peft.method} adapters. To train them on its weights, start with "
+                f"peft.base_from={path} (checkpoint.resume continues a run of the same kind)"
+            )
         check_same_base(path, meta, cfg)
     try:
         check_same_model(path, build_with_adapters(cfg.model, cfg.peft))
     except ConfigError:
         raise
-    except Exception:  # an unreadable index: resume=auto falls back to an older checkpoint when it loads
+    except (
+        Exception
+    ):  # an unreadable index: resume=auto falls back to an older checkpoint when it loads
         if mode != "auto":
             raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)
-        if cfg.data.prepared:  # its data position points into the windows of the corpus it was saved with
-            check_same_corpus(meta["data"], check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len,
-                                                           cfg.model).identity)
+        if (
+            cfg.data.prepared
+        ):  # its data position points into the windows of the corpus it was saved with
+            check_same_corpus(
+                meta["data"],
+                check_prepared(
+                    cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.model
+                ).identity,
+            )
     return path
 
 
 def metrics_records(path: Path) -> list[tuple[str, int]]:
-    """The (line, step) records of a run's metrics.jsonl. A last line that is not JSON was cut short by a process
-    that died mid-write: it is dropped, with a warning. Any other unreadable line is no crash's trace, and is refused
-    (a ConfigError naming run.dir, found before any worker starts) rather than dropped."""
+    """The (line, step) records of a run's metrics.jsonl. A last line that is not JSON was cut short
+    by a process that died mid-write: it is dropped, with a warning. Any other unreadable line is no
+    crash's trace, and is refused (a ConfigError naming run.dir, found before any worker starts)
+    rather than dropped."""
     lines = [line for line in path.read_text().splitlines() if line]
     records = []
     for number, line in enumerate(lines, 1):
@@ -151,7 +205,14 @@ def metrics_records(path: Path) -> list[tuple[str, int]]:
             records.append((line, int(json.loads(line)["step"])))
         except (json.JSONDecodeError, TypeError, KeyError, ValueError):
             if number < len(lines):
-                raise ConfigError(f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). Repair "
-                                  "or delete that line to resume this run, or give a fresh run a new run.name") from None
-            log.warning("%s: dropped its last line, cut short mid-write by the run that wrote it: %r", path, line[:100])
+                raise ConfigError(
+                    f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). "
+                    "Repair "
+                    "or delete that line to resume this run, or give a fresh run a new run.name"
+                ) from None
+            log.warning(
+                "%s: dropped its last line, cut short mid-write by the run that wrote it: %r",
+                path,
+                line[:100],
+            )
     return records

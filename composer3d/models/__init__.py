@@ -1,9 +1,10 @@
-"""The model families, by ``model.name``: each a ``ModelSpec`` (what it is from its config) whose models offer
-``ComposerModel`` (what a built model gives parallel/ and the trainer); both in ``models.interface``.
+"""The model families, by ``model.name``: each a ``ModelSpec`` (what it is from its config) whose
+models offer ``ComposerModel`` (what a built model gives parallel/ and the trainer); both in
+``models.interface``.
 
-Families: ``llama`` (composer3d's own transformer, dense or mixture-of-experts: ``llama``, ``moe``) and ``hf``
-(any Hugging Face causal LM: the package ``hf``, reached only through its ``__init__``). ``init`` materializes
-any of them, layout-independently.
+Families: ``llama`` (composer3d's own transformer, dense or mixture-of-experts: ``llama``, ``moe``)
+and ``hf`` (any Hugging Face causal LM: the package ``hf``, reached only through its ``__init__``).
+``init`` materializes any of them, layout-independently.
 """
 
 from __future__ import annotations

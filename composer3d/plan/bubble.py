@@ -1,12 +1,14 @@
 """Pipeline bubble per schedule: idle time relative to the compute of one step.
 
-(P−1)/(v·M) for P ranks, v stages per rank and M micro-batches (GPipe, 1F1B: v=1; interleaved and looped
-schedules: v chunks per rank shorten each ramp v times). Zero-bubble schedules split backward into input- and
-weight-gradient halves and fill the ramps with weight-gradient work: the ZB-H1 schedule leaves about a third of
-1F1B's bubble (Qi et al., "Zero Bubble Pipeline Parallelism", 2023); that value is used for all three (torch's
-InterleavedZeroBubble, ZBVZeroBubble and DualPipeV). Measured with equal forward, input- and weight-gradient
-chunks at P=2, M=8 (tests/plan_measure.py's timing), torch's schedules leave 1.0–2.6× that (interleaved zero bubble
-1.4–1.9×, ZBV 1.0–1.5×, DualPipeV 2.2–2.6×): for them the bubble predicted is optimistic, and the report says so.
+(P−1)/(v·M) for P ranks, v stages per rank and M micro-batches (GPipe, 1F1B: v=1; interleaved and
+looped schedules: v chunks per rank shorten each ramp v times). Zero-bubble schedules split backward
+into input- and weight-gradient halves and fill the ramps with weight-gradient work: the ZB-H1
+schedule leaves about a third of 1F1B's bubble (Qi et al., "Zero Bubble Pipeline Parallelism",
+2023); that value is used for all three (torch's InterleavedZeroBubble, ZBVZeroBubble and
+DualPipeV). Measured with equal forward, input- and weight-gradient chunks at P=2, M=8
+(tests/plan_measure.py's timing), torch's schedules leave 1.0–2.6× that (interleaved zero bubble
+1.4–1.9×, ZBV 1.0–1.5×, DualPipeV 2.2–2.6×): for them the bubble predicted is optimistic, and the
+report says so.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ def bubble_fraction(c: Candidate) -> float:
 
 
 def microbatches_in_flight(c: Candidate, pp_rank: int) -> float:
-    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once, in units of its whole share of
-    layers: GPipe and looped BFS run every forward first (M); 1F1B and the zero-bubble schedules start a rank's
-    first backward after P − rank forwards; interleaved 1F1B holds (1 + (P−1)/(P·v))·P on the first rank
-    (Narayanan et al. 2021), one fewer per rank after it."""
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once, in units of its
+    whole share of layers: GPipe and looped BFS run every forward first (M); 1F1B and the
+    zero-bubble schedules start a rank's first backward after P − rank forwards; interleaved 1F1B
+    holds (1 + (P−1)/(P·v))·P on the first rank (Narayanan et al. 2021), one fewer per rank after
+    it."""
     if c.pp == 1:
         return 1.0
     m, p, v = c.microbatches, c.pp, c.stages_per_rank

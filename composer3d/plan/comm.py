@@ -1,30 +1,40 @@
-"""Bytes each collective moves per optimizer step, per mesh dimension, for one pipeline rank — and on which link.
+"""Bytes each collective moves per optimizer step, per mesh dimension, for one pipeline rank — and
+on which link.
 
-The counts are composer3d's (measured by tests/test_plan.py around the real training step), per micro-batch M:
-  FSDP (ZeRO-3): each block all-gathered in forward and again in backward, the root (embedding, norm, head) once,
-    gradients reduce-scattered once; ZeRO-2 gathers each block once. FSDP reshards after every micro-batch's
-    backward, so all of it repeats M times. Under PP composer3d keeps stages gathered, and the pipeline syncs
-    gradients at the last micro-batch only: one all-gather and one reduce-scatter a step.
-  HSDP: the reduce-scatter's output is then all-reduced over dp_replicate. Replicas (DDP; ZeRO-1's parameters):
-    gradients all-reduced per micro-batch. ZeRO-1: the updated slices all-gathered once a step, in the compute dtype.
-  TP (DTensor): forward all-reduces after o and down projections and the vocab-parallel embedding; backward one
-    all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron fuses them into two) and
-    the head's input; the vocab-parallel loss all-reduces three fp32 values per token.
-  SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step direction pair).
-    Op-level selective checkpointing gathers each block's two inputs again in backward, unless
-    memory.ac_save_gathers=true (memory/activation_checkpointing.py).
-  MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of the input and a
-    reduce-scatter of the output under SP, the reduce-scatter's all-gather in backward), and in backward one
-    all-reduce of the gradients into the tokens and their mixing weights, where a dense MLP has one per
-    column-parallel projection. Under SP the norms' weight gradients are all-reduced too.
-  EP: per MoE layer the routed token copies go to their experts' ranks and back, forward and backward (all-to-all).
-    Routed experts are FSDP units of their own over what ep leaves of dp_shard (``expert_dp``). Across nodes an
-    all-to-all's share for other nodes leaves through each GPU's own NIC (``seconds``); a dispatch that sends a
-    token once per node (plan.ep_dispatch=per_node, DeepEP/HybridEP's) moves less of it there.
-  PP: each stage sends its activations forward and its input gradients back, per micro-batch.
-  CP (plan/context.py): FSDP's group is dp_shard × cp; TP, EP and PP move the seq_len / cp tokens a rank holds.
-An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an all-reduce, a send
-and an all-to-all by their tensor. Gathered parameters travel in the compute dtype, gradients in precision.reduce_dtype.
+The counts are composer3d's (measured by tests/test_plan.py around the real training step), per
+micro-batch M:
+  FSDP (ZeRO-3): each block all-gathered in forward and again in backward, the root (embedding,
+    norm, head) once, gradients reduce-scattered once; ZeRO-2 gathers each block once. FSDP reshards
+    after every micro-batch's backward, so all of it repeats M times. Under PP composer3d keeps
+    stages gathered, and the pipeline syncs gradients at the last micro-batch only: one all-gather
+    and one reduce-scatter a step.
+  HSDP: the reduce-scatter's output is then all-reduced over dp_replicate. Replicas (DDP; ZeRO-1's
+  parameters):
+    gradients all-reduced per micro-batch. ZeRO-1: the updated slices all-gathered once a step, in
+    the compute dtype.
+  TP (DTensor): forward all-reduces after o and down projections and the vocab-parallel embedding;
+    backward one all-reduce per column-parallel projection (q, k, v, gate, up: five, where Megatron
+    fuses them into two) and the head's input; the vocab-parallel loss all-reduces three fp32 values
+    per token.
+  SP: the all-reduces become all-gather + reduce-scatter pairs (4 of each per layer and step
+    direction pair). Op-level selective checkpointing gathers each block's two inputs again in
+    backward, unless memory.ac_save_gathers=true (memory/activation_checkpointing.py).
+  MoE layers under TP: one reduction of the experts' partial outputs in forward (an all-gather of
+    the input and a reduce-scatter of the output under SP, the reduce-scatter's all-gather in
+    backward), and in backward one all-reduce of the gradients into the tokens and their mixing
+    weights, where a dense MLP has one per column-parallel projection. Under SP the norms' weight
+    gradients are all-reduced too.
+  EP: per MoE layer the routed token copies go to their experts' ranks and back, forward and
+    backward (all-to-all). Routed experts are FSDP units of their own over what ep leaves of
+    dp_shard (``expert_dp``). Across nodes an all-to-all's share for other nodes leaves through each
+    GPU's own NIC (``seconds``); a dispatch that sends a token once per node
+    (plan.ep_dispatch=per_node, DeepEP/HybridEP's) moves less of it there.
+  PP: each stage sends its activations forward and its input gradients back, per micro-batch. CP
+  (plan/context.py): FSDP's group is dp_shard × cp; TP, EP and PP move the seq_len / cp tokens a
+  rank holds.
+An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an
+all-reduce, a send and an all-to-all by their tensor. Gathered parameters travel in the compute
+dtype, gradients in precision.reduce_dtype.
 """
 
 from __future__ import annotations
@@ -38,154 +48,273 @@ from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import fsdp_shards, shard_degree, shard_numel, whole, zero1_degree
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
-# plan.ep_dispatch: every routed copy sent to its expert's rank (composer3d-train), or a token once per node
+# plan.ep_dispatch: every routed copy sent to its expert's rank (composer3d-train), or a token once
+# per node
 EP_DISPATCH = ("all_to_all", "per_node")
 
 
 @dataclass(frozen=True)
 class Collective:
-    # mesh dimension: dp_shard (FSDP: dp_shard × cp), dp_replicate, dp (ZeRO-1 and DDP over all data-parallel
-    # ranks), expert_dp (routed experts' FSDP), tp, pp, ep, cp
+    # mesh dimension: dp_shard (FSDP: dp_shard × cp), dp_replicate, dp (ZeRO-1 and DDP over all
+    # data-parallel ranks), expert_dp (routed experts' FSDP), tp, pp, ep, cp
     dim: str
     kind: str  # all_gather, reduce_scatter, all_reduce, send, all_to_all
     group_size: int
     bytes: float  # per step on this rank
-    overlapped: bool  # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
-    # the share of the step's compute it can hide behind: the last micro-batch's backward for gradients reduced
-    # once a step (ZeRO-1's buckets, FSDP under PP), all of it for what repeats every micro-batch
+    # hidden behind compute where there is enough of it (FSDP, DDP), or on the critical path
+    overlapped: bool
+    # the share of the step's compute it can hide behind: the last micro-batch's backward for
+    # gradients reduced once a step (ZeRO-1's buckets, FSDP under PP), all of it for what repeats
+    # every micro-batch
     window: float = 1.0
-    # an all-to-all of routed tokens that crosses to each other node once per token (plan.ep_dispatch=per_node):
-    # the routing (experts, top_k) that sets how many nodes a token's copies reach
+    # an all-to-all of routed tokens that crosses to each other node once per token
+    # (plan.ep_dispatch=per_node): the routing (experts, top_k) that sets how many nodes a token's
+    # copies reach
     per_node: tuple[int, int] | None = None
 
 
 @cache  # the search prices the same units at the same degrees over and over
 def _gathered(unit: Unit, n: int) -> int:
-    """Elements an FSDP all-gather of one copy of ``unit`` produces: each parameter padded to a multiple of n rows."""
+    """Elements an FSDP all-gather of one copy of ``unit`` produces: each parameter padded to a
+    multiple of n rows."""
     return sum(math.ceil(s[0] / n) * n * math.prod(s[1:]) for s in unit.params)
 
 
-def data_parallel(units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int) -> list[Collective]:
+def data_parallel(
+    units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int
+) -> list[Collective]:
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
-    window = 2 / 3 / c.microbatches if c.pp > 1 else 1.0  # ... during its last micro-batch's backward
+    window = (
+        2 / 3 / c.microbatches if c.pp > 1 else 1.0
+    )  # ... during its last micro-batch's backward
     out = []
     if fsdp_shards(c):
         reshard = c.zero_stage == 3 and c.pp == 1
         if c.reshard_after_forward != "default":
             reshard = c.reshard_after_forward == "always"
         # Routed experts are an FSDP group of their own under ep (over what it leaves of dp_shard).
-        groups = (("dp_shard", ("block", "root", "experts")),) if c.ep == 1 else (
-            ("dp_shard", ("block", "root")), ("expert_dp", ("experts",)))
+        groups = (
+            (("dp_shard", ("block", "root", "experts")),)
+            if c.ep == 1
+            else (("dp_shard", ("block", "root")), ("expert_dp", ("experts",)))
+        )
         for dim, kind in groups:
             mine = [u for u in units if u.kind in kind]
             if not mine:
                 continue
             n = shard_degree(c, mine[0])
             grads = sum(u.count * _gathered(u, shard_degree(c, u)) for u in mine)
-            gathers = sum(u.count * _gathered(u, shard_degree(c, u)) * (2 if reshard and u.kind != "root" else 1)
-                          for u in mine)
-            if n > 1:  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
+            gathers = sum(
+                u.count
+                * _gathered(u, shard_degree(c, u))
+                * (2 if reshard and u.kind != "root" else 1)
+                for u in mine
+            )
+            if (
+                n > 1
+            ):  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
                 out.append(Collective(dim, "all_gather", n, m * gathers * compute_bytes, True))
-                out.append(Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True, window))
+                out.append(
+                    Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True, window)
+                )
             if c.dp_replicate > 1:
-                out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * grads / n * reduce_bytes, True,
-                                      window))
+                out.append(
+                    Collective(
+                        "dp_replicate",
+                        "all_reduce",
+                        c.dp_replicate,
+                        m * grads / n * reduce_bytes,
+                        True,
+                        window,
+                    )
+                )
         return out
     if c.zero_stage == 1:
-        # the gradients reduce-scattered in buckets once a step, as the backward completes each; the parameters
-        # all-gathered in the compute dtype after the optimizer step (the buckets' padding: under dp elements each);
-        # under ep the routed experts' over the ranks holding the same ones, in buckets of their own
-        groups = (("dp", [u for u in units if u.kind != "experts"]), ("expert_dp", [u for u in units
-                                                                                   if u.kind == "experts"]))
+        # the gradients reduce-scattered in buckets once a step, as the backward completes each; the
+        # parameters all-gathered in the compute dtype after the optimizer step (the buckets'
+        # padding: under dp elements each); under ep the routed experts' over the ranks holding the
+        # same ones, in buckets of their own
+        groups = (
+            ("dp", [u for u in units if u.kind != "experts"]),
+            ("expert_dp", [u for u in units if u.kind == "experts"]),
+        )
         for dim, mine in groups:
             n = zero1_degree(c, mine[0]) if mine else 1
             if n > 1:
-                out.append(Collective(dim, "reduce_scatter", n, whole(mine) * reduce_bytes, True,
-                                      2 / 3 / c.microbatches))
+                out.append(
+                    Collective(
+                        dim,
+                        "reduce_scatter",
+                        n,
+                        whole(mine) * reduce_bytes,
+                        True,
+                        2 / 3 / c.microbatches,
+                    )
+                )
                 out.append(Collective(dim, "all_gather", n, whole(mine) * compute_bytes, False))
     elif c.dp > 1:
-        out.append(Collective("dp_replicate", "all_reduce", c.dp_replicate, m * whole(units) * reduce_bytes, True))
+        out.append(
+            Collective(
+                "dp_replicate", "all_reduce", c.dp_replicate, m * whole(units) * reduce_bytes, True
+            )
+        )
     return out
 
 
 def regathers(c: Candidate) -> bool:
-    """Whether op-level selective checkpointing gathers each block's all-gathered inputs again in backward."""
+    """Whether op-level selective checkpointing gathers each block's all-gathered inputs again in
+    backward."""
     return c.activation_checkpointing == "selective" and c.ac_every == 0 and not c.ac_save_gathers
 
 
-def tensor_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
-                    ) -> list[Collective]:
+def tensor_parallel(
+    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+) -> list[Collective]:
     if c.tp == 1:
         return []
     tokens = c.micro_batch_size * seq_len * c.microbatches  # per step
     act = tokens * shape.dim * compute_bytes  # one residual tensor, per step
-    dense, moe, first, last = stages.dense_layers, stages.moe_layers, int(stages.first), int(stages.last)
+    dense, moe, first, last = (
+        stages.dense_layers,
+        stages.moe_layers,
+        int(stages.first),
+        int(stages.last),
+    )
     loss = 3 * tokens * 4 * last
-    # A MoE layer reduces its experts' partial outputs once in forward; backward sums the gradients into the
-    # tokens (and their fp32 mixing weights) over TP once, where a dense MLP has its up and gate projections'.
+    # A MoE layer reduces its experts' partial outputs once in forward; backward sums the gradients
+    # into the tokens (and their fp32 mixing weights) over TP once, where a dense MLP has its up and
+    # gate projections'.
     mixing = moe * tokens * shape.moe.top_k * 4 if moe else 0
-    # Full checkpointing reruns a block's forward collectives up to the last one backward needs (torch stops the
-    # recomputation there): the gathers and the attention's reduce-scatter / all-reduce, not the MLP's.
+    # Full checkpointing reruns a block's forward collectives up to the last one backward needs
+    # (torch stops the recomputation there): the gathers and the attention's reduce-scatter /
+    # all-reduce, not the MLP's.
     layers = dense + moe
-    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
+    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(
+        c.activation_checkpointing, 0
+    )
     if c.sequence_parallel:
-        # The norms' weight gradients are partial sums over the sequence shards: all-reduced per micro-batch.
+        # The norms' weight gradients are partial sums over the sequence shards: all-reduced per
+        # micro-batch.
         norms = (2 * layers + last) * shape.dim * compute_bytes * c.microbatches
-        regathered = layers if regathers(c) else 0  # op-level selective: the block's gathers, not its reductions
-        return [Collective("tp", "all_gather", c.tp, (4 * layers + 2 * (rerun + regathered) + first + last) * act,
-                           False),
-                Collective("tp", "reduce_scatter", c.tp, (4 * dense + 3 * moe + rerun + first + last) * act, False),
-                Collective("tp", "all_reduce", c.tp, moe * act + mixing + norms + loss, False)]
-    return [Collective("tp", "all_reduce", c.tp, (7 * dense + 6 * moe + rerun + first + last) * act + mixing + loss,
-                       False)]
+        regathered = (
+            layers if regathers(c) else 0
+        )  # op-level selective: the block's gathers, not its reductions
+        return [
+            Collective(
+                "tp",
+                "all_gather",
+                c.tp,
+                (4 * layers + 2 * (rerun + regathered) + first + last) * act,
+                False,
+            ),
+            Collective(
+                "tp",
+                "reduce_scatter",
+                c.tp,
+                (4 * dense + 3 * moe + rerun + first + last) * act,
+                False,
+            ),
+            Collective("tp", "all_reduce", c.tp, moe * act + mixing + norms + loss, False),
+        ]
+    return [
+        Collective(
+            "tp",
+            "all_reduce",
+            c.tp,
+            (7 * dense + 6 * moe + rerun + first + last) * act + mixing + loss,
+            False,
+        )
+    ]
 
 
-def expert_parallel(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
-                    dispatch: str = "all_to_all") -> list[Collective]:
-    """Each MoE layer sends every routed copy of its tokens to the rank holding its expert and back (two all-to-alls
-    in forward, two in backward, after one of the per-expert counts); full checkpointing reruns forward's. A rank's
-    share depends on the routing: the group's mean is exact."""
+def expert_parallel(
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    compute_bytes: int,
+    dispatch: str = "all_to_all",
+) -> list[Collective]:
+    """Each MoE layer sends every routed copy of its tokens to the rank holding its expert and back
+    (two all-to-alls in forward, two in backward, after one of the per-expert counts); full
+    checkpointing reruns forward's. A rank's share depends on the routing: the group's mean is
+    exact."""
     if c.ep == 1 or not stages.moe_layers:
         return []
     rows = c.micro_batch_size * seq_len * shape.moe.top_k * c.microbatches  # per step
     layers = stages.moe_layers
-    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
+    rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(
+        c.activation_checkpointing, 0
+    )
     counts = shape.moe.experts * 8 * c.microbatches  # int64
     nbytes = (4 * layers + 2 * rerun) * rows * shape.dim * compute_bytes + (layers + rerun) * counts
     routing = (shape.moe.experts, shape.moe.top_k) if dispatch == "per_node" else None
     return [Collective("ep", "all_to_all", c.ep, nbytes, False, per_node=routing)]
 
 
-def pipeline(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int) -> list[Collective]:
+def pipeline(
+    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+) -> list[Collective]:
     if c.pp == 1:
         return []
-    act = c.micro_batch_size * seq_len * shape.dim * compute_bytes / (c.tp if c.sequence_parallel else 1)
+    act = (
+        c.micro_batch_size
+        * seq_len
+        * shape.dim
+        * compute_bytes
+        / (c.tp if c.sequence_parallel else 1)
+    )
     sends = c.microbatches * (2 * len(stages.layers) - int(stages.first) - int(stages.last))
     out = [Collective("pp", "send", c.pp, sends * act, False)]
     if shape.tied and stages.first != stages.last:
-        # A tied embedding and its twin head (parallel.tied): their fp32 gradient shards summed once a step.
+        # A tied embedding and its twin head (parallel.tied): their fp32 gradient shards summed once
+        # a step.
         head = (math.ceil(shape.vocab / c.tp), shape.dim)
-        out.append(Collective("pp", "all_reduce", 2, shard_numel(head, c.dp_shard * c.cp if fsdp_shards(c) else 1) * 4,
-                              False))
+        out.append(
+            Collective(
+                "pp",
+                "all_reduce",
+                2,
+                shard_numel(head, c.dp_shard * c.cp if fsdp_shards(c) else 1) * 4,
+                False,
+            )
+        )
     return out
 
 
-def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int,
-                reduce_bytes: int, ep_dispatch: str = "all_to_all") -> list[Collective]:
-    """Every collective of one step on a rank of this pipeline stage set but context parallel's (plan/context.py);
-    ``ep_dispatch``: plan.ep_dispatch."""
+def collectives(
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    ep_dispatch: str = "all_to_all",
+) -> list[Collective]:
+    """Every collective of one step on a rank of this pipeline stage set but context parallel's
+    (plan/context.py); ``ep_dispatch``: plan.ep_dispatch."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
-    return (data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
-            + tensor_parallel(shape, c, stages, held, compute_bytes)
-            + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch)
-            + pipeline(shape, c, stages, held, compute_bytes))
+    return (
+        data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
+        + tensor_parallel(shape, c, stages, held, compute_bytes)
+        + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch)
+        + pipeline(shape, c, stages, held, compute_bytes)
+    )
 
 
 def _stride(c: Candidate, dim: str) -> int:
-    """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate, dp_shard_mod_ep, ep, cp, tp;
-    routed experts are sharded over dp_shard_mod_ep)."""
-    return {"tp": 1, "cp": c.tp, "ep": c.tp * c.cp, "dp_shard": c.tp, "dp": c.tp * c.cp, "expert_dp": c.tp * c.cp * c.ep,
-            "dp_replicate": c.tp * c.cp * c.dp_shard, "pp": c.tp * c.cp * c.dp}[dim]
+    """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate,
+    dp_shard_mod_ep, ep, cp, tp; routed experts are sharded over dp_shard_mod_ep)."""
+    return {
+        "tp": 1,
+        "cp": c.tp,
+        "ep": c.tp * c.cp,
+        "dp_shard": c.tp,
+        "dp": c.tp * c.cp,
+        "expert_dp": c.tp * c.cp * c.ep,
+        "dp_replicate": c.tp * c.cp * c.dp_shard,
+        "pp": c.tp * c.cp * c.dp,
+    }[dim]
 
 
 def members_on_node(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> int:
@@ -197,9 +326,9 @@ def members_on_node(c: Candidate, dim: str, group_size: int, cluster: Cluster) -
 
 
 def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
-    """Per-GPU bandwidth of a group of ``dim``: NVLink within a node; across nodes, each ring crosses a node's
-    boundary once, and NCCL runs a ring (channel) per NIC, so the k members a node holds share its traffic over k
-    NICs: k times a GPU's share of the network, at most NVLink's."""
+    """Per-GPU bandwidth of a group of ``dim``: NVLink within a node; across nodes, each ring
+    crosses a node's boundary once, and NCCL runs a ring (channel) per NIC, so the k members a node
+    holds share its traffic over k NICs: k times a GPU's share of the network, at most NVLink's."""
     members = members_on_node(c, dim, group_size, cluster)
     if members == group_size:
         return cluster.intra_node_bw
@@ -207,18 +336,20 @@ def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) ->
 
 
 def node_crossings(experts: int, top_k: int, nodes: int) -> float:
-    """Of a token's ``top_k`` routed copies, the share a per-node dispatch sends to other nodes: one per other node
-    holding any of its experts (``nodes`` of a group, experts spread evenly, routing balanced as the published runs
-    force it), against the copies an all-to-all sends there, top_k · (nodes − 1) / nodes."""
+    """Of a token's ``top_k`` routed copies, the share a per-node dispatch sends to other nodes: one
+    per other node holding any of its experts (``nodes`` of a group, experts spread evenly, routing
+    balanced as the published runs force it), against the copies an all-to-all sends there, top_k ·
+    (nodes − 1) / nodes."""
     on_node = experts // nodes
     none_there = math.comb(experts - on_node, top_k) / math.comb(experts, top_k)
     return nodes * (1 - none_there) / top_k
 
 
 def _all_to_all_seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
-    """Each member sends every other its own share, 1/n of its tensor: the members on its node over NVLink, the
-    others through its own NIC, both at once. No ring crosses a node once for the group: what leaves a node is
-    what its GPUs send to other nodes (a per-node dispatch, fewer of the same tokens)."""
+    """Each member sends every other its own share, 1/n of its tensor: the members on its node over
+    NVLink, the others through its own NIC, both at once. No ring crosses a node once for the group:
+    what leaves a node is what its GPUs send to other nodes (a per-node dispatch, fewer of the same
+    tokens)."""
     n = col.group_size
     k = members_on_node(c, col.dim, n, cluster)
     local = col.bytes * (k - 1) / n / cluster.intra_node_bw
@@ -229,8 +360,9 @@ def _all_to_all_seconds(col: Collective, c: Candidate, cluster: Cluster) -> floa
 
 
 def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
-    """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through each GPU's link,
-    an all-reduce twice that; a send its tensor once; an all-to-all as ``_all_to_all_seconds`` says."""
+    """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through
+    each GPU's link, an all-reduce twice that; a send its tensor once; an all-to-all as
+    ``_all_to_all_seconds`` says."""
     if col.kind == "all_to_all":
         return _all_to_all_seconds(col, c, cluster)
     bw = link_bandwidth(c, col.dim, col.group_size, cluster)

@@ -1,22 +1,26 @@
-"""Context parallel in the planner: what each ``parallel.cp_style`` moves between the cp ranks, how much of it the
-attention compute hides, and the attention memory it adds per rank (parallel/context/context_parallel.py, parallel/context/ring_attention.py).
+"""Context parallel in the planner: what each ``parallel.cp_style`` moves between the cp ranks, how
+much of it the attention compute hides, and the attention memory it adds per rank
+(parallel/context/context_parallel.py, parallel/context/ring_attention.py).
 
-Every cp rank holds ``seq_len / cp`` tokens of each sequence (head-tail chunks: the same causal work on each), so
-the block's activations, its compute and the logits fall as 1/cp; FSDP shards the parameters over dp_shard × cp.
-Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim · local tokens (this rank's keys and values):
+Every cp rank holds ``seq_len / cp`` tokens of each sequence (head-tail chunks: the same causal work
+on each), so the block's activations, its compute and the logits fall as 1/cp; FSDP shards the
+parameters over dp_shard × cp. Per layer and micro-batch, with ``kv`` = 2 · kv_heads · head_dim ·
+local tokens (this rank's keys and values):
 
-- ring: forward passes ``kv`` to the next rank cp−1 times (compute dtype). Backward passes ``kv`` round again
-  (cp−1 times) and the fp32 key/value gradients cp times, back to their owner. Each pass of ``kv`` is posted
-  before the attention of the block already held, so it hides behind that block's compute (a 1/cp share of the
-  rank's attention); the gradients' pass is waited on at once: on the critical path.
-- allgather: K/V all-gathered in forward (the whole sequence's, saved for backward: cp× the local K/V) and their
-  gradients reduce-scattered in backward; one mask of local queries × all keys per micro-batch.
-- ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in forward and in
-  backward; one mask of all queries × all keys per micro-batch.
+- ring: forward passes ``kv`` to the next rank cp−1 times (compute dtype). Backward passes ``kv``
+  round again (cp−1 times) and the fp32 key/value gradients cp times, back to their owner. Each pass
+  of ``kv`` is posted before the attention of the block already held, so it hides behind that
+  block's compute (a 1/cp share of the rank's attention); the gradients' pass is waited on at once:
+  on the critical path.
+- allgather: K/V all-gathered in forward (the whole sequence's, saved for backward: cp× the local
+  K/V) and their gradients reduce-scattered in backward; one mask of local queries × all keys per
+  micro-batch.
+- ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in
+  forward and in backward; one mask of all queries × all keys per micro-batch.
 Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
-memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes.
-The memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is plan/activations.py's
-(``cp_attention``, ``cp_mask_bytes``).
+memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes. The
+memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is
+plan/activations.py's (``cp_attention``, ``cp_mask_bytes``).
 """
 
 from __future__ import annotations
@@ -29,47 +33,86 @@ from composer3d.plan.shapes import ModelShape, StageSet
 
 
 def _reruns(c: Candidate, layers: int) -> float:
-    """Layers whose forward full checkpointing runs again in backward (as plan/comm.py counts them)."""
-    return {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(c.activation_checkpointing, 0)
+    """Layers whose forward full checkpointing runs again in backward (as plan/comm.py counts
+    them)."""
+    return {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(
+        c.activation_checkpointing, 0
+    )
 
 
 def kv_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int) -> float:
-    """This rank's keys and values of one layer and micro-batch (what the ring passes on each step)."""
-    return c.micro_batch_size * seq_len / c.cp * 2 * shape.n_kv_heads * shape.head_dim / c.tp * compute_bytes
+    """This rank's keys and values of one layer and micro-batch (what the ring passes on each
+    step)."""
+    return (
+        c.micro_batch_size
+        * seq_len
+        / c.cp
+        * 2
+        * shape.n_kv_heads
+        * shape.head_dim
+        / c.tp
+        * compute_bytes
+    )
 
 
-def collectives(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
-                ) -> list[Collective]:
-    """The cp traffic of one step on a rank of this stage set (counted as plan/comm.py counts the others)."""
+def collectives(
+    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+) -> list[Collective]:
+    """The cp traffic of one step on a rank of this stage set (counted as plan/comm.py counts the
+    others)."""
     if c.cp == 1:
         return []
     layers = stages.dense_layers + stages.moe_layers
     forwards = (layers + _reruns(c, layers)) * c.microbatches
     backwards = layers * c.microbatches
     kv = kv_bytes(shape, c, seq_len, compute_bytes)
-    if c.cp_style == "ring":  # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
-        return [Collective("cp", "send", c.cp, (forwards + backwards) * (c.cp - 1) * kv, True),
-                Collective("cp", "send", c.cp, backwards * c.cp * kv / compute_bytes * 4, False)]
-    if c.cp_style == "allgather":  # counted by the whole sequence's K/V: gathered, then their gradients scattered
+    if (
+        c.cp_style == "ring"
+    ):  # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
+        return [
+            Collective("cp", "send", c.cp, (forwards + backwards) * (c.cp - 1) * kv, True),
+            Collective("cp", "send", c.cp, backwards * c.cp * kv / compute_bytes * 4, False),
+        ]
+    if (
+        c.cp_style == "allgather"
+    ):  # counted by the whole sequence's K/V: gathered, then their gradients scattered
         gathers = forwards + (backwards if regathers(c) else 0)
-        return [Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
-                Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False)]
-    q = kv / (2 * shape.n_kv_heads) * shape.n_heads  # this rank's queries (and the attention output)
+        return [
+            Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
+            Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False),
+        ]
+    q = (
+        kv / (2 * shape.n_kv_heads) * shape.n_heads
+    )  # this rank's queries (and the attention output)
     return [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]
 
 
-def attention_compute_s(shape: ModelShape, c: Candidate, seq_len: int, cluster: Cluster, kernel: str) -> float:
-    """The forward attention (scores and weighted sum, causal: half the full matrix) of one layer and micro-batch
-    on this rank, at ``kernel``'s rate (plan.attention_kernel)."""
-    flops = 2 * 2 * shape.n_heads / c.tp * shape.head_dim * seq_len * seq_len / 2 * c.micro_batch_size / c.cp
+def attention_compute_s(
+    shape: ModelShape, c: Candidate, seq_len: int, cluster: Cluster, kernel: str
+) -> float:
+    """The forward attention (scores and weighted sum, causal: half the full matrix) of one layer
+    and micro-batch on this rank, at ``kernel``'s rate (plan.attention_kernel)."""
+    flops = (
+        2
+        * 2
+        * shape.n_heads
+        / c.tp
+        * shape.head_dim
+        * seq_len
+        * seq_len
+        / 2
+        * c.micro_batch_size
+        / c.cp
+    )
     return flops / (cluster.peak_flops * ATTENTION_FRACTION[kernel])
 
 
-def exposed_seconds(shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster,
-                    kernel: str) -> float:
-    """Seconds a step waits for cp's traffic. The ring: each K/V pass against the attention of the block held
-    meanwhile (1/cp of the layer's, twice that in backward), the gradients' passes in full; the other styles'
-    collectives in full."""
+def exposed_seconds(
+    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster, kernel: str
+) -> float:
+    """Seconds a step waits for cp's traffic. The ring: each K/V pass against the attention of the
+    block held meanwhile (1/cp of the layer's, twice that in backward), the gradients' passes in
+    full; the other styles' collectives in full."""
     if c.cp == 1:
         return 0.0
     cb = cluster.compute_bytes

@@ -1,14 +1,17 @@
-"""A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put together.
+"""A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put
+together.
 
-Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is the rank's
-kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or compiled, recomputation, the
-optimizer step), from physical constants shared by every layout and model, nothing per row. Exposed
-communication: TP/SP, pipeline sends and ZeRO-1's gather are on the critical path; FSDP/HSDP/DDP traffic hides
-behind compute except what exceeds it, plus the first block's gather, which nothing precedes; gradients reduced
-once a step (ZeRO-1, FSDP under PP) hide behind the last micro-batch's backward only; ``plan.published_overlap``
-prices the overlaps other stacks publish; context parallel's traffic as plan/context.py says (the ring's K/V
-passes hide behind the attention of the block held); the memory options' host step and copies (``host``) as
-plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory hold it.
+Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is
+the rank's kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or
+compiled, recomputation, the optimizer step), from physical constants shared by every layout and
+model, nothing per row. Exposed communication: TP/SP, pipeline sends and ZeRO-1's gather are on the
+critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus the first
+block's gather, which nothing precedes; gradients reduced once a step (ZeRO-1, FSDP under PP) hide
+behind the last micro-batch's backward only; ``plan.published_overlap`` prices the overlaps other
+stacks publish; context parallel's traffic as plan/context.py says (the ring's K/V passes hide
+behind the attention of the block held); the memory options' host step and copies (``host``) as
+plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory
+hold it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from composer3d.precision.autocast import auto_cast
 
 @dataclass(frozen=True)
 class Workload:
-    """What the planner reads from a training config, read once (config access is slow next to the arithmetic)."""
+    """What the planner reads from a training config, read once (config access is slow next to the
+    arithmetic)."""
+
     shape: ModelShape
     seq_len: int
     global_batch_size: int
@@ -46,29 +51,62 @@ class Workload:
 
     @classmethod
     def from_config(cls, cfg) -> Workload:
-        return cls(ModelShape.from_config(cfg.model), cfg.train.seq_len, cfg.train.global_batch_size, cfg.optim.name,
-                   cfg.precision.reduce_dtype, cfg.plan.memory_headroom,
-                   Work(cfg.compile.enabled, cfg.precision.float8.enabled, cfg.plan.attention_kernel,
-                        cfg.plan.norm_kernel, cfg.plan.published_float8_experts),
-                   cfg.plan.published_overlap, cfg.plan.published_ep_overlap, cfg.plan.ep_dispatch,
-                   Peft.from_config(cfg.peft), cfg.precision.cast)
+        return cls(
+            ModelShape.from_config(cfg.model),
+            cfg.train.seq_len,
+            cfg.train.global_batch_size,
+            cfg.optim.name,
+            cfg.precision.reduce_dtype,
+            cfg.plan.memory_headroom,
+            Work(
+                cfg.compile.enabled,
+                cfg.precision.float8.enabled,
+                cfg.plan.attention_kernel,
+                cfg.plan.norm_kernel,
+                cfg.plan.published_float8_experts,
+            ),
+            cfg.plan.published_overlap,
+            cfg.plan.published_ep_overlap,
+            cfg.plan.ep_dispatch,
+            Peft.from_config(cfg.peft),
+            cfg.precision.cast,
+        )
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
-        """Whether ``c`` runs on one device with precision.cast=params (``parallel.cast_once``), as training would
-        resolve it there."""
-        cast = self.cast if self.cast != "auto" else auto_cast(
-            cluster.accelerator, c.world_size, self.work.compiled, c.zero_stage, self.peft.method if self.peft else "none")
+        """Whether ``c`` runs on one device with precision.cast=params (``parallel.cast_once``), as
+        training would resolve it there."""
+        cast = (
+            self.cast
+            if self.cast != "auto"
+            else auto_cast(
+                cluster.accelerator,
+                c.world_size,
+                self.work.compiled,
+                c.zero_stage,
+                self.peft.method if self.peft else "none",
+            )
+        )
         # (offload=cpu runs FSDP on one rank whatever the cast, with its own resharding: not this)
-        return cast == "params" and c.world_size == 1 and cluster.compute_bytes != 4 and c.offload != "cpu"
+        return (
+            cast == "params"
+            and c.world_size == 1
+            and cluster.compute_bytes != 4
+            and c.offload != "cpu"
+        )
 
 
-# What no measurement backs yet, said beside the numbers it concerns (recipes/README.md, held-out rows)
-MOE_UNCALIBRATED = ("a mixture of experts' step is not calibrated by any measurement yet: on Megatron-Bridge's "
-                    "Qwen3-30B-A3B H100 layout (EP 16 over two nodes) the planner predicts 1.28x the published "
-                    "tokens/s")
-CP_MASKED_UNMEASURED = ("cp_style={style} attends with SDPA under a dense mask of global token indices, not the causal "
-                        "kernel the ring's blocks run: that rate is not measured yet (benchmarks/attention_rate.py "
-                        "prints it as masked) and is priced as plan.attention_kernel's")
+# What no measurement backs yet, said beside the numbers it concerns (recipes/README.md, held-out
+# rows)
+MOE_UNCALIBRATED = (
+    "a mixture of experts' step is not calibrated by any measurement yet: on Megatron-Bridge's "
+    "Qwen3-30B-A3B H100 layout (EP 16 over two nodes) the planner predicts 1.28x the published "
+    "tokens/s"
+)
+CP_MASKED_UNMEASURED = (
+    "cp_style={style} attends with SDPA under a dense mask of global token indices, not the causal "
+    "kernel the ring's blocks run: that rate is not measured yet (benchmarks/attention_rate.py "
+    "prints it as masked) and is priced as plan.attention_kernel's"
+)
 
 
 @dataclass
@@ -92,31 +130,51 @@ class Estimate:
     def as_json(self) -> dict:
         c = self.candidate
         return {
-            "layout": {k: v for k, v in c.degrees().items()}, "zero_stage": c.zero_stage,
-            "sequence_parallel": c.sequence_parallel, "pp_schedule": c.pp_schedule if c.pp > 1 else None,
-            "pp_stages_per_rank": c.stages_per_rank, "microbatches": c.microbatches,
-            "micro_batch_size": c.micro_batch_size, "activation_checkpointing": c.activation_checkpointing,
-            "offload": c.offload, "overrides": c.overrides(),
-            "memory_bytes_per_gpu": round(self.memory.total), "memory_breakdown_bytes": {
-                k: round(v) for k, v in self.memory.as_dict().items()},
+            "layout": c.layout.as_dict(),
+            "zero_stage": c.zero_stage,
+            "sequence_parallel": c.sequence_parallel,
+            "pp_schedule": c.pp_schedule if c.pp > 1 else None,
+            "pp_stages_per_rank": c.stages_per_rank,
+            "microbatches": c.microbatches,
+            "micro_batch_size": c.micro_batch_size,
+            "activation_checkpointing": c.activation_checkpointing,
+            "offload": c.offload,
+            "overrides": c.overrides(),
+            "memory_bytes_per_gpu": round(self.memory.total),
+            "memory_breakdown_bytes": {k: round(v) for k, v in self.memory.as_dict().items()},
             "comm_bytes_per_step": {f"{x.dim}:{x.kind}": round(x.bytes) for x in self.collectives},
-            "exposed_comm_s": self.exposed_comm_s, "compute_s": self.compute_s, "bubble_s": self.bubble_s,
-            "step_time_s": self.step_time_s, "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
-            "tflops_per_gpu": self.tflops_per_gpu, "mfu": self.mfu, "bubble_fraction": self.bubble_fraction,
-            "fits": self.fits, "notes": self.notes,
+            "exposed_comm_s": self.exposed_comm_s,
+            "compute_s": self.compute_s,
+            "bubble_s": self.bubble_s,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "bubble_fraction": self.bubble_fraction,
+            "fits": self.fits,
+            "notes": self.notes,
         }
 
 
-def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, compute: float, layers: int,
-                  published_overlap: bool, ep_overlap: bool) -> dict[str, float]:
-    """Seconds a rank waits for each dimension's collectives (cp's apart: plan/context.py). On the critical path
-    (TP, pipeline sends, ZeRO-1's gather) in full; those FSDP/DDP overlap share the step's compute, their excess
-    waited for (attributed to their dimensions by share) plus the first block's gather, which nothing precedes;
-    those reduced once a step hide behind their window only (the last micro-batch's backward).
-    ``published_overlap`` (plan.published_overlap): TP and pipeline traffic hide behind compute as async TP and
-    Megatron's overlapped sends do, and ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward;
-    ``ep_overlap`` (plan.published_ep_overlap): expert parallel's all-to-alls hide behind compute, as Megatron's
-    overlap of one micro-batch's dispatch with another's compute does (without it they wait, as composer3d-train's)."""
+def _exposed_comm(
+    cols: list[comm.Collective],
+    c: Candidate,
+    cluster: Cluster,
+    compute: float,
+    layers: int,
+    published_overlap: bool,
+    ep_overlap: bool,
+) -> dict[str, float]:
+    """Seconds a rank waits for each dimension's collectives (cp's apart: plan/context.py). On the
+    critical path (TP, pipeline sends, ZeRO-1's gather) in full; those FSDP/DDP overlap share the
+    step's compute, their excess waited for (attributed to their dimensions by share) plus the first
+    block's gather, which nothing precedes; those reduced once a step hide behind their window only
+    (the last micro-batch's backward). ``published_overlap`` (plan.published_overlap): TP and
+    pipeline traffic hide behind compute as async TP and Megatron's overlapped sends do, and
+    ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward; ``ep_overlap``
+    (plan.published_ep_overlap): expert parallel's all-to-alls hide behind compute, as Megatron's
+    overlap of one micro-batch's dispatch with another's compute does (without it they wait, as
+    composer3d-train's)."""
     out: dict[str, float] = {}
     pool: dict[str, float] = {}
     for col in cols:
@@ -137,7 +195,9 @@ def _exposed_comm(cols: list[comm.Collective], c: Candidate, cluster: Cluster, c
             out[col.dim] = out.get(col.dim, 0.0) + t
     total = sum(pool.values())
     for dim, t in pool.items():
-        first_gather = t / max(1, 2 * layers) if dim != "tp" else 0.0  # about one block's traffic, never hidden
+        first_gather = (
+            t / max(1, 2 * layers) if dim != "tp" else 0.0
+        )  # about one block's traffic, never hidden
         out[dim] = out.get(dim, 0.0) + max(0.0, total - compute) * t / total + first_gather
     return out
 
@@ -148,25 +208,54 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
     sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [memory(shape, c, s, seq, cluster, work.optimizer, work.peft, work.casts_once(c, cluster),
-                   work.work.compiled) for s in sets]
-    cols = [comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch)
-            + context.collectives(shape, c, s, seq, cb)
-            for s in sets]
+    mems = [
+        memory(
+            shape,
+            c,
+            s,
+            seq,
+            cluster,
+            work.optimizer,
+            work.peft,
+            work.casts_once(c, cluster),
+            work.work.compiled,
+        )
+        for s in sets
+    ]
+    cols = [
+        comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch)
+        + context.collectives(shape, c, s, seq, cb)
+        for s in sets
+    ]
     tokens_per_step = work.global_batch_size * seq
     state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
-    compute = [step_compute(shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work).total
-               for s, m in zip(sets, mems)]
+    compute = [
+        step_compute(shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work).total
+        for s, m in zip(sets, mems)
+    ]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
     bubble = compute[busiest] * bubble_ratio(c)
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
     for i, rank_cols in enumerate(cols):
-        mine = _exposed_comm(rank_cols, c, cluster, compute[i], sets[i].n_layers, work.published_overlap,
-                             work.published_ep_overlap)
+        mine = _exposed_comm(
+            rank_cols,
+            c,
+            cluster,
+            compute[i],
+            sets[i].n_layers,
+            work.published_overlap,
+            work.published_ep_overlap,
+        )
         if c.cp > 1:
-            mine["cp"] = context.exposed_seconds(shape, c, sets[i], seq, cluster, work.work.attention)
-        host_exposed, host_overlapped = host_seconds(shape, c, sets[i], work.optimizer, cluster, mems[i])
-        if host_exposed or host_overlapped:  # the copies over the host link hide behind compute, not the host step
+            mine["cp"] = context.exposed_seconds(
+                shape, c, sets[i], seq, cluster, work.work.attention
+            )
+        host_exposed, host_overlapped = host_seconds(
+            shape, c, sets[i], work.optimizer, cluster, mems[i]
+        )
+        if (
+            host_exposed or host_overlapped
+        ):  # the copies over the host link hide behind compute, not the host step
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)
@@ -176,12 +265,23 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     tflops = flops_per_token * tokens_per_step / world / step / 1e12
     worst = max(range(len(sets)), key=lambda i: mems[i].total)
     return Estimate(
-        candidate=c, memory=mems[worst], memory_per_pp_rank=mems, collectives=cols[busiest],
-        collectives_per_pp_rank=cols, compute_s=compute[busiest], bubble_s=bubble, exposed_comm_s=exposed,
-        step_time_s=step, tokens_per_s_per_gpu=tokens_per_step / world / step, tflops_per_gpu=tflops,
-        mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None, bubble_fraction=bubble_fraction(c),
+        candidate=c,
+        memory=mems[worst],
+        memory_per_pp_rank=mems,
+        collectives=cols[busiest],
+        collectives_per_pp_rank=cols,
+        compute_s=compute[busiest],
+        bubble_s=bubble,
+        exposed_comm_s=exposed,
+        step_time_s=step,
+        tokens_per_s_per_gpu=tokens_per_step / world / step,
+        tflops_per_gpu=tflops,
+        mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
+        bubble_fraction=bubble_fraction(c),
         fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom
-        and host_fits(mems, cluster, work.memory_headroom), notes=_notes(shape, c))
+        and host_fits(mems, cluster, work.memory_headroom),
+        notes=_notes(shape, c),
+    )
 
 
 def _notes(shape: ModelShape, c: Candidate) -> list[str]:

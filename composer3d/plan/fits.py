@@ -1,11 +1,13 @@
-"""What fits (``composer3d-plan plan.what_fits=true``): for the config's layout on its cluster, the longest sequence
-each combination of the memory options trains, and the largest model (layers at the config's width) each
-combination of model-state offload and activation checkpointing holds — and which options it takes.
+"""What fits (``composer3d-plan plan.what_fits=true``): for the config's layout on its cluster, the
+longest sequence each combination of the memory options trains, and the largest model (layers at the
+config's width) each combination of model-state offload and activation checkpointing holds — and
+which options it takes.
 
-The options: activation checkpointing (none, op-level selective, full), sequence tiling of the MLP and the loss (one
-tile per ``TILE_TOKENS`` tokens a rank holds), activation offload, and ZeRO-Offload (optimizer, cpu). A combination
-that training refuses is left out (tiled loss under PP, eager op-level selective with activation offload, ZeRO-1
-with offload). Device and host memory both bound what fits (``estimate``'s ``fits``).
+The options: activation checkpointing (none, op-level selective, full), sequence tiling of the MLP
+and the loss (one tile per ``TILE_TOKENS`` tokens a rank holds), activation offload, and
+ZeRO-Offload (optimizer, cpu). A combination that training refuses is left out (tiled loss under PP,
+eager op-level selective with activation offload, ZeRO-1 with offload). Device and host memory both
+bound what fits (``estimate``'s ``fits``).
 """
 
 from __future__ import annotations
@@ -40,20 +42,27 @@ class Options:
         return " ".join(parts)
 
 
-def option_sets(c: Candidate, compiled: bool, tiling: bool = True, activation_offload: bool = True
-                ) -> list[Options]:
+def option_sets(
+    c: Candidate, compiled: bool, tiling: bool = True, activation_offload: bool = True
+) -> list[Options]:
     offloads = ("none",) if c.zero_stage == 1 else ("none", "optimizer", "cpu")
     found = []
-    for ac, tiled, act_off, offload in product(("none", "selective", "full"), (False, True) if tiling else (False,),
-                                               (False, True) if activation_offload else (False,), offloads):
+    for ac, tiled, act_off, offload in product(
+        ("none", "selective", "full"),
+        (False, True) if tiling else (False,),
+        (False, True) if activation_offload else (False,),
+        offloads,
+    ):
         if act_off and ac == "selective" and not compiled:
-            continue  # refused by checks: eager op-level selective hides its saved tensors from the offload
+            # refused by checks: eager op-level selective hides its saved tensors from the offload
+            continue
         found.append(Options(ac, tiled, act_off, offload))
     return found
 
 
 def with_options(c: Candidate, o: Options, seq_len: int) -> Candidate | None:
-    """``c`` with the options applied at ``seq_len``; None where tiling cannot cut the tokens a rank holds."""
+    """``c`` with the options applied at ``seq_len``; None where tiling cannot cut the tokens a rank
+    holds."""
     tiles = 0
     if o.tiled:
         held = seq_len // c.cp // (c.tp if c.sequence_parallel else 1)
@@ -61,17 +70,26 @@ def with_options(c: Candidate, o: Options, seq_len: int) -> Candidate | None:
         if tiles < 2 or held % tiles:
             return None
     loss_tiles = tiles if c.pp == 1 else 0  # the tiled loss is refused under PP; the MLP's is not
-    return replace(c, activation_checkpointing=o.activation_checkpointing, ac_every=0, tile_mlp=tiles,
-                   tile_loss=loss_tiles, activation_offload=o.activation_offload, offload=o.offload)
+    return replace(
+        c,
+        activation_checkpointing=o.activation_checkpointing,
+        ac_every=0,
+        tile_mlp=tiles,
+        tile_loss=loss_tiles,
+        activation_offload=o.activation_offload,
+        offload=o.offload,
+    )
 
 
 def _granule(c: Candidate) -> int:
-    """Sequence lengths the search steps by: what cp's chunks, SP's split and the tiles all divide."""
+    """Sequence lengths the search steps by: what cp's chunks, SP's split and the tiles all
+    divide."""
     return TILE_TOKENS * 2 * c.cp * c.tp
 
 
 def _largest(fitting, step: int, limit: int) -> tuple[int, Estimate] | None:
-    """The largest multiple of ``step`` up to ``limit`` where ``fitting`` gives an estimate (memory grows with it)."""
+    """The largest multiple of ``step`` up to ``limit`` where ``fitting`` gives an estimate (memory
+    grows with it)."""
     best = fitting(step)
     if best is None:
         return None
@@ -86,8 +104,11 @@ def _largest(fitting, step: int, limit: int) -> tuple[int, Estimate] | None:
     return low * step, best
 
 
-def longest_sequence(work: Workload, c: Candidate, o: Options, cluster: Cluster) -> tuple[int, Estimate] | None:
-    """The longest sequence (a multiple of ``_granule``) that fits with ``o``, and its estimate; None if none does."""
+def longest_sequence(
+    work: Workload, c: Candidate, o: Options, cluster: Cluster
+) -> tuple[int, Estimate] | None:
+    """The longest sequence (a multiple of ``_granule``) that fits with ``o``, and its estimate;
+    None if none does."""
     batch = c.dp * c.micro_batch_size * c.microbatches
 
     def fitting(seq: int) -> Estimate | None:
@@ -100,8 +121,12 @@ def longest_sequence(work: Workload, c: Candidate, o: Options, cluster: Cluster)
     return _largest(fitting, _granule(c), SEQ_LIMIT)
 
 
-def largest_model(work: Workload, c: Candidate, o: Options, cluster: Cluster) -> tuple[int, Estimate] | None:
-    """The most layers (at the config's width and sequence, split evenly over the stages) that fit with ``o``."""
+def largest_model(
+    work: Workload, c: Candidate, o: Options, cluster: Cluster
+) -> tuple[int, Estimate] | None:
+    """The most layers (at the config's width and sequence, split evenly over the stages) that fit
+    with ``o``."""
+
     def fitting(layers: int) -> Estimate | None:
         candidate = with_options(c, o, work.seq_len)
         if candidate is None:
@@ -114,16 +139,21 @@ def largest_model(work: Workload, c: Candidate, o: Options, cluster: Cluster) ->
 
 @dataclass(frozen=True)
 class Fit:
-    """One option set's answer: the most it holds (tokens, or layers) and the estimate there; amount 0: nothing."""
+    """One option set's answer: the most it holds (tokens, or layers) and the estimate there; amount
+    0: nothing."""
+
     options: Options
     amount: int = 0
     estimate: Estimate | None = None
     params: int = 0  # the model's parameters there
 
 
-def what_fits(work: Workload, c: Candidate, cluster: Cluster, compiled: bool) -> tuple[list[Fit], list[Fit]]:
-    """(longest sequence per option set; largest model per offload × checkpointing): the most first, then the
-    fastest."""
+def what_fits(
+    work: Workload, c: Candidate, cluster: Cluster, compiled: bool
+) -> tuple[list[Fit], list[Fit]]:
+    """(longest sequence per option set; largest model per offload × checkpointing): the most first,
+    then the fastest."""
+
     def fit(o: Options, found: tuple[int, Estimate] | None, layers: bool = False) -> Fit:
         if found is None:
             return Fit(o)
@@ -134,6 +164,8 @@ def what_fits(work: Workload, c: Candidate, cluster: Cluster, compiled: bool) ->
         return (-f.amount, -f.estimate.tokens_per_s_per_gpu) if f.estimate else (0, 0)
 
     sequences = [fit(o, longest_sequence(work, c, o, cluster)) for o in option_sets(c, compiled)]
-    models = [fit(o, largest_model(work, c, o, cluster), layers=True)
-              for o in option_sets(c, compiled, tiling=False, activation_offload=False)]
+    models = [
+        fit(o, largest_model(work, c, o, cluster), layers=True)
+        for o in option_sets(c, compiled, tiling=False, activation_offload=False)
+    ]
     return sorted(sequences, key=order), sorted(models, key=order)

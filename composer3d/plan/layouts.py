@@ -1,17 +1,18 @@
-"""A candidate layout (every knob the planner weighs) and the enumeration of all valid ones for a world size.
+"""A candidate layout (every knob the planner weighs) and the enumeration of all valid ones for a
+world size.
 
-The knobs: degrees (pp, dp_replicate, dp_shard, cp and its style, tp; ep for mixture-of-experts models), ZeRO stage,
-sequence parallel, pipeline schedule and stages per rank, micro-batch size (hence micro-batches per step), activation
-checkpointing. The global batch and sequence length are the run's (training hyperparameters, not layout). Validity
-follows config/checks/ (layout.py, and training.py for batches and activation checkpointing); the chosen layouts are
-run through ``validate`` itself before they are used (``apply_to_config``).
+The knobs: degrees (pp, dp_replicate, dp_shard, cp and its style, tp; ep for mixture-of-experts
+models), ZeRO stage, sequence parallel, pipeline schedule and stages per rank, micro-batch size
+(hence micro-batches per step), activation checkpointing. The global batch and sequence length are
+the run's (training hyperparameters, not layout). Validity follows config/checks/ (layout.py, and
+training.py for batches and activation checkpointing); the chosen layouts are run through
+``validate`` itself before they are used (``apply_to_config``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from itertools import product
-from types import SimpleNamespace
 
 from composer3d.config.checks import pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
@@ -19,102 +20,158 @@ from composer3d.errors import ConfigError
 from composer3d.memory.activation_checkpointing import blocks_all_gather
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.context.context_parallel import STYLES as CP_STYLES
-from composer3d.parallel.pipeline.stages import SCHEDULES, V_SHAPED, default_stages_per_rank, schedule_problem
+from composer3d.parallel.mesh import Layout
+from composer3d.parallel.pipeline.stages import (
+    SCHEDULES,
+    V_SHAPED,
+    default_stages_per_rank,
+    schedule_problem,
+)
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
 class Candidate:
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    tp: int
+    layout: Layout  # the degrees; the properties below read them for the estimators' arithmetic
     zero_stage: int
     sequence_parallel: bool
     pp_schedule: str
     stages_per_rank: int
     micro_batch_size: int
-    microbatches: int  # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
+    microbatches: (
+        int  # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
+    )
     activation_checkpointing: str
     ac_every: int = 0
     ac_policy: str = "all_matmuls"  # memory.ac_policy: what op-level selective checkpointing saves
-    ac_save_gathers: bool = False  # memory.ac_save_gathers: op-level selective keeps the all-gathers' outputs
+    ac_save_gathers: bool = (
+        False  # memory.ac_save_gathers: op-level selective keeps the all-gathers' outputs
+    )
     offload: str = "none"
-    offload_dir: bool = False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
+    offload_dir: bool = (
+        False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
+    )
     activation_offload: bool = False
     reshard_after_forward: str = "default"
-    ep: int = 1
-    cp: int = 1
     cp_style: str = "ring"  # parallel.cp_style, under cp > 1
-    tile_mlp: int = 0  # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
+    tile_mlp: int = (
+        0  # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
+    )
     tile_loss: int = 0
 
     @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.layout.dp
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp * self.cp
+        return self.layout.world_size
 
     @property
     def keeps_gathers(self) -> bool:
-        """memory.ac_save_gathers where it has an effect: op-level selective over blocks that all-gather (sequence
-        parallel's inputs, cp_style=allgather's K/V)."""
+        """memory.ac_save_gathers where it has an effect: op-level selective over blocks that
+        all-gather (sequence parallel's inputs, cp_style=allgather's K/V)."""
         gathers = blocks_all_gather(self.tp, self.sequence_parallel, self.cp, self.cp_style)
-        return self.ac_save_gathers and self.activation_checkpointing == "selective" and self.ac_every == 0 and gathers
-
-    def degrees(self) -> dict[str, int]:
-        return {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
-                "tp": self.tp, "ep": self.ep}
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+        return (
+            self.ac_save_gathers
+            and self.activation_checkpointing == "selective"
+            and self.ac_every == 0
+            and gathers
+        )
 
     def overrides(self) -> list[str]:
         """The command-line overrides that give this layout."""
         sp = str(self.sequence_parallel).lower()
-        out = [f"parallel.pp={self.pp}", f"parallel.dp_replicate={self.dp_replicate}",
-               f"parallel.dp_shard={self.dp_shard}", f"parallel.cp={self.cp}", f"parallel.tp={self.tp}",
-               f"parallel.ep={self.ep}",
-               f"parallel.zero_stage={self.zero_stage}",
-               f"parallel.sequence_parallel={sp}", f"train.micro_batch_size={self.micro_batch_size}",
-               f"memory.activation_checkpointing={self.activation_checkpointing}"]
+        out = [
+            f"parallel.pp={self.pp}",
+            f"parallel.dp_replicate={self.dp_replicate}",
+            f"parallel.dp_shard={self.dp_shard}",
+            f"parallel.cp={self.cp}",
+            f"parallel.tp={self.tp}",
+            f"parallel.ep={self.ep}",
+            f"parallel.zero_stage={self.zero_stage}",
+            f"parallel.sequence_parallel={sp}",
+            f"train.micro_batch_size={self.micro_batch_size}",
+            f"memory.activation_checkpointing={self.activation_checkpointing}",
+        ]
         if self.activation_checkpointing == "selective" and self.ac_policy != "all_matmuls":
             out.append(f"memory.ac_policy={self.ac_policy}")
         if self.keeps_gathers:
             out.append("memory.ac_save_gathers=true")
         if self.cp > 1:
             out.append(f"parallel.cp_style={self.cp_style}")
-        out += [f"memory.{key}={tiles}" for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
-                if tiles > 1]
+        out += [
+            f"memory.{key}={tiles}"
+            for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
+            if tiles > 1
+        ]
         if self.activation_offload:
             out.append("memory.activation_offload=true")
         if self.offload != "none":
             out.append(f"parallel.offload={self.offload}")
         if self.pp > 1:
-            out += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_stages_per_rank={self.stages_per_rank}",
-                    f"parallel.pp_microbatches={self.microbatches}"]
+            out += [
+                f"parallel.pp_schedule={self.pp_schedule}",
+                f"parallel.pp_stages_per_rank={self.stages_per_rank}",
+                f"parallel.pp_microbatches={self.microbatches}",
+            ]
         return out
 
     def short(self) -> str:
         parts = [f"pp{self.pp}"] if self.pp > 1 else []
-        parts.append(f"dp{self.dp_replicate}x{self.dp_shard}" if self.dp_replicate > 1 and self.dp_shard > 1
-                     else f"dp{self.dp}")
+        parts.append(
+            f"dp{self.dp_replicate}x{self.dp_shard}"
+            if self.dp_replicate > 1 and self.dp_shard > 1
+            else f"dp{self.dp}"
+        )
         if self.cp > 1:
             parts.append(f"cp{self.cp}:{self.cp_style}")
         parts.append(f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        parts.append(f"z{self.zero_stage}" if self.dp_shard * self.cp > 1 or self.zero_stage == 1 and self.dp > 1 else
-                     ("ddp" if self.dp > 1 else "-"))
+        parts.append(
+            f"z{self.zero_stage}"
+            if self.dp_shard * self.cp > 1 or self.zero_stage == 1 and self.dp > 1
+            else ("ddp" if self.dp > 1 else "-")
+        )
         if self.pp > 1:
             parts.append(f"{self.pp_schedule}/v{self.stages_per_rank}/M{self.microbatches}")
         parts.append(f"mb{self.micro_batch_size}")
-        parts.append(f"ac:{self.activation_checkpointing}"
-                     + ("/alternate" if self.activation_checkpointing == "selective" and not self.ac_every
-                        and self.ac_policy == "alternate_matmuls" else ""))
+        parts.append(
+            f"ac:{self.activation_checkpointing}"
+            + (
+                "/alternate"
+                if self.activation_checkpointing == "selective"
+                and not self.ac_every
+                and self.ac_policy == "alternate_matmuls"
+                else ""
+            )
+        )
         if self.offload != "none":
             parts.append("offload")
         if self.tile_mlp > 1 or self.tile_loss > 1:
@@ -127,19 +184,29 @@ class Candidate:
 def candidate_from_config(cfg, world_size: int) -> Candidate:
     """The layout a config asks for (``dp_shard=-1`` resolved)."""
     p = cfg.parallel
-    d = resolve_degrees(p, world_size)
-    dp = d["dp_replicate"] * d["dp_shard"]
-    return Candidate(pp=d["pp"], dp_replicate=d["dp_replicate"], dp_shard=d["dp_shard"], tp=d["tp"], ep=d["ep"],
-                     cp=d["cp"], cp_style=p.cp_style, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
-                     pp_schedule=p.pp_schedule,
-                     stages_per_rank=(p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule)) if d["pp"] > 1
-                     else 1,
-                     micro_batch_size=cfg.train.micro_batch_size, microbatches=pipeline_microbatches(cfg, dp),
-                     activation_checkpointing=cfg.memory.activation_checkpointing, ac_every=cfg.memory.ac_every,
-                     ac_policy=cfg.memory.ac_policy, ac_save_gathers=cfg.memory.ac_save_gathers,
-                     offload=p.offload, offload_dir=bool(p.offload_dir), reshard_after_forward=p.reshard_after_forward,
-                     tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
-                     activation_offload=cfg.memory.activation_offload)
+    layout = resolve_degrees(p, world_size)
+    return Candidate(
+        layout=layout,
+        cp_style=p.cp_style,
+        zero_stage=p.zero_stage,
+        sequence_parallel=p.sequence_parallel,
+        pp_schedule=p.pp_schedule,
+        stages_per_rank=(p.pp_stages_per_rank or default_stages_per_rank(p.pp_schedule))
+        if layout.pp > 1
+        else 1,
+        micro_batch_size=cfg.train.micro_batch_size,
+        microbatches=pipeline_microbatches(cfg, layout.dp),
+        activation_checkpointing=cfg.memory.activation_checkpointing,
+        ac_every=cfg.memory.ac_every,
+        ac_policy=cfg.memory.ac_policy,
+        ac_save_gathers=cfg.memory.ac_save_gathers,
+        offload=p.offload,
+        offload_dir=bool(p.offload_dir),
+        reshard_after_forward=p.reshard_after_forward,
+        tile_mlp=cfg.memory.tile_mlp,
+        tile_loss=cfg.memory.tile_loss,
+        activation_offload=cfg.memory.activation_offload,
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -147,21 +214,29 @@ def _divisors(n: int) -> list[int]:
 
 
 def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
-    """Tensor-parallel degrees this model can split, within one node (TP's traffic needs its fastest links)."""
+    """Tensor-parallel degrees this model can split, within one node (TP's traffic needs its fastest
+    links)."""
     m = cfg.model
     if MODEL_REGISTRY[m.name].tensor_parallel_problem(m) is not None:
         return [1]
     sizes = [v for _, v in MODEL_REGISTRY[m.name].tp_split_sizes(m)]
-    return [t for t in _divisors(world_size) if t <= gpus_per_node and all(v % t == 0 for v in sizes)]
+    return [
+        t for t in _divisors(world_size) if t <= gpus_per_node and all(v % t == 0 for v in sizes)
+    ]
 
 
 def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candidate]:
-    """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in arithmetic form)."""
+    """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in
+    arithmetic form)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     experts = m.moe.experts if m.name == "llama" else 0
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
-        for pp, cp in ((pp, cp) for pp in _divisors(world_size // tp) for cp in _divisors(world_size // tp // pp)):
+        for pp, cp in (
+            (pp, cp)
+            for pp in _divisors(world_size // tp)
+            for cp in _divisors(world_size // tp // pp)
+        ):
             if pp > m.n_layers:
                 continue
             dp = world_size // (tp * pp * cp)
@@ -175,35 +250,57 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
                         continue  # refused by checks: offload takes the shards FSDP owns
                     if not _ep_fits(ep, cp, dp_shard):
                         continue
-                    styles = _cp_styles(cfg, {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp,
-                                              "tp": tp, "ep": ep}, zero)
-                    for sp, style in product((False, True) if tp > 1 and t.seq_len % tp == 0 else (False,), styles):
+                    layout = Layout(
+                        pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
+                    )
+                    styles = _cp_styles(cfg, layout, zero)
+                    for sp, style in product(
+                        (False, True) if tp > 1 and t.seq_len % tp == 0 else (False,), styles
+                    ):
                         if not _tiles_fit(cfg, t.seq_len // cp // (tp if sp else 1), pp):
                             continue
                         for mbs in _divisors(local_batch):
-                            base = Candidate(pp, dp_replicate, dp_shard, tp, zero, sp, "1f1b", 1, mbs,
-                                             local_batch // mbs, "none", ep=ep, cp=cp, cp_style=style,
-                                             ac_policy=cfg.memory.ac_policy,
-                                             ac_save_gathers=cfg.memory.ac_save_gathers,
-                                             tile_mlp=cfg.memory.tile_mlp, tile_loss=cfg.memory.tile_loss,
-                                             offload=p.offload, offload_dir=bool(p.offload_dir),
-                                             activation_offload=cfg.memory.activation_offload)
-                            found += _with_schedules_and_ac(base, m.n_layers, cfg.compile.enabled, m.tie_embeddings)
+                            base = Candidate(
+                                layout,
+                                zero,
+                                sp,
+                                "1f1b",
+                                1,
+                                mbs,
+                                local_batch // mbs,
+                                "none",
+                                cp_style=style,
+                                ac_policy=cfg.memory.ac_policy,
+                                ac_save_gathers=cfg.memory.ac_save_gathers,
+                                tile_mlp=cfg.memory.tile_mlp,
+                                tile_loss=cfg.memory.tile_loss,
+                                offload=p.offload,
+                                offload_dir=bool(p.offload_dir),
+                                activation_offload=cfg.memory.activation_offload,
+                            )
+                            found += _with_schedules_and_ac(
+                                base, m.n_layers, cfg.compile.enabled, m.tie_embeddings
+                            )
     return found
 
 
-def _cp_styles(cfg, degrees: dict[str, int], zero_stage: int) -> tuple[str, ...]:
-    """The context-parallel styles training would accept for these degrees (none where it refuses cp): the
-    config's own check, asked of each style with the candidate's ZeRO stage."""
-    if degrees["cp"] == 1:
+def _cp_styles(cfg, layout: Layout, zero_stage: int) -> tuple[str, ...]:
+    """The context-parallel styles training would accept for this layout (none where it refuses cp):
+    the config's own check, asked of each style with the candidate's ZeRO stage."""
+    if layout.cp == 1:
         return ("ring",)
     styles = []
     for style in CP_STYLES:
-        view = SimpleNamespace(model=cfg.model, train=cfg.train, compile=cfg.compile,
-                               parallel=SimpleNamespace(cp_style=style, cp_balance=cfg.parallel.cp_balance,
-                                                        zero_stage=zero_stage))
         try:
-            check_context_parallel(view, degrees)
+            check_context_parallel(
+                cfg.model,
+                layout,
+                cfg.train.seq_len,
+                style,
+                cfg.parallel.cp_balance,
+                zero_stage,
+                cfg.compile.enabled,
+            )
         except ConfigError:
             continue
         styles.append(style)
@@ -211,13 +308,15 @@ def _cp_styles(cfg, degrees: dict[str, int], zero_stage: int) -> tuple[str, ...]
 
 
 def _tiles_fit(cfg, held: int, pp: int) -> bool:
-    """The config's sequence tiles divide the tokens a rank holds; the loss's only without a pipeline (checks)."""
+    """The config's sequence tiles divide the tokens a rank holds; the loss's only without a
+    pipeline (checks)."""
     mlp, loss = cfg.memory.tile_mlp, cfg.memory.tile_loss
     return (mlp <= 1 or held % mlp == 0) and (loss <= 1 or (held % loss == 0 and pp == 1))
 
 
 def _ep_fits(ep: int, cp: int, dp_shard: int) -> bool:
-    """Whether ep can borrow its ranks as checks require: every cp rank first, then ep/cp from dp_shard."""
+    """Whether ep can borrow its ranks as checks require: every cp rank first, then ep/cp from
+    dp_shard."""
     if ep == 1:
         return True
     if cp > 1:
@@ -226,8 +325,8 @@ def _ep_fits(ep: int, cp: int, dp_shard: int) -> bool:
 
 
 def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[tuple[int, int]]:
-    """ZeRO stages and expert-parallel degrees of a data-parallel split: ep divides dp_shard and the experts;
-    ZeRO-1 has no HSDP form."""
+    """ZeRO stages and expert-parallel degrees of a data-parallel split: ep divides dp_shard and the
+    experts; ZeRO-1 has no HSDP form."""
     zeros = (3, 2, 1) if dp_shard > 1 else (3, 1) if dp_replicate > 1 else (3,)
     out = [(z, 1) for z in zeros if not (z == 1 and dp_replicate > 1 and dp_shard > 1)]
     for ep in _divisors(dp_shard)[1:] if experts else []:
@@ -236,27 +335,42 @@ def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[
     return out
 
 
-def _with_schedules_and_ac(base: Candidate, n_layers: int, compiled: bool, tied: bool) -> list[Candidate]:
+def _with_schedules_and_ac(
+    base: Candidate, n_layers: int, compiled: bool, tied: bool
+) -> list[Candidate]:
     out = []
-    # refused by checks for a tied model: a V-shaped schedule runs its embedding and its head twin on one rank
+    # refused by checks for a tied model: a V-shaped schedule runs its embedding and its head twin
+    # on one rank
     schedules = [s for s in SCHEDULES if not (tied and s in V_SHAPED)] if base.pp > 1 else ("1f1b",)
     for schedule in schedules:
         v = default_stages_per_rank(schedule) if base.pp > 1 else 1
-        if base.pp > 1 and (base.pp * v > n_layers or schedule_problem(schedule, base.pp, v, base.microbatches)):
+        if base.pp > 1 and (
+            base.pp * v > n_layers or schedule_problem(schedule, base.pp, v, base.microbatches)
+        ):
             continue
         for ac in ("none", "selective", "full"):
             if ac != "none" and base.pp > 1 and schedule in ZERO_BUBBLE:
-                continue  # refused by checks: the split backward re-enters the checkpointed region twice
+                # refused by checks: the split backward re-enters the checkpointed region twice
+                continue
             if ac == "selective" and base.activation_offload and not compiled:
-                continue  # refused by checks: eager op-level selective hides its saved tensors from the offload
-            out.append(replace(base, pp_schedule=schedule, stages_per_rank=v, activation_checkpointing=ac))
+                # refused by checks: eager op-level selective hides its saved tensors from the
+                # offload
+                continue
+            out.append(
+                replace(base, pp_schedule=schedule, stages_per_rank=v, activation_checkpointing=ac)
+            )
     return out
 
 
 def apply_to_config(cfg, candidate: Candidate) -> None:
     """Write ``candidate`` into ``cfg`` (the keys ``Candidate.overrides`` names)."""
     p = cfg.parallel
-    p.pp, p.dp_replicate, p.dp_shard, p.tp = candidate.pp, candidate.dp_replicate, candidate.dp_shard, candidate.tp
+    p.pp, p.dp_replicate, p.dp_shard, p.tp = (
+        candidate.pp,
+        candidate.dp_replicate,
+        candidate.dp_shard,
+        candidate.tp,
+    )
     p.ep, p.cp, p.cp_style = candidate.ep, candidate.cp, candidate.cp_style
     p.zero_stage, p.sequence_parallel = candidate.zero_stage, candidate.sequence_parallel
     p.pp_schedule, p.pp_stages_per_rank = candidate.pp_schedule, candidate.stages_per_rank
@@ -266,4 +380,3 @@ def apply_to_config(cfg, candidate: Candidate) -> None:
     cfg.memory.ac_policy = candidate.ac_policy
     cfg.memory.ac_save_gathers = candidate.keeps_gathers
     cfg.memory.activation_offload = candidate.activation_offload
-

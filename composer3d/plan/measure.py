@@ -1,24 +1,28 @@
-"""``composer3d-plan plan.measure=true``: one rank of a layout measured here, before the cluster exists.
+"""``composer3d-plan plan.measure=true``: one rank of a layout measured here, before the cluster
+exists.
 
-The rank runs real training steps of the real model shapes on this machine's device (launch.device) in a process
-group of the layout's world size whose other ranks do not exist: torch's fake backend completes every collective at
-once without moving data (Megatron's --fake-process-group and torchtitan's fake backend work the same way). So the
-rank allocates what it would on the cluster — its parameter, gradient and optimizer shards, the buffers FSDP
-gathers into, TP's and cp's local activations, its pipeline stages' micro-batches — and computes what it would,
-while communication takes no time. A pipeline rank's stages are built with the shapes they exchange
-(``parallel.pipeline.stage_boundary``: there is no other stage to ask) and run the rank's part of the schedule, so
-the micro-batches 1F1B or an interleaved schedule keeps in flight there are held as on the cluster. Its numbers sit
-beside the planner's for the same rank:
+The rank runs real training steps of the real model shapes on this machine's device (launch.device)
+in a process group of the layout's world size whose other ranks do not exist: torch's fake backend
+completes every collective at once without moving data (Megatron's --fake-process-group and
+torchtitan's fake backend work the same way). So the rank allocates what it would on the cluster —
+its parameter, gradient and optimizer shards, the buffers FSDP gathers into, TP's and cp's local
+activations, its pipeline stages' micro-batches — and computes what it would, while communication
+takes no time. A pipeline rank's stages are built with the shapes they exchange
+(``parallel.pipeline.stage_boundary``: there is no other stage to ask) and run the rank's part of
+the schedule, so the micro-batches 1F1B or an interleaved schedule keeps in flight there are held as
+on the cluster. Its numbers sit beside the planner's for the same rank:
 
-  - peak memory: the most bytes of tensors alive at once during a step (torch's MemTracker, which counts tensors
-    as the planner models them, on any device), against the planner's total for the rank's pipeline stage;
+  - peak memory: the most bytes of tensors alive at once during a step (torch's MemTracker, which
+    counts tensors as the planner models them, on any device), against the planner's total for the
+    rank's pipeline stage;
   - model state: parameters, gradients and optimizer state, against the planner's;
-  - compute time: the step's wall time (communication free), against the planner's compute time — comparable
-    only where this device is ``cluster.device``.
+  - compute time: the step's wall time (communication free), against the planner's compute time —
+    comparable only where this device is ``cluster.device``.
 
-The values the fake collectives and receives leave (zeros, or what the buffers held) make the loss meaningless:
-only sizes and times are read. The zero-bubble schedules are refused (plan/validation.py): the tracker's module hooks
-cannot follow the ``autograd.grad`` they split input from weight gradients with.
+The values the fake collectives and receives leave (zeros, or what the buffers held) make the loss
+meaningless: only sizes and times are read. The zero-bubble schedules are refused
+(plan/validation.py): the tracker's module hooks cannot follow the ``autograd.grad`` they split
+input from weight gradients with.
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed._tools.mem_tracker import MemTracker
 
-# Registers the "fake" backend. A torch testing module, but the documented way to get a fake process group
-# (torchtitan and torch's own memory estimators use it).
+# Registers the "fake" backend. A torch testing module, but the documented way to get a fake process
+# group (torchtitan and torch's own memory estimators use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
 from composer3d.launch.rank import prepare_rank
-from composer3d.parallel.mesh import ParallelMesh, layout_from_degrees
+from composer3d.parallel.mesh import ParallelMesh
 from composer3d.training.trainer import Trainer
 
 
@@ -69,17 +73,21 @@ _NO_HOOK = _NoHook()
 
 
 class PeakTracker(MemTracker):
-    """MemTracker reading only the rank's peak, which it counts per tensor whatever its module hooks record.
+    """MemTracker reading only the rank's peak, which it counts per tensor whatever its module hooks
+    record.
 
-    A module run again within a step is the next micro-batch (gradient accumulation, pipeline schedules) rather
-    than an error: the per-module stats start afresh. An interleaved schedule runs another stage's forward before
-    this one's backwards: the backward hooks of a module whose stats that cleared are passed by. A frozen
-    parameter (a peft run's base) has no gradient to follow, and torch refuses a gradient hook on it.
+    A module run again within a step is the next micro-batch (gradient accumulation, pipeline
+    schedules) rather than an error: the per-module stats start afresh. An interleaved schedule runs
+    another stage's forward before this one's backwards: the backward hooks of a module whose stats
+    that cleared are passed by. A frozen parameter (a peft run's base) has no gradient to follow,
+    and torch refuses a gradient hook on it.
     """
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         for param in module.parameters():
-            if not param.requires_grad:  # as if hooked already: MemTracker then hooks only what trains
+            if (
+                not param.requires_grad
+            ):  # as if hooked already: MemTracker then hooks only what trains
                 self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
@@ -104,14 +112,17 @@ class PeakTracker(MemTracker):
 
 
 def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement:
-    """Run rank ``rank`` of a ``world_size``-rank job of ``cfg`` here for ``steps`` + 1 steps: the first builds the
-    optimizer state and warms up; the next is tracked for memory; each after it is timed."""
-    degrees, device = prepare_rank(cfg, Env(rank, 0, world_size))
+    """Run rank ``rank`` of a ``world_size``-rank job of ``cfg`` here for ``steps`` + 1 steps: the
+    first builds the optimizer state and warms up; the next is tracked for memory; each after it is
+    timed."""
+    layout, device = prepare_rank(cfg, Env(rank, 0, world_size))
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         torch.manual_seed(cfg.train.seed)
-        sequences = build_sequences(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model)
-        mesh = ParallelMesh(layout_from_degrees(degrees), device.type)
+        sequences = build_sequences(
+            cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model
+        )
+        mesh = ParallelMesh(layout, device.type)
         trainer = Trainer(cfg, mesh, device, sequences, static_pipeline=True)
         trainer.train_step()
         trainer.zero_grad()
@@ -147,9 +158,15 @@ def comparison(measured: RankMeasurement, estimate, cluster) -> dict:
     return {
         "layout": estimate.candidate.short(),
         "measured": measured.as_json(),
-        "predicted": {"peak_bytes": round(predicted.total), "model_state_bytes": round(predicted.model_state),
-                      "compute_s": estimate.compute_s, "device": cluster.device},
-        "ratio": {"peak_bytes": measured.peak_bytes / predicted.total,
-                  "model_state_bytes": measured.model_state_bytes / predicted.model_state,
-                  "compute_s": measured.median_step_s / estimate.compute_s},
+        "predicted": {
+            "peak_bytes": round(predicted.total),
+            "model_state_bytes": round(predicted.model_state),
+            "compute_s": estimate.compute_s,
+            "device": cluster.device,
+        },
+        "ratio": {
+            "peak_bytes": measured.peak_bytes / predicted.total,
+            "model_state_bytes": measured.model_state_bytes / predicted.model_state,
+            "compute_s": measured.median_step_s / estimate.compute_s,
+        },
     }

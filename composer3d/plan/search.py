@@ -1,5 +1,5 @@
-"""Every valid layout for a world size, predicted, those that fit kept, ranked by throughput; the first validated by
-composer3d's own checks (config/checks/) before it is used."""
+"""Every valid layout for a world size, predicted, those that fit kept, ranked by throughput; the
+first validated by composer3d's own checks (config/checks/) before it is used."""
 
 from __future__ import annotations
 
@@ -20,11 +20,17 @@ def ranked(cfg, cluster: Cluster) -> tuple[list[Estimate], int]:
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         smallest = min(estimates, key=lambda e: e.memory.total, default=None)
-        need = f"; the smallest needs {smallest.memory.total / 2**30:.1f} GiB per device" if smallest else ""
-        raise ConfigError(f"cluster.nodes: no layout of {cluster.world_size} devices fits in "
-                          f"{cluster.memory_bytes * cfg.plan.memory_headroom / 2**30:.1f} GiB per device "
-                          f"({len(estimates)} valid layouts tried{need}). Add nodes, lower train.seq_len or "
-                          "train.global_batch_size, or use a larger cluster.device")
+        need = (
+            f"; the smallest needs {smallest.memory.total / 2**30:.1f} GiB per device"
+            if smallest
+            else ""
+        )
+        raise ConfigError(
+            f"cluster.nodes: no layout of {cluster.world_size} devices fits in "
+            f"{cluster.memory_bytes * cfg.plan.memory_headroom / 2**30:.1f} GiB per device "
+            f"({len(estimates)} valid layouts tried{need}). Add nodes, lower train.seq_len or "
+            "train.global_batch_size, or use a larger cluster.device"
+        )
     return _faster_then_smaller(fitting), len(estimates)
 
 
@@ -32,21 +38,25 @@ SAME_SPEED = 0.001  # throughputs this close are one to the planner: its terms a
 
 
 def _faster_then_smaller(fitting: list[Estimate]) -> list[Estimate]:
-    """Faster first; among layouts within SAME_SPEED of the fastest left, the one that needs less memory, then
-    fewer parallel dimensions. At 131,072 tokens on 8 H100s the all-gather of K/V came out 0.07% faster than the
-    ring at 70.5 GiB a GPU against 53.1: no reason to take a device to its limit."""
+    """Faster first; among layouts within SAME_SPEED of the fastest left, the one that needs less
+    memory, then fewer parallel dimensions. At 131,072 tokens on 8 H100s the all-gather of K/V came
+    out 0.07% faster than the ring at 70.5 GiB a GPU against 53.1: no reason to take a device to its
+    limit."""
     fitting = sorted(fitting, key=lambda e: -e.tokens_per_s_per_gpu)
     ordered = []
     while fitting:
         floor = fitting[0].tokens_per_s_per_gpu * (1 - SAME_SPEED)
-        tied = [e for e in fitting if e.tokens_per_s_per_gpu >= floor]  # a prefix: the list runs fastest first
-        fitting = fitting[len(tied):]
+        tied = [
+            e for e in fitting if e.tokens_per_s_per_gpu >= floor
+        ]  # a prefix: the list runs fastest first
+        fitting = fitting[len(tied) :]
         ordered += sorted(tied, key=lambda e: (e.memory.total, e.candidate.pp, e.candidate.tp))
     return ordered
 
 
 def checked(cfg, c: Candidate, world_size: int):
-    """A copy of ``cfg`` with ``c`` applied, through composer3d's validation (what training would refuse)."""
+    """A copy of ``cfg`` with ``c`` applied, through composer3d's validation (what training would
+    refuse)."""
     trial = copy.deepcopy(cfg)
     apply_to_config(trial, c)
     trial.parallel.auto = False
@@ -55,26 +65,36 @@ def checked(cfg, c: Candidate, world_size: int):
 
 
 def best(cfg, cluster: Cluster) -> tuple[Estimate, list[Estimate], int]:
-    """The fastest layout that fits and that composer3d's checks accept, the ranking, and the count tried."""
+    """The fastest layout that fits and that composer3d's checks accept, the ranking, and the count
+    tried."""
     fitting, tried = ranked(cfg, cluster)
     for e in fitting:
         try:
             checked(cfg, e.candidate, cluster.world_size)
         except ConfigError:
-            continue  # the arithmetic filter missed a rule: skip it rather than propose what training refuses
+            # the arithmetic filter missed a rule: skip it rather than propose what training refuses
+            continue
         return e, fitting, tried
-    raise ConfigError(f"parallel.auto: none of the {len(fitting)} layouts that fit passes composer3d's checks. Give "
-                      "the layout by hand (parallel.* keys)")
+    raise ConfigError(
+        f"parallel.auto: none of the {len(fitting)} layouts that fit passes composer3d's checks. "
+        "Give "
+        "the layout by hand (parallel.* keys)"
+    )
 
 
 def why_slower(e: Estimate, first: Estimate) -> str:
-    """The terms of ``e``'s step that cost the most more than the first's (what it loses on), in one phrase."""
+    """The terms of ``e``'s step that cost the most more than the first's (what it loses on), in one
+    phrase."""
     if e is first:
         return "fastest"
-    terms = {"compute (recomputation, pipeline imbalance)": e.compute_s - first.compute_s,
-             "pipeline bubble": e.bubble_s - first.bubble_s}
+    terms = {
+        "compute (recomputation, pipeline imbalance)": e.compute_s - first.compute_s,
+        "pipeline bubble": e.bubble_s - first.bubble_s,
+    }
     for dim in set(e.exposed_comm_s) | set(first.exposed_comm_s):
-        terms[f"exposed {dim} communication"] = e.exposed_comm_s.get(dim, 0.0) - first.exposed_comm_s.get(dim, 0.0)
+        terms[f"exposed {dim} communication"] = e.exposed_comm_s.get(
+            dim, 0.0
+        ) - first.exposed_comm_s.get(dim, 0.0)
     worse = sorted(((d, name) for name, d in terms.items() if d > 0), reverse=True)[:2]
     slower = e.step_time_s / first.step_time_s - 1
     if not worse or slower < 1e-4:

@@ -1,18 +1,21 @@
-"""One device's low-precision compute from fp32 parameters, each cast once a forward (``precision.cast=params``).
+"""One device's low-precision compute from fp32 parameters, each cast once a forward
+(``precision.cast=params``).
 
-At each forward of the model every parameter's param_dtype copy is made once, and it shadows the parameter on its
-module: an instance attribute, which attribute lookup finds before nn.Module's parameter table. ``self.weight`` in
-any module's forward, and in activation checkpointing's recomputation, is then the copy, while ``parameters()``,
-``state_dict()``, the optimizer and checkpoints see only the fp32 parameters. Autograd casts each copy's gradient
-back into its parameter's fp32 ``.grad`` (where micro-batches add up). The copies go when the backward ends, or
-when a forward that builds no graph returns. Generation calls the blocks itself, step after step: ``held`` keeps one
-set of copies for all of it.
+At each forward of the model every parameter's param_dtype copy is made once, and it shadows the
+parameter on its module: an instance attribute, which attribute lookup finds before nn.Module's
+parameter table. ``self.weight`` in any module's forward, and in activation checkpointing's
+recomputation, is then the copy, while ``parameters()``, ``state_dict()``, the optimizer and
+checkpoints see only the fp32 parameters. Autograd casts each copy's gradient back into its
+parameter's fp32 ``.grad`` (where micro-batches add up). The copies go when the backward ends, or
+when a forward that builds no graph returns. Generation calls the blocks itself, step after step:
+``held`` keeps one set of copies for all of it.
 
-This replaced FSDP's one-rank path, which cast the same way: the same rounding of each weight, its bf16 gradient
-(summed in bf16 over the weight's uses) made fp32. What it leaves out is that path's copies — each cast copied into
-the gathered buffer, each block's gradients into an fp32 reduce buffer and again into its output, about 24 bytes a
-parameter against a cast's 6 and its gradient's 6 — and FSDP's hooks on every block. Unlike FSDP it casts no
-forward inputs: the native Llama's RoPE tables stay fp32 (its blocks' other inputs are already the low dtype).
+This replaced FSDP's one-rank path, which cast the same way: the same rounding of each weight, its
+bf16 gradient (summed in bf16 over the weight's uses) made fp32. What it leaves out is that path's
+copies — each cast copied into the gathered buffer, each block's gradients into an fp32 reduce
+buffer and again into its output, about 24 bytes a parameter against a cast's 6 and its gradient's
+6 — and FSDP's hooks on every block. Unlike FSDP it casts no forward inputs: the native Llama's RoPE
+tables stay fp32 (its blocks' other inputs are already the low dtype).
 """
 
 from __future__ import annotations
@@ -23,22 +26,33 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
+from composer3d.config.schema import PrecisionConfig
 
-def casts_once(world_size: int, precision_cfg, offload: str) -> bool:
-    """Whether ``parallelize`` casts this way: one rank, ``precision.cast=params`` (resolved) to a narrower dtype,
-    parameters on the device (one-rank ``offload=cpu`` runs FSDP, whose shards live on the host)."""
-    return (world_size == 1 and precision_cfg.cast == "params" and precision_cfg.param_dtype != "float32"
-            and offload != "cpu")
+
+def casts_once(world_size: int, precision_cfg: PrecisionConfig, offload: str) -> bool:
+    """Whether ``parallelize`` casts this way: one rank, ``precision.cast=params`` (resolved) to a
+    narrower dtype, parameters on the device (one-rank ``offload=cpu`` runs FSDP, whose shards live
+    on the host)."""
+    return (
+        world_size == 1
+        and precision_cfg.cast == "params"
+        and precision_cfg.param_dtype != "float32"
+        and offload != "cpu"
+    )
 
 
 class CastOnce:
     def __init__(self, model: nn.Module, dtype: torch.dtype):
         """Cast ``model``'s parameters to ``dtype`` at each of its forwards (``attach``)."""
         self.dtype = dtype
-        # every (module, name) a parameter is registered under (a tied weight: one copy shadows it in each); the
-        # parameter itself is read at each cast, as materializing or loading a checkpoint may replace it
-        self.slots = [(module, name) for module in model.modules()
-                      for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)]
+        # every (module, name) a parameter is registered under (a tied weight: one copy shadows it
+        # in each); the parameter itself is read at each cast, as materializing or loading a
+        # checkpoint may replace it
+        self.slots = [
+            (module, name)
+            for module in model.modules()
+            for name, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+        ]
         self.holding = False
 
     def attach(self, model: nn.Module) -> None:
@@ -49,7 +63,8 @@ class CastOnce:
 
     @contextmanager
     def held(self):
-        """One set of copies for everything inside, the forwards leaving them be (no gradient: generation)."""
+        """One set of copies for everything inside, the forwards leaving them be (no gradient:
+        generation)."""
         with torch.no_grad():
             self._cast()
         self.holding = True
@@ -62,12 +77,15 @@ class CastOnce:
     def _cast(self, *hook_args) -> None:
         if self.holding:
             return
-        # Afresh at every forward: copies kept from an earlier one would hold the weights before an optimizer step.
+        # Afresh at every forward: copies kept from an earlier one would hold the weights before an
+        # optimizer step.
         copies: dict[int, torch.Tensor] = {}
         for module, name in self.slots:
             param = module._parameters[name]
             if id(param) not in copies:
-                copies[id(param)] = param.to(self.dtype)  # under autograd: the gradient cast back to fp32
+                copies[id(param)] = param.to(
+                    self.dtype
+                )  # under autograd: the gradient cast back to fp32
             module.__dict__[name] = copies[id(param)]
 
     def _after_forward(self, model: nn.Module, args, output) -> None:

@@ -1,8 +1,9 @@
 """Dynamic loss scaling for fp16 training, correct under any mix of FSDP, TP and PP.
 
-Each rank checks only its own gradient shards for inf/nan; one all-reduce (MAX) over the whole world makes every
-rank take the same decision — skip the step and halve the scale, or unscale and step — so no rank's optimizer
-ever diverges from the others. After ``growth_interval`` clean steps the scale doubles.
+Each rank checks only its own gradient shards for inf/nan; one all-reduce (MAX) over the whole world
+makes every rank take the same decision — skip the step and halve the scale, or unscale and step —
+so no rank's optimizer ever diverges from the others. After ``growth_interval`` clean steps the
+scale doubles.
 """
 
 from __future__ import annotations
@@ -25,12 +26,19 @@ class DynamicLossScaler:
 
     @torch.no_grad()
     def unscale_or_skip(self, params: list[torch.Tensor]) -> bool:
-        """Unscale gradients in place and return True, or return False (step must be skipped) after an overflow."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        """Unscale gradients in place and return True, or return False (step must be skipped) after
+        an overflow."""
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            for p in params
+            if p.grad is not None
+        ]
         found = torch.zeros((), device=self.device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().to(found.dtype))
-        dist.all_reduce(found, op=dist.ReduceOp.MAX)  # all ranks, all mesh dims: one decision everywhere
+        dist.all_reduce(
+            found, op=dist.ReduceOp.MAX
+        )  # all ranks, all mesh dims: one decision everywhere
         if found.item() > 0:
             self.scale /= 2
             self.clean_steps = 0
@@ -44,7 +52,15 @@ class DynamicLossScaler:
         return True
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "clean_steps": self.clean_steps,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self.clean_steps, self.skipped_steps = state["scale"], state["clean_steps"], state["skipped_steps"]
+        self.scale, self.clean_steps, self.skipped_steps = (
+            state["scale"],
+            state["clean_steps"],
+            state["skipped_steps"],
+        )

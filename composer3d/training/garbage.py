@@ -1,11 +1,12 @@
 """Python's garbage collector moved to step boundaries.
 
-CPython collects whenever enough container objects were allocated since the last collection: in the middle of a
-forward, on one rank and not on the others. A full collection in a process that imported torch (and often
-transformers) takes 0.1–0.2 s, and every rank waiting on that one at its next collective or pipeline receive waits
-as long. While training, the automatic collector is off; it collects on every rank alike at every ``every``-th step
-boundary, after freezing what existed when training started (modules, the model, the optimizer) so that those
-collections only scan what training created since.
+CPython collects whenever enough container objects were allocated since the last collection: in the
+middle of a forward, on one rank and not on the others. A full collection in a process that imported
+torch (and often transformers) takes 0.1–0.2 s, and every rank waiting on that one at its next
+collective or pipeline receive waits as long. While training, the automatic collector is off; it
+collects on every rank alike at every ``every``-th step boundary, after freezing what existed when
+training started (modules, the model, the optimizer) so that those collections only scan what
+training created since.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Self
 
 
 class StepGarbageCollection:
-    """Context manager: inside, automatic collection is off and ``after_step(step)`` collects every ``every`` steps
-    (``every`` = 0 leaves Python's collector as it is); on exit the collector is as it was before."""
+    """Context manager: inside, automatic collection is off and ``after_step(step)`` collects every
+    ``every`` steps (``every`` = 0 leaves Python's collector as it is); on exit the collector is as
+    it was before."""
 
     def __init__(self, every: int):
         self.every = every

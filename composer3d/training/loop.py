@@ -1,7 +1,9 @@
-"""The loop around the trainer's step (``Trainer.fit``): when to read the metrics back and log them, evaluate, save a
-checkpoint, measure memory; and stopping early, at the same step on every rank, for a scheduler's signal.
+"""The loop around the trainer's step (``Trainer.fit``): when to read the metrics back and log them,
+evaluate, save a checkpoint, measure memory; and stopping early, at the same step on every rank, for
+a scheduler's signal.
 
-Metrics stay on the device between logging steps: one read-back (``readback``) per logging window, not per step.
+Metrics stay on the device between logging steps: one read-back (``readback``) per logging window,
+not per step.
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ log = logging.getLogger("composer3d")
 
 
 def train_loop(trainer, sink: MetricsSink, checkpointer) -> None:
-    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop it early at a step boundary
-    (``StopSignals``), raising StoppedBySignal once that step's checkpoint is committed. ``checkpointer``: a
-    ``checkpoint.Checkpointer`` (which holds the trainer; neither package imports the other), or None: nothing is
-    saved."""
+    """Train from ``trainer.step`` to train.steps; SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop it early at a
+    step boundary (``StopSignals``), raising StoppedBySignal once that step's checkpoint is
+    committed. ``checkpointer``: a ``checkpoint.Checkpointer`` (which holds the trainer; neither
+    package imports the other), or None: nothing is saved."""
     if trainer.step == trainer.cfg.train.steps:
-        log.info("already finished: step %d of train.steps=%d; nothing to train", trainer.step, trainer.step)
+        log.info(
+            "already finished: step %d of train.steps=%d; nothing to train",
+            trainer.step,
+            trainer.step,
+        )
     signals = StopSignals(timedelta(minutes=trainer.cfg.launch.timeout_minutes))
     try:
         with StepGarbageCollection(trainer.cfg.train.gc_every) as garbage:
@@ -38,51 +44,83 @@ def train_loop(trainer, sink: MetricsSink, checkpointer) -> None:
     finally:
         signals.restore()
 
-def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
-         garbage: StepGarbageCollection) -> None:
+
+def _run(
+    trainer, sink: MetricsSink, checkpointer, signals: StopSignals, garbage: StepGarbageCollection
+) -> None:
     cfg = trainer.cfg
     run_info = {
-        "layout": trainer.mesh.layout.as_dict(), "world_size": dist.get_world_size(),
-        "zero_stage": cfg.parallel.zero_stage, "sequence_parallel": cfg.parallel.sequence_parallel,
-        "num_params": trainer.num_params, "trainable_params": trainer.trainable_params, "device": trainer.device.type,
-        **({"num_active_params": trainer.active_params} if trainer.active_params != trainer.num_params else {}),
-        "accumulation_steps": trainer.accumulation_steps, "flops_per_token": trainer.throughput.flops_per_token,
-        "peak_flops_per_device": trainer.throughput.peak, **trainer.run_info_extra,
+        "layout": trainer.mesh.layout.as_dict(),
+        "world_size": dist.get_world_size(),
+        "zero_stage": cfg.parallel.zero_stage,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "num_params": trainer.num_params,
+        "trainable_params": trainer.trainable_params,
+        "device": trainer.device.type,
+        **(
+            {"num_active_params": trainer.active_params}
+            if trainer.active_params != trainer.num_params
+            else {}
+        ),
+        "accumulation_steps": trainer.accumulation_steps,
+        "flops_per_token": trainer.throughput.flops_per_token,
+        "peak_flops_per_device": trainer.throughput.peak,
+        **trainer.run_info_extra,
         **({"allocator_settings": allocator_settings()} if is_accelerator(trainer.device) else {}),
     }
     pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
     window_start = time.perf_counter()
     while trainer.step < cfg.train.steps:
         # The second step is the steady state (optimizer state exists): measure it when asked.
-        measure = cfg.logging.memory_breakdown and "model_state_bytes_per_rank" in run_info \
+        measure = (
+            cfg.logging.memory_breakdown
+            and "model_state_bytes_per_rank" in run_info
             and "memory_breakdown_bytes_per_rank" not in run_info
-        with memory_breakdown(trainer.model, trainer.optimizer) if measure else contextlib.nullcontext(({}, None)) \
-                as (breakdown, trainer.memory_tracker):
+        )
+        with (
+            memory_breakdown(trainer.model, trainer.optimizer)
+            if measure
+            else contextlib.nullcontext(({}, None)) as (breakdown, trainer.memory_tracker)
+        ):
             metrics = trainer.train_step()
         trainer.memory_tracker = None
         if measure:
             run_info["memory_breakdown_bytes_per_rank"] = {
-                k: int(max_over_ranks(v, trainer.device)) for k, v in sorted(breakdown.items())}
+                k: int(max_over_ranks(v, trainer.device)) for k, v in sorted(breakdown.items())
+            }
             sink.write_run_info(run_info)
-        if "model_state_bytes_per_rank" not in run_info:  # grads and optimizer state exist now: measure them
+        if (
+            "model_state_bytes_per_rank" not in run_info
+        ):  # grads and optimizer state exist now: measure them
             run_info["model_state_bytes_per_rank"] = int(
-                max_over_ranks(trainer.model_state_bytes(), trainer.device))
-            # the frozen base as stored (QLoRA: its NF4 blocks and scales), beside what bf16 would take
+                max_over_ranks(trainer.model_state_bytes(), trainer.device)
+            )
+            # the frozen base as stored (QLoRA: its NF4 blocks and scales), beside what bf16 would
+            # take
             frozen = [p for p in trainer.model.parameters() if not p.requires_grad]
             if frozen:
                 run_info["frozen_param_bytes_per_rank"] = int(
-                    max_over_ranks(sum(local_bytes(p) for p in frozen), trainer.device))
-                log.info("frozen parameters: %s per rank, as stored", human_bytes(run_info["frozen_param_bytes_per_rank"]))
+                    max_over_ranks(sum(local_bytes(p) for p in frozen), trainer.device)
+                )
+                log.info(
+                    "frozen parameters: %s per rank, as stored",
+                    human_bytes(run_info["frozen_param_bytes_per_rank"]),
+                )
             sink.write_run_info(run_info)
-            log.info("model state: %s per rank (parameters, gradients and optimizer state; the largest rank)",
-                     human_bytes(run_info["model_state_bytes_per_rank"]))
+            log.info(
+                "model state: %s per rank (parameters, gradients and optimizer state; the largest "
+                "rank)",
+                human_bytes(run_info["model_state_bytes_per_rank"]),
+            )
         trainer.zero_grad()
         garbage.after_step(trainer.step)
         pending.append((trainer.step, metrics))
         last = trainer.step == cfg.train.steps
         stop = 0 if last else signals.agreed()  # the last step ends the run anyway
         every = cfg.train.eval_every
-        evaluating = bool(every) and trainer.eval_windows is not None and (trainer.step % every == 0 or last)
+        evaluating = (
+            bool(every) and trainer.eval_windows is not None and (trainer.step % every == 0 or last)
+        )
         saving = checkpointer is not None and (checkpointer.due(trainer.step) or bool(stop))
         if checkpointer is not None:
             checkpointer.poll()
@@ -90,22 +128,32 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
             continue
         records = trainer.read_back(pending, window_start)
         pending = []
-        diverged = next((r for r in records if "update_skipped" not in r
-                         and (r["loss"] is None or r["grad_norm"] is None)), None)
+        diverged = next(
+            (
+                r
+                for r in records
+                if "update_skipped" not in r and (r["loss"] is None or r["grad_norm"] is None)
+            ),
+            None,
+        )
         if diverged is not None:  # before any evaluation or checkpoint of this state
             sink.log(records, to_console=True)
             raise TrainingDiverged(
                 f"step {diverged['step']}: the loss or gradient norm is not finite (NaN/inf) and "
-                "train.on_nonfinite=stop: stopped without saving this state; the last checkpoint written "
+                "train.on_nonfinite=stop: stopped without saving this state; the last checkpoint "
+                "written "
                 "before it is kept. Lower optim.lr or resume from that checkpoint, or set "
-                "train.on_nonfinite=skip to drop such updates")
+                "train.on_nonfinite=skip to drop such updates"
+            )
         if evaluating:
             evaluated = trainer.evaluate(trainer.eval_windows)
             records[-1].update(eval_loss=evaluated["loss"], eval_perplexity=evaluated["perplexity"])
         if saving:
             started = time.perf_counter()
             checkpointer.save(trainer.step)
-            records[-1]["checkpoint_blocked_s"] = time.perf_counter() - started  # training waited this long
+            records[-1]["checkpoint_blocked_s"] = (
+                time.perf_counter() - started
+            )  # training waited this long
         sink.log(records, to_console=trainer.step % cfg.logging.log_every == 0 or last)
         if stop:
             _stop(trainer, stop, checkpointer, signals)
@@ -113,6 +161,7 @@ def _run(trainer, sink: MetricsSink, checkpointer, signals: StopSignals,
     if checkpointer is not None:
         checkpointer.wait()
     signals.finish()
+
 
 def _stop(trainer, signum: int, checkpointer, signals: StopSignals) -> None:
     """End the run at this step for a stop signal, its checkpoint (just started) committed first."""
@@ -126,6 +175,9 @@ def _stop(trainer, signum: int, checkpointer, signals: StopSignals) -> None:
     if signum == signal.SIGINT:
         message = f"received SIGINT (Ctrl-C): {saved}; exiting with code {code}"
     else:
-        message = f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued (exit code {code})"
+        message = (
+            f"received {signal.Signals(signum).name}: {saved}; exiting so the job can be requeued "
+            f"(exit code {code})"
+        )
     log.info("%s", message)
     raise StoppedBySignal(message, signum)

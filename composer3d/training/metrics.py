@@ -1,6 +1,8 @@
-"""What a run reports: metrics.jsonl and run.json in the run directory, console/progress bar, wandb, tensorboard.
+"""What a run reports: metrics.jsonl and run.json in the run directory, console/progress bar, wandb,
+tensorboard.
 
-Only rank 0 writes; every rank computes, so the values (already reduced across the mesh) are the job's.
+Only rank 0 writes; every rank computes, so the values (already reduced across the mesh) are the
+job's.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composer3d.config.schema import TrainConfig
 from composer3d.launch.preflight import metrics_records
 from composer3d.training.console import is_terminal, terminal_console
 
@@ -24,8 +27,8 @@ log = logging.getLogger("composer3d")
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank stores for ``t``: its shard, and for tensor subclasses (torchao's quantized optimizer
-    state, float8 weights) the bytes of the tensors inside, not the logical dtype."""
+    """Bytes this rank stores for ``t``: its shard, and for tensor subclasses (torchao's quantized
+    optimizer state, float8 weights) the bytes of the tensors inside, not the logical dtype."""
     local = t.to_local() if isinstance(t, DTensor) else t
     if hasattr(local, "__tensor_flatten__"):
         inner_names, _ = local.__tensor_flatten__()
@@ -33,14 +36,21 @@ def local_bytes(t: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, gradient_buffers: int = 0) -> int:
-    """Bytes of parameters, gradients and optimizer state this rank holds (its shards, not the whole model);
-    ``gradient_buffers``: gradients held apart from the parameters' .grad (ZeRO-1's buckets)."""
+def model_state_bytes(
+    model: nn.Module, optimizer: torch.optim.Optimizer, gradient_buffers: int = 0
+) -> int:
+    """Bytes of parameters, gradients and optimizer state this rank holds (its shards, not the whole
+    model); ``gradient_buffers``: gradients held apart from the parameters' .grad (ZeRO-1's
+    buckets)."""
     params = list(model.parameters())
     total = gradient_buffers + sum(local_bytes(p) for p in params)
     total += sum(local_bytes(p.grad) for p in params if p.grad is not None)
-    total += sum(local_bytes(v) for state in optimizer.state.values() for v in state.values()
-                 if isinstance(v, torch.Tensor))
+    total += sum(
+        local_bytes(v)
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    )
     return total
 
 
@@ -48,9 +58,10 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer, gradie
 def memory_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer):
     """Peak bytes per category (PARAM, GRAD, ACT, OPT, TEMP, …) on this rank while the block runs.
 
-    torch's memory trackers count every tensor as it is allocated (a dispatch mode plus module hooks), so they
-    work on the CPU, where there are no allocator statistics; they slow the step down, so they measure one. The
-    FSDP tracker for a sharded model, the plain one where FSDP does not run (no data-parallel dim).
+    torch's memory trackers count every tensor as it is allocated (a dispatch mode plus module
+    hooks), so they work on the CPU, where there are no allocator statistics; they slow the step
+    down, so they measure one. The FSDP tracker for a sharded model, the plain one where FSDP does
+    not run (no data-parallel dim).
     """
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -64,7 +75,10 @@ def memory_breakdown(model: nn.Module, optimizer: torch.optim.Optimizer):
         tracker.track_external(model, optimizer)
     result: dict[str, int] = {}
     with tracker:
-        yield result, tracker  # call tracker.reset_mod_stats() between micro-batches (it follows one pass)
+        yield (
+            result,
+            tracker,
+        )  # call tracker.reset_mod_stats() between micro-batches (it follows one pass)
     for stats in tracker.get_tracker_snapshot("peak").values():
         for category, value in stats.items():
             name = str(category).split(".")[-1]
@@ -78,22 +92,30 @@ def max_over_ranks(value: int | float, device: torch.device) -> float:
 
 
 def peak_memory_bytes(device: torch.device) -> dict[str, int]:
-    """The memory peaks a record reports: on CPU the process's peak resident set size (all host memory); on an
-    accelerator the peak allocated, and the peak its caching allocator reserved (allocated plus cached free blocks:
-    the figure that meets the device's capacity, and the one torchtitan prints as its memory)."""
+    """The memory peaks a record reports: on CPU the process's peak resident set size (all host
+    memory); on an accelerator the peak allocated, and the peak its caching allocator reserved
+    (allocated plus cached free blocks: the figure that meets the device's capacity, and the one
+    torchtitan prints as its memory)."""
     if device.type == "cpu":
-        return {"peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux reports KiB
-    return {"peak_mem_bytes": torch.accelerator.max_memory_allocated(device),
-            "peak_reserved_bytes": torch.accelerator.max_memory_reserved(device)}
+        return {
+            "peak_mem_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        }  # Linux reports KiB
+    return {
+        "peak_mem_bytes": torch.accelerator.max_memory_allocated(device),
+        "peak_reserved_bytes": torch.accelerator.max_memory_reserved(device),
+    }
 
 
 def _number(value: float | None, spec: str) -> str:
-    return "non-finite" if value is None else format(value, spec)  # None: NaN/inf, which JSON cannot hold
+    return (
+        "non-finite" if value is None else format(value, spec)
+    )  # None: NaN/inf, which JSON cannot hold
 
 
 class Throughput:
-    """Per-device rates of a run from its job-wide tokens/s: tokens/s per device, model TFLOP/s per device and
-    MFU (None where the device's peak is unknown, e.g. the CPU; ``logging.peak_tflops`` sets it)."""
+    """Per-device rates of a run from its job-wide tokens/s: tokens/s per device, model TFLOP/s per
+    device and MFU (None where the device's peak is unknown, e.g. the CPU; ``logging.peak_tflops``
+    sets it)."""
 
     def __init__(self, flops_per_token: int, peak_flops_per_device: float | None, world_size: int):
         self.flops_per_token = flops_per_token
@@ -103,16 +125,19 @@ class Throughput:
     def of(self, tokens_per_s: float) -> dict:
         per_device = tokens_per_s / self.world_size
         flops = per_device * self.flops_per_token
-        return {"tokens_per_s_per_device": per_device, "tflops_per_s": flops / 1e12,
-                "mfu": flops / self.peak if self.peak else None}
+        return {
+            "tokens_per_s_per_device": per_device,
+            "tflops_per_s": flops / 1e12,
+            "mfu": flops / self.peak if self.peak else None,
+        }
 
 
 WANDB_RUN_ID_FILE = "wandb_run_id"
 
 
 def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
-    """The wandb run of this run directory: a resumed run continues the one it started (its id kept in run.dir),
-    a run from step 0 starts a new one."""
+    """The wandb run of this run directory: a resumed run continues the one it started (its id kept
+    in run.dir), a run from step 0 starts a new one."""
     path = run_dir / WANDB_RUN_ID_FILE
     if resume_step > 0 and path.exists():
         return path.read_text().strip()
@@ -122,7 +147,9 @@ def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, cfg, enabled: bool, total_steps: int, resume_step: int = 0):
+    def __init__(
+        self, run_dir: Path, cfg: TrainConfig, enabled: bool, total_steps: int, resume_step: int = 0
+    ):
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.wandb = self.tensorboard = self.progress = None
@@ -133,29 +160,53 @@ class MetricsSink:
             import wandb
             from omegaconf import OmegaConf
 
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=cfg.run.name, dir=str(run_dir),
-                                    config=OmegaConf.to_container(cfg, resolve=True), resume="allow",
-                                    id=_wandb_run_id(run_dir, resume_step))
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=cfg.run.name,
+                dir=str(run_dir),
+                config=OmegaConf.to_container(cfg, resolve=True),
+                resume="allow",
+                id=_wandb_run_id(run_dir, resume_step),
+            )
         if cfg.logging.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if cfg.logging.progress_bar and is_terminal():  # off a terminal it would print one cut-short line
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        if (
+            cfg.logging.progress_bar and is_terminal()
+        ):  # off a terminal it would print one cut-short line
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+            )
 
-            self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(), transient=False,
-                                     console=terminal_console())
-            self.task = self.progress.add_task("train", total=total_steps, completed=resume_step, status="")
+            self.progress = Progress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+                transient=False,
+                console=terminal_console(),
+            )
+            self.task = self.progress.add_task(
+                "train", total=total_steps, completed=resume_step, status=""
+            )
             self.progress.start()
 
     def _truncate_after(self, step: int) -> None:
-        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues from ``step``."""
+        """On resume, drop lines a crashed run logged past its last checkpoint: the file continues
+        from ``step``."""
         if not self.path.exists():
             return
         kept = [line for line, record_step in metrics_records(self.path) if record_step <= step]
         text = "".join(line + "\n" for line in kept)
-        if text != self.path.read_text():  # a finished run's file, resumed with nothing to train, stays untouched
+        if (
+            text != self.path.read_text()
+        ):  # a finished run's file, resumed with nothing to train, stays untouched
             self.path.write_text(text)
 
     def write_run_info(self, info: dict) -> None:
@@ -163,7 +214,8 @@ class MetricsSink:
             (self.path.parent / "run.json").write_text(json.dumps(info, indent=2) + "\n")
 
     def log(self, records: list[dict], to_console: bool) -> None:
-        """Append a logging window's records (one per step); the console gets the last one when ``to_console``."""
+        """Append a logging window's records (one per step); the console gets the last one when
+        ``to_console``."""
         if not self.enabled:
             return
         with self.path.open("a") as f:
@@ -176,15 +228,20 @@ class MetricsSink:
                     if key != "step" and value is not None:
                         self.tensorboard.add_scalar(key, value, record["step"])
         record = records[-1]
-        summary = (f"step {record['step']} loss {_number(record['loss'], '.4f')} "
-                   f"grad_norm {_number(record['grad_norm'], '.3f')} "
-                   f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f} "
-                   f"TFLOP/s/device {record['tflops_per_s']:.3g}"
-                   + (f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
-                   + f" mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
-                   + (f" reserved {record['peak_reserved_bytes'] / 2**30:.2f} GiB" if "peak_reserved_bytes" in record
-                      else "")
-                   + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""))
+        summary = (
+            f"step {record['step']} loss {_number(record['loss'], '.4f')} "
+            f"grad_norm {_number(record['grad_norm'], '.3f')} "
+            f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f} "
+            f"TFLOP/s/device {record['tflops_per_s']:.3g}"
+            + (f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
+            + f" mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
+            + (
+                f" reserved {record['peak_reserved_bytes'] / 2**30:.2f} GiB"
+                if "peak_reserved_bytes" in record
+                else ""
+            )
+            + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+        )
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=summary)
         if to_console:

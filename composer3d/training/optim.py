@@ -10,42 +10,59 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from composer3d.config.schema import OptimConfig
 from composer3d.launch.distributed import is_accelerator
 from composer3d.memory.optimizer_offload import HostOffloadOptimizer
 from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
 from composer3d.training.compiled_adamw import CompiledAdamW
 
 
-def build_optimizer(model: nn.Module, cfg, zero1_mesh: Callable[[torch.Tensor], DeviceMesh] | None = None,
-                    offload: str = "none", offload_dir: str | None = None, device: torch.device | None = None,
-                    zero1: dict | None = None) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
-    """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is sharded (ZeRO-1)
-    and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a step), which also reduces the
-    gradients and saves and loads that state, is returned with it (``zero1_mesh``: each parameter's replicas, as
-    ``parallel.zero.replica_mesh`` gives them). ``offload="optimizer"``: its state and step on the host (or in files
-    under ``offload_dir``), parameters and gradients on ``device``. Frozen parameters (``peft``: the base model) get
-    no state."""
+def build_optimizer(
+    model: nn.Module,
+    optim: OptimConfig,
+    zero1_mesh: Callable[[torch.Tensor], DeviceMesh] | None = None,
+    offload: str = "none",
+    offload_dir: str | None = None,
+    device: torch.device | None = None,
+    zero1: dict | None = None,
+) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
+    """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is
+    sharded (ZeRO-1) and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a
+    step), which also reduces the gradients and saves and loads that state, is returned with it
+    (``zero1_mesh``: each parameter's replicas, as ``parallel.zero.replica_mesh`` gives them).
+    ``offload="optimizer"``: its state and step on the host (or in files under ``offload_dir``),
+    parameters and gradients on ``device``. Frozen parameters (``peft``: the base model) get no
+    state."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     params = [p for _, p in named]
     decays = [p.ndim >= 2 for p in params]
-    sharder = OptimizerStateSharder(params, [zero1_mesh(p) for p in params], **(zero1 or {})) \
-        if zero1_mesh is not None else None
+    sharder = (
+        OptimizerStateSharder(params, [zero1_mesh(p) for p in params], **(zero1 or {}))
+        if zero1_mesh is not None
+        else None
+    )
     targets = sharder.shards if sharder else params
     groups = [
-        {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": cfg.weight_decay},
+        {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": optim.weight_decay},
         {"params": [t for t, d in zip(targets, decays) if not d], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    settings = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    settings = dict(lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps)
     if offload == "optimizer":  # the step runs on host copies: the kernels are the host's
-        kernels = _kernel_flags(adamw_implementation(cfg.implementation, [torch.empty(0)]))
-        return HostOffloadOptimizer(groups, torch.optim.AdamW, device, offload_dir, **settings, **kernels), None
-    implementation = adamw_implementation(cfg.implementation, targets) if cfg.name == "adamw" else None
+        kernels = _kernel_flags(adamw_implementation(optim.implementation, [torch.empty(0)]))
+        return HostOffloadOptimizer(
+            groups, torch.optim.AdamW, device, offload_dir, **settings, **kernels
+        ), None
+    implementation = (
+        adamw_implementation(optim.implementation, targets) if optim.name == "adamw" else None
+    )
     if implementation == "compiled":
-        optimizer = CompiledAdamW(groups, block_of=numbered_blocks([name for name, _ in named], targets), **settings)
+        optimizer = CompiledAdamW(
+            groups, block_of=numbered_blocks([name for name, _ in named], targets), **settings
+        )
     else:
         kernels = _kernel_flags(implementation) if implementation else {}
-        optimizer = optimizer_class(cfg.name)(groups, **settings, **kernels)
+        optimizer = optimizer_class(optim.name)(groups, **settings, **kernels)
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder
@@ -54,90 +71,119 @@ def build_optimizer(model: nn.Module, cfg, zero1_mesh: Callable[[torch.Tensor], 
 def adamw_implementation(implementation: str, params: list[torch.Tensor]) -> str:
     """The AdamW kernels ``optim.implementation`` names for ``params``.
 
-    ``auto``: compiled where every parameter is on the accelerator — on an H200 it steps a 1.5B model (the clip
-    included) in 12.6 ms against the fused kernel's 16.4, and the 1B's compiled step runs 2.6% faster, eager 2.1%;
-    its first step compiles a graph per shape of block (seconds), as the loss's chunk kernels compile on an
-    accelerator. Elsewhere the fused kernel where every parameter's device has one (on the CPU the compiled
-    update's per-element divisions make it 37% slower than fused), else foreach. Torch's own default would pick
-    foreach on accelerators and a Python loop on the CPU.
+    ``auto``: compiled where every parameter is on the accelerator — on an H200 it steps a 1.5B
+    model (the clip included) in 12.6 ms against the fused kernel's 16.4, and the 1B's compiled step
+    runs 2.6% faster, eager 2.1%; its first step compiles a graph per shape of block (seconds), as
+    the loss's chunk kernels compile on an accelerator. Elsewhere the fused kernel where every
+    parameter's device has one (on the CPU the compiled update's per-element divisions make it 37%
+    slower than fused), else foreach. Torch's own default would pick foreach on accelerators and a
+    Python loop on the CPU.
     """
     if implementation != "auto":
         return implementation
     devices = {p.device for p in params}
     if devices and all(is_accelerator(d) for d in devices):
         return "compiled"
-    return "fused" if {d.type for d in devices} <= set(_get_fused_kernels_supported_devices()) else "foreach"
+    return (
+        "fused"
+        if {d.type for d in devices} <= set(_get_fused_kernels_supported_devices())
+        else "foreach"
+    )
 
 
 def numbered_block(name: str) -> str | None:
-    """The numbered block a parameter's name is in ("layers.3.attention.wq.weight": "layers.3"; Hugging Face's
-    "model.layers.3.mlp.up_proj.weight": "model.layers.3"), None outside one (embeddings, final norm, head)."""
+    """The numbered block a parameter's name is in ("layers.3.attention.wq.weight": "layers.3";
+    Hugging Face's "model.layers.3.mlp.up_proj.weight": "model.layers.3"), None outside one
+    (embeddings, final norm, head)."""
     parts = name.split(".")
     index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
-    return None if index is None else ".".join(parts[:index + 1])
+    return None if index is None else ".".join(parts[: index + 1])
 
 
-def numbered_blocks(names: list[str], tensors: list[torch.Tensor]) -> Callable[[torch.Tensor], str | None]:
-    """``CompiledAdamW``'s ``block_of``: each of ``tensors`` (a parameter, or ZeRO-1's slice of it) to the
-    ``numbered_block`` of its parameter's name in ``names``; tensors are looked up by identity."""
+def numbered_blocks(
+    names: list[str], tensors: list[torch.Tensor]
+) -> Callable[[torch.Tensor], str | None]:
+    """``CompiledAdamW``'s ``block_of``: each of ``tensors`` (a parameter, or ZeRO-1's slice of it)
+    to the ``numbered_block`` of its parameter's name in ``names``; tensors are looked up by
+    identity."""
     blocks = {id(t): numbered_block(name) for name, t in zip(names, tensors)}
     return lambda t: blocks.get(id(t))
 
 
 def _kernel_flags(implementation: str) -> dict[str, bool]:
-    """``torch.optim.AdamW``'s ``fused``/``foreach`` arguments for ``implementation`` (not ``compiled``)."""
+    """``torch.optim.AdamW``'s ``fused``/``foreach`` arguments for ``implementation`` (not
+    ``compiled``)."""
     return {"fused": implementation == "fused", "foreach": implementation == "foreach"}
 
 
 def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
-    """AdamW, or torchao's low-bit AdamW whose moments are stored in 8 bit, 4 bit or float8 (block-quantized)."""
+    """AdamW, or torchao's low-bit AdamW whose moments are stored in 8 bit, 4 bit or float8
+    (block-quantized)."""
     if name == "adamw":
         return torch.optim.AdamW
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torchao.optim import AdamW4bit, AdamW8bit, AdamWFp8
 
-    # torchao compiles its optimizer step over quantized-state subclasses; with torch 2.13 the on-disk inductor
-    # caches hand back a graph compiled for other parameter shapes ("wrong number of dimensions" asserts, or a
-    # missing attribute for fp8 state). Compiling afresh in each process avoids that.
+    # torchao compiles its optimizer step over quantized-state subclasses; with torch 2.13 the
+    # on-disk inductor caches hand back a graph compiled for other parameter shapes ("wrong number
+    # of dimensions" asserts, or a missing attribute for fp8 state). Compiling afresh in each
+    # process avoids that.
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
     return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit, "adamw_fp8": AdamWFp8}[name]
 
 
-HYPERPARAMETERS = ("initial_lr", "betas", "eps", "weight_decay")  # initial_lr: the schedule's base, set by it
-KERNEL_FLAGS = ("foreach", "fused", "capturable")  # how the step runs: this run's optim.implementation
+HYPERPARAMETERS = (
+    "initial_lr",
+    "betas",
+    "eps",
+    "weight_decay",
+)  # initial_lr: the schedule's base, set by it
+KERNEL_FLAGS = (
+    "foreach",
+    "fused",
+    "capturable",
+)  # how the step runs: this run's optim.implementation
 
 
 def with_configured_kernels(optimizer: torch.optim.Optimizer, state: dict) -> dict:
-    """An optimizer state dict from a checkpoint, its parameter groups given ``optimizer``'s kernel flags. Torch's
-    ``load_state_dict`` takes every group key from the checkpoint: a run resumed with another
-    ``optim.implementation`` would step with the saved one, and Adam places its step counts (host or device) by
-    those flags."""
+    """An optimizer state dict from a checkpoint, its parameter groups given ``optimizer``'s kernel
+    flags. Torch's ``load_state_dict`` takes every group key from the checkpoint: a run resumed with
+    another ``optim.implementation`` would step with the saved one, and Adam places its step counts
+    (host or device) by those flags."""
     defaults = getattr(optimizer, "defaults", {})
     flags = {k: defaults[k] for k in KERNEL_FLAGS if k in defaults}
     return {**state, "param_groups": [{**g, **flags} for g in state["param_groups"]]}
 
 
 def configured_settings(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """Each parameter group's hyperparameters as this run's config set them (before any checkpoint is loaded)."""
+    """Each parameter group's hyperparameters as this run's config set them (before any checkpoint
+    is loaded)."""
     return [{k: _plain(group[k]) for k in HYPERPARAMETERS} for group in optimizer.param_groups]
 
 
-def restore_configured_settings(optimizer: torch.optim.Optimizer, scheduler, settings: list[dict]) -> list[str]:
-    """Put the config's hyperparameters back after a checkpoint load restored the saved ones; returns what the
-    checkpoint had otherwise ("lr 0.0003 -> 0.0001"). A changed base learning rate also changes the current one
-    (the config's schedule at the current step), so the run continues as its config.yaml says."""
+def restore_configured_settings(
+    optimizer: torch.optim.Optimizer, scheduler, settings: list[dict]
+) -> list[str]:
+    """Put the config's hyperparameters back after a checkpoint load restored the saved ones;
+    returns what the checkpoint had otherwise ("lr 0.0003 -> 0.0001"). A changed base learning rate
+    also changes the current one (the config's schedule at the current step), so the run continues
+    as its config.yaml says."""
     changed = []
     for i, (group, wanted) in enumerate(zip(optimizer.param_groups, settings)):
         for key, value in wanted.items():
             if _plain(group[key]) == value:
                 continue
-            changed.append(f"{'lr' if key == 'initial_lr' else key} {_plain(group[key])} -> {value}")
+            changed.append(
+                f"{'lr' if key == 'initial_lr' else key} {_plain(group[key])} -> {value}"
+            )
             if key != "initial_lr":
                 group[key] = value
                 continue
-            base = scheduler.base_lrs[i]  # torchao's optimizers keep learning rates as tensors: keep the type
+            base = scheduler.base_lrs[
+                i
+            ]  # torchao's optimizers keep learning rates as tensors: keep the type
             scheduler.base_lrs[i] = torch.tensor(value) if isinstance(base, torch.Tensor) else value
             group["initial_lr"] = scheduler.base_lrs[i]
             lr = value * scheduler.lr_lambdas[i](scheduler.last_epoch)
@@ -158,8 +204,11 @@ def _plain(value):
     return float(value)
 
 
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float) -> float:
-    """Linear warmup to 1, then decay to ``min_ratio`` at ``total_steps`` (cosine or linear), or stay (constant)."""
+def lr_multiplier(
+    step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
+) -> float:
+    """Linear warmup to 1, then decay to ``min_ratio`` at ``total_steps`` (cosine or linear), or
+    stay (constant)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
@@ -170,7 +219,12 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str,
     return 1 - (1 - min_ratio) * progress
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler:
     return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, cfg.warmup_steps, total_steps, cfg.schedule, cfg.min_lr_ratio)
+        optimizer,
+        lambda step: lr_multiplier(
+            step, optim.warmup_steps, total_steps, optim.schedule, optim.min_lr_ratio
+        ),
     )

@@ -1,5 +1,6 @@
-"""Reading a logging window's metrics back from the device: the steps' losses summed over the mesh in one
-collective, then read back with the gradient norms and peak memory in one host sync, as metrics.jsonl records."""
+"""Reading a logging window's metrics back from the device: the steps' losses summed over the mesh
+in one collective, then read back with the gradient norms and peak memory in one host sync, as
+metrics.jsonl records."""
 
 from __future__ import annotations
 
@@ -14,10 +15,18 @@ from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.metrics import Throughput, peak_memory_bytes
 
 
-def window_records(pending: list[tuple[int, dict]], window_start: float, mesh: ParallelMesh, device: torch.device,
-                   pipelined: bool, expert_load: ExpertLoad | None, throughput: Throughput) -> list[dict]:
-    """The logging window's records: the steps' losses summed over the mesh in one collective, then read
-    back with the gradient norms and peak memory in one host sync; times are the window's average."""
+def window_records(
+    pending: list[tuple[int, dict]],
+    window_start: float,
+    mesh: ParallelMesh,
+    device: torch.device,
+    pipelined: bool,
+    expert_load: ExpertLoad | None,
+    throughput: Throughput,
+) -> list[dict]:
+    """The logging window's records: the steps' losses summed over the mesh in one collective, then
+    read back with the gradient norms and peak memory in one host sync; times are the window's
+    average."""
     losses = torch.stack([metrics["loss"] for _, metrics in pending])
     dist.all_reduce(losses, group=mesh.loss.get_group())
     if pipelined:  # only the last stage's ranks hold it; the others add zero
@@ -28,22 +37,35 @@ def window_records(pending: list[tuple[int, dict]], window_start: float, mesh: P
     # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
     norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
     values = torch.cat([losses.double(), norms.double(), peak]).tolist()
-    peaks = dict(zip(peaks, map(int, values[2 * len(pending):])))
+    peaks = dict(zip(peaks, map(int, values[2 * len(pending) :])))
     experts = expert_load.read(len(pending)) if expert_load is not None else {}
     step_time = (time.perf_counter() - window_start) / len(pending)
     records = []
     for i, (step, metrics) in enumerate(pending):
         tokens_per_s = metrics["tokens"] / step_time
-        records.append({
-            "step": step, "loss": _finite_or_none(values[i]),
-            "grad_norm": _finite_or_none(values[len(pending) + i]), "lr": metrics["lr"],
-            "tokens_per_s": tokens_per_s, "step_time_s": step_time, **peaks,
-            **throughput.of(tokens_per_s), **experts,
-            **{k: metrics[k] for k in ("loss_scale", "skipped_steps", "nonfinite_skipped_steps") if k in metrics},
-            **({"update_skipped": True} if metrics["update_skipped"] else {})})
+        records.append(
+            {
+                "step": step,
+                "loss": _finite_or_none(values[i]),
+                "grad_norm": _finite_or_none(values[len(pending) + i]),
+                "lr": metrics["lr"],
+                "tokens_per_s": tokens_per_s,
+                "step_time_s": step_time,
+                **peaks,
+                **throughput.of(tokens_per_s),
+                **experts,
+                **{
+                    k: metrics[k]
+                    for k in ("loss_scale", "skipped_steps", "nonfinite_skipped_steps")
+                    if k in metrics
+                },
+                **({"update_skipped": True} if metrics["update_skipped"] else {}),
+            }
+        )
     return records
 
 
 def _finite_or_none(value: float) -> float | None:
-    """metrics.jsonl is strict JSON, which has no NaN or infinity: such values are written as null."""
+    """metrics.jsonl is strict JSON, which has no NaN or infinity: such values are written as
+    null."""
     return value if math.isfinite(value) else None

@@ -1,7 +1,8 @@
-"""COMPOSER3D_TEST_EFFECTS=DIR — every rank writes DIR/rank{R}.json after its first optimizer step: what the
-precision and memory switches did to its model, its FSDP wrapping and its optimizer, so a test can assert a switch's
-effect, not only that the loss stayed close (which a switch that does nothing passes). Loaded by sitecustomize in
-the ``composer3d.commands.train`` processes of a run (``harness.train(probe_effects=True)``), or imported by the workers of
+"""COMPOSER3D_TEST_EFFECTS=DIR — every rank writes DIR/rank{R}.json after its first optimizer step:
+what the precision and memory switches did to its model, its FSDP wrapping and its optimizer, so a
+test can assert a switch's effect, not only that the loss stayed close (which a switch that does
+nothing passes). Loaded by sitecustomize in the ``composer3d.commands.train`` processes of a run
+(``harness.train(probe_effects=True)``), or imported by the workers of
 ``harness.train_in_one_group(probe_effects=True)``, which set DIR per job; it only reads state.
 """
 
@@ -25,10 +26,11 @@ from composer3d.training import loss as loss_module
 from composer3d.training.metrics import local_bytes
 from composer3d.training.trainer import Trainer
 
-# dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through ``dist``)
+# dtypes of the tensors FSDP2's all-gathers and reduce-scatters carry (it calls them through
+# ``dist``)
 _COLLECTIVES: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
-# the elements they took in since this job's Trainer was built (a reduce-scatter's whole input, an all-gather's
-# own slice), by the size of their group
+# the elements they took in since this job's Trainer was built (a reduce-scatter's whole input, an
+# all-gather's own slice), by the size of their group
 _ELEMENTS_BY_GROUP: dict[str, Counter] = {"all_gather": Counter(), "reduce_scatter": Counter()}
 
 
@@ -45,14 +47,22 @@ def _recording(name: str, key: str):
     setattr(dist, name, collective)
 
 
-# torch >= 2.13 names them *_single; torch 2.11/2.12's FSDP2 calls all_gather_into_tensor / reduce_scatter_tensor.
-for _name, _key in (("all_gather_single", "all_gather"), ("reduce_scatter_single", "reduce_scatter"),
-                    ("all_gather_into_tensor", "all_gather"), ("reduce_scatter_tensor", "reduce_scatter")):
-    if hasattr(dist, _name) and (_name.endswith("_single") or not hasattr(dist, "all_gather_single")):
+# torch >= 2.13 names them *_single; torch 2.11/2.12's FSDP2 calls all_gather_into_tensor /
+# reduce_scatter_tensor.
+for _name, _key in (
+    ("all_gather_single", "all_gather"),
+    ("reduce_scatter_single", "reduce_scatter"),
+    ("all_gather_into_tensor", "all_gather"),
+    ("reduce_scatter_tensor", "reduce_scatter"),
+):
+    if hasattr(dist, _name) and (
+        _name.endswith("_single") or not hasattr(dist, "all_gather_single")
+    ):
         _recording(_name, _key)
 
 
-# expert parallel's token exchanges (models.moe sends rows with the functional all-to-all): calls and rows sent
+# expert parallel's token exchanges (models.moe sends rows with the functional all-to-all): calls
+# and rows sent
 _ALL_TO_ALL = Counter()
 
 
@@ -73,7 +83,8 @@ _counting_all_to_all()
 
 
 def _moe(model) -> list[dict]:
-    """Each mixture-of-experts layer of this rank: how its experts, shared experts and router are held."""
+    """Each mixture-of-experts layer of this rank: how its experts, shared experts and router are
+    held."""
     from torch.distributed.fsdp import FSDPModule
 
     from composer3d.models.moe import moe_layers
@@ -81,37 +92,57 @@ def _moe(model) -> list[dict]:
     layers = []
     for moe in moe_layers(model):
         experts = moe.experts
-        fsdp = experts._get_fsdp_state()._fsdp_param_group if isinstance(experts, FSDPModule) else None
-        layers.append({
-            "experts_local_shape": list(_local(experts.w1).shape),
-            "experts_placements": [str(p) for p in getattr(experts.w1, "placements", ())],
-            "experts_mesh_dims": list(getattr(getattr(experts.w1, "device_mesh", None), "mesh_dim_names", None) or ()),
-            "experts_own_fsdp_group_size": fsdp.mesh_info.mesh.size() if fsdp is not None else None,
-            "shared_local_shape": list(_local(moe.shared_w1.weight).shape) if moe.shared_w1 is not None else None,
-            "gate_placements": [str(p) for p in getattr(moe.gate.weight, "placements", ())],
-            "ep_group_size": dist.get_world_size(moe.ep_group) if moe.ep_group is not None else 1,
-            "ep_ranks": dist.get_process_group_ranks(moe.ep_group) if moe.ep_group is not None else [dist.get_rank()],
-        })
+        fsdp = (
+            experts._get_fsdp_state()._fsdp_param_group if isinstance(experts, FSDPModule) else None
+        )
+        layers.append(
+            {
+                "experts_local_shape": list(_local(experts.w1).shape),
+                "experts_placements": [str(p) for p in getattr(experts.w1, "placements", ())],
+                "experts_mesh_dims": list(
+                    getattr(getattr(experts.w1, "device_mesh", None), "mesh_dim_names", None) or ()
+                ),
+                "experts_own_fsdp_group_size": fsdp.mesh_info.mesh.size()
+                if fsdp is not None
+                else None,
+                "shared_local_shape": list(_local(moe.shared_w1.weight).shape)
+                if moe.shared_w1 is not None
+                else None,
+                "gate_placements": [str(p) for p in getattr(moe.gate.weight, "placements", ())],
+                "ep_group_size": dist.get_world_size(moe.ep_group)
+                if moe.ep_group is not None
+                else 1,
+                "ep_ranks": dist.get_process_group_ranks(moe.ep_group)
+                if moe.ep_group is not None
+                else [dist.get_rank()],
+            }
+        )
     return layers
 
 
 def _attention(trainer: Trainer) -> dict:
-    """Each block of this rank (a pipeline stage keeps some): the tokens of a sequence its attention held in the
-    first step, the query and key heads it computed, the tokens of its residual stream (the block's input; fewer
-    under sequence parallel), and the ranks its attention spanned under context parallel (only itself without) and
-    the chunks of the sequence it held."""
+    """Each block of this rank (a pipeline stage keeps some): the tokens of a sequence its attention
+    held in the first step, the query and key heads it computed, the tokens of its residual stream
+    (the block's input; fewer under sequence parallel), and the ranks its attention spanned under
+    context parallel (only itself without) and the chunks of the sequence it held."""
     found = {}
     for layer_id, block in trainer.model.layers.items():
         attention = getattr(block, "attention", None)
         if attention is None:
             continue
         context = attention.context_parallel
-        found[layer_id] = {"tokens": getattr(attention, "_probe_tokens", None),
-                           "heads": [getattr(attention, "_probe_heads", {}).get(n) for n in ("wq", "wk")],
-                           "residual_tokens": getattr(block, "_probe_tokens", None),
-                           "cp_ranks": dist.get_process_group_ranks(context.group) if context else [dist.get_rank()],
-                           # the global chunks this rank held in the step just run (parallel.cp_balance)
-                           "cp_chunks": list(context.placed.held[context.rank]) if context and context.placed else None}
+        found[layer_id] = {
+            "tokens": getattr(attention, "_probe_tokens", None),
+            "heads": [getattr(attention, "_probe_heads", {}).get(n) for n in ("wq", "wk")],
+            "residual_tokens": getattr(block, "_probe_tokens", None),
+            "cp_ranks": dist.get_process_group_ranks(context.group)
+            if context
+            else [dist.get_rank()],
+            # the global chunks this rank held in the step just run (parallel.cp_balance)
+            "cp_chunks": list(context.placed.held[context.rank])
+            if context and context.placed
+            else None,
+        }
     return found
 
 
@@ -120,8 +151,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(t: torch.Tensor):
-    """A plain tensor's storage; None for a subclass's (float8 weights, torchao's low-bit state), which has none of
-    its own to compare."""
+    """A plain tensor's storage; None for a subclass's (float8 weights, torchao's low-bit state),
+    which has none of its own to compare."""
     t = _local(t)
     return t.untyped_storage() if type(t) in (torch.Tensor, torch.nn.Parameter) else None
 
@@ -133,8 +164,8 @@ def _in_file(t: torch.Tensor) -> bool:
 
 
 def _fsdp(trainer: Trainer) -> list[dict]:
-    """The FSDP groups of this rank: the model's, and under PP its stage modules' (the roots of the embedding,
-    final norm and head), which the model does not register."""
+    """The FSDP groups of this rank: the model's, and under PP its stage modules' (the roots of the
+    embedding, final norm and head), which the model does not register."""
     from torch.distributed.fsdp import FSDPModule
 
     pipeline = trainer.pipeline
@@ -144,22 +175,35 @@ def _fsdp(trainer: Trainer) -> list[dict]:
         modules.setdefault(id(stage.submod), (f"stage{i}", stage.submod))
     found = []
     for fqn, module in modules.values():
-        group = module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        group = (
+            module._get_fsdp_state()._fsdp_param_group if isinstance(module, FSDPModule) else None
+        )
         if group is not None:
-            # Each parameter's policy: torch 2.15's groups keep none of their own (they resolve it per parameter);
-            # composer3d overrides none, so a group has one.
-            (param_dtype, reduce_dtype), = {(str(p.mp_policy.param_dtype), str(p.mp_policy.reduce_dtype))
-                                            for p in group.fsdp_params}
-            found.append({"fqn": fqn, "param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
-                          "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params],
-                          # frees its gathered (cast) parameters after forward, to gather them again in backward
-                          "reshards_after_forward": group.post_forward_mesh_info is not None})
+            # Each parameter's policy: torch 2.15's groups keep none of their own (they resolve it
+            # per parameter); composer3d overrides none, so a group has one.
+            ((param_dtype, reduce_dtype),) = {
+                (str(p.mp_policy.param_dtype), str(p.mp_policy.reduce_dtype))
+                for p in group.fsdp_params
+            }
+            found.append(
+                {
+                    "fqn": fqn,
+                    "param_dtype": param_dtype,
+                    "reduce_dtype": reduce_dtype,
+                    "offload_to_cpu": [p.offload_to_cpu for p in group.fsdp_params],
+                    # frees its gathered (cast) parameters after forward, to gather them again in
+                    # backward
+                    "reshards_after_forward": group.post_forward_mesh_info is not None,
+                }
+            )
     return found
 
 
 def _compiled(block: torch.nn.Module) -> bool:
     call = getattr(block, "_compiled_call_impl", None)
-    if isinstance(call, OffloadedCall):  # activation offload sits around the block's call, compiled or not
+    if isinstance(
+        call, OffloadedCall
+    ):  # activation offload sits around the block's call, compiled or not
         call = call.call if call.call != block._call_impl else None
     return call is not None
 
@@ -169,7 +213,8 @@ def _offloaded(block: torch.nn.Module) -> bool:
 
 
 def _checkpointed(block: torch.nn.Module) -> bool:
-    """Whether the block's forward runs under activation checkpointing (its instance forward, see activation.py)."""
+    """Whether the block's forward runs under activation checkpointing (its instance forward, see
+    activation.py)."""
     forward = block.__dict__.get("forward")
     return isinstance(forward, partial) and forward.func is checkpointed_forward
 
@@ -184,61 +229,116 @@ def _effects(trainer: Trainer) -> dict:
     return {
         "rank": dist.get_rank(),
         "blocks": list(model.layers.keys()),  # this rank's (a pipeline stage keeps some)
-        "linear_classes": {fqn: type(m).__name__ for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)},
+        "linear_classes": {
+            fqn: type(m).__name__
+            for fqn, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)
+        },
         "num_params": len(list(model.parameters())),
         "fsdp": _fsdp(trainer),
         "param_local_classes": dict(Counter(type(_local(p)).__name__ for p in model.parameters())),
         "param_devices": dict(Counter(str(_local(p).device) for p in model.parameters())),
         "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
-        # precision.cast=params: parameters a module still shows as their low-precision copy (parallel.cast_once)
-        "shadowed_after_step": sum(name in m.__dict__ for m in model.modules() for name, _ in m.named_parameters(
-            recurse=False)),
-        "grad_devices": dict(Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)),
+        "grad_dtypes": sorted(
+            {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
+        ),
+        # precision.cast=params: parameters a module still shows as their low-precision copy
+        # (parallel.cast_once)
+        "shadowed_after_step": sum(
+            name in m.__dict__
+            for m in model.modules()
+            for name, _ in m.named_parameters(recurse=False)
+        ),
+        "grad_devices": dict(
+            Counter(str(_local(p.grad).device) for p in model.parameters() if p.grad is not None)
+        ),
         "collective_dtypes": {k: dict(v) for k, v in _COLLECTIVES.items()},
         "collective_elements_by_group": {k: dict(v) for k, v in _ELEMENTS_BY_GROUP.items()},
-        # ZeRO-1's (parallel.zero): each set of buckets' group size and the parameters' local elements it carries
-        "zero1_buckets": [{"group_size": buckets.ranks, "elements": sum(_local(p).numel() for p in buckets.params)}
-                          for buckets, _ in trainer.sharder.parts] if trainer.sharder else None,
+        # ZeRO-1's (parallel.zero): each set of buckets' group size and the parameters' local
+        # elements it carries
+        "zero1_buckets": [
+            {
+                "group_size": buckets.ranks,
+                "elements": sum(_local(p).numel() for p in buckets.params),
+            }
+            for buckets, _ in trainer.sharder.parts
+        ]
+        if trainer.sharder
+        else None,
         "moe_layers": _moe(model),
         "attention": _attention(trainer),
         "all_to_all": dict(_ALL_TO_ALL),
         "optimizer_state": [
-            {"param": names.get(id(p), "?"), "key": key, "class": type(_local(v)).__name__,
-             "dtype": str(v.dtype), "device": str(_local(v).device), "numel": _local(v).numel(),
-             "bytes": local_bytes(v), "in_file": _in_file(v),
-             # the state lives apart from the parameters (offload=optimizer: host masters, not the model's tensors)
-             "shares_param_storage": _storage(v) is not None and _storage(v).data_ptr() in param_storages}
-            for p, state in optimizer.state.items() for key, v in state.items()
-            if isinstance(v, torch.Tensor) and v.ndim > 0],
+            {
+                "param": names.get(id(p), "?"),
+                "key": key,
+                "class": type(_local(v)).__name__,
+                "dtype": str(v.dtype),
+                "device": str(_local(v).device),
+                "numel": _local(v).numel(),
+                "bytes": local_bytes(v),
+                "in_file": _in_file(v),
+                # the state lives apart from the parameters (offload=optimizer: host masters, not
+                # the model's tensors)
+                "shares_param_storage": _storage(v) is not None
+                and _storage(v).data_ptr() in param_storages,
+            }
+            for p, state in optimizer.state.items()
+            for key, v in state.items()
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        ],
         "optimizer_class": type(optimizer).__name__,
-        "optimizer_chunks": len(getattr(optimizer, "_chunks", ())),  # optim.implementation=compiled: calls a step
-        # offload=optimizer: the host copies the step updates (masters), and the bytes this rank keeps in files
-        "host_masters": [{"device": str(_local(m).device), "in_file": _in_file(m),
-                          "shares_param_storage": _storage(m).data_ptr() in param_storages}
-                         for _, m, _ in getattr(optimizer, "pairs", ())],
+        "optimizer_chunks": len(
+            getattr(optimizer, "_chunks", ())
+        ),  # optim.implementation=compiled: calls a step
+        # offload=optimizer: the host copies the step updates (masters), and the bytes this rank
+        # keeps in files
+        "host_masters": [
+            {
+                "device": str(_local(m).device),
+                "in_file": _in_file(m),
+                "shares_param_storage": _storage(m).data_ptr() in param_storages,
+            }
+            for _, m, _ in getattr(optimizer, "pairs", ())
+        ],
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
-        "output_dtypes": sorted(set(trainer._probe_output_dtypes)),  # the head's compute dtype, where this rank has it
+        "output_dtypes": sorted(
+            set(trainer._probe_output_dtypes)
+        ),  # the head's compute dtype, where this rank has it
         "head_saved_weight_dtypes": sorted(getattr(trainer, "_probe_head_saved", ())),
-        # what the (uncompiled) blocks computed from: the residual stream they got, and their weights as the
-        # projections held them during the forward (FSDP's cast copies, or autocast's fp32 parameters)
+        # what the (uncompiled) blocks computed from: the residual stream they got, and their
+        # weights as the projections held them during the forward (FSDP's cast copies, or autocast's
+        # fp32 parameters)
         "block_input_dtypes": sorted(trainer._probe_block_dtypes["input"]),
         "block_weight_dtypes": sorted(trainer._probe_block_dtypes["weight"]),
         "loss_scaler": trainer.scaler is not None,
         "compiled_blocks": [i for i, b in model.layers.items() if _compiled(b)],
         "offloaded_blocks": [i for i, b in model.layers.items() if _offloaded(b)],
-        # the first step's saved tensors that went through the host copy (and back), and those kept on the device
-        "activation_offload": asdict(model.activation_offload.counters) if hasattr(model, "activation_offload")
+        # the first step's saved tensors that went through the host copy (and back), and those kept
+        # on the device
+        "activation_offload": asdict(model.activation_offload.counters)
+        if hasattr(model, "activation_offload")
         else None,
         "checkpointed_blocks": [i for i, b in model.layers.items() if _checkpointed(b)],
-        "dynamo": {k: dict(counters[k]) for k in ("stats", "frames")},  # torchao's optimizer step compiles too
-        # graphs dynamo compiled for the blocks (the caches of the frames it traces: the block's forward, or under
-        # activation checkpointing the checkpointed forward that runs it; the blocks', no one else's)
-        "block_forward_graphs": sum(len(_debug_get_cache_entry_list(code)) for code in (
-            type(next(iter(model.layers.values()))).forward.__code__, checkpointed_forward.__code__)),
-        # graphs compiled for the loss's forward and backward chunk kernels (on the ranks that compute the loss)
-        "loss_graphs": [len(_debug_get_cache_entry_list(kernel.__code__))
-                        for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place)],
+        "dynamo": {
+            k: dict(counters[k]) for k in ("stats", "frames")
+        },  # torchao's optimizer step compiles too
+        # graphs dynamo compiled for the blocks (the caches of the frames it traces: the block's
+        # forward, or under activation checkpointing the checkpointed forward that runs it; the
+        # blocks', no one else's)
+        "block_forward_graphs": sum(
+            len(_debug_get_cache_entry_list(code))
+            for code in (
+                type(next(iter(model.layers.values()))).forward.__code__,
+                checkpointed_forward.__code__,
+            )
+        ),
+        # graphs compiled for the loss's forward and backward chunk kernels (on the ranks that
+        # compute the loss)
+        "loss_graphs": [
+            len(_debug_get_cache_entry_list(kernel.__code__))
+            for kernel in (loss_module._chunk_logsumexp, loss_module._chunk_grad_in_place)
+        ],
         "computes_loss": trainer.pipeline is None or trainer.runs_last_stage,
     }
 
@@ -247,8 +347,8 @@ _init, _train_step = Trainer.__init__, Trainer.train_step
 
 
 def _record_head_saves(trainer: Trainer, head) -> None:
-    """The dtypes of what the head's forward saves for backward in the shape of its weight (or its transpose):
-    the weight itself (fp32) or a low-precision cast of it."""
+    """The dtypes of what the head's forward saves for backward in the shape of its weight (or its
+    transpose): the weight itself (fp32) or a low-precision cast of it."""
     trainer._probe_head_saved = saved = set()
     shapes = {tuple(head.weight.shape), tuple(head.weight.shape[::-1])}
 
@@ -272,36 +372,52 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
         counter.clear()
     _init(self, *args, **kwargs)
     self._probe_output_dtypes = []
-    head = getattr(self.model, "output", None)  # outside the blocks, so never inside a compiled graph
+    head = getattr(
+        self.model, "output", None
+    )  # outside the blocks, so never inside a compiled graph
     if head is not None:
-        head.register_forward_hook(lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype)))
+        head.register_forward_hook(
+            lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype))
+        )
         _record_head_saves(self, head)
     self._probe_block_dtypes = dtypes = {"input": set(), "weight": set()}
     first_tokens = lambda module, args: setattr(  # noqa: E731  (the tokens of a sequence, at the first call)
-        module, "_probe_tokens", getattr(module, "_probe_tokens", None) or args[0].shape[1])
+        module, "_probe_tokens", getattr(module, "_probe_tokens", None) or args[0].shape[1]
+    )
     for block in self.model.layers.values():  # what each block's attention and residual stream hold
         attention = getattr(block, "attention", None)
         if attention is None:
             continue
-        if _compiled(block):  # hooks inside a compiled block would be traced into (and guard) its graphs
+        if _compiled(
+            block
+        ):  # hooks inside a compiled block would be traced into (and guard) its graphs
             continue
         attention.register_forward_pre_hook(first_tokens)
         block.register_forward_pre_hook(first_tokens)
-        block.register_forward_pre_hook(lambda module, args: dtypes["input"].add(str(args[0].dtype)))
-        attention.wq.register_forward_pre_hook(lambda module, args: dtypes["weight"].add(str(module.weight.dtype)))
+        block.register_forward_pre_hook(
+            lambda module, args: dtypes["input"].add(str(args[0].dtype))
+        )
+        attention.wq.register_forward_pre_hook(
+            lambda module, args: dtypes["weight"].add(str(module.weight.dtype))
+        )
         attention._probe_heads = {}
-        for name in ("wq", "wk"):  # the heads this rank projects (a tp rank's share under tensor parallel)
+        for name in (
+            "wq",
+            "wk",
+        ):  # the heads this rank projects (a tp rank's share under tensor parallel)
             getattr(attention, name).register_forward_hook(partial(_first_heads, attention, name))
 
 
 def _first_heads(attention: torch.nn.Module, name: str, module, args, out: torch.Tensor) -> None:
-    """Its projection ``name``'s heads, at the first call (returning nothing, the output stays the module's)."""
+    """Its projection ``name``'s heads, at the first call (returning nothing, the output stays the
+    module's)."""
     attention._probe_heads.setdefault(name, out.shape[-1] // attention.head_dim)
 
 
 def _tied_twin(trainer: Trainer) -> dict | None:
-    """This rank's tied embedding, or its twin head on the last pipeline stage (``parallel.tied``): its name, its
-    embedding group's ranks and a digest of its values and its optimizer state (equal twins, equal digests)."""
+    """This rank's tied embedding, or its twin head on the last pipeline stage (``parallel.tied``):
+    its name, its embedding group's ranks and a digest of its values and its optimizer state (equal
+    twins, equal digests)."""
     from composer3d.parallel.pipeline.tied import twins_of
 
     twins = twins_of(trainer.model)
@@ -309,17 +425,30 @@ def _tied_twin(trainer: Trainer) -> dict | None:
         return None
     params = dict(trainer.model.named_parameters())
     name = twins.embedding if twins.embedding in params else twins.head
-    digest = lambda t: hashlib.sha256(_local(t).detach().cpu().contiguous().numpy().tobytes()).hexdigest()  # noqa: E731
+
+    def digest(t):
+        return hashlib.sha256(_local(t).detach().cpu().contiguous().numpy().tobytes()).hexdigest()
+
     state = trainer.optimizer.state.get(params[name], {})
-    return {"name": name, "group": dist.get_process_group_ranks(twins.group), "step": trainer.step,
-            "placements": [str(p) for p in getattr(params[name], "placements", ())],
-            "values": digest(params[name]), "optimizer_state": {k: digest(v) for k, v in sorted(state.items())
-                                                                if isinstance(v, torch.Tensor) and v.ndim > 0}}
+    return {
+        "name": name,
+        "group": dist.get_process_group_ranks(twins.group),
+        "step": trainer.step,
+        "placements": [str(p) for p in getattr(params[name], "placements", ())],
+        "values": digest(params[name]),
+        "optimizer_state": {
+            k: digest(v)
+            for k, v in sorted(state.items())
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        },
+    }
 
 
 def train_step(self: Trainer) -> dict:
     metrics = _train_step(self)
-    directory = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])  # read now: a group of jobs sets it per job
+    directory = Path(
+        os.environ["COMPOSER3D_TEST_EFFECTS"]
+    )  # read now: a group of jobs sets it per job
     if self.step == 1:  # optimizer state, gradients and compiled graphs exist now
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))

@@ -1,28 +1,36 @@
-"""Fault injection for tests, kept out of the library: Python runs this module at start-up in every process of a
-run whose PYTHONPATH starts with this directory (launcher and workers alike; ``harness.train(faults=...)``).
+"""Fault injection for tests, kept out of the library: Python runs this module at start-up in every
+process of a run whose PYTHONPATH starts with this directory (launcher and workers alike;
+``harness.train(faults=...)``).
 
-COMPOSER3D_TEST_KILL_DURING_SAVE=STEP:RANK — that rank SIGKILLs itself in the middle of that step's checkpoint
-save (its data files written, the checkpoint's index not yet), as a node failure would.
+COMPOSER3D_TEST_KILL_DURING_SAVE=STEP:RANK — that rank SIGKILLs itself in the middle of that step's
+checkpoint save (its data files written, the checkpoint's index not yet), as a node failure would.
 
-COMPOSER3D_TEST_DISK_FREE_BYTES=N — the checkpoint directory's file system reports N bytes free (a full disk).
+COMPOSER3D_TEST_DISK_FREE_BYTES=N — the checkpoint directory's file system reports N bytes free (a
+full disk).
 
-COMPOSER3D_TEST_DISK_FULL_AT_STEP=STEP — every rank's write of that step's checkpoint fails with ENOSPC once its
-data files are written (the disk filled up mid-save; DCP gathers the failures and raises on every rank).
+COMPOSER3D_TEST_DISK_FULL_AT_STEP=STEP — every rank's write of that step's checkpoint fails with
+ENOSPC once its data files are written (the disk filled up mid-save; DCP gathers the failures and
+raises on every rank).
 
-COMPOSER3D_TEST_SLOW_RANK=RANK:STEP:SECONDS — that rank sleeps that long before each step from that step on (a slow
-or stalled rank; or simply slow steps, since the other ranks wait for it in the step's collectives).
+COMPOSER3D_TEST_SLOW_RANK=RANK:STEP:SECONDS — that rank sleeps that long before each step from that
+step on (a slow or stalled rank; or simply slow steps, since the other ranks wait for it in the
+step's collectives).
 
-COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first attempt only
-(TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group then runs through.
+COMPOSER3D_TEST_KILL_AT_STEP=STEP:RANK — that rank SIGKILLs itself as that step begins, on the first
+attempt only (TORCHELASTIC_RESTART_COUNT, set by the elastic agent, is 0 there): a restarted group
+then runs through.
 
-COMPOSER3D_TEST_DIVERGE_AT_STEP=STEP:RANK — that rank raises TrainingDiverged as that step begins, as if it alone
-had seen a non-finite loss: its peers wait in that step's collectives until the launcher stops them.
+COMPOSER3D_TEST_DIVERGE_AT_STEP=STEP:RANK — that rank raises TrainingDiverged as that step begins,
+as if it alone had seen a non-finite loss: its peers wait in that step's collectives until the
+launcher stops them.
 
-COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE=1 — DCP's DefaultStager closes its copier at the end of every stage, as
-torch 2.11 and 2.12 do (pytorch/pytorch#183413): a stager reused for a second async save then fails.
+COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE=1 — DCP's DefaultStager closes its copier at the end of
+every stage, as torch 2.11 and 2.12 do (pytorch/pytorch#183413): a stager reused for a second async
+save then fails.
 
-COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.commands.train`` run writes what the precision and memory switches
-did to its model and optimizer to DIR/rank{R}.json (``effects_probe``).
+COMPOSER3D_TEST_EFFECTS=DIR — each rank of a ``composer3d.commands.train`` run writes what the
+precision and memory switches did to its model and optimizer to DIR/rank{R}.json
+(``effects_probe``).
 """
 
 import os
@@ -134,5 +142,8 @@ if os.environ.get("COMPOSER3D_TEST_STAGER_CLOSES_AFTER_STAGE"):
 
     DefaultStager._stage = _stage_then_close
 
-if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == ["-m", "composer3d.commands.train"]:
+if os.environ.get("COMPOSER3D_TEST_EFFECTS") and sys.orig_argv[1:3] == [
+    "-m",
+    "composer3d.commands.train",
+]:
     import effects_probe  # noqa: F401  (not in inductor's compile workers, which share the environment)

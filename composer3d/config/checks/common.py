@@ -1,5 +1,6 @@
-"""What every check module shares: ``_require``, the one way a check fails (a ConfigError naming the key, the
-problem and the fix), the divisors a fix suggests, and the dtype names the precision and checkpoint keys accept."""
+"""What every check module shares: ``_require``, the one way a check fails (a ConfigError naming the
+key, the problem and the fix), the divisors a fix suggests, and the dtype names the precision and
+checkpoint keys accept."""
 
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
 """transformers' router load-balancing loss for Hugging Face mixture-of-experts models.
 
-With ``output_router_logits: true`` in config.json transformers adds ``router_aux_loss_coef`` × its load-balancing
-loss (the model family's own ``load_balancing_loss_func``: the experts' share of the top-k choices times their mean
-router probability, pooled over every MoE layer of one forward) to each forward's training loss. composer3d's
-forward is its own decoder loop, so the router logits are taken where transformers records them (the router
-modules its ``_can_record_outputs`` names) and handed to that same function at the end of the layers; the loss
-trains the routers through its gradient (``AttachAuxLoss``) without being added to the token loss composer3d logs.
+With ``output_router_logits: true`` in config.json transformers adds ``router_aux_loss_coef`` × its
+load-balancing loss (the model family's own ``load_balancing_loss_func``: the experts' share of the
+top-k choices times their mean router probability, pooled over every MoE layer of one forward) to
+each forward's training loss. composer3d's forward is its own decoder loop, so the router logits are
+taken where transformers records them (the router modules its ``_can_record_outputs`` names) and
+handed to that same function at the end of the layers; the loss trains the routers through its
+gradient (``AttachAuxLoss``) without being added to the token loss composer3d logs.
 
-Each forward is a micro-batch, so — as transformers averages the per-micro-batch losses over gradient accumulation
-and data-parallel ranks — every micro-batch's loss gets coef / (micro-batches in the global batch); a micro-batch
-holds the same sequences under every layout, so the curve does not depend on the layout. The loss pools every
-layer of one forward: a pipeline stage holds only some, so pipeline parallel is refused with it (config checks).
+Each forward is a micro-batch, so — as transformers averages the per-micro-batch losses over
+gradient accumulation and data-parallel ranks — every micro-batch's loss gets coef / (micro-batches
+in the global batch); a micro-batch holds the same sequences under every layout, so the curve does
+not depend on the layout. The loss pools every layer of one forward: a pipeline stage holds only
+some, so pipeline parallel is refused with it (config checks).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ def wants_router_loss(config) -> bool:
 
 
 class RouterLoss:
-    """Collects a forward's router logits and attaches transformers' loss of them to the final hidden states."""
+    """Collects a forward's router logits and attaches transformers' loss of them to the final
+    hidden states."""
 
     def __init__(self, causal: nn.Module, experts: int):
         recorder = causal.model._can_record_outputs["router_logits"]
@@ -38,7 +41,9 @@ class RouterLoss:
         self.coef = causal.config.router_aux_loss_coef
         self.grad_scale = 0.0  # set every step by the trainer (``ExpertLoad.before_step``)
         self.logits: list[torch.Tensor] = []
-        self.total: torch.Tensor | None = None  # the micro-batches' losses summed since the last read
+        self.total: torch.Tensor | None = (
+            None  # the micro-batches' losses summed since the last read
+        )
 
     def install(self, model: nn.Module) -> None:
         for module in model.modules():

@@ -1,6 +1,6 @@
-"""Weights of Hugging Face models: safetensors read straight into each rank's shards (per-expert tensors stacked
-into the fused parameters transformers builds, by ``conversion``), checked against the model first; the files
-that travel with exported weights.
+"""Weights of Hugging Face models: safetensors read straight into each rank's shards (per-expert
+tensors stacked into the fused parameters transformers builds, by ``conversion``), checked against
+the model first; the files that travel with exported weights.
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise ConfigError(f"model.path: {path} holds no *.safetensors weights (composer3d reads only safetensors). "
-                          "Convert the checkpoint with save_pretrained(safe_serialization=True), or use "
-                          "model.pretrained=false to train from a random init")
+        raise ConfigError(
+            f"model.path: {path} holds no *.safetensors weights (composer3d reads only "
+            "safetensors). "
+            "Convert the checkpoint with save_pretrained(safe_serialization=True), or use "
+            "model.pretrained=false to train from a random init"
+        )
     index: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
@@ -39,63 +42,97 @@ def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     return index
 
 
-def check_checkpoint_keys(model: HFCausalLM, index: dict[str, tuple[tuple[int, ...], str]], path: str
-                          ) -> CheckpointMap:
-    """Missing, unexpected and mis-shaped tensors, against the whole model (every rank checks the same), after
-    transformers' conversions (per-expert tensors stacked into fused parameters); returns where each comes from."""
+def check_checkpoint_keys(
+    model: HFCausalLM, index: dict[str, tuple[tuple[int, ...], str]], path: str
+) -> CheckpointMap:
+    """Missing, unexpected and mis-shaped tensors, against the whole model (every rank checks the
+    same), after transformers' conversions (per-expert tensors stacked into fused parameters);
+    returns where each comes from."""
     mapped = map_checkpoint(model.weight_conversions, index, path)
     expected, given = model.full_shapes, mapped.shapes
     tied = getattr(model.config, "tie_word_embeddings", False)
     missing = sorted(set(expected) - set(given))
-    unexpected = sorted(mapped.plain.get(k, k) for k in set(given) - set(expected) - ({"lm_head.weight"} if tied else set()))
-    wrong = sorted(f"{k}: file {given[k]} vs model {expected[k]}" for k in set(expected) & set(given)
-                   if given[k] != expected[k])
+    unexpected = sorted(
+        mapped.plain.get(k, k)
+        for k in set(given) - set(expected) - ({"lm_head.weight"} if tied else set())
+    )
+    wrong = sorted(
+        f"{k}: file {given[k]} vs model {expected[k]}"
+        for k in set(expected) & set(given)
+        if given[k] != expected[k]
+    )
     problems = list(mapped.problems)
     if missing:
-        hint = (" (config.json says tie_word_embeddings=false, but the file has no separate head)"
-                if missing == ["lm_head.weight"] else "")
+        hint = (
+            " (config.json says tie_word_embeddings=false, but the file has no separate head)"
+            if missing == ["lm_head.weight"]
+            else ""
+        )
         problems.append(f"missing {len(missing)} tensors, e.g. {missing[:4]}{hint}")
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected tensors, e.g. {unexpected[:4]}")
     if wrong:
-        problems.append(f"{len(wrong)} shape mismatches, e.g. {wrong[:3]} (config.json does not match the weights: "
-                        "check num_key_value_heads, head_dim, intermediate_size, vocab_size, the expert count)")
+        problems.append(
+            f"{len(wrong)} shape mismatches, e.g. {wrong[:3]} (config.json does not match the "
+            "weights: "
+            "check num_key_value_heads, head_dim, intermediate_size, vocab_size, the expert count)"
+        )
     if problems:
-        raise ConfigError(f"model.path: the weights in {path} do not fit the model its config.json describes: "
-                          + "; ".join(problems) + ". Use the directory save_pretrained wrote, unmodified")
+        raise ConfigError(
+            f"model.path: the weights in {path} do not fit the model its config.json describes: "
+            + "; ".join(problems)
+            + ". Use the directory save_pretrained wrote, unmodified"
+        )
     return mapped
 
 
 def check_pretrained(model: HFCausalLM, path: str) -> None:
-    """The safetensors in ``path`` hold exactly the tensors ``model`` (whole, on meta is enough) has, in its shapes:
-    headers only, so the launcher checks this before any worker starts."""
+    """The safetensors in ``path`` hold exactly the tensors ``model`` (whole, on meta is enough)
+    has, in its shapes: headers only, so the launcher checks this before any worker starts."""
     check_checkpoint_keys(model, safetensors_index(path), path)
 
 
 def load_pretrained(model: HFCausalLM, path: str) -> None:
-    """Read each rank's shards of its parameters straight from the safetensors files; no rank ever holds the whole
-    model. Tensors stored whole: DCP's Hugging Face reader reads only the slices a rank holds. Fused expert
-    parameters: the rank reads the per-expert tensors of the experts (rows) it holds and stacks them as transformers
-    does. Tied heads load with the embedding."""
+    """Read each rank's shards of its parameters straight from the safetensors files; no rank ever
+    holds the whole model. Tensors stored whole: DCP's Hugging Face reader reads only the slices a
+    rank holds. Fused expert parameters: the rank reads the per-expert tensors of the experts (rows)
+    it holds and stacks them as transformers does. Tied heads load with the embedding."""
     from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
     index = safetensors_index(path)
     mapped = check_checkpoint_keys(model, index, path)
-    # this rank's parameters (a pipeline stage has only its own) by their names in the files: a LoRA-wrapped
-    # linear's base by its unwrapped name, its adapters (initialized, not in the files) left out
+    # this rank's parameters (a pipeline stage has only its own) by their names in the files: a
+    # LoRA-wrapped linear's base by its unwrapped name, its adapters (initialized, not in the files)
+    # left out
     params = {base_name(name): p for name, p in model.named_parameters() if not is_adapter(name)}
     quantized = {name for name, param in params.items() if is_nf4(_local(param))}
-    # The last pipeline stage's head twin of a tied embedding is the embedding's tensor (a file has no other).
-    sources = {"lm_head.weight": "model.embed_tokens.weight"} if getattr(model.config, "tie_word_embeddings", False) \
+    # The last pipeline stage's head twin of a tied embedding is the embedding's tensor (a file has
+    # no other).
+    sources = (
+        {"lm_head.weight": "model.embed_tokens.weight"}
+        if getattr(model.config, "tie_word_embeddings", False)
         else {}
-    whole = {mapped.plain[sources.get(name, name)]: param for name, param in params.items()
-             if name not in mapped.fused and name not in quantized}
+    )
+    whole = {
+        mapped.plain[sources.get(name, name)]: param
+        for name, param in params.items()
+        if name not in mapped.fused and name not in quantized
+    }
     load(whole, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
-    for name in sorted(quantized):  # QLoRA's NF4 weights: each read whole, quantized whole, then cut to the rank's
+    for name in sorted(
+        quantized
+    ):  # QLoRA's NF4 weights: each read whole, quantized whole, then cut to the rank's
         param = params[name]
         full = torch.empty(model.full_shapes[name], device=param.device)
-        load({mapped.plain[name]: full}, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
-        copy_nf4_(param._local_tensor if isinstance(param, DTensor) else param, local_shard(to_nf4(full), param))
+        load(
+            {mapped.plain[name]: full},
+            storage_reader=HuggingFaceStorageReader(path),
+            no_dist=not dist.is_initialized(),
+        )
+        copy_nf4_(
+            param._local_tensor if isinstance(param, DTensor) else param,
+            local_shard(to_nf4(full), param),
+        )
     files = ExpertFiles(path, index)
     for name, param in params.items():
         if name in mapped.fused:
@@ -107,7 +144,8 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertFiles:
-    """The safetensors files, opened once each (closed with this object), read a tensor (one expert's) at a time."""
+    """The safetensors files, opened once each (closed with this object), read a tensor (one
+    expert's) at a time."""
 
     def __init__(self, path: str, index: dict[str, tuple[tuple[int, ...], str]]):
         self.path, self.index, self.handles = path, index, {}
@@ -123,9 +161,12 @@ class ExpertFiles:
 
 @torch.no_grad()
 def _load_fused(param: torch.Tensor, fused: Fused, files: ExpertFiles) -> None:
-    """This rank's block of a fused expert parameter: the rows (experts) it holds, built from their tensors only."""
+    """This rank's block of a fused expert parameter: the rows (experts) it holds, built from their
+    tensors only."""
     if isinstance(param, DTensor):
-        (chunk,) = param.__create_chunk_list__()  # the block's offsets and sizes in the whole parameter
+        (chunk,) = (
+            param.__create_chunk_list__()
+        )  # the block's offsets and sizes in the whole parameter
         offsets, sizes, local = chunk.offsets, chunk.sizes, param.to_local()
     else:
         offsets, sizes, local = [0] * param.dim(), param.shape, param
@@ -136,11 +177,17 @@ def _load_fused(param: torch.Tensor, fused: Fused, files: ExpertFiles) -> None:
 
 
 def export_files(path: str) -> list[str]:
-    """Files of the model directory that travel with exported weights (config, tokenizer, generation config)."""
+    """Files of the model directory that travel with exported weights (config, tokenizer, generation
+    config)."""
     keep = []
     for name in sorted(os.listdir(path)):
-        if name.endswith((".safetensors", ".bin", ".pt", ".pth")) or name == "model.safetensors.index.json":
+        if (
+            name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+            or name == "model.safetensors.index.json"
+        ):
             continue
-        if os.path.isfile(os.path.join(path, name)) and (name.endswith((".json", ".model", ".txt", ".jinja"))):
+        if os.path.isfile(os.path.join(path, name)) and (
+            name.endswith((".json", ".model", ".txt", ".jinja"))
+        ):
             keep.append(name)
     return keep

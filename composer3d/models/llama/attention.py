@@ -1,9 +1,10 @@
-"""The native Llama's attention: RoPE, grouped-query attention through SDPA, and the masks of packed documents.
+"""The native Llama's attention: RoPE, grouped-query attention through SDPA, and the masks of packed
+documents.
 
-Attention reads its head count from the tensor it receives, so the same code runs whole or tensor-parallel (where
-each rank holds n_heads / tp heads). Packed documents (``position_ids`` that restart, as ``data.document_masking``
-makes them) attend only within themselves, as in Hugging Face models: RoPE at the given positions and block-causal
-attention (``document_mask``).
+Attention reads its head count from the tensor it receives, so the same code runs whole or
+tensor-parallel (where each rank holds n_heads / tp heads). Packed documents (``position_ids`` that
+restart, as ``data.document_masking`` makes them) attend only within themselves, as in Hugging Face
+models: RoPE at the given positions and block-causal attention (``document_mask``).
 """
 
 from __future__ import annotations
@@ -17,59 +18,82 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from torch.utils._triton import has_triton
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rope_tables(
+    head_dim: int, max_seq_len: int, theta: float, device: torch.device | str | None = None
+):
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    )
     angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
     return torch.cos(angles), torch.sin(angles)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of the head dim: x is (batch, seq, heads, head_dim).
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of the head dim: x is (batch, seq, heads,
+    head_dim).
 
-    ``cos``/``sin``: the whole tables (positions 0..seq-1 are used) or, gathered at each row's position_ids,
-    (batch, seq, head_dim / 2)."""
+    ``cos``/``sin``: the whole tables (positions 0..seq-1 are used) or, gathered at each row's
+    position_ids, (batch, seq, head_dim / 2)."""
     if cos.dim() == 2:
         cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
-    if torch.compiler.is_compiling():  # Inductor fuses the products into one kernel (complex ops it leaves unfused)
+    if (
+        torch.compiler.is_compiling()
+    ):  # Inductor fuses the products into one kernel (complex ops it leaves unfused)
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
-        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).type_as(x)
-    # Eager: each pair a complex number turned by e^{iθ}, in fp32, the same numbers as the products written out in
-    # a third of the kernels (each a pass over q or k, which selective AC runs again in backward)
-    turn = torch.complex(cos.float(), sin.float()).unsqueeze(-2)  # tables cast with a bf16 model too
+        return (
+            torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+            .flatten(-2)
+            .type_as(x)
+        )
+    # Eager: each pair a complex number turned by e^{iθ}, in fp32, the same numbers as the products
+    # written out in a third of the kernels (each a pass over q or k, which selective AC runs again
+    # in backward)
+    turn = torch.complex(cos.float(), sin.float()).unsqueeze(
+        -2
+    )  # tables cast with a bf16 model too
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's document index in its row, (batch, seq): a document starts wherever the position does not go on
-    +1 from the previous token's, transformers' rule for packed sequences (``find_packed_sequence_indices``)."""
+    """Each token's document index in its row, (batch, seq): a document starts wherever the position
+    does not go on +1 from the previous token's, transformers' rule for packed sequences
+    (``find_packed_sequence_indices``)."""
     return F.pad((position_ids[:, 1:] != position_ids[:, :-1] + 1).cumsum(-1), (1, 0))
 
 
-FLEX_MIN_HEAD_DIM = 16  # inductor's flex-attention kernels refuse smaller heads ("NYI: embedding dimension ...")
+FLEX_MIN_HEAD_DIM = (
+    16  # inductor's flex-attention kernels refuse smaller heads ("NYI: embedding dimension ...")
+)
 
 
 @functools.cache
 def _flex_fits(device_type: str, head_dim: int) -> bool:
-    """Whether attention on this device type takes flex attention: where inductor compiles it to Triton kernels (the
-    accelerator, when Triton supports it, for heads of at least 16 dims). Elsewhere its kernels are slow or missing
-    (torch 2.13's flex attention has no backward on the CPU), and the exact SDPA mask is used."""
+    """Whether attention on this device type takes flex attention: where inductor compiles it to
+    Triton kernels (the accelerator, when Triton supports it, for heads of at least 16 dims).
+    Elsewhere its kernels are slow or missing (torch 2.13's flex attention has no backward on the
+    CPU), and the exact SDPA mask is used."""
     accelerator = torch.accelerator.current_accelerator()
-    return (accelerator is not None and device_type == accelerator.type and has_triton()
-            and head_dim >= FLEX_MIN_HEAD_DIM)
+    return (
+        accelerator is not None
+        and device_type == accelerator.type
+        and has_triton()
+        and head_dim >= FLEX_MIN_HEAD_DIM
+    )
 
 
-# flex_attention and create_block_mask compiled, made on first use (torch.compile costs seconds to import): eager,
-# the one materializes every score and the other a (batch, seq, seq) mask.
+# flex_attention and create_block_mask compiled, made on first use (torch.compile costs seconds to
+# import): eager, the one materializes every score and the other a (batch, seq, seq) mask.
 _compiled_flex: tuple | None = None
 
 
 def document_mask(documents: torch.Tensor, head_dim: int) -> BlockMask | torch.Tensor:
-    """Block-causal attention over ``document_ids``: token i attends to token j iff j <= i in the same document.
+    """Block-causal attention over ``document_ids``: token i attends to token j iff j <= i in the
+    same document.
 
-    A flex-attention BlockMask where flex fits the device and the heads (``_flex_fits``), else a boolean mask for
-    SDPA, (batch, 1, seq, seq): exact, with memory quadratic in the sequence.
+    A flex-attention BlockMask where flex fits the device and the heads (``_flex_fits``), else a
+    boolean mask for SDPA, (batch, 1, seq, seq): exact, with memory quadratic in the sequence.
     """
     global _compiled_flex
     batch, seq = documents.shape
@@ -79,7 +103,10 @@ def document_mask(documents: torch.Tensor, head_dim: int) -> BlockMask | torch.T
 
         def same_document_causal(b, h, q, kv):
             return (kv <= q) & (documents[b, q] == documents[b, kv])
-        return _compiled_flex[1](same_document_causal, batch, None, seq, seq, device=documents.device)
+
+        return _compiled_flex[1](
+            same_document_causal, batch, None, seq, seq, device=documents.device
+        )
     causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
     return (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
 
@@ -92,17 +119,28 @@ class Attention(nn.Module):
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-        # Under context parallel (``parallel.context``): attention over the keys and values of the whole sequence.
+        # Under context parallel (``parallel.context``): attention over the keys and values of the
+        # whole sequence.
         self.context_parallel = None
 
-    def forward(self, x: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
-                mask: BlockMask | torch.Tensor | None) -> torch.Tensor:
-        """``mask``: None for causal attention, else ``document_mask``'s; under context parallel, its
-        ``attention_plan``."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        mask: BlockMask | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``mask``: None for causal attention, else ``document_mask``'s; under context parallel,
+        its ``attention_plan``."""
         bsz, seq, _ = x.shape
-        # -1 heads: under tensor parallel each rank holds only its share of the heads (the mask has no head dim).
-        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
-        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(1, 2)
+        # -1 heads: under tensor parallel each rank holds only its share of the heads (the mask has
+        # no head dim).
+        q = apply_rope(self.wq(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(
+            1, 2
+        )
+        k = apply_rope(self.wk(x).view(bsz, seq, -1, self.head_dim), rope_cos, rope_sin).transpose(
+            1, 2
+        )
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         if self.context_parallel is not None:
             out = self.context_parallel.attend(q, k, v, mask)
@@ -111,5 +149,7 @@ class Attention(nn.Module):
         if isinstance(mask, BlockMask):
             out = _compiled_flex[0](q, k, v, block_mask=mask, enable_gqa=gqa)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
+            )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -1,1 +1,2 @@
-"""Context parallel: sequence shares per cp rank, ring / all-gather / Ulysses attention, balancing."""
+"""Context parallel: sequence shares per cp rank, ring / all-gather / Ulysses attention,
+balancing."""

@@ -1,21 +1,24 @@
-"""Which tokens of every sequence each context-parallel rank holds (``parallel.cp_balance``), so that the ranks'
-attention work is even.
+"""Which tokens of every sequence each context-parallel rank holds (``parallel.cp_balance``), so
+that the ranks' attention work is even.
 
-- ``head_tail``: the sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r (Megatron's and
-  torchtitan's balance): under one causal mask the early chunks attend to few keys and the late ones to many, so
-  each rank gets one of each and the same work. Packed documents break this: a block-diagonal causal mask leaves
-  most of a late chunk's keys out, and the busiest rank's work reaches 1.5–2.5× the mean.
-- ``documents``: each batch's own document mask is balanced. The sequence is cut into 2·cp·m chunks (m up to
-  ``FINEST_ROUNDS``, the most that divides it); each query chunk's work is the scores the ring's kernels compute for
-  it — the key chunks at or before it that share a document with it in some row (the blocks the ring does not skip),
-  a whole chunk² each, the diagonal's half when no document starts inside it — and the chunks are dealt greedily,
-  the heaviest first, to the least loaded rank that still has room (2·m chunks a rank: equal tokens, static
-  shapes). Head-tail is kept where it is no worse (always for plain causal attention).
+- ``head_tail``: the sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r
+  (Megatron's and torchtitan's balance): under one causal mask the early chunks attend to few keys
+  and the late ones to many, so each rank gets one of each and the same work. Packed documents break
+  this: a block-diagonal causal mask leaves most of a late chunk's keys out, and the busiest rank's
+  work reaches 1.5–2.5× the mean.
+- ``documents``: each batch's own document mask is balanced. The sequence is cut into 2·cp·m chunks
+  (m up to ``FINEST_ROUNDS``, the most that divides it); each query chunk's work is the scores the
+  ring's kernels compute for it — the key chunks at or before it that share a document with it in
+  some row (the blocks the ring does not skip), a whole chunk² each, the diagonal's half when no
+  document starts inside it — and the chunks are dealt greedily, the heaviest first, to the least
+  loaded rank that still has room (2·m chunks a rank: equal tokens, static shapes). Head-tail is
+  kept where it is no worse (always for plain causal attention).
 
-A placement is a pure function of the batch's document ids, which every cp rank has, so all of them compute the same
-one; everything that depends on which global positions a rank holds (the input/target/position shards, the gather
-back, the ring's blocks and masks, the other styles' masks) reads it from the one ``ContextParallel``. Nothing of
-it is saved: a checkpoint holds no placement and resumes under any balance.
+A placement is a pure function of the batch's document ids, which every cp rank has, so all of them
+compute the same one; everything that depends on which global positions a rank holds (the
+input/target/position shards, the gather back, the ring's blocks and masks, the other styles' masks)
+reads it from the one ``ContextParallel``. Nothing of it is saved: a checkpoint holds no placement
+and resumes under any balance.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from dataclasses import dataclass
 import torch
 
 BALANCES = ("head_tail", "documents")
-FINEST_ROUNDS = 4  # documents: a sequence cut into up to 2·cp·4 chunks (more chunks, more and smaller ring blocks)
+# documents: a sequence cut into up to 2·cp·4 chunks (more chunks, more and smaller ring blocks)
+FINEST_ROUNDS = 4
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The chunks each cp rank holds: ``held[r]`` the global chunk ids of rank r, in the order it holds them."""
+    """The chunks each cp rank holds: ``held[r]`` the global chunk ids of rank r, in the order it
+    holds them."""
 
     chunk: int  # tokens a chunk
     held: tuple[tuple[int, ...], ...]
@@ -40,11 +45,18 @@ class Placement:
         return self.chunk * sum(len(chunks) for chunks in self.held)
 
     def token_index(self, rank: int, device: torch.device | None = None) -> torch.Tensor:
-        """Global indices (0..seq_len-1) of the tokens rank ``rank`` holds, in the order it holds them."""
-        return torch.cat([torch.arange(c * self.chunk, (c + 1) * self.chunk, device=device) for c in self.held[rank]])
+        """Global indices (0..seq_len-1) of the tokens rank ``rank`` holds, in the order it holds
+        them."""
+        return torch.cat(
+            [
+                torch.arange(c * self.chunk, (c + 1) * self.chunk, device=device)
+                for c in self.held[rank]
+            ]
+        )
 
     def gathered_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """Global indices of every rank's tokens, in rank order (what an all-gather over the cp group returns)."""
+        """Global indices of every rank's tokens, in rank order (what an all-gather over the cp
+        group returns)."""
         return torch.cat([self.token_index(rank, device) for rank in range(len(self.held))])
 
 
@@ -53,9 +65,11 @@ def head_tail(size: int, seq_len: int) -> Placement:
     return Placement(seq_len // (2 * size), tuple((r, 2 * size - 1 - r) for r in range(size)))
 
 
-def plan_placement(size: int, seq_len: int, balance: str, documents: torch.Tensor | None) -> Placement:
-    """The placement under ``balance`` of a batch whose rows have ``documents`` (batch, seq_len) document ids, rising
-    along each row (``document_ids``; None: one causal sequence a row)."""
+def plan_placement(
+    size: int, seq_len: int, balance: str, documents: torch.Tensor | None
+) -> Placement:
+    """The placement under ``balance`` of a batch whose rows have ``documents`` (batch, seq_len)
+    document ids, rising along each row (``document_ids``; None: one causal sequence a row)."""
     coarse = head_tail(size, seq_len)
     if balance == "head_tail" or documents is None:
         return coarse
@@ -72,21 +86,23 @@ def plan_placement(size: int, seq_len: int, balance: str, documents: torch.Tenso
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Each token's document in its row, rising along it (the count of document starts before it): a document
-    starts where the position does not go on +1 (transformers' rule for packed sequences, the models' too)."""
+    """Each token's document in its row, rising along it (the count of document starts before it): a
+    document starts where the position does not go on +1 (transformers' rule for packed sequences,
+    the models' too)."""
     starts = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return torch.nn.functional.pad(starts.cumsum(-1), (1, 0))
 
 
 def chunk_work(documents: torch.Tensor, chunk: int) -> torch.Tensor:
-    """The scores the ring computes for each query chunk of ``chunk`` tokens (over every row of ``documents``,
-    (batch, seq_len) rising ids): a chunk² for each earlier key chunk some row's query chunk shares a document with
-    (its blocks run for the whole batch), plus its own diagonal block — causal, chunk·(chunk+1)/2, unless a document
-    starts inside it (then masked, chunk²)."""
+    """The scores the ring computes for each query chunk of ``chunk`` tokens (over every row of
+    ``documents``, (batch, seq_len) rising ids): a chunk² for each earlier key chunk some row's
+    query chunk shares a document with (its blocks run for the whole batch), plus its own diagonal
+    block — causal, chunk·(chunk+1)/2, unless a document starts inside it (then masked, chunk²)."""
     batch, seq_len = documents.shape
     blocks = documents.view(batch, seq_len // chunk, chunk)
     first, last = blocks[..., 0], blocks[..., -1]  # (batch, chunks)
-    # query chunk i and an earlier key chunk j share a document iff i's first document is j's last (ids rise)
+    # query chunk i and an earlier key chunk j share a document iff i's first document is j's last
+    # (ids rise)
     shared = (first[:, :, None] == last[:, None, :]).any(0).tril(-1)
     cut = (first != last).any(0)
     diagonal = torch.where(cut, chunk * chunk, chunk * (chunk + 1) // 2)
@@ -94,7 +110,8 @@ def chunk_work(documents: torch.Tensor, chunk: int) -> torch.Tensor:
 
 
 def rank_work(placement: Placement, documents: torch.Tensor | None) -> list[int]:
-    """Each rank's attention work under ``placement`` (``chunk_work``; one causal sequence a row without documents)."""
+    """Each rank's attention work under ``placement`` (``chunk_work``; one causal sequence a row
+    without documents)."""
     if documents is None:
         documents = torch.zeros(1, placement.seq_len, dtype=torch.long)
     work = chunk_work(documents, placement.chunk).tolist()

@@ -1,21 +1,25 @@
-"""Context parallel: each of the ``cp`` ranks holds 1/cp of every sequence's tokens, and attention spans all of them.
+"""Context parallel: each of the ``cp`` ranks holds 1/cp of every sequence's tokens, and attention
+spans all of them.
 
-Which chunks of the sequence a rank holds is its ``Placement`` (``cp_balance``: head-tail, rank r holding chunks r
-and 2·cp−1−r of 2·cp, or one balanced by each batch's documents), set per batch by ``place`` before the batch is
-sharded; inputs, targets and positions are cut by it (``shard``), RoPE takes each token's global position, and the
-model's attention plan and gathers read the same placement. Attention takes its queries locally and spans the keys of
-the whole sequence, in one of three styles (``parallel.cp_style``), all exact, under a mask of global token indices
-and document ids:
+Which chunks of the sequence a rank holds is its ``Placement`` (``cp_balance``: head-tail, rank r
+holding chunks r and 2·cp−1−r of 2·cp, or one balanced by each batch's documents), set per batch by
+``place`` before the batch is sharded; inputs, targets and positions are cut by it (``shard``), RoPE
+takes each token's global position, and the model's attention plan and gathers read the same
+placement. Attention takes its queries locally and spans the keys of the whole sequence, in one of
+three styles (``parallel.cp_style``), all exact, under a mask of global token indices and document
+ids:
 
-- ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by log-sum-exp
-  (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask leaves empty are skipped;
-- ``allgather``: keys and values of the whole sequence all-gathered with autograd (the backward reduce-scatters
-  their gradients), one SDPA call: cheapest for short sequences and few KV heads;
-- ``ulysses``: an all-to-all trades the sequence split for a head split (each rank attends over the whole
-  sequence with heads/cp of the heads), and back: needs the heads and KV heads divisible by cp.
+- ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by
+  log-sum-exp (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask
+  leaves empty are skipped;
+- ``allgather``: keys and values of the whole sequence all-gathered with autograd (the backward
+  reduce-scatters their gradients), one SDPA call: cheapest for short sequences and few KV heads;
+- ``ulysses``: an all-to-all trades the sequence split for a head split (each rank attends over the
+  whole sequence with heads/cp of the heads), and back: needs the heads and KV heads divisible by
+  cp.
 
-The token loss of each rank's targets is summed over dp × cp (the ``loss`` mesh) and FSDP reduces gradients over
-``dp_shard_cp``, so the curve is the single-process one.
+The token loss of each rank's targets is summed over dp × cp (the ``loss`` mesh) and FSDP reduces
+gradients over ``dp_shard_cp``, so the curve is the single-process one.
 """
 
 from __future__ import annotations
@@ -26,17 +30,27 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
-from composer3d.parallel.context.balance import BALANCES, Placement, document_ids, head_tail, plan_placement
+from composer3d.parallel.context.balance import (
+    BALANCES,
+    Placement,
+    document_ids,
+    head_tail,
+    plan_placement,
+)
 from composer3d.parallel.context.ring_attention import ring_attention, ring_blocks
 
 STYLES = ("ring", "allgather", "ulysses")
 
-# torch 2.13 names it all_gather_single_autograd (the older all_gather_tensor_autograd warns there); older only so.
-_all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+# torch 2.13 names it all_gather_single_autograd (the older all_gather_tensor_autograd warns there);
+# older only so.
+_all_gather_autograd = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
 
 
 class ContextParallel:
-    """The cp group of this rank: which tokens it holds, and the collectives attention needs across the group."""
+    """The cp group of this rank: which tokens it holds, and the collectives attention needs across
+    the group."""
 
     def __init__(self, cp_mesh: DeviceMesh, style: str = "ring", balance: str = "head_tail"):
         if style not in STYLES:
@@ -45,23 +59,27 @@ class ContextParallel:
             raise ValueError(f"context parallel balance {balance!r}: one of {BALANCES}")
         self.group, self.style, self.balance = cp_mesh.get_group(), style, balance
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
-        self.placed: Placement | None = None  # the current batch's (``place``); head-tail until one is placed
+        self.placed: Placement | None = (
+            None  # the current batch's (``place``); head-tail until one is placed
+        )
 
     def place(self, position_ids: torch.Tensor | None, seq_len: int) -> None:
-        """Set the placement of the batch about to be sharded, from its whole rows' ``position_ids`` (None: causal
-        rows). Every cp rank has the same batch and computes the same placement; the shards and the model's forwards
-        of this batch (each microbatch of it) all read it."""
+        """Set the placement of the batch about to be sharded, from its whole rows' ``position_ids``
+        (None: causal rows). Every cp rank has the same batch and computes the same placement; the
+        shards and the model's forwards of this batch (each microbatch of it) all read it."""
         documents = None if position_ids is None else document_ids(position_ids)
         self.placed = plan_placement(self.size, seq_len, self.balance, documents)
 
     def placement(self, seq_len: int) -> Placement:
-        """The placement of the current batch; head-tail for a sequence of another length (none placed for it)."""
+        """The placement of the current batch; head-tail for a sequence of another length (none
+        placed for it)."""
         if self.placed is not None and self.placed.seq_len == seq_len:
             return self.placed
         return head_tail(self.size, seq_len)
 
     def token_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """Global indices (0..seq_len-1) of the tokens this rank holds, in the order it holds them."""
+        """Global indices (0..seq_len-1) of the tokens this rank holds, in the order it holds
+        them."""
         return self.placement(seq_len).token_index(self.rank, device)
 
     def gathered_index(self, seq_len: int, device: torch.device) -> torch.Tensor:
@@ -69,17 +87,20 @@ class ContextParallel:
         return self.placement(seq_len).gathered_index(device)
 
     def shard(self, tensor: torch.Tensor | None, dim: int = 1) -> torch.Tensor | None:
-        """This rank's tokens of a whole-sequence tensor (inputs, targets, positions); None stays None."""
+        """This rank's tokens of a whole-sequence tensor (inputs, targets, positions); None stays
+        None."""
         if tensor is None:
             return None
         return tensor.index_select(dim, self.token_index(tensor.shape[dim], tensor.device))
 
     def gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
-        """Every rank's tokens along ``dim``, in rank order (``gathered_index``); gradients flow back to each owner."""
+        """Every rank's tokens along ``dim``, in rank order (``gathered_index``); gradients flow
+        back to each owner."""
         return _all_gather_autograd(tensor.contiguous(), gather_dim=dim, group=self.group)
 
     def whole(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The whole sequence in global order, from each rank's tokens (no gradient: positions and ids)."""
+        """The whole sequence in global order, from each rank's tokens (no gradient: positions and
+        ids)."""
         gathered = [torch.empty_like(tensor) for _ in range(self.size)]
         dist.all_gather(gathered, tensor.contiguous(), group=self.group)
         stacked = torch.cat(gathered, dim)
@@ -87,53 +108,80 @@ class ContextParallel:
         order = self.gathered_index(seq_len, tensor.device).argsort()
         return stacked.index_select(dim, order)
 
-    def attention_plan(self, seq_len: int, documents: torch.Tensor | None, device: torch.device) -> "AttentionPlan":
-        """What every layer's attention of one forward needs (computed once): ``documents`` (batch, seq_len) are
-        the document ids in global order, or None for causal attention."""
+    def attention_plan(
+        self, seq_len: int, documents: torch.Tensor | None, device: torch.device
+    ) -> "AttentionPlan":
+        """What every layer's attention of one forward needs (computed once): ``documents`` (batch,
+        seq_len) are the document ids in global order, or None for causal attention."""
         if self.style == "ring":
             return AttentionPlan(ring_blocks(self.rank, self.placement(seq_len), documents))
-        queries = self.token_index(seq_len, device) if self.style == "allgather" else self.gathered_index(seq_len, device)
+        queries = (
+            self.token_index(seq_len, device)
+            if self.style == "allgather"
+            else self.gathered_index(seq_len, device)
+        )
         return AttentionPlan(_mask(queries, self.gathered_index(seq_len, device), documents))
 
-    # Under compile.enabled the block is compiled around this call, which runs eagerly between its two graphs: the
-    # ring's send/receive is a P2P op dynamo refuses to trace, and its plan is Python data (the blocks a step's
-    # documents leave) that a graph would guard on and recompile for at every new batch. The other two styles keep
-    # the same boundary, so all three run the same compiled code around their collectives.
-    @torch.compiler.disable(reason="context parallel attention: P2P ring and a per-batch plan, run eagerly")
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: "AttentionPlan") -> torch.Tensor:
-        """Attention of this rank's queries (batch, heads, local tokens, head_dim) over the whole sequence's keys;
-        ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim). Under tensor parallel these are the
-        rank's share of the heads (``q.shape[1]`` = heads / tp): each tp rank attends with its own heads."""
+    # Under compile.enabled the block is compiled around this call, which runs eagerly between its
+    # two graphs: the ring's send/receive is a P2P op dynamo refuses to trace, and its plan is
+    # Python data (the blocks a step's documents leave) that a graph would guard on and recompile
+    # for at every new batch. The other two styles keep the same boundary, so all three run the same
+    # compiled code around their collectives.
+    @torch.compiler.disable(
+        reason="context parallel attention: P2P ring and a per-batch plan, run eagerly"
+    )
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: "AttentionPlan"
+    ) -> torch.Tensor:
+        """Attention of this rank's queries (batch, heads, local tokens, head_dim) over the whole
+        sequence's keys; ``k``/``v`` are this rank's (batch, kv heads, local tokens, head_dim).
+        Under tensor parallel these are the rank's share of the heads (``q.shape[1]`` = heads / tp):
+        each tp rank attends with its own heads."""
         plan = plan.content
         if self.style == "ring":
             return ring_attention(q, k, v, plan, self.group, self.rank, self.size)
         if self.style == "allgather":
             k, v = self.gather(k, dim=2), self.gather(v, dim=2)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1])
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1]
+            )
         q, k, v = (self._heads_to_sequence(t) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1]
+        )
         return self._sequence_to_heads(out)
 
     def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, local tokens, d) → (batch, heads/cp, all tokens in ``gathered_index`` order, d): rank j
-        keeps the j-th group of heads, of every rank's tokens."""
+        """(batch, heads, local tokens, d) → (batch, heads/cp, all tokens in ``gathered_index``
+        order, d): rank j keeps the j-th group of heads, of every rank's tokens."""
         batch, heads, tokens, dim = x.shape
-        x = x.reshape(batch, self.size, heads // self.size, tokens, dim).transpose(0, 1).contiguous()
-        x = funcol.all_to_all_single_autograd(x, None, None, self.group)  # dim 0: to rank j / from rank j
+        x = (
+            x.reshape(batch, self.size, heads // self.size, tokens, dim)
+            .transpose(0, 1)
+            .contiguous()
+        )
+        x = funcol.all_to_all_single_autograd(
+            x, None, None, self.group
+        )  # dim 0: to rank j / from rank j
         return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * tokens, dim)
 
     def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
         """The inverse of ``_heads_to_sequence``: this rank's tokens, all heads."""
         batch, heads, tokens, dim = x.shape
-        x = x.reshape(batch, heads, self.size, tokens // self.size, dim).permute(2, 0, 1, 3, 4).contiguous()
+        x = (
+            x.reshape(batch, heads, self.size, tokens // self.size, dim)
+            .permute(2, 0, 1, 3, 4)
+            .contiguous()
+        )
         x = funcol.all_to_all_single_autograd(x, None, None, self.group)
         return x.transpose(0, 1).reshape(batch, self.size * heads, tokens // self.size, dim)
 
 
 class AttentionPlan:
-    """One forward's attention plan (the ring's blocks, or the mask of the other styles), passed through the
-    blocks as one opaque object: a compiled block guards on its type alone, where a list of blocks or a mask would
-    be guarded on its length or shape, which the documents of each batch change (a recompile per batch)."""
+    """One forward's attention plan (the ring's blocks, or the mask of the other styles), passed
+    through the blocks as one opaque object: a compiled block guards on its type alone, where a list
+    of blocks or a mask would be guarded on its length or shape, which the documents of each batch
+    change (a recompile per batch)."""
 
     __slots__ = ("content",)
 
@@ -141,9 +189,12 @@ class AttentionPlan:
         self.content = content
 
 
-def _mask(queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-    """Which keys each query attends to, (batch or 1, 1, queries, keys), both given by global token index: keys at
-    or before the query and, with ``documents`` (batch, seq_len) in global order, in its document."""
+def _mask(
+    queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None
+) -> torch.Tensor:
+    """Which keys each query attends to, (batch or 1, 1, queries, keys), both given by global token
+    index: keys at or before the query and, with ``documents`` (batch, seq_len) in global order, in
+    its document."""
     mask = (keys[None, :] <= queries[:, None]).unsqueeze(0)
     if documents is not None:
         mask = mask & (documents[:, queries, None] == documents[:, None, keys])

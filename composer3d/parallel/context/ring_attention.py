@@ -1,17 +1,21 @@
-"""Ring attention: exact attention of this rank's queries over the whole sequence, the keys and values of each cp
-rank passed round the ring of cp ranks, one block at a time, and merged by log-sum-exp.
+"""Ring attention: exact attention of this rank's queries over the whole sequence, the keys and
+values of each cp rank passed round the ring of cp ranks, one block at a time, and merged by
+log-sum-exp.
 
-No rank ever holds more than two ranks' keys and values (the block it computes on and the one arriving), so
-attention memory per rank falls as 1/cp; the next block's send/receive is posted before the current block's compute.
-The work is cut at chunk granularity (the ``cp_balance.Placement``: which chunks each rank holds): a pair of chunks is
-either wholly before the query chunk (attended without a mask), the same chunk (causal), or after it (skipped). With
-packed documents a pair whose queries and keys share no document is skipped too, and the rest carry their mask.
+No rank ever holds more than two ranks' keys and values (the block it computes on and the one
+arriving), so attention memory per rank falls as 1/cp; the next block's send/receive is posted
+before the current block's compute. The work is cut at chunk granularity (the
+``cp_balance.Placement``: which chunks each rank holds): a pair of chunks is either wholly before
+the query chunk (attended without a mask), the same chunk (causal), or after it (skipped). With
+packed documents a pair whose queries and keys share no document is skipped too, and the rest carry
+their mask.
 
-The backward is exact: it passes the keys and values round the ring again, each block's gradients computed against
-the merged output and log-sum-exp of the forward (flash attention's identity), and the key/value gradients travel
-with their block until they are back at its owner. Each block runs the kernel its device has (``attention_blocks``:
-flash for CPU; flash attention on CUDA for unmasked half-precision blocks, tiled exact scores for the rest), so the
-CPU runs the same ring and merge code the accelerator does.
+The backward is exact: it passes the keys and values round the ring again, each block's gradients
+computed against the merged output and log-sum-exp of the forward (flash attention's identity), and
+the key/value gradients travel with their block until they are back at its owner. Each block runs
+the kernel its device has (``attention_blocks``: flash for CPU; flash attention on CUDA for unmasked
+half-precision blocks, tiled exact scores for the rest), so the CPU runs the same ring and merge
+code the accelerator does.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ from composer3d.parallel.context.attention_blocks import Block, block_backward, 
 from composer3d.parallel.context.balance import Placement
 
 
-def ring_blocks(rank: int, placement: Placement, documents: torch.Tensor | None) -> list[list[Block]]:
-    """For each source rank, the blocks of this rank's queries that attend to the source's keys, the chunks each
-    holds given by ``placement`` (``documents``: (batch, seq_len) document ids in global order, or None for causal
-    attention)."""
+def ring_blocks(
+    rank: int, placement: Placement, documents: torch.Tensor | None
+) -> list[list[Block]]:
+    """For each source rank, the blocks of this rank's queries that attend to the source's keys, the
+    chunks each holds given by ``placement`` (``documents``: (batch, seq_len) document ids in global
+    order, or None for causal attention)."""
     chunk, held = placement.chunk, placement.held
-    lower = None if documents is None else torch.ones(chunk, chunk, dtype=torch.bool, device=documents.device).tril()
+    lower = (
+        None
+        if documents is None
+        else torch.ones(chunk, chunk, dtype=torch.bool, device=documents.device).tril()
+    )
     plan = []
     for source in range(len(held)):
         blocks = []
@@ -38,24 +48,42 @@ def ring_blocks(rank: int, placement: Placement, documents: torch.Tensor | None)
                     continue  # keys after every query of the chunk
                 causal, mask = k_chunk == q_chunk, None
                 if documents is not None:
-                    allowed = (documents[:, q_chunk * chunk:(q_chunk + 1) * chunk, None]
-                               == documents[:, None, k_chunk * chunk:(k_chunk + 1) * chunk])
+                    allowed = (
+                        documents[:, q_chunk * chunk : (q_chunk + 1) * chunk, None]
+                        == documents[:, None, k_chunk * chunk : (k_chunk + 1) * chunk]
+                    )
                     unmasked = lower if causal else torch.ones_like(lower)
                     allowed = allowed & unmasked
                     if not allowed.any():
                         continue  # no query of this chunk shares a document with these keys
-                    if not torch.equal(allowed, unmasked.expand_as(allowed)):  # a document starts inside the pair
+                    if not torch.equal(
+                        allowed, unmasked.expand_as(allowed)
+                    ):  # a document starts inside the pair
                         causal, mask = False, allowed.unsqueeze(1)
-                blocks.append(Block(slice(qi * chunk, (qi + 1) * chunk), slice(ki * chunk, (ki + 1) * chunk),
-                                    causal, mask))
+                blocks.append(
+                    Block(
+                        slice(qi * chunk, (qi + 1) * chunk),
+                        slice(ki * chunk, (ki + 1) * chunk),
+                        causal,
+                        mask,
+                    )
+                )
         plan.append(blocks)
     return plan
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[list[Block]], group,
-                   rank: int, size: int) -> torch.Tensor:
-    """Attention of ``q`` (batch, heads, local tokens, head_dim) over the keys and values (batch, kv heads, local
-    tokens, head_dim) of every rank of ``group``, as ``ring_blocks`` plans it; differentiable."""
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: list[list[Block]],
+    group,
+    rank: int,
+    size: int,
+) -> torch.Tensor:
+    """Attention of ``q`` (batch, heads, local tokens, head_dim) over the keys and values (batch, kv
+    heads, local tokens, head_dim) of every rank of ``group``, as ``ring_blocks`` plans it;
+    differentiable."""
     return _RingAttention.apply(q, k, v, _Ring(group, rank, size), blocks)
 
 
@@ -72,10 +100,15 @@ class _Ring:
         return (self.rank - step) % self.size
 
     def pass_on(self, tensor: torch.Tensor):
-        """Send ``tensor`` to the next rank and receive the previous rank's; returns (pending works, receive buffer)."""
+        """Send ``tensor`` to the next rank and receive the previous rank's; returns (pending works,
+        receive buffer)."""
         received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
-                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
+        works = dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, tensor, self.next, self.group),
+                dist.P2POp(dist.irecv, received, self.previous, self.group),
+            ]
+        )
         return works, received
 
 
@@ -114,36 +147,49 @@ class _RingAttention(torch.autograd.Function):
         ring, grad_out = ctx.ring, grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # of the block held, its owner's
+        grad_kv = torch.zeros(
+            kv.shape, dtype=torch.float32, device=kv.device
+        )  # of the block held, its owner's
         for step in range(ring.size):
             last = step == ring.size - 1
             if not last:
                 works, arriving = ring.pass_on(kv)
             k_heads, v_heads = query_heads(kv, q.shape[1])
             for block in ctx.blocks[ring.source(step)]:
-                dq, dk, dv = block_backward(grad_out, q, k_heads, v_heads, out, lse, block, ctx.scale)
+                dq, dk, dv = block_backward(
+                    grad_out, q, k_heads, v_heads, out, lse, block, ctx.scale
+                )
                 grad_q[..., block.queries, :] += dq
                 grad_kv[0][..., block.keys, :] += fold_heads(dk, kv.shape[2])
                 grad_kv[1][..., block.keys, :] += fold_heads(dv, kv.shape[2])
             if not last:
                 _wait(works)
                 kv = arriving
-            # on to the rank that holds this block next; after the last step, back to the block's owner
+            # on to the rank that holds this block next; after the last step, back to the block's
+            # owner
             works, grad_kv = ring.pass_on(grad_kv)
             _wait(works)
         return grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None, None
 
 
-def merge_block(out: torch.Tensor, lse: torch.Tensor, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor):
+def merge_block(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: slice,
+    block_out: torch.Tensor,
+    block_lse: torch.Tensor,
+):
     """Fold a block's normalized output into the running one (in place): weights by log-sum-exp."""
     merged = torch.logaddexp(lse[..., rows], block_lse)
-    out[..., rows, :] = (out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(-1)
-                         + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1))
+    out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - merged).unsqueeze(
+        -1
+    ) + block_out.float() * torch.exp(block_lse - merged).unsqueeze(-1)
     lse[..., rows] = merged
 
 
 def query_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """Keys and values (2, batch, kv heads, tokens, d) repeated to the query heads (grouped-query attention)."""
+    """Keys and values (2, batch, kv heads, tokens, d) repeated to the query heads (grouped-query
+    attention)."""
     group = heads // kv.shape[2]
     return kv if group == 1 else kv.repeat_interleave(group, dim=2)
 

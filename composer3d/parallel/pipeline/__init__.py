@@ -1,1 +1,2 @@
-"""Pipeline parallel: the cost-balanced stage split and schedules, and a tied embedding's twin head."""
+"""Pipeline parallel: the cost-balanced stage split and schedules, and a tied embedding's twin
+head."""

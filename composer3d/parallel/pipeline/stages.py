@@ -1,10 +1,12 @@
-"""Pipeline parallel with ``torch.distributed.pipelining``: a cost-balanced split by layer, stages per rank, schedules.
+"""Pipeline parallel with ``torch.distributed.pipelining``: a cost-balanced split by layer, stages
+per rank, schedules.
 
-The model keeps its own parameter names: each pp rank prunes the full (meta) model down to the layers of its
-stages (plus the embedding if it runs the first stage, the final norm and head if it runs the last), so
-checkpoints, init and optimizer state stay keyed by the same names as without PP. A stage is a thin view that
-calls the rank's model on a slice of layers (``model(x, layer_ids, embed, head)``). The split only needs the
-model protocol (``tok_embeddings``, ``layers`` ModuleDict, ``norm``, ``output``), nothing Llama-specific.
+The model keeps its own parameter names: each pp rank prunes the full (meta) model down to the
+layers of its stages (plus the embedding if it runs the first stage, the final norm and head if it
+runs the last), so checkpoints, init and optimizer state stay keyed by the same names as without PP.
+A stage is a thin view that calls the rank's model on a slice of layers (``model(x, layer_ids,
+embed, head)``). The split only needs the model protocol (``tok_embeddings``, ``layers`` ModuleDict,
+``norm``, ``output``), nothing Llama-specific.
 """
 
 from __future__ import annotations
@@ -18,16 +20,25 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
+from composer3d.config.schema import TrainConfig
 from composer3d.dtypes import DTYPES
 from composer3d.models.moe import routing_unrecorded
 from composer3d.parallel.data_parallel.fsdp import runs_fsdp
 
 # composer3d name → torch's schedule name
 SCHEDULES = {
-    "gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS",
-    "interleaved_zero_bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV",
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
 }
-V_SHAPED = ("zbv", "dualpipev")  # rank r runs stages r and 2·pp−1−r, so the first and last stage share rank 0
+V_SHAPED = (
+    "zbv",
+    "dualpipev",
+)  # rank r runs stages r and 2·pp−1−r, so the first and last stage share rank 0
 
 
 def is_multi_stage(schedule: str) -> bool:
@@ -39,18 +50,28 @@ def default_stages_per_rank(schedule: str) -> int:
 
 
 def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
-    """Why torch's schedule would refuse this combination (checked before any process group exists)."""
+    """Why torch's schedule would refuse this combination (checked before any process group
+    exists)."""
     stages = pp * stages_per_rank
     if not is_multi_stage(schedule) and stages_per_rank != 1:
         return f"{schedule} runs one stage per rank, got pp_stages_per_rank={stages_per_rank}"
     if schedule in V_SHAPED and stages_per_rank != 2:
-        return f"{schedule} places exactly 2 stages per rank (V shape), got pp_stages_per_rank={stages_per_rank}"
+        return (
+            f"{schedule} places exactly 2 stages per rank (V shape), got "
+            f"pp_stages_per_rank={stages_per_rank}"
+        )
     if schedule in ("1f1b", "dualpipev") and microbatches < stages:
-        return f"{schedule} needs at least as many microbatches as stages ({stages}), got {microbatches}"
+        return (
+            f"{schedule} needs at least as many microbatches as stages ({stages}), got "
+            f"{microbatches}"
+        )
     if schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
         rounds = max(1, microbatches // pp)
         if microbatches % rounds:
-            return f"{schedule} needs microbatches ({microbatches}) to be a multiple of their rounds ({rounds})"
+            return (
+                f"{schedule} needs microbatches ({microbatches}) to be a multiple of their rounds "
+                f"({rounds})"
+            )
     return None
 
 
@@ -61,10 +82,12 @@ def stage_ids_of_rank(rank: int, pp: int, stages_per_rank: int, schedule: str) -
 
 
 def layer_costs(model: nn.Module) -> list[float]:
-    """Relative cost of each block, with the embedding charged to the first and the head (+loss) to the last.
+    """Relative cost of each block, with the embedding charged to the first and the head (+loss) to
+    the last.
 
-    Parameter count is the proxy: it is what a matmul costs in FLOPs and what a stage holds in memory
-    (parameters, gradients, optimizer state), so a large-vocabulary head counts as several layers.
+    Parameter count is the proxy: it is what a matmul costs in FLOPs and what a stage holds in
+    memory (parameters, gradients, optimizer state), so a large-vocabulary head counts as several
+    layers.
     """
     count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
     costs = [float(count(block)) for block in model.layers.values()]
@@ -74,13 +97,14 @@ def layer_costs(model: nn.Module) -> list[float]:
 
 
 def split_layers(costs: list[float], num_stages: int) -> list[range]:
-    """Contiguous, non-empty layer ranges, one per stage: the most expensive stage as cheap as possible (exact),
-    ties broken toward even stages (smaller sum of squared stage costs)."""
+    """Contiguous, non-empty layer ranges, one per stage: the most expensive stage as cheap as
+    possible (exact), ties broken toward even stages (smaller sum of squared stage costs)."""
     n = len(costs)
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    # best[s][i]: (max stage cost, sum of squares) splitting the first i layers into s stages; cut: last start
+    # best[s][i]: (max stage cost, sum of squares) splitting the first i layers into s stages; cut:
+    # last start
     worst = (math.inf, math.inf)
     best = [[worst] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
@@ -114,11 +138,15 @@ class StagePlan:
         return self.index == self.num_stages - 1
 
 
-def plan_stages(model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[StagePlan]:
+def plan_stages(
+    model: nn.Module, pp_rank: int, pp: int, stages_per_rank: int, schedule: str
+) -> list[StagePlan]:
     names = list(model.layers.keys())
     ranges = split_layers(layer_costs(model), pp * stages_per_rank)
-    return [StagePlan(s, len(ranges), [names[i] for i in ranges[s]])
-            for s in stage_ids_of_rank(pp_rank, pp, stages_per_rank, schedule)]
+    return [
+        StagePlan(s, len(ranges), [names[i] for i in ranges[s]])
+        for s in stage_ids_of_rank(pp_rank, pp, stages_per_rank, schedule)
+    ]
 
 
 def prune_to_stages(model: nn.Module, stages: list[StagePlan]) -> None:
@@ -136,9 +164,9 @@ def prune_to_stages(model: nn.Module, stages: list[StagePlan]) -> None:
 class StageModule(nn.Module):
     """One pipeline stage: the rank's model run on this stage's slice.
 
-    Its children are exactly the stage's modules (shared with the model), so ``parameters()`` is the stage's —
-    zero-bubble schedules compute weight gradients from it — while the model itself is held without being
-    registered, and does the forward.
+    Its children are exactly the stage's modules (shared with the model), so ``parameters()`` is the
+    stage's — zero-bubble schedules compute weight gradients from it — while the model itself is
+    held without being registered, and does the forward.
     """
 
     def __init__(self, model: nn.Module, plan: StagePlan):
@@ -152,17 +180,24 @@ class StageModule(nn.Module):
             self.norm, self.output = model.norm, model.output
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        # position_ids: a kwarg of the schedule's step, split into microbatches and given to every stage
-        return self._model(x, self.plan.layer_ids, embed=self.plan.is_first, head=self.plan.is_last,
-                           position_ids=position_ids)
+        # position_ids: a kwarg of the schedule's step, split into microbatches and given to every
+        # stage
+        return self._model(
+            x,
+            self.plan.layer_ids,
+            embed=self.plan.is_first,
+            head=self.plan.is_last,
+            position_ids=position_ids,
+        )
 
 
 class _Stage(PipelineStage):
     """A PipelineStage whose shape inference leaves no trace in the model's routing statistics.
 
-    torch (2.13) infers the shapes a stage sends by running it once on the first microbatch or on placeholder
-    tensors, with gradients enabled, before the schedule's first step and again after switching between training
-    and evaluation; mixture-of-experts layers would count that routing as training (``models.moe``).
+    torch (2.13) infers the shapes a stage sends by running it once on the first microbatch or on
+    placeholder tensors, with gradients enabled, before the schedule's first step and again after
+    switching between training and evaluation; mixture-of-experts layers would count that routing as
+    training (``models.moe``).
     """
 
     def _forward_metadata_inference(self, *args, **kwargs):
@@ -172,10 +207,11 @@ class _Stage(PipelineStage):
 
 @dataclass(frozen=True)
 class StageBoundary:
-    """What one micro-batch carries between stages, known from the config before any stage runs: ``rows`` of
-    ``tokens`` each (this rank's share of the sequence under context parallel; sequence parallel leaves a later
-    stage ``1/sequence_shards`` of them), the residual stream ``dim`` wide in ``dtype``; the last stage's logits hold
-    ``vocab`` columns (this rank's share under TP) in ``logits_dtype``."""
+    """What one micro-batch carries between stages, known from the config before any stage runs:
+    ``rows`` of ``tokens`` each (this rank's share of the sequence under context parallel; sequence
+    parallel leaves a later stage ``1/sequence_shards`` of them), the residual stream ``dim`` wide
+    in ``dtype``; the last stage's logits hold ``vocab`` columns (this rank's share under TP) in
+    ``logits_dtype``."""
 
     rows: int
     tokens: int
@@ -186,36 +222,55 @@ class StageBoundary:
     logits_dtype: torch.dtype
 
     def stage_args(self, plan: StagePlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """A stage's example input and output (meta tensors: shapes, dtypes and whether a gradient flows back, which
-        is what torch derives the gradients' buffers from)."""
-        hidden = torch.empty(self.rows, self.tokens // self.sequence_shards, self.dim, dtype=self.dtype, device="meta",
-                             requires_grad=True)
+        """A stage's example input and output (meta tensors: shapes, dtypes and whether a gradient
+        flows back, which is what torch derives the gradients' buffers from)."""
+        hidden = torch.empty(
+            self.rows,
+            self.tokens // self.sequence_shards,
+            self.dim,
+            dtype=self.dtype,
+            device="meta",
+            requires_grad=True,
+        )
         tokens = torch.empty(self.rows, self.tokens, dtype=torch.long, device="meta")
-        logits = torch.empty(self.rows, self.tokens, self.vocab, dtype=self.logits_dtype, device="meta",
-                             requires_grad=True)
+        logits = torch.empty(
+            self.rows,
+            self.tokens,
+            self.vocab,
+            dtype=self.logits_dtype,
+            device="meta",
+            requires_grad=True,
+        )
         return (tokens if plan.is_first else hidden), (logits if plan.is_last else hidden)
 
 
-def stage_boundary(cfg, mesh, microbatches: int) -> StageBoundary:
+def stage_boundary(cfg: TrainConfig, mesh, microbatches: int) -> StageBoundary:
     """``StageBoundary`` of a TrainConfig's pipeline on ``mesh`` at ``microbatches`` a step."""
     t, p, layout = cfg.train, cfg.parallel, mesh.layout
     compute = DTYPES[cfg.precision.param_dtype]
-    # FSDP's mixed precision casts each stage's input to the compute dtype; autocast (no FSDP) keeps the residual
-    # stream in the parameters' fp32, casting only inside matmuls (parallelize chooses between them so)
+    # FSDP's mixed precision casts each stage's input to the compute dtype; autocast (no FSDP) keeps
+    # the residual stream in the parameters' fp32, casting only inside matmuls (parallelize chooses
+    # between them so)
     fsdp = runs_fsdp(mesh, p)
-    return StageBoundary(rows=t.global_batch_size // (layout.dp * microbatches), tokens=t.seq_len // layout.cp,
-                         sequence_shards=layout.tp if p.sequence_parallel else 1, dim=cfg.model.dim,
-                         vocab=math.ceil(cfg.model.vocab_size / layout.tp), dtype=compute if fsdp else torch.float32,
-                         logits_dtype=compute)
+    return StageBoundary(
+        rows=t.global_batch_size // (layout.dp * microbatches),
+        tokens=t.seq_len // layout.cp,
+        sequence_shards=layout.tp if p.sequence_parallel else 1,
+        dim=cfg.model.dim,
+        vocab=math.ceil(cfg.model.vocab_size / layout.tp),
+        dtype=compute if fsdp else torch.float32,
+        logits_dtype=compute,
+    )
 
 
 class _StaticStage(_Stage):
     """A stage built with its boundary's shapes (``StageBoundary``), as every stage of the run is.
 
-    torch (2.13) first runs a vote down the pipeline and back, a message per stage, on whether any stage must have
-    its shapes exchanged at the first step; with every stage's given, the answer is known to be no and the vote is
-    not run. Under a fake process group (plan.measure) it could not be: each receive reads zeros, a vote for the
-    exchange, which then has no other stage to answer. (A torch without the vote builds these stages static as given.)
+    torch (2.13) first runs a vote down the pipeline and back, a message per stage, on whether any
+    stage must have its shapes exchanged at the first step; with every stage's given, the answer is
+    known to be no and the vote is not run. Under a fake process group (plan.measure) it could not
+    be: each receive reads zeros, a vote for the exchange, which then has no other stage to answer.
+    (A torch without the vote builds these stages static as given.)
     """
 
     def _warmup_forward_vote(self, has_backward: bool, received_acc=None) -> torch.Tensor:
@@ -226,31 +281,60 @@ class _StaticStage(_Stage):
 
 
 def _check_sent(stage: StageModule, args, output: torch.Tensor, expected: torch.Tensor) -> None:
-    """What a stage built with its boundary's shapes sends is what it said it would (the next stage receives into
-    buffers of that shape): a wrong boundary fails the step instead of skewing the receiving stage's memory."""
+    """What a stage built with its boundary's shapes sends is what it said it would (the next stage
+    receives into buffers of that shape): a wrong boundary fails the step instead of skewing the
+    receiving stage's memory."""
     if (output.shape, output.dtype) != (expected.shape, expected.dtype):
-        raise RuntimeError(f"pipeline stage {stage.plan.index} sends {tuple(output.shape)} {output.dtype}, but its "
-                           f"boundary says {tuple(expected.shape)} {expected.dtype} (pipeline.stage_boundary)")
+        raise RuntimeError(
+            f"pipeline stage {stage.plan.index} sends {tuple(output.shape)} {output.dtype}, but "
+            "its "
+            f"boundary says {tuple(expected.shape)} {expected.dtype} (pipeline.stage_boundary)"
+        )
 
 
-def build_schedule(stages: list[StageModule], schedule: str, microbatches: int, pp_group, device: torch.device,
-                   loss_fn, boundary: StageBoundary | None = None):
-    """torch's ``schedule`` over this rank's ``stages``; with ``boundary``, the stages know what they send and
-    receive from the start (no exchange of shapes at the first step)."""
+def build_schedule(
+    stages: list[StageModule],
+    schedule: str,
+    microbatches: int,
+    pp_group,
+    device: torch.device,
+    loss_fn,
+    boundary: StageBoundary | None = None,
+):
+    """torch's ``schedule`` over this rank's ``stages``; with ``boundary``, the stages know what
+    they send and receive from the start (no exchange of shapes at the first step)."""
     if boundary is not None:
         pipeline_stages = []
         for stage in stages:
             inputs, outputs = boundary.stage_args(stage.plan)
             if not stage.plan.is_last:
                 stage.register_forward_hook(partial(_check_sent, expected=outputs))
-            pipeline_stages.append(_StaticStage(stage, stage.plan.index, stage.plan.num_stages, device, inputs,
-                                                outputs, group=pp_group))
+            pipeline_stages.append(
+                _StaticStage(
+                    stage,
+                    stage.plan.index,
+                    stage.plan.num_stages,
+                    device,
+                    inputs,
+                    outputs,
+                    group=pp_group,
+                )
+            )
     else:
-        stage_class = _Stage if hasattr(PipelineStage, "_forward_metadata_inference") else PipelineStage
-        pipeline_stages = [stage_class(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
-                           for stage in stages]
+        stage_class = (
+            _Stage if hasattr(PipelineStage, "_forward_metadata_inference") else PipelineStage
+        )
+        pipeline_stages = [
+            stage_class(stage, stage.plan.index, stage.plan.num_stages, device, group=pp_group)
+            for stage in stages
+        ]
     schedule_class = get_schedule_class(SCHEDULES[schedule])
-    # The loss is already divided by the global token count: gradients are summed over microbatches, not averaged.
+    # The loss is already divided by the global token count: gradients are summed over microbatches,
+    # not averaged.
     if issubclass(schedule_class, PipelineScheduleSingle):
-        return schedule_class(pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    return schedule_class(pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        return schedule_class(
+            pipeline_stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+        )
+    return schedule_class(
+        pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
+    )
