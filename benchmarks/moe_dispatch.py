@@ -50,9 +50,8 @@ def _worker(rank: int, ep: int, args, store: str, out: dict) -> None:
         sent["rows"] += sum(n for i, n in enumerate(input_split_sizes) if i != me)
         return exchange(tensor, output_split_sizes, input_split_sizes, group)
 
-    funcol.all_to_all_single_autograd = (
-        counting  # the layer's dispatch and combine both go through it
-    )
+    # the layer's dispatch and combine both go through it
+    funcol.all_to_all_single_autograd = counting
     cfg = SimpleNamespace(
         experts=args.experts,
         top_k=args.top_k,

@@ -246,9 +246,8 @@ def compiled_jobs(
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.config.error_on_recompile = (
-        True  # a graph compiled again at a later step fails the run
-    )
+    # a graph compiled again at a later step fails the run
+    torch._dynamo.config.error_on_recompile = True
     _train_jobs(rank, nproc, jobs, ports, False)
     Path(report, f"rank{rank}.json").write_text(
         json.dumps(

@@ -14,9 +14,8 @@ from composer3d.config.checks import validate
 from composer3d.config.registration import register_configs
 from composer3d.errors import ConfigError
 
-HANG_GUARD_S = (
-    60  # a bad config fails in seconds (mostly torch's import); a minute means something waits
-)
+# a bad config fails in seconds (mostly torch's import); a minute means something waits
+HANG_GUARD_S = 60
 PREFIX = "composer3d: invalid configuration: "
 
 # (id, nproc, overrides, text the output must contain: the offending key first, then any further

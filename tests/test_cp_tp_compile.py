@@ -199,9 +199,8 @@ def _compiled_cp_against_full_attention(rank: int, world: int, out: str) -> None
     from composer3d.models.init import materialize
     from composer3d.parallel.context.context_parallel import STYLES, ContextParallel
 
-    torch._dynamo.config.error_on_recompile = (
-        True  # a batch that compiled a graph again would fail here
-    )
+    # a batch that compiled a graph again would fail here
+    torch._dynamo.config.error_on_recompile = True
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
     cfg, tokens, weights = _tiny_model_and_batch()
     results = {}

@@ -74,9 +74,8 @@ class Checkpointer:
         self.trainer = trainer
         self.config_dict = config_dict
         self.rank = dist.get_rank()
-        self.pending: tuple | None = (
-            None  # (future, partial dir, final dir) of an async save in flight
-        )
+        # (future, partial dir, final dir) of an async save in flight
+        self.pending: tuple | None = None
         self.unreadable: set[Path] = (
             set()
         )  # checkpoints whose load failed here: never kept, never chosen

@@ -150,9 +150,8 @@ def _evaluate_in_group(
         load_model_weights(trainer.model, Path(resume))
     if windows is not None:
         return trainer.evaluate(windows)
-    from composer3d.evaluation.harness import (
-        run_tasks,  # lm-eval: the eval extra, imported only when asked for
-    )
+    # lm-eval: the eval extra, imported only when asked for
+    from composer3d.evaluation.harness import run_tasks
 
     return run_tasks(trainer, build_tokenizer(cfg.data, cfg.model), cfg.eval, cfg.train.seq_len)
 

@@ -16,58 +16,47 @@ class ClusterConfig:
     gpus_per_node: int = 8  # devices per machine (composer3d-train: launch.nproc_per_node)
     # h100 | h200 | b200 | a100 | mi300x | l40s | cpu: memory, peak FLOP/s, link bandwidths
     device: str = "h100"
-    memory_gib: float | None = (
-        None  # usable memory per device; None: the table's (cpu: host memory / gpus_per_node)
-    )
-    peak_tflops: float | None = (
-        None  # dense peak for the compute dtype; None: composer3d.training.flops' table
-    )
-    intra_node_gbps: float | None = (
-        None  # GB/s per device within a node (NVLink...); None: the table's
-    )
-    inter_node_gbps: float | None = (
-        None  # GB/s per device across nodes (its network share); None: the table's
-    )
-    achievable_fraction: float = (
-        0.8  # of the dense peak FLOP/s that large GEMMs reach (the rest: plan/kernels.py)
-    )
+    # usable memory per device; None: the table's (cpu: host memory / gpus_per_node)
+    memory_gib: float | None = None
+    # dense peak for the compute dtype; None: composer3d.training.flops' table
+    peak_tflops: float | None = None
+    # GB/s per device within a node (NVLink...); None: the table's
+    intra_node_gbps: float | None = None
+    # GB/s per device across nodes (its network share); None: the table's
+    inter_node_gbps: float | None = None
+    # of the dense peak FLOP/s that large GEMMs reach (the rest: plan/kernels.py)
+    achievable_fraction: float = 0.8
     # the memory options' host side: GB/s per device to and from host memory (all devices copying at
     # once), the fp32 parameter GB/s the host's AdamW updates per device (parallel.offload), host
     # memory per node; None: the table's
     host_link_gbps: float | None = None
     host_optimizer_gbps: float | None = None
     host_memory_gib: float | None = None
-    disk_gbps: float | None = (
-        None  # GB/s per device to and from parallel.offload_dir's files; None: 5
-    )
-    hbm_gbps: float | None = (
-        None  # GB/s the device's memory gives its elementwise kernels; None: the table's
-    )
+    # GB/s per device to and from parallel.offload_dir's files; None: 5
+    disk_gbps: float | None = None
+    # GB/s the device's memory gives its elementwise kernels; None: the table's
+    hbm_gbps: float | None = None
 
 
 @dataclass
 class PlanConfig:
-    format: str = (
-        "table"  # composer3d-plan: table (human) | json (one JSON object per layout, a line each)
-    )
+    # composer3d-plan: table (human) | json (one JSON object per layout, a line each)
+    format: str = "table"
     top: int = 10  # composer3d-plan without a layout: how many of the ranked layouts to print
     # composer3d-plan: for the config's layout (parallel.*, default FSDP over every device), the
     # longest sequence each combination of memory options trains and the largest model (layers at
     # model.dim) each offload holds
     what_fits: bool = False
-    memory_headroom: float = (
-        0.9  # a layout fits when its predicted peak is at most this share of the memory
-    )
+    # a layout fits when its predicted peak is at most this share of the memory
+    memory_headroom: float = 0.9
     # composer3d-plan with a layout (parallel.*): run one of its ranks here (launch.device) with a
     # fake process group (no other rank, no communication) and print its peak memory and step
     # compute time beside the prediction
     measure: bool = False
-    measure_rank: int = (
-        0  # plan.measure: which rank of the cluster.nodes × cluster.gpus_per_node to run
-    )
-    measure_steps: int = (
-        3  # plan.measure: timed steps (after one warm-up step and one tracked for memory)
-    )
+    # plan.measure: which rank of the cluster.nodes × cluster.gpus_per_node to run
+    measure_rank: int = 0
+    # plan.measure: timed steps (after one warm-up step and one tracked for memory)
+    measure_steps: int = 3
     # price overlaps other stacks publish and composer3d-train does not run (to compare with their
     # results): TP/SP collectives inside the GEMMs (async TP), pipeline sends behind compute,
     # ZeRO-1's gather during the forward

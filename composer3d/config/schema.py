@@ -24,19 +24,15 @@ class MoEConfig:
     # every layer dense
     experts: int = 0
     top_k: int = 2  # experts each token is routed to
-    shared_experts: int = (
-        0  # experts every token goes through as well (one SwiGLU of shared_experts × the width)
-    )
-    expert_hidden_dim: int | None = (
-        None  # each expert's SwiGLU width; None: the dense layers' width
-    )
-    dense_layers: int = (
-        0  # the first k layers keep a dense feed-forward (DeepSeek-V3 style); the rest are MoE
-    )
+    # experts every token goes through as well (one SwiGLU of shared_experts × the width)
+    shared_experts: int = 0
+    # each expert's SwiGLU width; None: the dense layers' width
+    expert_hidden_dim: int | None = None
+    # the first k layers keep a dense feed-forward (DeepSeek-V3 style); the rest are MoE
+    dense_layers: int = 0
     score_func: str = "softmax"  # softmax | sigmoid: the router's per-expert scores
-    normalize_top_k: bool = (
-        True  # the chosen experts' scores are divided by their sum (the mixing weights)
-    )
+    # the chosen experts' scores are divided by their sum (the mixing weights)
+    normalize_top_k: bool = True
     route_scale: float = 1.0  # multiplies the mixing weights
     # sequence-wise load-balancing loss (DeepSeek-V3's form, 1.0 when balanced) × this, added to the
     # training loss
@@ -60,23 +56,19 @@ class ModelConfig:
     # weights. The size fields below are then read from its config.json at launch (whatever the YAML
     # says).
     path: str | None = None
-    pretrained: bool = (
-        True  # hf: load the weights from path; false: train from scratch (HF's own init, seeded)
-    )
-    attn_implementation: str | None = (
-        None  # hf: sdpa | eager | ...; None: what transformers picks for the model
-    )
+    # hf: load the weights from path; false: train from scratch (HF's own init, seeded)
+    pretrained: bool = True
+    # hf: sdpa | eager | ...; None: what transformers picks for the model
+    attn_implementation: str | None = None
     dim: int = MISSING  # model width (hidden size)
     n_layers: int = MISSING  # decoder layers
     n_heads: int = MISSING  # attention (query) heads
     n_kv_heads: int | None = None  # None: same as n_heads (multi-head attention)
-    head_dim: int | None = (
-        None  # None: dim / n_heads (the native llama's only choice); model=hf reads its own
-    )
+    # None: dim / n_heads (the native llama's only choice); model=hf reads its own
+    head_dim: int | None = None
     vocab_size: int = MISSING  # embedding rows; at least the tokenizer's vocabulary
-    ffn_hidden_dim: int | None = (
-        None  # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
-    )
+    # None: Llama-3 rule from dim, multiple_of and ffn_dim_multiplier
+    ffn_hidden_dim: int | None = None
     multiple_of: int = 256  # the MLP width is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None  # scales the Llama-3 MLP width rule
     norm_eps: float = 1e-5  # RMSNorm epsilon
@@ -96,13 +88,11 @@ class DataConfig:
     # text_files: .txt (one document per file), .jsonl or .parquet (one document per row) files,
     # directories or globs; one kind per run
     paths: list[str] = field(default_factory=list)
-    format: str = (
-        "text"  # text: documents | chat: conversations, trained on the assistant replies only (SFT)
-    )
+    # text: documents | chat: conversations, trained on the assistant replies only (SFT)
+    format: str = "text"
     text_field: str = "text"  # format=text, .jsonl/.parquet: the field holding the document text
-    messages_field: str = (
-        "messages"  # format=chat: the field holding the list of {role, content} messages
-    )
+    # format=chat: the field holding the list of {role, content} messages
+    messages_field: str = "messages"
     # local directory of a Hugging Face tokenizer; None = model=hf's own (model.path), else
     # byte-level
     tokenizer: str | None = None
@@ -127,9 +117,8 @@ class DataConfig:
 
 @dataclass
 class ParallelConfig:
-    dp_replicate: int = (
-        1  # data-parallel replicas (HSDP's outer dimension: parameters replicated across them)
-    )
+    # data-parallel replicas (HSDP's outer dimension: parameters replicated across them)
+    dp_replicate: int = 1
     dp_shard: int = -1  # -1: whatever the world size leaves after the other degrees
     tp: int = 1  # tensor parallel degree (Megatron column/row splits of each layer)
     pp: int = 1  # pipeline parallel degree (stages of consecutive layers)
@@ -148,9 +137,8 @@ class ParallelConfig:
     # layer and exchanges tokens with all-to-all; experts are FSDP-sharded over the dp_shard ranks
     # that remain
     ep: int = 1
-    sequence_parallel: bool = (
-        False  # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
-    )
+    # with tp>1: norms and residuals on 1/tp of the sequence (less activation memory)
+    sequence_parallel: bool = False
     # 3: FSDP shards params, grads, optimizer state | 2: params stay gathered | 1: only optimizer
     # state
     zero_stage: int = 3
@@ -172,9 +160,8 @@ class ParallelConfig:
     # gpipe | 1f1b | interleaved_1f1b | looped_bfs | interleaved_zero_bubble | zbv | dualpipev
     pp_schedule: str = "1f1b"
     pp_microbatches: int | None = None  # None: global_batch_size / (micro_batch_size × dp)
-    pp_stages_per_rank: int | None = (
-        None  # None: 1, or 2 for interleaved / looped / V-shaped schedules
-    )
+    # None: 1, or 2 for interleaved / looped / V-shaped schedules
+    pp_stages_per_rank: int | None = None
     # parallel=auto: composer3d-plan's model picks the layout (degrees, ZeRO stage, SP, schedule,
     # micro-batch size, activation checkpointing) for this world size and cluster.*; the choice and
     # why go to the log and run.json
@@ -183,9 +170,8 @@ class ParallelConfig:
 
 @dataclass
 class Float8Config:
-    enabled: bool = (
-        False  # float8 matmuls in the linear layers (torchao; accelerators with float8 support)
-    )
+    # float8 matmuls in the linear layers (torchao; accelerators with float8 support)
+    enabled: bool = False
     recipe: str = "tensorwise"  # tensorwise | rowwise (torchao)
 
 
@@ -195,9 +181,8 @@ class PrecisionConfig:
     # ZeRO-1 all-gather parameters in it (ZeRO-1 then keeps fp32 masters of its slices in the
     # optimizer; checkpoints hold fp32)
     param_dtype: str = "auto"
-    reduce_dtype: str = (
-        "float32"  # gradient reduction dtype (master weights and optimizer stay float32)
-    )
+    # gradient reduction dtype (master weights and optimizer stay float32)
+    reduce_dtype: str = "float32"
     # how compute reaches param_dtype where no data-parallel dim shards or replicates the parameters
     # (a world of one device; elsewhere FSDP casts and this key does nothing). params: a param_dtype
     # copy of every parameter made once a forward and kept through its backward, where its gradient
@@ -208,18 +193,16 @@ class PrecisionConfig:
     # float32 nothing is cast
     cast: str = "auto"
     loss_scale_init: float = 65536.0  # float16 only: dynamic loss scaling
-    loss_scale_growth_interval: int = (
-        2000  # float16: steps without overflow before the loss scale doubles
-    )
+    # float16: steps without overflow before the loss scale doubles
+    loss_scale_growth_interval: int = 2000
     float8: Float8Config = field(default_factory=Float8Config)
 
 
 @dataclass
 class MemoryConfig:
     activation_checkpointing: str = "none"  # none | full | selective
-    ac_every: int = (
-        0  # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
-    )
+    # selective: 0 = op-level policy in every block; k >= 1 = every k-th block fully
+    ac_every: int = 0
     # op-level selective (ac_every=0): what each block keeps. all_matmuls: every matmul's and
     # attention's output (recomputes norms, activations, RoPE) | alternate_matmuls: every other
     # matmul's and attention's (torchtitan's policy: less memory, one matmul in two recomputed)
@@ -260,18 +243,16 @@ class TrainLoopConfig:
     micro_batch_size: int = 4  # sequences per forward/backward on one data-parallel rank
     seq_len: int = 128  # tokens per training sequence
     seed: int = 0  # seeds initialization and the data order (both independent of the layout)
-    deterministic: bool = (
-        False  # torch's deterministic algorithms (bit-exact reruns; slower on accelerators)
-    )
+    # torch's deterministic algorithms (bit-exact reruns; slower on accelerators)
+    deterministic: bool = False
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     eval_every: int = 0  # evaluate on eval.path every N steps (and after the last); 0: never
     # a loss or gradient norm that is NaN/inf: stop (exit 3 naming the step, detected at the next
     # metrics read-back, which every checkpoint waits for, so no checkpoint holds that state) | skip
     # (check every step — one host sync — and drop that update)
     on_nonfinite: str = "stop"
-    max_skipped_steps: int = (
-        10  # updates dropped in a row (non-finite, or fp16 overflow) before the run stops
-    )
+    # updates dropped in a row (non-finite, or fp16 overflow) before the run stops
+    max_skipped_steps: int = 10
     # Python's garbage collector: off while training, one collection on every rank at every N-th
     # step boundary (an automatic one strikes mid-step on one rank, and the others wait on it at the
     # next collective); 0: Python's own
@@ -296,12 +277,10 @@ class EvalConfig:
     )  # directories of lm-eval task YAMLs of your own, for eval.tasks
     num_fewshot: int = -1  # eval.tasks: few-shot examples per prompt (-1: each task's own default)
     limit: int = 0  # eval.tasks: score at most this many documents per task (0: all)
-    bootstrap_iters: int = (
-        100000  # eval.tasks: resamples for the standard errors lm-eval bootstraps (0: none)
-    )
-    samples_path: str | None = (
-        None  # eval.tasks: write each document's requests and responses here (JSON lines)
-    )
+    # eval.tasks: resamples for the standard errors lm-eval bootstraps (0: none)
+    bootstrap_iters: int = 100000
+    # eval.tasks: write each document's requests and responses here (JSON lines)
+    samples_path: str | None = None
 
 
 @dataclass
@@ -311,12 +290,10 @@ class GenerateConfig:
         default_factory=list
     )  # more texts to continue, in one batch with prompt (each as alone)
     chat: bool = False  # send the prompt as a user message through the tokenizer's chat template
-    max_new_tokens: int = (
-        128  # tokens generated at most (prompt + these must fit model.max_seq_len)
-    )
-    temperature: float = (
-        0.0  # 0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)
-    )
+    # tokens generated at most (prompt + these must fit model.max_seq_len)
+    max_new_tokens: int = 128
+    # 0: greedy (the most likely token); > 0: sample from softmax(logits / temperature)
+    temperature: float = 0.0
     top_k: int = 0  # sampling: only from the top_k most likely tokens (0: no cut; 1: greedy)
     # sampling: only from the most likely tokens whose probabilities add up to top_p (nucleus)
     top_p: float = 1.0
@@ -339,9 +316,8 @@ class GenerateConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = (
-        "adamw"  # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state)
-    )
+    # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state)
+    name: str = "adamw"
     lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norms or biases)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # Adam's moment decay rates
@@ -367,20 +343,16 @@ class RunConfig:
 
 @dataclass
 class LoggingConfig:
-    log_every: int = (
-        1  # read metrics back from the device and log them every N steps (fewer host syncs)
-    )
-    wandb: bool = (
-        False  # log to Weights & Biases (run.name names the run; resumed runs continue it)
-    )
+    # read metrics back from the device and log them every N steps (fewer host syncs)
+    log_every: int = 1
+    # log to Weights & Biases (run.name names the run; resumed runs continue it)
+    wandb: bool = False
     wandb_project: str = "composer3d"  # the Weights & Biases project
     tensorboard: bool = False  # write TensorBoard events to <run.dir>/tensorboard
-    progress_bar: bool = (
-        True  # on a terminal; off one (SLURM logs, pipes) each logged step is one plain line
-    )
-    memory_breakdown: bool = (
-        False  # measure step 2's peak memory by category (activations, params, …) into run.json
-    )
+    # on a terminal; off one (SLURM logs, pipes) each logged step is one plain line
+    progress_bar: bool = True
+    # measure step 2's peak memory by category (activations, params, …) into run.json
+    memory_breakdown: bool = False
     # peak FLOP/s of one device in TFLOP/s, for MFU; None: from composer3d.training.flops' table by
     # device name (the CPU and unlisted devices get TFLOP/s only)
     peak_tflops: float | None = None
@@ -400,9 +372,8 @@ class CheckpointConfig:
     # directory>
     resume: str = "auto"
     model_only_final: bool = False  # the last checkpoint holds only the weights, in export_dtype
-    export_dtype: str = (
-        "bfloat16"  # dtype of exported Hugging Face weights (composer3d-convert export)
-    )
+    # dtype of exported Hugging Face weights (composer3d-convert export)
+    export_dtype: str = "bfloat16"
 
 
 @dataclass

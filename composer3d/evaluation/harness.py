@@ -44,9 +44,8 @@ from composer3d.training.scoring import layout_logits, target_scores
 log = logging.getLogger(__name__)
 
 SCORED_OUTPUT_TYPES = ("loglikelihood", "loglikelihood_rolling", "multiple_choice")
-DEFAULT_MAX_GEN_TOKS = (
-    256  # a generation task's new tokens when it names none (lm-eval's hf backend's default)
-)
+# a generation task's new tokens when it names none (lm-eval's hf backend's default)
+DEFAULT_MAX_GEN_TOKS = 256
 
 
 def task_manager(eval_cfg) -> TaskManager:

@@ -157,9 +157,8 @@ def resolve_device(
         and allocator_settings() is None
         and not torch.cuda.is_initialized()
     ):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
-            "expandable_segments:True"  # the name every torch we run reads
-        )
+        # the name every torch we run reads
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     torch.accelerator.set_device_index(local_rank)
     return torch.device(kind, local_rank)
 

@@ -75,9 +75,8 @@ _SHUTDOWN_TAKES_GRACE = (
 )
 _REPORTED = "composer3d"  # marks an error file written by report_to_launcher
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-ORPHAN_POLL_S = (
-    0.5  # how often a worker without the parent-death signal checks that its launcher lives
-)
+# how often a worker without the parent-death signal checks that its launcher lives
+ORPHAN_POLL_S = 0.5
 _held: list[IO] = []  # run-directory locks of this process
 
 log = logging.getLogger("composer3d.launcher")
@@ -261,9 +260,8 @@ class _Agent(LocalElasticAgent):
             rank, failure = self.first_failure(result)
             self._peer_failed = failure.exitcode not in STOPPED  # stopped workers are saving
             if failure.exitcode in NOT_RETRIED:
-                self._remaining_restarts = (
-                    0  # as elastic itself does for a worker it cannot recover
-                )
+                # as elastic itself does for a worker it cannot recover
+                self._remaining_restarts = 0
             elif self._remaining_restarts > 0:
                 spec = worker_group.spec
                 log.warning(

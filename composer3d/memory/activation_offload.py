@@ -35,9 +35,8 @@ import torch.nn as nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-MIN_OFFLOAD_BYTES = (
-    1024  # smaller saved tensors (norm statistics of a short sequence) stay on the device
-)
+# smaller saved tensors (norm statistics of a short sequence) stay on the device
+MIN_OFFLOAD_BYTES = 1024
 
 
 @dataclass
@@ -125,9 +124,8 @@ class _Group:
     def __init__(self, previous: _Group | None, model: nn.Module, block: nn.Module):
         self.previous = weakref.ref(previous) if previous is not None else None
         self.model, self.block = model, block
-        self.not_offloaded: set[int] | None = (
-            None  # storages of parameters and buffers, read at the first pack
-        )
+        # storages of parameters and buffers, read at the first pack
+        self.not_offloaded: set[int] | None = None
         self.saved: list[weakref.ref] = []
         self.by_id: dict[
             int, tuple[torch.Tensor, _Saved]

@@ -148,16 +148,14 @@ class MoE(nn.Module):
         self.register_buffer("routed_tokens", torch.zeros(self.n_experts), persistent=False)
         self.register_buffer("aux_loss_sum", torch.zeros(()), persistent=False)
         self.aux_grad_scale = 0.0  # set each step by the trainer (``ExpertLoad.before_step``)
-        self.recording = (
-            True  # off while a pipeline stage infers its shapes (``routing_unrecorded``)
-        )
+        # off while a pipeline stage infers its shapes (``routing_unrecorded``)
+        self.recording = True
         # Set by ``parallel.experts`` under tensor / expert parallel.
         self.tp_mesh: DeviceMesh | None = None
         self.sequence_parallel = False
         self.ep_group: dist.ProcessGroup | None = None
-        self.cp_group: dist.ProcessGroup | None = (
-            None  # under context parallel: the ranks holding the same sequences
-        )
+        # under context parallel: the ranks holding the same sequences
+        self.cp_group: dist.ProcessGroup | None = None
 
     def init_buffers(self) -> None:
         for buffer in (self.expert_bias, self.routed_tokens, self.aux_loss_sum):

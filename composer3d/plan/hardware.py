@@ -78,9 +78,8 @@ HOST_OPTIMIZER_BW = 5 * GB
 # parallel.offload_dir: one PCIe Gen4 NVMe drive per GPU reads ~7 GB/s and writes ~5 GB/s
 # sequentially
 DISK_BW = 5 * GB
-CPU_PEAK_FLOPS = (
-    1e11  # nominal: one core's fp32 matmul rate, for ranking only (MFU is not reported on the CPU)
-)
+# nominal: one core's fp32 matmul rate, for ranking only (MFU is not reported on the CPU)
+CPU_PEAK_FLOPS = 1e11
 
 
 @dataclass(frozen=True)
@@ -92,19 +91,15 @@ class Cluster:
     peak_flops: float  # dense, for the compute dtype
     intra_node_bw: float
     inter_node_bw: float
-    achievable_fraction: (
-        float  # of peak that large GEMMs reach (the other kernels: plan/kernels.py)
-    )
-    compute_bytes: (
-        int  # bytes per element of the compute dtype (bf16 on accelerators, fp32 on the CPU)
-    )
+    # of peak that large GEMMs reach (the other kernels: plan/kernels.py)
+    achievable_fraction: float
+    # bytes per element of the compute dtype (bf16 on accelerators, fp32 on the CPU)
+    compute_bytes: int
     host_link_bw: float = float("inf")  # bytes/s per GPU between its memory and the host's
-    host_optimizer_bw: float = (
-        HOST_OPTIMIZER_BW  # fp32 parameter bytes/s the host's AdamW updates per GPU
-    )
-    host_memory_bytes: float = (
-        0.0  # per node; 0: the host is the device (the CPU), nothing to check apart
-    )
+    # fp32 parameter bytes/s the host's AdamW updates per GPU
+    host_optimizer_bw: float = HOST_OPTIMIZER_BW
+    # per node; 0: the host is the device (the CPU), nothing to check apart
+    host_memory_bytes: float = 0.0
     disk_bw: float = DISK_BW  # bytes/s per GPU to and from parallel.offload_dir's files
     hbm_bw: float = 3000 * GB  # bytes/s between the device's memory and its cores
 

@@ -39,25 +39,21 @@ class Candidate:
     pp_schedule: str
     stages_per_rank: int
     micro_batch_size: int
-    microbatches: (
-        int  # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
-    )
+    # per optimizer step on one data-parallel rank (gradient accumulation / pipeline)
+    microbatches: int
     activation_checkpointing: str
     ac_every: int = 0
     ac_policy: str = "all_matmuls"  # memory.ac_policy: what op-level selective checkpointing saves
-    ac_save_gathers: bool = (
-        False  # memory.ac_save_gathers: op-level selective keeps the all-gathers' outputs
-    )
+    # memory.ac_save_gathers: op-level selective keeps the all-gathers' outputs
+    ac_save_gathers: bool = False
     offload: str = "none"
-    offload_dir: bool = (
-        False  # offload=optimizer's masters and moments in files (parallel.offload_dir)
-    )
+    # offload=optimizer's masters and moments in files (parallel.offload_dir)
+    offload_dir: bool = False
     activation_offload: bool = False
     reshard_after_forward: str = "default"
     cp_style: str = "ring"  # parallel.cp_style, under cp > 1
-    tile_mlp: int = (
-        0  # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
-    )
+    # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
+    tile_mlp: int = 0
     tile_loss: int = 0
 
     @property

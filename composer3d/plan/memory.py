@@ -49,9 +49,8 @@ class Memory:
     comm_buffers: float
     host: float  # offloaded model state (in host memory, not the GPU's)
     grads_at_peak: bool = True
-    host_activations: float = (
-        0.0  # activation offload: the saved tensors of the blocks not on the device
-    )
+    # activation offload: the saved tensors of the blocks not on the device
+    host_activations: float = 0.0
     disk: float = 0.0  # offload=optimizer with offload_dir: the masters and moments in files
 
     @property

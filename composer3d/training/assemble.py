@@ -33,12 +33,10 @@ class ParallelModel:
         ContextParallel | None
     )  # the cp group's attention (None: cp = 1), as ``parallelize`` returned it
     num_params: int  # of the whole model, before any split
-    trainable_params: (
-        int  # of those, what the optimizer updates (``peft``: the adapters and modules_to_save)
-    )
-    active_params: (
-        int  # that one token goes through (mixture of experts: only top_k routed experts a layer)
-    )
+    # of those, what the optimizer updates (``peft``: the adapters and modules_to_save)
+    trainable_params: int
+    # that one token goes through (mixture of experts: only top_k routed experts a layer)
+    active_params: int
     flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
 
 

@@ -105,9 +105,8 @@ class CompiledAdamW(torch.optim.AdamW):
         # a float learning rate would be a constant of the graph (a recompile each time the schedule
         # moves it)
         self._lrs: dict[int, torch.Tensor] = {}
-        self._compiled_for: tuple | None = (
-            None  # which parameters had gradients when the chunks were made
-        )
+        # which parameters had gradients when the chunks were made
+        self._compiled_for: tuple | None = None
         self._chunks: list[
             list[tuple[int, list[torch.Tensor]]]
         ] = []  # per chunk: (group index, its parameters)

@@ -139,9 +139,8 @@ class Trainer:
         )
         self.eval_windows = eval_windows
         self.evaluating = False  # the loss function then returns plain summed losses (see evaluate)
-        self.global_tokens = (
-            1.0  # trained targets in the current global batch (a host number: no sync)
-        )
+        # trained targets in the current global batch (a host number: no sync)
+        self.global_tokens = 1.0
         self.memory_tracker = None  # set while logging.memory_breakdown measures a step
         self.scaler = None
         if (
@@ -174,12 +173,10 @@ class Trainer:
         self.step = 0
         # recorded in run.json as they are (composer3d-train's parallel=auto choice)
         self.run_info_extra: dict = {}
-        self.nonfinite_skipped_steps = (
-            0  # updates dropped for non-finite gradients (train.on_nonfinite=skip)
-        )
-        self.dropped_in_a_row = (
-            0  # consecutive updates dropped, for any reason (train.max_skipped_steps)
-        )
+        # updates dropped for non-finite gradients (train.on_nonfinite=skip)
+        self.nonfinite_skipped_steps = 0
+        # consecutive updates dropped, for any reason (train.max_skipped_steps)
+        self.dropped_in_a_row = 0
         # The hyperparameters this run asks for: a checkpoint restores its own, and the config's win
         # (see resume).
         self.optimizer_settings = configured_settings(self.optimizer)

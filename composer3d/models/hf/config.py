@@ -10,9 +10,8 @@ import os
 from composer3d.errors import ConfigError
 
 REPLICA_VOCAB = 256
-REPLICA_WINDOW = (
-    16  # a sliding window shorter than the check's tokens, so that windowed attention is exercised
-)
+# a sliding window shorter than the check's tokens, so that windowed attention is exercised
+REPLICA_WINDOW = 16
 
 
 def resolve_model_dir(path: str | None) -> str:

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from composer3d.models.hf.config import load_hf_config, tiny_replica
 from composer3d.models.moe import grouped_mm_fits, local, mix_routed, per_expert, recorded_forward
 
-EXPERT_PARALLEL = (
-    "composer3d_expert_parallel"  # the name this forward is registered under in transformers
-)
+# the name this forward is registered under in transformers
+EXPERT_PARALLEL = "composer3d_expert_parallel"
 
 # What transformers' ``use_experts_implementation`` sets on every experts module it decorates, in
 # each version the pins allow (5.17 sets only these; 5.24 adds ``_is_expert_parallel``,
@@ -102,9 +101,8 @@ def count_routing(modules: list[nn.Module], device: torch.device) -> None:
         module.register_buffer(
             "routed_tokens", torch.zeros(module.num_experts, device=device), persistent=False
         )
-        module.recording = (
-            True  # off while a pipeline stage infers its shapes (``moe.routing_unrecorded``)
-        )
+        # off while a pipeline stage infers its shapes (``moe.routing_unrecorded``)
+        module.recording = True
         module.register_forward_pre_hook(_count_routed_tokens, with_kwargs=True)
 
 

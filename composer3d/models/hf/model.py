@@ -118,12 +118,10 @@ class HFCausalLM(nn.Module):
         self.model.layers = nn.ModuleDict(
             {str(i): layer for i, layer in enumerate(self.model.layers)}
         )
-        self.sequence_shards = (
-            1  # the residual stream is split over this many ranks (set by sequence parallel)
-        )
-        self.context_parallel = (
-            None  # this rank's share of each sequence under context parallel (parallel.context)
-        )
+        # the residual stream is split over this many ranks (set by sequence parallel)
+        self.sequence_shards = 1
+        # this rank's share of each sequence under context parallel (parallel.context)
+        self.context_parallel = None
         self.tie_weights()
         self.full_shapes = {name: tuple(p.shape) for name, p in self.named_parameters()}
         # Each parameter's owner, copied while still whole and on meta: its init runs on that copy

@@ -41,9 +41,8 @@ class RouterLoss:
         self.coef = causal.config.router_aux_loss_coef
         self.grad_scale = 0.0  # set every step by the trainer (``ExpertLoad.before_step``)
         self.logits: list[torch.Tensor] = []
-        self.total: torch.Tensor | None = (
-            None  # the micro-batches' losses summed since the last read
-        )
+        # the micro-batches' losses summed since the last read
+        self.total: torch.Tensor | None = None
 
     def install(self, model: nn.Module) -> None:
         for module in model.modules():

@@ -63,9 +63,8 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return F.pad((position_ids[:, 1:] != position_ids[:, :-1] + 1).cumsum(-1), (1, 0))
 
 
-FLEX_MIN_HEAD_DIM = (
-    16  # inductor's flex-attention kernels refuse smaller heads ("NYI: embedding dimension ...")
-)
+# inductor's flex-attention kernels refuse smaller heads ("NYI: embedding dimension ...")
+FLEX_MIN_HEAD_DIM = 16
 
 
 @functools.cache

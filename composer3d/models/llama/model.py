@@ -120,12 +120,10 @@ class Llama(nn.Module):
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.context_parallel = (
-            None  # this rank's share of each sequence under context parallel (parallel.context)
-        )
-        self.sequence_shards = (
-            1  # the residual stream is split over this many ranks (set by sequence parallel)
-        )
+        # this rank's share of each sequence under context parallel (parallel.context)
+        self.context_parallel = None
+        # the residual stream is split over this many ranks (set by sequence parallel)
+        self.sequence_shards = 1
 
     def tie_weights(self) -> None:
         """Share the head with the embedding; re-run after tensor parallel replaced them (both shard

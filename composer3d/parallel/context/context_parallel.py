@@ -59,9 +59,8 @@ class ContextParallel:
             raise ValueError(f"context parallel balance {balance!r}: one of {BALANCES}")
         self.group, self.style, self.balance = cp_mesh.get_group(), style, balance
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
-        self.placed: Placement | None = (
-            None  # the current batch's (``place``); head-tail until one is placed
-        )
+        # the current batch's (``place``); head-tail until one is placed
+        self.placed: Placement | None = None
 
     def place(self, position_ids: torch.Tensor | None, seq_len: int) -> None:
         """Set the placement of the batch about to be sharded, from its whole rows' ``position_ids``

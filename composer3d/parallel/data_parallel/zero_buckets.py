@@ -43,12 +43,10 @@ class Bucket:
     members: list[int]  # indices of its parameters
     offsets: list[int]  # where each starts in the bucket
     length: int  # elements, padded to a multiple of the ranks
-    buffer: torch.Tensor | None = (
-        None  # fp32 (the parameters' dtype): gradients, then gathered parameters
-    )
-    reduced: torch.Tensor | None = (
-        None  # this rank's slice, summed over the ranks, in the parameters' dtype
-    )
+    # fp32 (the parameters' dtype): gradients, then gathered parameters
+    buffer: torch.Tensor | None = None
+    # this rank's slice, summed over the ranks, in the parameters' dtype
+    reduced: torch.Tensor | None = None
     waiting: int = 0  # members whose gradient is not complete yet this step
     work: list = field(
         default_factory=list
