@@ -76,9 +76,8 @@ class ModelConfig:
     max_seq_len: int = 8192  # longest sequence the rotary tables cover
     tie_embeddings: bool = False  # the output head shares the embedding matrix
     init_std: float = 0.02  # std of the normal init of the native model's weights
-    moe: MoEConfig = field(
-        default_factory=MoEConfig
-    )  # native llama: mixture-of-experts layers (experts > 0)
+    # native llama: mixture-of-experts layers (experts > 0)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
 
 @dataclass
@@ -269,12 +268,10 @@ class EvalConfig:
     # UTF-8 text file: loss/perplexity over its train.seq_len-token windows (composer3d-eval)
     path: str | None = None
     max_windows: int = 0  # evaluate at most this many windows (0: all)
-    tasks: list[str] = field(
-        default_factory=list
-    )  # lm-evaluation-harness tasks/groups to score instead (lm-eval)
-    task_paths: list[str] = field(
-        default_factory=list
-    )  # directories of lm-eval task YAMLs of your own, for eval.tasks
+    # lm-evaluation-harness tasks/groups to score instead (lm-eval)
+    tasks: list[str] = field(default_factory=list)
+    # directories of lm-eval task YAMLs of your own, for eval.tasks
+    task_paths: list[str] = field(default_factory=list)
     num_fewshot: int = -1  # eval.tasks: few-shot examples per prompt (-1: each task's own default)
     limit: int = 0  # eval.tasks: score at most this many documents per task (0: all)
     # eval.tasks: resamples for the standard errors lm-eval bootstraps (0: none)
@@ -286,9 +283,8 @@ class EvalConfig:
 @dataclass
 class GenerateConfig:
     prompt: str = ""  # composer3d-generate: the text to continue
-    prompts: list[str] = field(
-        default_factory=list
-    )  # more texts to continue, in one batch with prompt (each as alone)
+    # more texts to continue, in one batch with prompt (each as alone)
+    prompts: list[str] = field(default_factory=list)
     chat: bool = False  # send the prompt as a user message through the tokenizer's chat template
     # tokens generated at most (prompt + these must fit model.max_seq_len)
     max_new_tokens: int = 128
@@ -299,9 +295,8 @@ class GenerateConfig:
     top_p: float = 1.0
     seed: int = 0  # seeds the sampling (the same seed and weights give the same text)
     stop_at_eos: bool = True  # stop at the tokenizer's end-of-sequence token
-    stop: list[str] = field(
-        default_factory=list
-    )  # stop strings: a completion ends before the first one it holds
+    # stop strings: a completion ends before the first one it holds
+    stop: list[str] = field(default_factory=list)
     # KV cache: static (preallocated, written in place) | dynamic (Hugging Face models:
     # transformers' DynamicCache)
     # | none (recompute the whole sequence every token: slow, exact for any attention)
