@@ -50,7 +50,7 @@ ATOL = 1e-5
 def convert(*args: str, check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "composer3d.convert", *map(str, args)],
+        [sys.executable, "-m", "composer3d.commands.convert", *map(str, args)],
         check=False,
         capture_output=True,
         text=True,

@@ -179,7 +179,7 @@ def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_pat
         [
             sys.executable,
             "-m",
-            "composer3d.convert",
+            "composer3d.commands.convert",
             "export",
             str(step),
             str(tmp_path / "out"),

@@ -270,7 +270,7 @@ def native_run(tmp_path_factory) -> tuple[Path, Path]:
         [
             sys.executable,
             "-m",
-            "composer3d.convert",
+            "composer3d.commands.convert",
             "export",
             str(step),
             str(out),

@@ -128,7 +128,7 @@ NO_UPDATE = ["optim.lr=1e-30", "optim.eps=1e30", "optim.weight_decay=0"]
 
 def _convert(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "composer3d.convert", *map(str, args)],
+        [sys.executable, "-m", "composer3d.commands.convert", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
