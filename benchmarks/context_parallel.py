@@ -76,9 +76,8 @@ def _worker(rank: int, world: int, args, port: int, out: dict) -> None:
         LOCAL_WORLD_SIZE=str(world),
         OMP_NUM_THREADS="1",
     )
-    torch.set_num_threads(
-        1
-    )  # a thread a rank, as OMP_NUM_THREADS asks (read when the forkserver loaded torch)
+    # a thread a rank, as OMP_NUM_THREADS asks (read when the forkserver loaded torch)
+    torch.set_num_threads(1)
     device = resolve_device(args.device, rank)
     init_process_group(device, Env(rank, rank, world))
     sent, compute = [0], [0.0]
@@ -102,17 +101,15 @@ def _worker(rank: int, world: int, args, port: int, out: dict) -> None:
     ring_attention._Ring.pass_on = counting
     ring_attention.block_forward = timed(ring_attention.block_forward)
     ring_attention.block_backward = timed(ring_attention.block_backward)
-    torch.manual_seed(
-        0
-    )  # the same weights and sequence on every rank (and in the one-process reference)
+    # the same weights and sequence on every rank (and in the one-process reference)
+    torch.manual_seed(0)
     attention = Attention(args.dim, args.heads, args.kv_heads).to(device)
     x = torch.randn(args.batch, args.seq, args.dim, device=device)
     positions = _packed_positions(args, device)
     documents = None if positions is None else document_ids(positions)
     cos, sin = rope_tables(args.dim // args.heads, args.seq, 500000.0, device)
-    if (
-        positions is not None
-    ):  # RoPE at each token's position in its document, (batch, seq, …) tables
+    # RoPE at each token's position in its document, (batch, seq, …) tables
+    if positions is not None:
         cos, sin = cos[positions], sin[positions]
     mask = None if documents is None else document_mask(documents, args.dim // args.heads)
     reference = attention(x, cos, sin, mask).detach()

@@ -152,9 +152,8 @@ def main() -> None:
         "--serve", nargs=3, metavar=("CORPUS", "TOKENIZER", "PREPARED"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
-    os.environ.setdefault(
-        "TOKENIZERS_PARALLELISM", "false"
-    )  # processes, not the tokenizer's threads, in parallel
+    # processes, not the tokenizer's threads, in parallel
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.serve:
         corpus, tokenizer, prepared = args.serve
         print(
@@ -174,9 +173,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="composer3d-data-bench-") as tmp:
         root = Path(tmp)
-        os.environ["HF_DATASETS_CACHE"] = str(
-            root / "hf_cache"
-        )  # the in-memory path's reader writes a cache
+        # the in-memory path's reader writes a cache
+        os.environ["HF_DATASETS_CACHE"] = str(root / "hf_cache")
         corpus, tokenizer = root / "corpus", root / "tokenizer"
         corpus.mkdir()
         size = make_corpus(corpus, args.size_mb)

@@ -138,9 +138,8 @@ def main() -> None:
     for name, loss_fn, rows in runs:
         if args.no_compile and "compiled" in name:
             continue
-        fused_loss.CHUNK_ELEMENTS = (
-            rows * vocab
-        )  # the fused loss's rows a chunk (the chunked loss keeps its own)
+        # the fused loss's rows a chunk (the chunked loss keeps its own)
+        fused_loss.CHUNK_ELEMENTS = rows * vocab
         seconds, loss, grads, peak = measure(loss_fn, x, weight, targets, args.steps, accelerator)
         reference = loss if reference is None else reference
         reference_grads = grads if reference_grads is None else reference_grads

@@ -97,13 +97,11 @@ def one_step(overrides: list[str], steps: int) -> dict:
         trainer.train_step()
         trainer.zero_grad()
         times.append(time.perf_counter() - start)
-    host_state = getattr(
-        trainer.optimizer, "pairs", []
-    )  # offload=optimizer: fp32 masters and two moments each
+    # offload=optimizer: fp32 masters and two moments each
+    host_state = getattr(trainer.optimizer, "pairs", [])
     on_host = sum(3 * m.numel() * m.element_size() for _, m, _ in host_state)
-    if (
-        trainer.cfg.parallel.offload == "cpu"
-    ):  # FSDP's: parameter shards, their gradients, the optimizer state
+    # FSDP's: parameter shards, their gradients, the optimizer state
+    if trainer.cfg.parallel.offload == "cpu":
         on_host = model_state_bytes(trainer.model, trainer.optimizer)
     return {
         "peaks": dict(peaks),

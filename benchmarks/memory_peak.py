@@ -108,9 +108,8 @@ def main() -> None:
         "overrides", nargs="*", help="composer3d Hydra overrides, e.g. memory.ac_policy=..."
     )
     args = parser.parse_args()
-    kind = distributed.device_type(
-        args.device
-    )  # not touched yet: the trainer sets its allocator up first
+    # not touched yet: the trainer sets its allocator up first
+    kind = distributed.device_type(args.device)
     if kind != "cuda":
         print(
             f"memory_peak: the {kind} device's allocator keeps no trace of its allocations (CUDA's "

@@ -70,9 +70,8 @@ def _worker(rank: int, ep: int, args, store: str, out: dict) -> None:
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.02)
-        layer.gate.weight.normal_(
-            0, args.dim**-0.5
-        )  # logits of unit scale: scores that differ between experts
+        # logits of unit scale: scores that differ between experts
+        layer.gate.weight.normal_(0, args.dim**-0.5)
     layer.init_buffers()
     # Tokens share a common direction, as real hidden states do, so the router starts out
     # unbalanced.

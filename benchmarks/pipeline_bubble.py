@@ -129,9 +129,8 @@ def _worker(rank: int, world: int, store: str, schedule: str, args, results):
                 f"launch.device={args.device}",
             ],
         )
-    layout, device = prepare_rank(
-        cfg, Env(rank, rank, world)
-    )  # validates; resolves the device and dtype
+    # validates; resolves the device and dtype
+    layout, device = prepare_rank(cfg, Env(rank, rank, world))
     dist.init_process_group(
         dist.get_default_backend_for_device(device),
         init_method=f"file://{store}",

@@ -549,12 +549,10 @@ def main() -> None:
         if isinstance(e, str):
             print(f"{row:>4}  {source:<58}{e}")
             continue
-        flops_per_token = (
-            e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]
-        )  # composer3d's count
-        if (
-            tokens is None
-        ):  # Megatron's TFLOP/s: its tokens/s, from its count with the full attention matrix
+        # composer3d's count
+        flops_per_token = e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]
+        # Megatron's TFLOP/s: its tokens/s, from its count with the full attention matrix
+        if tokens is None:
             tokens = tflops * 1e12 / (flops_per_token + _causal_half(overrides))
         published = tokens * flops_per_token / 1e12
         print(

@@ -113,9 +113,8 @@ def kernel_times(prof, on_device: bool) -> dict[str, float]:
     accelerator, the host's ATen operators' self time on the CPU (where they are the kernels)."""
     times: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if (
-            event.is_user_annotation
-        ):  # a named region (the optimizer step's) spans kernels counted on their own
+        # a named region (the optimizer step's) spans kernels counted on their own
+        if event.is_user_annotation:
             continue
         if on_device and event.device_type != DeviceType.CPU:
             times[event.key] += event.self_device_time_total
@@ -148,9 +147,8 @@ def profile_step(cfg, layout, device, warmup: int, steps: int, trace: str | None
             step()
         synchronize(device)
         step_times = []
-        for _ in range(
-            steps
-        ):  # timed without the profiler, whose bookkeeping slows a host-bound step
+        # timed without the profiler, whose bookkeeping slows a host-bound step
+        for _ in range(steps):
             started = time.perf_counter()
             step()
             synchronize(device)

@@ -317,9 +317,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    default_shape = (
-        "cpu" if distributed.device_type(args.device) == "cpu" else "1b"
-    )  # the device not touched yet
+    # the device not touched yet
+    default_shape = "cpu" if distributed.device_type(args.device) == "cpu" else "1b"
     shape = args.shape or default_shape
     cfg, layout, device = build_config(shape, args.device, args.compile)
     with one_rank(cfg, layout, device) as (mesh, sequences):
@@ -330,9 +329,8 @@ def main() -> None:
         times: dict[str, list[float]] = {side: [] for side in SIDES}
         peaks: dict[str, list[int]] = {side: [] for side in SIDES}
         for r in range(args.rounds):
-            for side in (
-                SIDES if r % 2 == 0 else SIDES[::-1]
-            ):  # swap the order: drift hits both sides alike
+            # swap the order: drift hits both sides alike
+            for side in SIDES if r % 2 == 0 else SIDES[::-1]:
                 print(f"round {r + 1}/{args.rounds}: {side}", file=sys.stderr, flush=True)
                 side_times, peak = measure(builders[side], device, args.warmup, args.steps)
                 times[side] += side_times

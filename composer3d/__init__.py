@@ -28,7 +28,6 @@ class _KnownHarmless(logging.Filter):
         return not any(fragment in message for fragment in self.fragments)
 
 
-for (
-    _name
-) in _KnownHarmless.MESSAGES:  # before either library is imported: the filters sit on their loggers
+# before either library is imported: the filters sit on their loggers
+for _name in _KnownHarmless.MESSAGES:
     logging.getLogger(_name).addFilter(_KnownHarmless(_name))

@@ -80,6 +80,5 @@ def require_eval_extra(key: str) -> None:
     except ImportError:
         raise ConfigError(
             f"{key}: lm-evaluation-harness tasks need lm-eval, which is not installed here. "
-            "Install "
-            "composer3d's eval extra: pip install 'composer3d[eval]'"
+            "Install composer3d's eval extra: pip install 'composer3d[eval]'"
         ) from None

@@ -318,9 +318,8 @@ def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
         fn(rank, world_size, *args)
         finished = True
     finally:
-        shut_down(
-            finished
-        )  # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
+        # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
+        shut_down(finished)
 
 
 def assert_follows(reference: RunResult, run: RunResult, what: str) -> None:

@@ -80,8 +80,8 @@ MOE_ARCHITECTURES = {
 }
 
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }}{{ eos_token }}{% endfor %}{% if "
+    "add_generation_prompt %}<|assistant|> {% endif %}"
 )
 
 _CORPUS = [
@@ -143,9 +143,8 @@ def make_model(
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if (
-                "norm" in name
-            ):  # ones (or zeros for Gemma) by default: perturb so every norm matters
+            # ones (or zeros for Gemma) by default: perturb so every norm matters
+            if "norm" in name:
                 param.add_(0.2 * torch.randn(param.shape, generator=generator))
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)

@@ -93,9 +93,8 @@ class CollectiveBytes(TorchDispatchMode):
                 kind, torch.distributed.ProcessGroup.unbox(group).size(), _nbytes(args[index])
             )
             out = func(*args, **kwargs)
-            if (
-                kind != "send"
-            ):  # a send waits for its receive, which the peer may post after a send of its own
+            # a send waits for its receive, which the peer may post after a send of its own
+            if kind != "send":
                 works = [
                     w
                     for w in (out if isinstance(out, tuple) else (out,))

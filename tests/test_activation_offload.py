@@ -185,9 +185,8 @@ def test_offload_moves_saved_activations_and_brings_them_back_equal():
 
     counters = offload.counters
     assert expected > 0 and counters.bytes_offloaded == expected, (counters, expected)
-    assert (
-        counters.tensors_offloaded == len(originals) > 0 and counters.tensors_kept > 0
-    )  # parameters stayed
+    # parameters stayed
+    assert counters.tensors_offloaded == len(originals) > 0 and counters.tensors_kept > 0
     assert not mismatches, mismatches
     assert all(torch.equal(a, b) for a, b in zip(reference, grads))
     # the third block's backward begins with the third and second blocks (the same bytes each) on
@@ -276,9 +275,8 @@ def test_offload_lowers_device_memory_held_between_forward_and_backward():
         loss = h.square().sum()
         torch.accelerator.synchronize()
         kept = torch.accelerator.memory_allocated(device) - before
-        if (
-            offloaded
-        ):  # the last block's host copies are in pinned (page-locked) memory, as async copies need
+        # the last block's host copies are in pinned (page-locked) memory, as async copies need
+        if offloaded:
             last = [ref() for ref in offload._last().saved]
             assert last and all(
                 s.host.is_pinned() and s.host.device.type == "cpu" for s in last if s is not None

@@ -240,15 +240,14 @@ def test_auto_device_needs_an_accelerator_per_local_process(monkeypatch):
     assert distributed.device_type("cpu", local_processes=4) == "cpu"
     with pytest.raises(
         ConfigError,
-        match=r"^launch.nproc_per_node: 4 processes on this node but it has 1 cuda "
-        r"device\(s\). Use launch.nproc_per_node<=1, or launch.device=cpu",
+        match=r"^launch.nproc_per_node: 4 processes on this node but it has 1 cuda device\(s\). "
+        r"Use launch.nproc_per_node<=1, or launch.device=cpu",
     ):
         distributed.device_type("auto", local_processes=4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="launch.nproc_per_node: 4 processes"):
-        distributed.resolve_device(
-            "auto", local_rank=0
-        )  # rank 0 refuses too, not only the ranks past the device
+        # rank 0 refuses too, not only the ranks past the device
+        distributed.resolve_device("auto", local_rank=0)
 
 
 def test_eval_refuses_random_weights(compose_cfg, checkpoint):
@@ -256,9 +255,8 @@ def test_eval_refuses_random_weights(compose_cfg, checkpoint):
         ConfigError, match=r"^checkpoint\.resume: model=llama has no weights .* random"
     ):
         check_weights_source(compose_cfg("model=tiny"))
-    check_weights_source(
-        compose_cfg(f"checkpoint.resume={checkpoint}")
-    )  # a checkpoint's weights: fine
+    # a checkpoint's weights: fine
+    check_weights_source(compose_cfg(f"checkpoint.resume={checkpoint}"))
 
 
 # ------------------------------------------------------------------------------------ the CLI paths

@@ -27,9 +27,8 @@ DOCS = [
     "pipeline parallel splits layers",
 ]
 
-pytestmark = pytest.mark.timeout(
-    60
-)  # a prefetch thread that hangs fails the test instead of the run
+# a prefetch thread that hangs fails the test instead of the run
+pytestmark = pytest.mark.timeout(60)
 
 
 def text_sequences(document_masking: bool) -> PackedSequences:

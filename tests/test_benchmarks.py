@@ -51,9 +51,8 @@ def test_throughput_benchmark_runs_both_sides_on_cpu():
         r = result[side]
         assert 0 < r["step_time_s_min"] <= r["step_time_s_median"], r
         assert r["tokens_per_s"] > 0 and r["tflops_per_s"] > 0, r
-        assert r["mfu"] is None and r["peak_mem_bytes"] is None, (
-            r
-        )  # no known peak, no allocator stats on the CPU
+        # no known peak, no allocator stats on the CPU
+        assert r["mfu"] is None and r["peak_mem_bytes"] is None, r
     assert math.isfinite(result["ratio_step_time"]) and result["ratio_step_time"] > 0
 
 
@@ -79,9 +78,8 @@ def test_step_profile_groups_the_step_by_kernel_family():
         assert families.get(fam, 0) > 0, (fam, families)
     tops = [ms for _, ms in result["top"]]
     assert tops == sorted(tops, reverse=True) and sum(tops) <= result["kernel_ms"] + 1e-6, result
-    assert result["matmul_tflops"] > 0 and result["mfu"] is None, (
-        result
-    )  # no known peak for the CPU
+    # no known peak for the CPU
+    assert result["matmul_tflops"] > 0 and result["mfu"] is None, result
     sys.path.insert(0, str(BENCHMARKS))
     try:
         from step_profile import family
@@ -165,9 +163,8 @@ def test_memory_compile_benchmark_measures_each_switch():
     activations = [
         float(line.split()[-2]) for line in stdout.splitlines() if "peak activations" in line
     ]
-    assert len(activations) == 4 and activations[0] > activations[1] > activations[3], (
-        stdout
-    )  # none > op > full
+    # none > op > full
+    assert len(activations) == 4 and activations[0] > activations[1] > activations[3], stdout
     state = [float(line.split()[-2]) for line in stdout.splitlines() if "model state" in line]
     assert len(state) == 2 and state[1] < 0.8 * state[0], stdout  # adamw_8bit's state is smaller
     times = [line for line in stdout.splitlines() if "step time, checkpointing" in line]
@@ -244,9 +241,8 @@ def test_hf_loading_benchmark_reads_a_share_per_rank():
         "hf_loading.py", "--hidden", "256", "--layers", "2", "--vocab", "512", "--worlds", "2"
     )
     rows = [line.split("|")[1:-1] for line in stdout.splitlines() if line.startswith("| 2 |")]
-    assert len(rows) == 1 and rows[0][1].strip() == "50.0%", (
-        stdout
-    )  # each of 2 FSDP ranks reads half
+    # each of 2 FSDP ranks reads half
+    assert len(rows) == 1 and rows[0][1].strip() == "50.0%", stdout
 
 
 def test_data_prepare_benchmark_prepares_and_serves_both_paths():
@@ -303,9 +299,8 @@ def test_moe_dispatch_benchmark_counts_rows_and_balances_load():
     # each way
     assert 0.3 < two["rows_sent_per_step"] / two["rows_uniform_router"] < 1.7, two
     for r in (one, two):
-        assert r["load_max_init"] > 1.5, (
-            r
-        )  # tokens sharing a direction: an unbalanced router at first
+        # tokens sharing a direction: an unbalanced router at first
+        assert r["load_max_init"] > 1.5, r
         assert r["load_max_last"] < r["load_max_init"], r  # the bias update evens the load out
 
 
@@ -362,19 +357,16 @@ def test_memory_options_benchmark_shows_each_option_taking_its_bytes():
         for line in stdout.splitlines()[1:]
         if line[:34].strip()
     }
-    plain, offloaded, tiled, act_offload = (
-        rows.values()
-    )  # columns: params grads optim activ. temp to-host step
-    assert plain[5] == 0 and offloaded[5] == pytest.approx(1.5 * plain[2], rel=0.01), (
-        rows
-    )  # masters + moments
+    # columns: params grads optim activ. temp to-host step
+    plain, offloaded, tiled, act_offload = rows.values()
+    # masters + moments
+    assert plain[5] == 0 and offloaded[5] == pytest.approx(1.5 * plain[2], rel=0.01), rows
     # the loss's logits, in tiles: fewer activations and temporaries at the peak (the whole logits'
     # gradient, written over them, counts as theirs; a tile's, recomputed in backward, as a
     # temporary)
     assert tiled[3] + tiled[4] < plain[3] + plain[4], rows
-    assert act_offload[3] < plain[3] and act_offload[5] > 0, (
-        rows
-    )  # checkpointed, its block inputs moved
+    # checkpointed, its block inputs moved
+    assert act_offload[3] < plain[3] and act_offload[5] > 0, rows
 
 
 def _virtual_ring(*args: str, env: dict | None = None) -> list[dict]:

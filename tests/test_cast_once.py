@@ -42,13 +42,11 @@ def test_one_copy_a_forward_read_again_in_recomputation_and_dropped_after_backwa
     reference.load_state_dict(model.state_dict())
     reference.to(torch.bfloat16)  # the model cast whole, the plain way
     logits = model(tokens)
-    assert (
-        logits.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
-    )  # one copy for the tied pair
+    # one copy for the tied pair
+    assert logits.dtype == torch.bfloat16 and model.head.weight is model.embed.weight
     logits.float().square().mean().backward()
-    assert (
-        len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == torch.bfloat16
-    )  # cast once, recomputed from it
+    # cast once, recomputed from it
+    assert len(seen) == 2 and seen[0] is seen[1] and seen[0].dtype == torch.bfloat16
     assert not any(
         name in m.__dict__ for m in model.modules() for name, _ in m.named_parameters(recurse=False)
     )
@@ -60,9 +58,8 @@ def test_one_copy_a_forward_read_again_in_recomputation_and_dropped_after_backwa
     assert set(model.state_dict()) == set(reference.state_dict())  # the names as they were
     reference(tokens).float().square().mean().backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        assert torch.equal(p.grad, q.grad.float()), (
-            name
-        )  # the tied table's two uses summed in bf16, as plainly
+        # the tied table's two uses summed in bf16, as plainly
+        assert torch.equal(p.grad, q.grad.float()), name
 
 
 def test_the_next_forward_casts_the_weights_as_they_are_then():
@@ -82,9 +79,8 @@ def test_the_next_forward_casts_the_weights_as_they_are_then():
 def test_held_keeps_one_set_of_copies_for_calls_of_the_modules_themselves():
     model, seen = _model_and_seen()
     with model.cast_once.held():
-        model.block(
-            torch.randn(2, 8, dtype=torch.bfloat16)
-        )  # as a decoder calls a block, not the model
+        # as a decoder calls a block, not the model
+        model.block(torch.randn(2, 8, dtype=torch.bfloat16))
         model(torch.randint(0, 16, (2, 5)))
         assert model.block[0].weight.dtype == torch.bfloat16
     assert len(seen) == 2 and seen[0] is seen[1] and model.block[0].weight.dtype == torch.float32

@@ -130,9 +130,8 @@ def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
         "step-00000006",
         "step-00000005",
     ]
-    finished = train(
-        tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1"
-    )  # the same command again
+    # the same command again
+    finished = train(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000005'} at step 5" in finished.output
     assert "already finished" in finished.output
 
@@ -216,9 +215,8 @@ def test_metadata_with_foreign_pickle_is_refused(tmp_path):
         SafeFileSystemReader(str(evil)).read_metadata()
     assert not (tmp_path / "pwned").exists()
     buffer = io.BytesIO()
-    pickle.dump(
-        SafeFileSystemReader(str(checkpoint)).read_metadata(), buffer
-    )  # the real one loads fine
+    # the real one loads fine
+    pickle.dump(SafeFileSystemReader(str(checkpoint)).read_metadata(), buffer)
 
 
 @pytest.mark.parametrize(

@@ -58,15 +58,13 @@ def test_compiled_adamw_steps_as_torch_adamw_in_one_graph_reading_the_clip_witho
     generator = torch.Generator().manual_seed(1)
     for step in range(5):  # the first step compiles: its tracing runs the ops on fake tensors
         grads = [torch.randn(s, generator=generator).to(device) for s in SHAPES]
-        divisor = torch.tensor(
-            1.0 + step, device=device
-        )  # the clip's factor, a different one each step
+        # the clip's factor, a different one each step
+        divisor = torch.tensor(1.0 + step, device=device)
         for c, r, g in zip(compiled_params, reference_params, grads):
             c.grad, r.grad = g.clone(), g / divisor
         compiled.grad_scale = divisor
-        with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU]
-        ) as prof:  # the host's calls
+        # the host's calls
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             compiled.step()
         reference.step()
         for schedule in schedules:
@@ -120,9 +118,8 @@ def test_compiled_adamw_continues_torch_adamw_state_and_the_other_way():
     for first, second in ((loop, compiled), (compiled, loop)):
         params, optimizer = run(first, second)
         for p, q in zip(params, straight):
-            torch.testing.assert_close(
-                p, q, rtol=1e-6, atol=1e-6
-            )  # an ulp of O(1) weights; steps are ~1e-2
+            # an ulp of O(1) weights; steps are ~1e-2
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
         assert all(float(s["step"]) == 4 for s in optimizer.state.values())
         assert all(not g["capturable"] for g in optimizer.param_groups) == (second is loop)
 

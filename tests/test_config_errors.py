@@ -148,9 +148,8 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(tmp_pat
     assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output[-3000:]
     assert (
         f"{PREFIX}checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier "
-        "run "
-        f"(metrics.jsonl with 40 records, checkpoints step-00000040 in {run_dir / 'checkpoints'})"
-        in run.output
+        "run (metrics.jsonl with 40 records, checkpoints step-00000040 in "
+        f"{run_dir / 'checkpoints'})" in run.output
     )
     assert (
         "Give this run a new run.name (or run.dir), or resume that run with checkpoint.resume=auto"
@@ -826,8 +825,8 @@ def test_context_parallel_refuses_attention_that_bypasses_transformers_interface
     monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS", Bypassed())
     with pytest.raises(
         ConfigError,
-        match=r"parallel\.cp: .*llama's attention is not all reached through "
-        r"transformers' attention interface \(0 calls for 2 layers\)",
+        match=r"parallel\.cp: .*llama's attention is not all reached through transformers' "
+        r"attention interface \(0 calls for 2 layers\)",
     ):
         validate(cfg, 2)
 
@@ -888,9 +887,8 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     assert "  model.name=hf " in text and "  train.seq_len=4096 " in text, (
         "the recipe's values, not the defaults"
     )
-    assert (
-        "cap on tokens read from the corpus into memory (0 = no cap)" in text
-    )  # data.max_tokens's, schema.py
+    # data.max_tokens's, schema.py
+    assert "cap on tokens read from the corpus into memory (0 = no cap)" in text
     assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
     assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
     assert "train:\n" in text and "Override any key as key=value" in text
@@ -913,9 +911,8 @@ def _run_entry_point(monkeypatch, module: str, *argv: str) -> int:
     main = importlib.import_module(module).main
     monkeypatch.setattr("sys.argv", [module, *argv])
     hydra = GlobalHydra.instance()
-    before = (
-        hydra.hydra if hydra.is_initialized() else None
-    )  # compose_cfg's, while its module scope lasts
+    # compose_cfg's, while its module scope lasts
+    before = hydra.hydra if hydra.is_initialized() else None
     hydra.clear()
     try:
         with pytest.raises(SystemExit) as exit_:
@@ -950,17 +947,16 @@ def test_mistyped_key_names_the_nearest_real_key_not_hydras_plus_hint(
     err = capsys.readouterr().err
     key = typed.split("=")[0]
     assert err.strip().splitlines() == [
-        f"composer3d-train: invalid configuration: {key}: is not a composer3d "
-        f"setting. Did you mean {near}?"
+        f"composer3d-train: invalid configuration: {key}: is not a composer3d setting. Did you "
+        f"mean {near}?"
     ], err
 
 
 def test_every_schema_key_is_a_setting_and_free_form_values_are_not_second_guessed():
     from composer3d.config.keys import names_a_setting, schema_keys
 
-    assert (
-        len(schema_keys()) > 100 and "run.dir" in schema_keys()
-    )  # run.dir's value is missing (???) in the schema
+    # run.dir's value is missing (???) in the schema
+    assert len(schema_keys()) > 100 and "run.dir" in schema_keys()
     assert [k for k in schema_keys() if not names_a_setting(k)] == []
     assert not names_a_setting("train.stepz") and not names_a_setting("trian.steps")
 
@@ -1000,9 +996,8 @@ def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module
 def test_hugging_face_without_the_hf_extra_says_how_to_install_it(
     monkeypatch, capsys, tmp_path, overrides, key, what
 ):
-    monkeypatch.setitem(
-        __import__("sys").modules, "transformers", None
-    )  # `import transformers` fails, as uninstalled
+    # `import transformers` fails, as uninstalled
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     argv = [o.format(tmp=tmp_path) for o in overrides]
     assert (
         _run_entry_point(
@@ -1016,9 +1011,8 @@ def test_hugging_face_without_the_hf_extra_says_how_to_install_it(
     )
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        f"composer3d: invalid configuration: {key}: {what} needs transformers, which "
-        "is not installed here. Install composer3d's hf extra: pip install "
-        "'composer3d[hf]'"
+        f"composer3d: invalid configuration: {key}: {what} needs transformers, which is not "
+        "installed here. Install composer3d's hf extra: pip install 'composer3d[hf]'"
     ], err
     assert not (tmp_path / "run").exists()
 
@@ -1042,11 +1036,11 @@ def test_max_restarts_in_a_submitit_sweep_is_refused_before_any_job(
     )
     err = capsys.readouterr().err
     assert err.strip().splitlines() == [
-        "composer3d-train: invalid configuration: launch.max_restarts: 1 restarts "
-        "asked for, but they are the local launcher's, and the ranks of a submitit job "
-        "are its tasks: nothing would restart them. Use launch.max_restarts=0; under "
-        "SLURM, hydra.launcher.max_num_timeout=N requeues a job preempted or out of "
-        "time (it resumes from its last checkpoint)"
+        "composer3d-train: invalid configuration: launch.max_restarts: 1 restarts asked for, but "
+        "they are the local launcher's, and the ranks of a submitit job are its tasks: nothing "
+        "would restart them. Use launch.max_restarts=0; under SLURM, "
+        "hydra.launcher.max_num_timeout=N requeues a job preempted or out of time (it resumes from "
+        "its last checkpoint)"
     ], err
     assert not (tmp_path / "sweep").exists()  # nothing submitted
 
@@ -1098,9 +1092,8 @@ def test_a_peft_base_that_cannot_be_found_or_is_no_base_exits_2_naming_the_key(
     """A LoRA checkpoint holds no base, only where it came from: at resume that source must be there
     and be what this run's config builds; a full checkpoint is LoRA's base through peft.base_from,
     not checkpoint.resume."""
-    gone = (
-        tmp_path / "full" / "step-00000004"
-    )  # the full run's weights the adapters trained on, deleted since
+    # the full run's weights the adapters trained on, deleted since
+    gone = tmp_path / "full" / "step-00000004"
     lora = _checkpoint(
         tmp_path / "lora" / "step-00000002",
         {"method": "lora", "base_from": str(gone)},
@@ -1114,16 +1107,15 @@ def test_a_peft_base_that_cannot_be_found_or_is_no_base_exits_2_naming_the_key(
         ),
         "base_not_named": (
             [f"checkpoint.resume={lora}"],
-            f"checkpoint.resume: {lora}'s adapters were trained on the "
-            f"full checkpoint {gone} (peft.base_from), and this run's config builds its base from "
-            "the "
-            f"initialization from train.seed=0. To resume, set peft.base_from={gone}",
+            f"checkpoint.resume: {lora}'s adapters were trained on the full checkpoint {gone} "
+            "(peft.base_from), and this run's config builds its base from the initialization from "
+            f"train.seed=0. To resume, set peft.base_from={gone}",
         ),
         "resume_full": ([f"checkpoint.resume={full}"], f"start with peft.base_from={full}"),
         "base_is_adapters": (
             [f"peft.base_from={lora}"],
-            f"peft.base_from: {lora} is a peft=lora checkpoint: it holds "
-            f"adapters, not a base. Continue it with checkpoint.resume={lora}, or name the base",
+            f"peft.base_from: {lora} is a peft=lora checkpoint: it holds adapters, not a base. "
+            f"Continue it with checkpoint.resume={lora}, or name the base",
         ),
     }[case]
     code = _run_entry_point(

@@ -239,9 +239,8 @@ def test_materialized_block_kernel_in_row_tiles_equals_the_fused_one(monkeypatch
     scale = 8**-0.5
     fused_out, fused_lse = block_forward(q, k, v, block, scale, "cpu_flash")
     fused_grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "cpu_flash")
-    monkeypatch.setattr(
-        attention_blocks, "SCORE_TILE_BYTES", 2 * 4 * 16 * 4 * 3
-    )  # 3 query rows a tile
+    # 3 query rows a tile
+    monkeypatch.setattr(attention_blocks, "SCORE_TILE_BYTES", 2 * 4 * 16 * 4 * 3)
     assert len(attention_blocks._row_tiles(q, 16)) == 6
     out, lse = block_forward(q, k, v, block, scale, "materialized")
     grads = block_backward(grad, q, k, v, fused_out, fused_lse, block, scale, "materialized")

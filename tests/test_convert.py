@@ -96,14 +96,12 @@ def save_checkpoint(path: Path, model: torch.nn.Module, cfg: ModelConfig, model_
 def load_native(path: Path) -> tuple[torch.nn.Module, ModelConfig]:
     """The composer3d model of checkpoint ``path``, loaded in one process without a process
     group."""
-    cfg = model_config(
-        read_meta(path)["config"]["model"]
-    )  # nested groups (model.moe) as their dataclasses
+    # nested groups (model.moe) as their dataclasses
+    cfg = model_config(read_meta(path)["config"]["model"])
     model = build_model(cfg)
     materialize(model, torch.device("cpu"), seed=123)  # overwritten below
-    state = to_checkpoint_names(
-        model, model.state_dict()
-    )  # a tied head is stored once, as the embedding
+    # a tied head is stored once, as the embedding
+    state = to_checkpoint_names(model, model.state_dict())
     dcp.load({"model": state}, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return model.eval(), cfg
 
@@ -311,9 +309,8 @@ def test_bfloat16_export_writes_bfloat16_that_transformers_loads(tmp_path):
     x = tokens(cfg.vocab_size)
     with torch.no_grad():
         expected, got = model(x), hf(x).logits.float()
-    assert (
-        expected - got
-    ).abs().max().item() < 0.1 * expected.abs().max().item()  # bf16 rounding only
+    # bf16 rounding only
+    assert (expected - got).abs().max().item() < 0.1 * expected.abs().max().item()
 
 
 def test_export_help_says_it_writes_bfloat16_unless_told(capsys):

@@ -135,13 +135,11 @@ def _styles_against_full_attention(rank: int, world: int, port: int, errors) -> 
         for style in ("ring", "allgather", "ulysses"):
             context = ContextParallel(mesh, style, "documents")
             context.place(positions, seq)
-            assert context.placed.chunk == seq // (2 * world * 4), (
-                context.placed
-            )  # the balanced cut, not head-tail
+            # the balanced cut, not head-tail
+            assert context.placed.chunk == seq // (2 * world * 4), context.placed
             local = [context.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
-            assert torch.equal(
-                context.whole(context.shard(documents)), documents
-            )  # the gather back, by placement
+            # the gather back, by placement
+            assert torch.equal(context.whole(context.shard(documents)), documents)
             out = context.attend(
                 *local, context.attention_plan(seq, documents, torch.device("cpu"))
             )

@@ -114,9 +114,8 @@ def _check_forward_under_cp(rank, world_size, models, references):
             model = build_parallel_model(cfg, mesh, torch.device("cpu")).model.eval()
             # every attention module calls composer3d's function through transformers' interface
             assert model.config._attn_implementation == "composer3d_context_parallel"
-            context = (
-                model.context_parallel
-            )  # the model's own: each batch placed on it, as the trainer does
+            # the model's own: each batch placed on it, as the trainer does
+            context = model.context_parallel
             for kind, positions in (("causal", None), ("documents", _positions())):
                 context.place(positions, SEQ)
                 # balanced: 16 chunks of 2 tokens (head-tail holds 2 of 8)
@@ -125,9 +124,8 @@ def _check_forward_under_cp(rank, world_size, models, references):
                 )
                 with torch.no_grad():
                     got = model(context.shard(tokens), position_ids=context.shard(positions))
-                assert got.shape == (2, SEQ // 2, 512), (
-                    got.shape
-                )  # this rank computes only its tokens
+                # this rank computes only its tokens
+                assert got.shape == (2, SEQ // 2, 512), got.shape
                 expected = context.shard(references[arch][kind])
                 errors[(arch, style, balance, kind)] = (got - expected).abs().max().item()
     bad = {key: error for key, error in errors.items() if not error < 1e-5}

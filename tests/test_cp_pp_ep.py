@@ -196,9 +196,8 @@ def test_cp_with_pp_and_ep_matches_single_process(name, kind, request):
     layout = run.run_info["layout"]
     assert layout["cp"] == cp and layout["pp"] == (2 if "parallel.pp=2" in overrides else 1), layout
     assert layout["tp"] == (2 if "parallel.tp=2" in overrides else 1), layout
-    if (
-        _model(name) == "moe"
-    ):  # routing statistics over the whole sequences: the one-process load and aux loss
+    # routing statistics over the whole sequences: the one-process load and aux loss
+    if _model(name) == "moe":
         for key in ("moe_aux_loss", "expert_load_max", "expert_load_min"):
             for step, (a, b) in enumerate(zip(reference.metrics, run.metrics)):
                 assert abs(a[key] - b[key]) < 1e-4, (name, key, step, a[key], b[key])
@@ -311,9 +310,8 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
         if variant
         else runs[(model, "documents")]
     )
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False
-    )  # the job's rendezvous
+    # the job's rendezvous
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     processes(
         compiled_jobs,
         4,
@@ -337,9 +335,8 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
         breaks = rank["graph_breaks"]
         assert rank["graphs"] >= 2, rank
         assert all(any(reason in why for why in breaks) for reason in EAGER[model]), rank
-        assert all(any(reason in why for reason in EAGER[model]) for why in breaks), (
-            rank
-        )  # and nothing else
+        # and nothing else
+        assert all(any(reason in why for reason in EAGER[model]) for why in breaks), rank
 
 
 @pytest.mark.parametrize(
@@ -393,9 +390,8 @@ def _aux_over_cp(rank: int, world: int, results) -> None:
     context = ContextParallel(init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"])
     share = lambda t: context.shard(t).reshape(-1, t.shape[-1])  # noqa: E731  (this rank's tokens, flattened)
     full = moe._sequence_aux_losses(scores.reshape(-1, 4), chosen.reshape(-1, 2), 2, 32)
-    alone = moe._sequence_aux_losses(
-        share(scores), share(chosen), 2, 32 // world
-    )  # no cp group: its chunks only
+    # no cp group: its chunks only
+    alone = moe._sequence_aux_losses(share(scores), share(chosen), 2, 32 // world)
     moe.cp_group = context.group
     shared = moe._sequence_aux_losses(share(scores), share(chosen), 2, 32 // world)
     for losses in (shared, alone):  # summed over the cp ranks, as the loss mesh sums them

@@ -33,9 +33,8 @@ def resumed(tmp_path_factory, corpus):  # noqa: F811
         (root / name, [*common, *layout, f"checkpoint.resume={checkpoint}"])
         for name, layout in RESUMED.items()
     ]
-    straight, *runs = train_in_one_group(
-        jobs, nproc=4
-    )  # one after another: the resumes find the checkpoint
+    # one after another: the resumes find the checkpoint
+    straight, *runs = train_in_one_group(jobs, nproc=4)
     return straight, dict(zip(RESUMED, runs))
 
 

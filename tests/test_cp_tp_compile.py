@@ -213,9 +213,8 @@ def _compiled_cp_against_full_attention(rank: int, world: int, out: str) -> None
         for model in (full, parted):
             materialize(model, torch.device("cpu"), seed=0)
         for block in parted.layers.values():
-            block.compile(
-                backend="eager"
-            )  # dynamo's graphs, breaks and guards, run without a compiler
+            # dynamo's graphs, breaks and guards, run without a compiler
+            block.compile(backend="eager")
         errors = [
             _errors(full, parted, context, tokens, weights, positions, mesh["cp"].get_group())
             for positions in (_documents(11, 20), _documents(5, 27), None)
@@ -319,9 +318,8 @@ def test_compiled_cp_at_the_issues_size_matches_single_process(
     world, layout = COMPILED[name]
     run_dir, report = tmp_path / name, tmp_path / "dynamo"
     report.mkdir()
-    store = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False
-    )  # the job's rendezvous
+    # the job's rendezvous
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     processes(
         compiled_jobs,
         world,

@@ -90,9 +90,8 @@ def test_global_batch_order_is_layout_independent():
 
 def test_each_epoch_is_a_fresh_permutation():
     sequences = make_sequences()
-    rows = torch.cat(global_batches(sequences, 2, STEPS))[:, 0] // (
-        SEQ_LEN + 1
-    )  # row ids in consumption order
+    # row ids in consumption order
+    rows = torch.cat(global_batches(sequences, 2, STEPS))[:, 0] // (SEQ_LEN + 1)
     epochs = [rows[i * NUM_SEQ : (i + 1) * NUM_SEQ].tolist() for i in range(3)]
     for order in epochs:
         assert sorted(order) == list(range(NUM_SEQ)), (
@@ -163,9 +162,8 @@ def test_resume_refuses_state_from_another_corpus_or_seed(change, match):
 
 
 def test_packed_windows_overlap_by_one_token():
-    tokens = torch.arange(
-        100, 123
-    )  # 23 tokens, seq_len 5: (23 - 1) // 5 = 4 windows, 2 tokens left over
+    # 23 tokens, seq_len 5: (23 - 1) // 5 = 4 windows, 2 tokens left over
+    tokens = torch.arange(100, 123)
     rows = packed_sequences(tokens, 5)
     assert rows.shape == (4, 6)
     for a, b in zip(rows[:-1], rows[1:]):

@@ -346,9 +346,8 @@ def test_chat_template_that_is_not_prefix_stable_is_refused(tmp_path, chat_tok):
     from transformers import AutoTokenizer
 
     unstable = AutoTokenizer.from_pretrained(str(chat_tok))
-    unstable.chat_template = (
-        "[{{ messages|length }} turns]" + unstable.chat_template
-    )  # changes with every turn
+    # changes with every turn
+    unstable.chat_template = "[{{ messages|length }} turns]" + unstable.chat_template
     unstable.save_pretrained(tmp_path)
     with pytest.raises(
         ConfigError, match=r"^data\.format: the tokenizer's chat template is not prefix-stable"
@@ -463,9 +462,8 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
     rows = [probe._index(p) for p in range(cfg.train.global_batch_size)]
     windows = sequences.tokens[rows]
     inputs, targets = windows[:, :-1], windows[:, 1:]
-    with (
-        torch.no_grad()
-    ):  # attending within documents, as the trainer's model does (data.document_masking)
+    # attending within documents, as the trainer's model does (data.document_masking)
+    with torch.no_grad():
         logits = trainer.model(inputs, position_ids=sequences.batch(rows).position_ids).float()
     # By hand, from the token ids alone: every next token is a target except the one after an eos.
     keep = inputs != ByteTokenizer.eos_id
@@ -485,9 +483,8 @@ def _masked_loss_worker(rank, world, corpus_path, out_path):
     local = lambda p: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()  # noqa: E731
     before = [local(p) for p in trainer.model.parameters()]
     trainer.loader.loader.sequences.trainable = torch.zeros_like(sequences.tokens, dtype=torch.bool)
-    trainer.loader.load_state_dict(
-        trainer.loader.state_dict()
-    )  # drop the batches prefetched with the old masks
+    # drop the batches prefetched with the old masks
+    trainer.loader.load_state_dict(trainer.loader.state_dict())
     skipped = trainer.train_step()
     assert skipped["target_tokens"] == 0 and skipped["loss"] == 0.0 and trainer.step == 2, skipped
     assert all(torch.equal(a, local(b)) for a, b in zip(before, trainer.model.parameters()))

@@ -85,16 +85,13 @@ def test_document_masking_changes_attention_and_plain_positions_keep_causal(mode
     causal = native(tokens)
     masked = native(tokens, position_ids=positions)
     plain = torch.arange(SEQ).expand(tokens.shape)
-    assert torch.equal(
-        native(tokens, position_ids=plain), causal
-    )  # no restart: the causal kernel, RoPE from 0
+    # no restart: the causal kernel, RoPE from 0
+    assert torch.equal(native(tokens, position_ids=plain), causal)
     second = DOCUMENTS[0][1][0]
-    assert (
-        masked[0, :second] - causal[0, :second]
-    ).abs().max() < ATOL  # the first document sees what it saw
-    assert (
-        masked[0, second:] - causal[0, second:]
-    ).abs().max() > 0.1  # the second no longer sees the first
+    # the first document sees what it saw
+    assert (masked[0, :second] - causal[0, :second]).abs().max() < ATOL
+    # the second no longer sees the first
+    assert (masked[0, second:] - causal[0, second:]).abs().max() > 0.1
 
 
 def test_document_ids_follow_transformers_packed_sequence_rule():
@@ -103,9 +100,8 @@ def test_document_ids_follow_transformers_packed_sequence_rule():
     )
     expected = find_packed_sequence_indices(positions[:2])
     assert torch.equal(llama.document_ids(positions[:2]), expected)
-    assert not llama.document_ids(
-        positions[2:]
-    ).any()  # one document: transformers returns None for it
+    # one document: transformers returns None for it
+    assert not llama.document_ids(positions[2:]).any()
 
 
 @torch.no_grad()
@@ -118,9 +114,8 @@ def test_flex_block_mask_gives_the_sdpa_mask_logits(models, monkeypatch):
     tokens, positions = _packed()
     fallback = native(tokens, position_ids=positions)
     monkeypatch.setattr(llama.attention, "_flex_fits", lambda device_type, head_dim: True)
-    monkeypatch.setattr(
-        llama.attention, "_compiled_flex", (flex_attention, create_block_mask)
-    )  # eager: no CPU compile
+    # eager: no CPU compile
+    monkeypatch.setattr(llama.attention, "_compiled_flex", (flex_attention, create_block_mask))
     assert isinstance(llama.document_mask(llama.document_ids(positions), head_dim=16), BlockMask)
     flex = native(tokens, position_ids=positions)
     assert (flex - fallback).abs().max() < ATOL

@@ -203,6 +203,5 @@ def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_pat
     got = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][0])
     trained, untouched = reference(tmp_path / "out", text), reference(model_dir, text)
     assert abs(got["loss"] - trained["loss"]) < 1e-5, (got, trained)
-    assert (
-        abs(got["loss"] - untouched["loss"]) > 1e-3
-    )  # the checkpoint's weights were evaluated, not model.path's
+    # the checkpoint's weights were evaluated, not model.path's
+    assert abs(got["loss"] - untouched["loss"]) > 1e-3

@@ -188,8 +188,7 @@ def test_generation_and_unknown_tasks_are_refused_before_workers(model_and_tasks
     )
     refusal = (
         "eval.tasks: c3d_generate is a generation task (generate_until), and generation runs on "
-        "one process "
-        "or under tensor parallel alone, and this layout has {'dp_shard': 2}"
+        "one process or under tensor parallel alone, and this layout has {'dp_shard': 2}"
     )
     assert proc.returncode == 2 and proc.stderr.count(refusal) == 1, proc.stderr
     # The same check the launcher makes, over the local tasks alone (indexing lm-eval's 14,000 takes

@@ -44,9 +44,8 @@ def test_non_finite_loss_stops_without_checkpointing_it_and_keeps_the_last_good_
         "checkpoint.keep_last=1",
         "parallel.dp_shard=2",
     ]
-    good = train(
-        tmp_path / "run", *args, "train.steps=4", nproc=2
-    )  # step-4 is the last good checkpoint
+    # step-4 is the last good checkpoint
+    good = train(tmp_path / "run", *args, "train.steps=4", nproc=2)
     assert _checkpoint_steps(good) == [4]
     # Resumed with a diverging learning rate (a changed setting: it applies, and the log says so).
     run = train(tmp_path / "run", *args, *DIVERGING, "logging.log_every=5", nproc=2, check=False)
@@ -124,9 +123,8 @@ def test_fp16_loss_scale_resumes_where_it_was(tmp_path):
 def test_changed_learning_rate_on_resume_applies_from_the_next_step(tmp_path):
     args = [*FAST, "train.steps=6", "checkpoint.interval=3"]
     base = train(tmp_path / "base", *args)
-    lower = train(
-        tmp_path / "lower", *args, "optim.lr=1e-4"
-    )  # what the resumed run's schedule must follow
+    # what the resumed run's schedule must follow
+    lower = train(tmp_path / "lower", *args, "optim.lr=1e-4")
     resumed = train(
         tmp_path / "resumed",
         *args,
@@ -189,14 +187,10 @@ def test_a_full_disk_stops_the_save_in_one_line_leaving_no_partial_and_the_last_
     assert full.returncode == 74, full.output[-3000:]
     line = (
         "composer3d: checkpoint.dir: no room for checkpoint step-00000006 in "
-        f"{tmp_path / 'checkpoints'}: it "
-        f"needs about {size / 2**20:.2f} MiB ({size:,} bytes) (the size of step-00000004), and "
-        "0.00 MiB (1,000 "
-        "bytes) are free. Free space there, keep fewer checkpoints (checkpoint.keep_last=1 now; "
-        "older ones are "
-        "pruned only after a save), or set checkpoint.dir to a disk with room; the last good "
-        "checkpoint, "
-        f"{good}, is kept"
+        f"{tmp_path / 'checkpoints'}: it needs about {size / 2**20:.2f} MiB ({size:,} bytes) (the "
+        "size of step-00000004), and 0.00 MiB (1,000 bytes) are free. Free space there, keep fewer "
+        "checkpoints (checkpoint.keep_last=1 now; older ones are pruned only after a save), or set "
+        f"checkpoint.dir to a disk with room; the last good checkpoint, {good}, is kept"
     )
     assert full.output.count(line) == 1, full.output[-3000:]
     assert "Traceback" not in full.output and "restarting" not in full.output

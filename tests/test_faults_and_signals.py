@@ -134,9 +134,8 @@ def _agree_on_stop(rank: int, world_size: int, out: Path) -> None:
     for step in range(1, 7):
         if rank == 1 and step == 3:  # only rank 1 is told, during step 3
             os.kill(os.getpid(), signal.SIGUSR1)
-        if (
-            rank == 0 and step == 4
-        ):  # submitit's time-limit notice (unhandled, it would end the process)
+        # submitit's time-limit notice (unhandled, it would end the process)
+        if rank == 0 and step == 4:
             os.kill(os.getpid(), signal.SIGUSR2)
         verdicts.append(signals.agreed())  # the boundary after the step
     signals.finish()
@@ -174,9 +173,8 @@ def test_metrics_resume_drops_only_a_torn_last_line(tmp_path):
     path.write_text("".join(line + "\n" for line in lines) + '{"step": 4, "lo')
     _sink(tmp_path, resume_step=2)
     assert path.read_text() == lines[0] + "\n" + lines[1] + "\n"
-    path.write_text(
-        lines[0] + "\n" + '{"step": 2, "lo' + "\n" + lines[2] + "\n"
-    )  # not a crash's trace
+    # not a crash's trace
+    path.write_text(lines[0] + "\n" + '{"step": 2, "lo' + "\n" + lines[2] + "\n")
     with pytest.raises(ValueError, match="line 2, is not a metrics record"):
         _sink(tmp_path, resume_step=3)
 
@@ -198,9 +196,8 @@ def test_a_stalled_rank_fails_the_run_after_launch_timeout_minutes(tmp_path):
     )
     ended = time.time()
     assert run.returncode == 1, run.output[-3000:]
-    stalled_since = (
-        (tmp_path / "metrics.jsonl").stat().st_mtime
-    )  # step 2's line, written just before the stall
+    # step 2's line, written just before the stall
+    stalled_since = (tmp_path / "metrics.jsonl").stat().st_mtime
     assert ended - stalled_since < 60, "failed within seconds of the stall, not after it"
     # What torch says: gloo's transport operation and the timeout (from launch.timeout_minutes), in
     # the line of the rank whose collective waited; its traceback (FSDP's all-gather) in the run's
@@ -231,9 +228,8 @@ def test_an_hf_run_resumes_from_its_checkpoint_after_its_model_directory_moved(t
         assert harmless not in first.output, first.output[-3000:]
     moved = tmp_path / "moved"
     shutil.move(original, moved)
-    for weights in moved.glob(
-        "*.safetensors"
-    ):  # the checkpoint holds the trained weights: resuming needs none
+    # the checkpoint holds the trained weights: resuming needs none
+    for weights in moved.glob("*.safetensors"):
         weights.unlink()
 
     step2 = first.run_dir / "checkpoints" / "step-00000002"
@@ -292,9 +288,8 @@ def test_ctrl_c_in_one_process_saves_like_sigterm_and_says_sigint_and_exit_130(t
     is saved, as for SIGTERM, and the run says which signal came and exits 130, the code it
     names."""
     run_dir = tmp_path / "run"
-    proc = start(
-        run_dir, *FAST, "train.steps=100000", faults={SLOW_RANK: "0:1:0.2"}
-    )  # no checkpoint.interval
+    # no checkpoint.interval
+    proc = start(run_dir, *FAST, "train.steps=100000", faults={SLOW_RANK: "0:1:0.2"})
     _wait_for_steps(run_dir / "metrics.jsonl", 3, proc)
     os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=300)

@@ -148,9 +148,8 @@ def test_native_cached_decoding_equals_recompute_and_each_row_alone(tiny_native)
         assert (
             run_native(tiny_native, [prompt], cache="none")[0].completion_ids == row.completion_ids
         )
-    assert (
-        len({tuple(g.completion_ids) for g in cached}) == 3
-    )  # the rows differ: nothing mixed them up
+    # the rows differ: nothing mixed them up
+    assert len({tuple(g.completion_ids) for g in cached}) == 3
 
 
 def test_native_mixture_of_experts_decodes_cached_as_recomputed():
@@ -205,9 +204,8 @@ def test_compiled_decode_steps_are_one_graph_and_decode_as_eager(tiny_native, ro
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = run_native(tiny_native, prompts, compile=True)
-    again = run_native(
-        tiny_native, prompts, compile=True
-    )  # the same shapes: the graph (and its cache) reused
+    # the same shapes: the graph (and its cache) reused
+    again = run_native(tiny_native, prompts, compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, dict(
         torch._dynamo.utils.counters["stats"]
     )
@@ -252,9 +250,8 @@ def test_a_stop_string_ends_its_row_and_is_cut_from_the_text(tiny_native):
         row.completion_ids[:-1]
     )
     assert row.completion_ids == full[1].completion_ids[: len(row.completion_ids)]
-    for other, whole in zip(
-        (stopped[0], stopped[2]), (full[0], full[2])
-    ):  # the others stop where they hold it
+    # the others stop where they hold it
+    for other, whole in zip((stopped[0], stopped[2]), (full[0], full[2])):
         assert other.completion_ids == whole.completion_ids[: len(other.completion_ids)]
 
 
@@ -352,9 +349,8 @@ def hf_generated_as_transformers_generates(path: Path, *overrides: str, nproc: i
         result = json.loads(line)
         assert result["prompt_ids"] == tokenizer.encode(text)
         reference = transformers_greedy(path, result["prompt_ids"], 16)
-        if (
-            tokenizer.eos_token_id in reference
-        ):  # transformers pads a finished row to the limit: ours ends there
+        # transformers pads a finished row to the limit: ours ends there
+        if tokenizer.eos_token_id in reference:
             reference = reference[: reference.index(tokenizer.eos_token_id) + 1]
         assert result["completion_ids"] == reference
         assert result["finish_reason"] == (
@@ -365,9 +361,8 @@ def hf_generated_as_transformers_generates(path: Path, *overrides: str, nproc: i
 def test_a_row_stops_at_its_eos_and_the_others_go_on(tiny_native):
     full = run_native(tiny_native, PROMPTS)
     ids = full[0].completion_ids
-    at = next(
-        i for i in range(3, len(ids)) if ids[i] not in ids[:i]
-    )  # a token the first row makes first there
+    # a token the first row makes first there
+    at = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])
     stopped = run_native(tiny_native, PROMPTS, stop_at_eos=True)  # no eos id: never stops
     assert [g.finish_reason for g in stopped] == ["length"] * 3
     config = GenerateConfig(max_new_tokens=24, stop_at_eos=True)
@@ -375,9 +370,8 @@ def test_a_row_stops_at_its_eos_and_the_others_go_on(tiny_native):
         tiny_native, PROMPTS, config, ids[at], decode_bytes, torch.device("cpu")
     )
     assert stopped[0].completion_ids == ids[: at + 1] and stopped[0].finish_reason == "eos"
-    for row, whole in zip(
-        stopped[1:], full[1:]
-    ):  # the others run on, or stop at the same token where they make it
+    # the others run on, or stop at the same token where they make it
+    for row, whole in zip(stopped[1:], full[1:]):
         expected = (
             whole.completion_ids[: whole.completion_ids.index(ids[at]) + 1]
             if ids[at] in whole.completion_ids
@@ -438,6 +432,5 @@ def test_refusals_before_any_worker_starts(native_run, nproc, overrides, key):
         line for line in proc.stderr.splitlines() if line.startswith("composer3d-generate: invalid")
     ]
     assert len(lines) == 1 and f": {key}:" in lines[0], proc.stderr[-3000:]
-    assert (
-        "failed first" not in proc.stderr and not proc.stdout.strip()
-    )  # refused by the launcher: no worker started
+    # refused by the launcher: no worker started
+    assert "failed first" not in proc.stderr and not proc.stdout.strip()

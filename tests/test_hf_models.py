@@ -173,9 +173,8 @@ def test_tensor_parallel_with_an_unknown_style_is_refused_and_without_a_plan_tak
 
     no_plan = _with_plan(tmp_path / "none", {})
     validate(train_config(no_plan, dp_shard=2), 2)  # FSDP/PP need no plan
-    validate(
-        train_config(no_plan, tp=2), 2
-    )  # laid out like Llama: the Llama family's plan, derived
+    # laid out like Llama: the Llama family's plan, derived
+    validate(train_config(no_plan, tp=2), 2)
     assert tp_plan(AutoConfig.from_pretrained(no_plan)) == LLAMA_LAYOUT_TP_PLAN
     odd = _with_plan(
         tmp_path / "odd",
@@ -242,13 +241,12 @@ def test_tied_head_under_pipeline_parallel_is_refused_only_by_a_v_shaped_schedul
     from composer3d.errors import ConfigError
 
     tied = make_model(tmp_path / "tied", "qwen3", tokenizer=False, tie_word_embeddings=True)
-    validate(
-        train_config(tied, pp=2), 2
-    )  # the head: the embedding's twin on the last stage (test_pp_tied)
+    # the head: the embedding's twin on the last stage (test_pp_tied)
+    validate(train_config(tied, pp=2), 2)
     with pytest.raises(
         ConfigError,
-        match="parallel.pp_schedule: zbv runs the first and the last stage on one rank.*"
-        "tie_word_embeddings",
+        match="parallel.pp_schedule: zbv runs the first and the last stage on one "
+        "rank.*tie_word_embeddings",
     ):
         validate(train_config(tied, pp=2, pp_schedule="zbv"), 2)
 
@@ -681,8 +679,8 @@ def test_a_mixture_of_experts_checkpoint_with_fused_or_missing_experts(moe_model
     (fewer / "config.json").write_text(json.dumps({**config, "num_local_experts": 6}))
     with pytest.raises(
         ConfigError,
-        match=r"model.path: .* shape mismatches, e.g. \['model.layers.0.mlp.experts."
-        r"down_proj: file \(8, 64, 128\) vs model \(6, 64, 128\)",
+        match=r"model.path: .* shape mismatches, e.g. \['model.layers.0.mlp.experts.down_proj: "
+        r"file \(8, 64, 128\) vs model \(6, 64, 128\)",
     ):
         check_pretrained(build_model(train_config(fewer).model), str(fewer))
 
@@ -791,8 +789,8 @@ def test_expert_parallel_of_a_dense_or_unsupported_hugging_face_model_is_refused
     assert validate(train_config(moe_models["mixtral"], dp_shard=4, ep=4), 4).ep == 4
     with pytest.raises(
         ConfigError,
-        match=r"parallel.ep: expert parallel \(ep=2\) needs a mixture-of-experts model, "
-        r"and .*llama is a dense model",
+        match=r"parallel.ep: expert parallel \(ep=2\) needs a mixture-of-experts model, and "
+        r".*llama is a dense model",
     ):
         validate(train_config(models["llama"], dp_shard=2, ep=2), 2)
     with pytest.raises(
@@ -980,9 +978,8 @@ def test_a_mixture_of_experts_model_trains_from_scratch_with_fsdp_and_expert_par
         _assert_same_training(name, run, aux_one)
         for record, single in zip(run.metrics, aux_one.metrics):
             assert record["moe_aux_loss"] == pytest.approx(single["moe_aux_loss"], rel=1e-5), name
-    assert all(1.0 < m["moe_aux_loss"] < 8 for m in aux_one.metrics), (
-        aux_one.metrics
-    )  # top_k=2 when balanced
+    # top_k=2 when balanced
+    assert all(1.0 < m["moe_aux_loss"] < 8 for m in aux_one.metrics), aux_one.metrics
     assert max(abs(a - b) for a, b in zip(aux_one.losses[1:], one.losses[1:])) > 1e-5, (
         aux_one.losses,
         one.losses,

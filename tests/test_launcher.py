@@ -166,9 +166,8 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     wait_until(first, lambda: (tmp_path / "metrics.jsonl").exists(), "a logged step")
     workers = _children(first.pid)
     assert len(workers) == 2
-    for (
-        pid
-    ) in workers:  # held mid-run, so the first job is surely still running while the second tries
+    # held mid-run, so the first job is surely still running while the second tries
+    for pid in workers:
         os.kill(pid, signal.SIGSTOP)
     try:
         second = train(tmp_path, *TWO_RANKS, LONG, nproc=2, check=False, timeout=120)
@@ -186,9 +185,8 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     assert second.seconds < 60
 
     wait_until(first, lambda: bool(committed_checkpoints(tmp_path / "checkpoints")), "a checkpoint")
-    os.killpg(
-        first.pid, signal.SIGINT
-    )  # what Ctrl-C in a terminal does: the foreground process group
+    # what Ctrl-C in a terminal does: the foreground process group
+    os.killpg(first.pid, signal.SIGINT)
     _, stderr = first.communicate(timeout=120)
     assert first.returncode == 130, stderr[-3000:]
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
@@ -198,9 +196,8 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     newest = committed_checkpoints(tmp_path / "checkpoints")[0]
     assert newest.name == f"step-{stopped:08d}", "the step the workers stopped at is saved"
     assert stderr.strip().splitlines() == [
-        f"composer3d: stopped by SIGINT (Ctrl-C); the last checkpoint is {newest}; "
-        f"to resume it, run the same command with run.dir={tmp_path}; "
-        "exit code 130"
+        f"composer3d: stopped by SIGINT (Ctrl-C); the last checkpoint is {newest}; to resume it, "
+        f"run the same command with run.dir={tmp_path}; exit code 130"
     ], stderr[-3000:]
     assert (
         f"received SIGINT (Ctrl-C): checkpoint {newest.name} saved; exiting with code 130"
@@ -268,11 +265,9 @@ def test_cuda_allocator_grows_segments_in_place_unless_the_environment_or_the_co
     allocator as torch sets it."""
     code = (
         "import sys, torch; from composer3d.launch.distributed import allocator_settings, "
-        "resolve_device; "
-        "device = resolve_device('cuda', 0, sys.argv[1] == 'true'); x = torch.empty(2**20, "
-        "device=device); "
-        "print(allocator_settings(), all(s['is_expandable'] for s in "
-        "torch.cuda.memory._snapshot()['segments']))"
+        "resolve_device; device = resolve_device('cuda', 0, sys.argv[1] == 'true'); x = "
+        "torch.empty(2**20, device=device); print(allocator_settings(), all(s['is_expandable'] for "
+        "s in torch.cuda.memory._snapshot()['segments']))"
     )
     env = {
         k: v

@@ -92,13 +92,11 @@ def _reference(x, weight, targets, scale):
 def test_fused_loss_and_gradients_equal_cross_entropy_over_full_logits(
     monkeypatch, fresh_dynamo, compiled
 ):
-    monkeypatch.setattr(
-        fused_loss, "CHUNK_ELEMENTS", 10 * VOCAB
-    )  # chunks of 10 rows: 8 of them, the last of 4
+    # chunks of 10 rows: 8 of them, the last of 4
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 10 * VOCAB)
     x, weight, targets = _inputs()
-    expected = _reference(
-        x, weight, targets, 0.25
-    )  # a grad_output ≠ 1: the global-token normalization
+    # a grad_output ≠ 1: the global-token normalization
+    expected = _reference(x, weight, targets, 0.25)
     x.grad = weight.grad = None
     # The memory meter watches the eager kernels only: dynamo never compiles a function first called
     # under a dispatch mode (nor afterwards), and the compiled kernels are the chunked loss's too
@@ -124,9 +122,8 @@ def test_fused_loss_in_bf16_rounds_where_the_full_logits_do(monkeypatch, fresh_d
     summed over the row chunks in bf16: gradients off by up to 0.7% of their largest element, 40-66%
     of them different."""
     rows, dim, vocab = 256, 64, 4096
-    monkeypatch.setattr(
-        fused_loss, "CHUNK_ELEMENTS", 32 * vocab
-    )  # 8 chunks of rows; ∂W in 32 of the vocabulary
+    # 8 chunks of rows; ∂W in 32 of the vocabulary
+    monkeypatch.setattr(fused_loss, "CHUNK_ELEMENTS", 32 * vocab)
     generator = torch.Generator().manual_seed(0)
     x0, w0 = (
         torch.randn(rows, dim, generator=generator),
@@ -147,17 +144,15 @@ def test_fused_loss_in_bf16_rounds_where_the_full_logits_do(monkeypatch, fresh_d
     loss, *grads = run(
         lambda x, w: fused_linear_cross_entropy_sum(x, w, targets, compiled, grad_scale=scale)
     )
-    assert (
-        abs(loss.item() - expected[0].item()) <= 1e-6 * expected[0].item()
-    )  # fp32's summation order only
+    # fp32's summation order only
+    assert abs(loss.item() - expected[0].item()) <= 1e-6 * expected[0].item()
     assert (_compiled_graphs() > 0) or not compiled
     for grad, reference in zip(grads, expected[1:]):
         assert grad.dtype == reference.dtype == torch.float32
         bf16_step = 2**-8 * reference.abs().max().item()  # one bf16 step at the largest element
         torch.testing.assert_close(grad, reference, rtol=0, atol=bf16_step)
-        assert (
-            grad != reference
-        ).float().mean().item() < 0.01  # the rare element fp32's last bit rounds over
+        # the rare element fp32's last bit rounds over
+        assert (grad != reference).float().mean().item() < 0.01
 
 
 class _Matmuls(TorchDispatchMode):

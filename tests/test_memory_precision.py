@@ -111,12 +111,10 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
                 moments,
             )
             assert not any(m["shares_param_storage"] for m in masters + moments)
-            assert (
-                len(moments) == 2 * rank["num_params"]
-            )  # exp_avg and exp_avg_sq of every parameter
-            in_files = (
-                "parallel.offload_dir" in settings
-            )  # there, the masters and moments are mapped files
+            # exp_avg and exp_avg_sq of every parameter
+            assert len(moments) == 2 * rank["num_params"]
+            # there, the masters and moments are mapped files
+            in_files = "parallel.offload_dir" in settings
             assert all(m["in_file"] == in_files for m in masters + moments), (masters, moments)
             assert rank["host_file_bytes"] == (
                 sum(s["bytes"] for s in moments) * 3 // 2 if in_files else 0
@@ -152,9 +150,8 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
             assert rank["output_dtypes"] in ([low], []), rank["output_dtypes"]
             assert rank["loss_scaler"] == (dtype == "float16")  # fp16 needs loss scaling, bf16 none
             cast = settings.get("precision.cast")
-            if (
-                cast == "params"
-            ):  # one rank, no FSDP: the weights' copies in the low dtype, the residual stream too
+            # one rank, no FSDP: the weights' copies in the low dtype, the residual stream too
+            if cast == "params":
                 assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank[
                     "block_input_dtypes"
                 ] == [low], rank
@@ -165,9 +162,8 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
                 assert not any(rank["collective_dtypes"].values()), rank[
                     "collective_dtypes"
                 ]  # none on one rank
-            if (
-                cast == "autocast"
-            ):  # fp32 parameters and residual stream; the matmuls cast as they run
+            # fp32 parameters and residual stream; the matmuls cast as they run
+            if cast == "autocast":
                 assert not rank["fsdp"] and rank["block_weight_dtypes"] == rank[
                     "block_input_dtypes"
                 ] == ["torch.float32"], rank
@@ -199,12 +195,10 @@ def assert_switch_effect(ranks: list[dict], switch: list[str], layout: list[str]
                 (s["param"], s["class"]) for s in states
             }
             quantized = sum(s["bytes"] for s in large) / sum(4 * s["numel"] for s in large)
-            assert quantized < ratio, (
-                quantized
-            )  # about 1/4 (8-bit, fp8) or 1/8 (4-bit) of fp32's bytes
-    if settings.get(
-        "precision.param_dtype"
-    ):  # some rank has the head (under PP only the last stage)
+            # about 1/4 (8-bit, fp8) or 1/8 (4-bit) of fp32's bytes
+            assert quantized < ratio, quantized
+    # some rank has the head (under PP only the last stage)
+    if settings.get("precision.param_dtype"):
         assert any(rank["output_dtypes"] for rank in ranks)
 
 
@@ -620,9 +614,8 @@ def test_activation_checkpointing_with_zero_bubble_schedule_is_refused(tmp_path)
 def test_auto_precision_is_fp32_on_cpu(tmp_path):
     run = train(tmp_path, *FAST, "train.steps=1")
     assert "param_dtype: float32" in (tmp_path / "config.yaml").read_text()
-    assert (
-        "cast: autocast" in (tmp_path / "config.yaml").read_text()
-    )  # the resolved choice is recorded
+    # the resolved choice is recorded
+    assert "cast: autocast" in (tmp_path / "config.yaml").read_text()
     assert json.loads((tmp_path / "run.json").read_text())["device"] == "cpu"
     assert len(run.metrics) == 1
 

@@ -192,12 +192,10 @@ def _compare(build, tokens, tiles: int, mlp_width: int, vocab: int, layers: int)
     for name, grad in grads.items():
         assert torch.allclose(tiled_grads[name], grad, atol=1e-5, rtol=1e-5), name
     rows = tokens.shape[0] * (tokens.shape[1] - 1)
-    assert untiled == {"mlp": rows * mlp_width, "logits": rows * vocab}, (
-        untiled
-    )  # the full-length ones
-    assert tiled == {"mlp": rows * mlp_width // tiles, "logits": rows * vocab // tiles}, (
-        tiled
-    )  # one tile's, at most
+    # the full-length ones
+    assert untiled == {"mlp": rows * mlp_width, "logits": rows * vocab}, untiled
+    # one tile's, at most
+    assert tiled == {"mlp": rows * mlp_width // tiles, "logits": rows * vocab // tiles}, tiled
 
 
 def _tiny():
@@ -285,9 +283,8 @@ def test_op_level_selective_keeps_nothing_of_a_tile(monkeypatch, policy, compile
     assert decisions == Counter({(True, RECOMPUTE): 12 * layers, **outside}), decisions
 
 
-@pytest.mark.parametrize(
-    "arch", ["llama", "gemma2"]
-)  # gemma2: the head's logit soft-capping is in logits()
+# gemma2: the head's logit soft-capping is in logits()
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_hugging_face_tiles_give_the_same_loss_and_gradients(tmp_path, arch):
     from composer3d.models.hf.weights import load_pretrained
 

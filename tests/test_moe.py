@@ -167,9 +167,8 @@ def test_routing_is_counted_once_under_activation_checkpointing():
     moe = make_moe()
     x = torch.randn(2, 8, 32, requires_grad=True)
     checkpoint(moe, x, use_reentrant=False).sum().backward()
-    assert (
-        int(moe.routed_tokens.sum()) == 2 * 8 * 2
-    )  # tokens × top_k, not twice that from the recompute
+    # tokens × top_k, not twice that from the recompute
+    assert int(moe.routed_tokens.sum()) == 2 * 8 * 2
     moe.eval()
     with torch.no_grad():
         moe(x)
@@ -217,9 +216,8 @@ def test_experts_compute_in_autocasts_dtype():
     x = torch.randn(2, 8, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = moe(x)
-    assert (
-        seen == [torch.bfloat16] and y.dtype == torch.float32
-    )  # mixed in fp32, back in the residual's dtype
+    # mixed in fp32, back in the residual's dtype
+    assert seen == [torch.bfloat16] and y.dtype == torch.float32
     torch.testing.assert_close(y, moe(x), atol=0.1, rtol=0.05)
 
 

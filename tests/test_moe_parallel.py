@@ -103,9 +103,8 @@ def test_moe_metrics_and_active_flops(reference):
     # tiny_moe: 3 MoE layers × 8 experts of 3 × 64 × 64 weights; a token goes through 2 of them
     inactive = 3 * 6 * 3 * 64 * 64
     assert info["num_params"] - info["num_active_params"] == inactive
-    assert info["flops_per_token"] < 6 * (
-        info["num_params"] - 512 * 64
-    )  # counts the active parameters only
+    # counts the active parameters only
+    assert info["flops_per_token"] < 6 * (info["num_params"] - 512 * 64)
 
 
 def test_experts_split_by_expert_and_width(layout_runs):
@@ -119,17 +118,15 @@ def test_experts_split_by_expert_and_width(layout_runs):
         layers = rank["moe_layers"]
         assert len(layers) == 3  # tiny_moe: layer 0 dense, 1-3 MoE
         for layer in layers:
-            assert layer["experts_local_shape"] == [4, 32, 64], (
-                layer
-            )  # [experts/ep, hidden/tp, dim]
+            # [experts/ep, hidden/tp, dim]
+            assert layer["experts_local_shape"] == [4, 32, 64], layer
             assert layer["experts_own_fsdp_group_size"] == 1, layer
             assert layer["ep_group_size"] == 2
             # one shared expert [64, 64], column-split over tp, then FSDP-sharded over dp_shard=2
             # with the block
             assert layer["shared_local_shape"] == [16, 64]
-            assert layer["gate_placements"][-1] == "R", (
-                layer
-            )  # whole on every TP rank (FSDP shards it over dp)
+            # whole on every TP rank (FSDP shards it over dp)
+            assert layer["gate_placements"][-1] == "R", layer
         # forward: 2 exchanges per layer and micro-batch; 3 layers, 2 micro-batches per rank (8 / dp
         # 2 / 2)
         assert rank["all_to_all"]["calls"] == 2 * 3 * 2, rank["all_to_all"]

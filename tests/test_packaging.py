@@ -70,9 +70,8 @@ def _check_recipe_config(stdout: str) -> None:
     assert leaves, "the recipe sets no keys"
     for key, value in leaves.items():
         assert _get(cfg, key) == value, f"{key}: composed {_get(cfg, key)!r}, recipe says {value!r}"
-    assert (
-        cfg["model"]["name"] == "hf" and cfg["data"]["name"] == "text_files"
-    )  # the recipe's group overrides
+    # the recipe's group overrides
+    assert cfg["model"]["name"] == "hf" and cfg["data"]["name"] == "text_files"
     assert cfg["model"]["path"] == MODEL_PATH
 
 

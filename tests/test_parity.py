@@ -114,9 +114,10 @@ def test_regathering_in_backward_keeps_the_curve(layout_runs):
 # Model-state bytes per rank (fp32 param + grad + 2 Adam moments = 16 bytes per parameter), by
 # layout. P: all parameters; N: data-parallel ranks sharding them. Adam's per-parameter 'step'
 # scalars add a few bytes.
+# RMSNorm weights: the parameters tensor parallel leaves whole (2 per block + final)
 def _norm_params(
     info,
-):  # RMSNorm weights: the parameters tensor parallel leaves whole (2 per block + final)
+):
     return (2 * 2 + 1) * 64  # tiny: 2 layers, dim 64
 
 

@@ -188,9 +188,8 @@ def test_lora_trains_only_the_adapters(reference):
     # well above it
     matmul, adapters, attention = info["num_params"] - 512 * 64, 2 * per_layer, 6 * 2 * 64 * 64
     assert info["flops_per_token"] == 4 * (matmul + adapters) + 2 * adapters + attention
-    assert info["flops_per_token"] < 0.83 * (
-        6 * matmul + attention
-    )  # less the base's weight gradients
+    # less the base's weight gradients
+    assert info["flops_per_token"] < 0.83 * (6 * matmul + attention)
 
 
 def test_lora_resumes_under_another_layout(reference, runs):
@@ -448,9 +447,8 @@ def _count_collectives(rank, world_size):
         math.ceil(p.shape[0] / world_size) * world_size * p[0].numel() for p in trainable.values()
     )
     assert carried["reduce_scatter"] == padded, (carried, padded)
-    assert carried["all_gather"] * world_size >= sum(
-        p.numel() for p in params.values()
-    )  # each rank sends its shard
+    # each rank sends its shard
+    assert carried["all_gather"] * world_size >= sum(p.numel() for p in params.values())
     assert all(p.grad is None for n, p in params.items() if n not in trainable)
     assert all(p.grad is not None for p in trainable.values())
     state_ids = {id(p) for p in optimizer.state}
@@ -532,9 +530,8 @@ def test_compiled_lora_blocks_have_no_graph_break_and_train_as_eager():
         curves.append(losses)
         models.append(model)
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert graphs[0] >= 1 and graphs[0] == graphs[-1], (
-        graphs
-    )  # compiled at the first step, never again
+    # compiled at the first step, never again
+    assert graphs[0] >= 1 and graphs[0] == graphs[-1], graphs
     assert max(abs(a - b) for a, b in zip(*curves)) < 1e-6 and curves[0][-1] < curves[0][0], curves
     eager, compiled = (dict(m.named_parameters()) for m in models)
     for name in (n for n, p in eager.items() if p.requires_grad):

@@ -169,9 +169,8 @@ def logit_diffs(entry: dict) -> dict[str, float]:
 def test_peft_loads_the_exported_adapter_to_composer3ds_logits(trained, name):
     diffs = logit_diffs(trained[name])
     assert diffs["peft"] <= ATOL and diffs["merged"] <= ATOL, diffs
-    assert diffs["base_alone"] > 1e-3, (
-        diffs
-    )  # the adapters moved the logits: the equality above is theirs
+    # the adapters moved the logits: the equality above is theirs
+    assert diffs["base_alone"] > 1e-3, diffs
 
 
 def test_the_adapter_directory_holds_peft_keys_and_config(trained):
@@ -183,9 +182,8 @@ def test_the_adapter_directory_holds_peft_keys_and_config(trained):
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     assert config["modules_to_save"] == ["lm_head"]
-    assert config["base_model_name_or_path"] == str(
-        (adapter / "base").resolve()
-    )  # the native base, written there
+    # the native base, written there
+    assert config["base_model_name_or_path"] == str((adapter / "base").resolve())
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         keys = set(f.keys())
     assert "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight" in keys
@@ -225,9 +223,8 @@ def test_qlora_exports_adapters_and_a_merge_of_the_dequantized_nf4_base(trained)
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     name = "model.layers.0.mlp.down_proj"
     w = base[f"{name}.weight"]
-    assert (
-        max(len(torch.unique(block)) for block in w.reshape(-1, 64)) <= 16
-    )  # NF4's rounding, dequantized
+    # NF4's rounding, dequantized
+    assert max(len(torch.unique(block)) for block in w.reshape(-1, 64)) <= 16
     a, b = (
         lora[f"base_model.model.{name}.lora_A.weight"],
         lora[f"base_model.model.{name}.lora_B.weight"],

@@ -576,9 +576,8 @@ def test_attention_kernel_times_attention_at_its_rate_and_nothing_else():
         expected, rel=1e-9
     )
     assert expected > 0.5  # seconds, of a 6 s step: at this length attention is most of the step
-    assert (
-        got["flash2", "fsdp"].exposed_comm_s == got["sdpa", "fsdp"].exposed_comm_s
-    )  # FSDP hides behind both
+    # FSDP hides behind both
+    assert got["flash2", "fsdp"].exposed_comm_s == got["sdpa", "fsdp"].exposed_comm_s
     assert 0 < got["flash2", "ring"].exposed_comm_s["cp"] < got["sdpa", "ring"].exposed_comm_s["cp"]
 
 
@@ -661,9 +660,8 @@ def test_plan_ranks_layouts_as_json_and_reports_one_layout():
         [r["tokens_per_s_per_gpu"] for r in rows],
         [r["memory_bytes_per_gpu"] for r in rows],
     )
-    for i in range(
-        len(rows) - 1
-    ):  # faster first; within 0.1% of each other (equals to the planner), smaller first
+    # faster first; within 0.1% of each other (equals to the planner), smaller first
+    for i in range(len(rows) - 1):
         assert tokens[i] >= tokens[i + 1] or (
             tokens[i + 1] <= 1.001 * tokens[i] and memory[i] <= memory[i + 1]
         ), rows
@@ -939,9 +937,8 @@ def test_alternate_matmuls_keeps_less_by_what_one_measured_rank_shows(layout):
     ranks, overrides = AC_POLICY_LAYOUTS[layout]
     predicted, measured = {}, {}
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # one thread, as a worker runs (tests/harness.py): ten times faster on this machine
+    # one thread, as a worker runs (tests/harness.py): ten times faster on this machine
+    torch.set_num_threads(1)
     try:
         for policy in ("all_matmuls", "alternate_matmuls"):
             with initialize_config_module(config_module="composer3d.conf", version_base=None):
@@ -1263,9 +1260,8 @@ def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_ste
     assert opt.exposed_comm_s["host"] == pytest.approx(
         (params + grads) / cluster.host_link_bw + params / cluster.host_optimizer_bw
     )
-    assert (
-        cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw
-    )  # the host step; its copies overlap
+    # the host step; its copies overlap
+    assert cpu.exposed_comm_s["host"] >= params / cluster.host_optimizer_bw
     assert cpu.step_time_s > plain.step_time_s
     small, _ = planned(*ONE_H100_8B, "parallel.offload=cpu", "cluster.host_memory_gib=64")
     assert not small.fits  # 8B's ~120 GiB of model state does not fit a 64 GiB host

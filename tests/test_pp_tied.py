@@ -58,9 +58,8 @@ def runs(tmp_path_factory) -> dict[str, RunResult]:
     """Every layout in one 4-process group; then, in one process, each model's reference curve and
     the PP × FSDP runs' step-5 checkpoints resumed to step 10."""
     root = tmp_path_factory.mktemp("pp_tied")
-    tied = make_model(
-        root / "llama_tied", "llama", tie_word_embeddings=True
-    )  # Llama 3.2's layout, tiny
+    # Llama 3.2's layout, tiny
+    tied = make_model(root / "llama_tied", "llama", tie_word_embeddings=True)
     base = {"native": NATIVE, "hf": [*HF, f"model.path={tied}"]}
     named = {
         name: (root / name, [*base[model], *layout])
@@ -100,9 +99,8 @@ def _assert_on_curve(run: RunResult, reference: RunResult, steps: slice = slice(
 def test_tied_model_under_pipeline_parallel_follows_one_process(runs, layout):
     model = LAYOUTS[layout][0]
     reference = runs[f"{model}_one"]
-    assert reference.losses[-1] < reference.losses[0] - 0.05, (
-        reference.losses
-    )  # it trains: the twins' updates count
+    # it trains: the twins' updates count
+    assert reference.losses[-1] < reference.losses[0] - 0.05, reference.losses
     _assert_on_curve(runs[layout], reference)
 
 

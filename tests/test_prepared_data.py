@@ -29,8 +29,7 @@ from composer3d.errors import ConfigError
 
 WORDS = (
     "the quick brown fox jumps over the lazy dog pipeline tensor data parallel shard rank "
-    "checkpoint "
-    "layout loss step"
+    "checkpoint layout loss step"
 ).split()
 
 
@@ -114,9 +113,8 @@ def corpus(tmp_path_factory):
     )
     (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _conversations(60)))
     (root / "txt").mkdir()
-    for i, text in enumerate(
-        _texts(12, seed=3)
-    ):  # one document per file; \r\n read as \n by both paths
+    # one document per file; \r\n read as \n by both paths
+    for i, text in enumerate(_texts(12, seed=3)):
         (root / "txt" / f"{i:02d}.txt").write_bytes((text + "\r\nlast line\n").encode())
     return root
 

@@ -142,9 +142,8 @@ PEFT_RECIPES = {
     "llama3_1_8b_lora": ("llama3_1_8b", 80e9),
     "llama3_1_8b_qlora": ("llama3_1_8b", 24e9),
 }
-NF4_BYTES = (
-    0.5 + 1 / 64 + 4 / (64 * 256)
-)  # 4 bits, an int8 scale per 64 values, an fp32 scale per 256 scales
+# 4 bits, an int8 scale per 64 values, an fp32 scale per 256 scales
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 def compose_recipe(name: str, *overrides: str):
@@ -312,9 +311,8 @@ def test_peft_recipe_validates_on_one_gpu_and_its_state_fits_by_its_arithmetic(n
     model = build_model(cfg.model)  # on meta
     check_targets(model, cfg.peft, 1)  # QLoRA: every adapted weight holds whole NF4 blocks
     adapters = trainable_params(model, cfg.peft)
-    assert (
-        adapters == 41_943_040
-    )  # r 16 × (in + out) of 7 projections × 32 layers, as the recipe says
+    # r 16 × (in + out) of 7 projections × 32 layers, as the recipe says
+    assert adapters == 41_943_040
     _, params, _ = PUBLISHED[model_name]
     adapted = sum(linear.weight.numel() for _, linear in targets(model, cfg.peft.target_modules))
     base = (
@@ -388,9 +386,8 @@ def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path, monkeypatch):
     else:
         rows = [{"text": text} for text in _CORPUS * 10]
     corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    monkeypatch.chdir(
-        tmp_path
-    )  # the recipe group comes with the package, not from the working directory
+    # the recipe group comes with the package, not from the working directory
+    monkeypatch.chdir(tmp_path)
     result = train(
         tmp_path / "run",
         f"recipe={name}",
@@ -407,9 +404,8 @@ def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path, monkeypatch):
         nproc=2,
     )
     assert len(result.losses) == 2 and all(0 < loss < 100 for loss in result.losses)
-    saved = OmegaConf.load(
-        result.run_dir / "config.yaml"
-    )  # the recipe's values, under the test's overrides
+    # the recipe's values, under the test's overrides
+    saved = OmegaConf.load(result.run_dir / "config.yaml")
     assert (
         saved.model.name == "hf"
         and saved.run.name == name

@@ -95,8 +95,8 @@ def test_off_a_terminal_each_record_is_one_plain_line_and_on_one_rich_draws_the_
     ), piped.output[-3000:]
     assert any(
         re.search(
-            r"INFO model: [\d,]+ parameters \(.+ of them on this rank\); 512 tokens a step "
-            r"\(8 sequences of 64\); 3 steps$",
+            r"INFO model: [\d,]+ parameters \(.+ of them on this rank\); 512 tokens a step \(8 "
+            r"sequences of 64\); 3 steps$",
             line,
         )
         for line in lines

@@ -53,9 +53,8 @@ def _compiled_graphs() -> int:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_chunked_cross_entropy_matches_torch(monkeypatch, dtype, tolerance, compiled):
-    monkeypatch.setattr(
-        loss_module, "CHUNK_ELEMENTS", 515 * 5
-    )  # 5 rows a chunk: several chunks, a ragged last one
+    # 5 rows a chunk: several chunks, a ragged last one
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 515 * 5)
     logits, targets = _logits_and_targets(dtype=dtype)
     expected_loss, expected_grad = _reference(logits, targets)
     logits.requires_grad_(True)
@@ -135,9 +134,8 @@ def _vocab_parallel_worker(rank, world_size):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     loss_module.CHUNK_ELEMENTS = 258 * 5
-    logits, targets = _logits_and_targets(
-        vocab=515
-    )  # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
+    # 515 over 2 ranks: 258 + 257, uneven like DTensor's chunks
+    logits, targets = _logits_and_targets(vocab=515)
     expected_loss, expected_grad = _reference(logits, targets)
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
     for compiled in (
@@ -181,9 +179,8 @@ def test_adamw_implementation_picks_its_kernels(implementation, fused, foreach):
         optimizer.step()
     ops = {event.key for event in prof.key_averages()}
     assert ("aten::_fused_adamw_" in ops) == fused, sorted(ops)
-    assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(
-        ops
-    )  # the unfused multi-tensor update
+    # the unfused multi-tensor update
+    assert ("aten::_foreach_addcdiv_" in ops) == foreach, sorted(ops)
 
 
 def test_auto_compiles_the_step_where_every_parameter_is_on_the_accelerator(monkeypatch):
@@ -434,9 +431,8 @@ def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
         assert record["mfu"] == pytest.approx(record["tflops_per_s"] / 0.001)
     assert all(m["mfu"] is None for m in every_step.metrics), "no peak known for the CPU"
     info = windowed.run_info
-    assert info["flops_per_token"] == flops_per_token(
-        info["num_params"], 512 * 64, 2, 64, 64
-    )  # tiny: vocab 512, dim 64
+    # tiny: vocab 512, dim 64
+    assert info["flops_per_token"] == flops_per_token(info["num_params"], 512 * 64, 2, 64, 64)
     assert "MFU" in windowed.output and "TFLOP/s" in windowed.output
 
 
@@ -518,12 +514,10 @@ def test_loss_kernels_compile_with_compile_enabled_or_on_an_accelerator(
 
     for module in (loss_module, fused_loss):
         monkeypatch.setattr(module, "compiled_kernels", spy)
-    monkeypatch.setattr(
-        distributed, "is_accelerator", lambda device: accelerator
-    )  # what the Trainer asks
-    monkeypatch.setattr(
-        torch.nn.Module, "compile", lambda *args, **kwargs: None
-    )  # blocks eager: only the loss
+    # what the Trainer asks
+    monkeypatch.setattr(distributed, "is_accelerator", lambda device: accelerator)
+    # blocks eager: only the loss
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda *args, **kwargs: None)
     cfg = compose_cfg(
         [
             "model=tiny",

@@ -185,8 +185,8 @@ def test_the_architecture_page_maps_every_module():
     mapped = _mapped_modules(ARCHITECTURE_PAGE.read_text())
     actual = {str(path.relative_to(PACKAGE_DIR)) for path in PACKAGE_DIR.rglob("*.py")}
     assert mapped == actual, (
-        f"on the page, not in the package: {sorted(mapped - actual)}; "
-        f"in the package, not on the page: {sorted(actual - mapped)}"
+        f"on the page, not in the package: {sorted(mapped - actual)}; in the package, not on the "
+        f"page: {sorted(actual - mapped)}"
     )
 
 

@@ -144,8 +144,7 @@ def test_a_submitit_task_starts_no_local_workers(tmp_path):
     assert run.returncode == 2, run.output[-3000:]
     assert (
         "composer3d: invalid configuration: launch.nproc_per_node: 2 processes asked for, but a "
-        "submitit job's "
-        "ranks are its tasks"
+        "submitit job's ranks are its tasks"
         in run.output
         and "hydra.launcher.tasks_per_node=2" in run.output
     ), run.output[-3000:]

@@ -128,9 +128,8 @@ def test_rope_rotates_each_pair_by_its_angle(dtype):
     grad = torch.randn(2, 32, 4, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     traced = []
 
-    def backend(
-        graph, example_inputs
-    ):  # what Dynamo hands the compiler: Inductor gets no complex op to run unfused
+    # what Dynamo hands the compiler: Inductor gets no complex op to run unfused
+    def backend(graph, example_inputs):
         traced.append(graph)
         return graph.forward
 
@@ -149,9 +148,8 @@ def test_rope_rotates_each_pair_by_its_angle(dtype):
             torch.testing.assert_close(ours, reference, rtol=0, atol=0)
             (ours_grad,) = torch.autograd.grad(ours, x, grad)
             torch.testing.assert_close(ours_grad, reference_grad, rtol=1e-6, atol=1e-6)
-    assert not torch.equal(
-        apply_rope(x, *tables), x
-    )  # it rotates: position 0's pairs alone stay put
+    # it rotates: position 0's pairs alone stay put
+    assert not torch.equal(apply_rope(x, *tables), x)
     assert traced and not any(
         "complex" in str(node.target) for graph in traced for node in graph.graph.nodes
     )

@@ -90,9 +90,8 @@ def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches, gather_
         events.clear()
         inputs = torch.randn(micro_batches, 4, 16, generator=data)
         for x in inputs:
-            hidden = model[0](
-                x
-            )  # the first layer's output: its gradient comes before the first layer's backward
+            # the first layer's output: its gradient comes before the first layer's backward
+            hidden = model[0](x)
             hidden.register_hook(
                 lambda grad: events.append(("backward reaches the first layer", None))
             )
@@ -144,9 +143,8 @@ def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches, gather_
         events.clear()
         optimizer.step()
         reference_optimizer.step()
-        assert events == [("all_gather", str(gather_dtype))] * 3, (
-            events
-        )  # one per bucket, in the gather dtype
+        # one per bucket, in the gather dtype
+        assert events == [("all_gather", str(gather_dtype))] * 3, events
         for p, q in zip(model.parameters(), reference.parameters()):
             torch.testing.assert_close(p, q.to(gather_dtype).float(), **tolerance)
             assert torch.equal(p, p.to(gather_dtype).float()), (
@@ -155,9 +153,8 @@ def _zero1_matches_plain_adamw(rank, world, reduce_dtype, micro_batches, gather_
         for shard, p, q, (lo, hi) in zip(
             sharder.shards, model.parameters(), reference.parameters(), sharder.bounds
         ):
-            torch.testing.assert_close(
-                shard, q.view(-1)[lo:hi], **tolerance
-            )  # the masters keep every bit
+            # the masters keep every bit
+            torch.testing.assert_close(shard, q.view(-1)[lo:hi], **tolerance)
             assert torch.equal(p.view(-1)[lo:hi], shard.to(gather_dtype).float())
         if sharder.keeps_masters:
             assert all(
@@ -208,16 +205,14 @@ def _norm_in_one_reduction(rank, world):
     params = []
     for grad in placed:
         param = nn.Parameter(torch.zeros_like(grad))
-        param.grad = (
-            grad.clone()
-        )  # clipped in place below; ``placed`` stays whole for the fused step's check
+        # clipped in place below; ``placed`` stays whole for the fused step's check
+        param.grad = grad.clone()
         params.append(param)
     expected = torch.cat([g.reshape(-1) for g in full]).norm()
     with CommDebugMode() as comm:
         norm = clip_grad_norm_(params, 1.0, Layout(dp_shard=2, tp=2))
-    assert comm.get_total_counts() == 1, (
-        comm.get_comm_counts()
-    )  # one all-reduce for every mesh and dimension
+    # one all-reduce for every mesh and dimension
+    assert comm.get_total_counts() == 1, comm.get_comm_counts()
     torch.testing.assert_close(norm, expected)
 
     def grads(ps):

@@ -76,9 +76,8 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # (future, partial dir, final dir) of an async save in flight
         self.pending: tuple | None = None
-        self.unreadable: set[Path] = (
-            set()
-        )  # checkpoints whose load failed here: never kept, never chosen
+        # checkpoints whose load failed here: never kept, never chosen
+        self.unreadable: set[Path] = set()
         self._expected_bytes: dict[
             bool, int
         ] = {}  # a save's state bytes, full (False) and model-only (True)
@@ -188,9 +187,8 @@ class Checkpointer:
         it needs. Nothing is pruned to make room: pruning follows a committed save, so the last good
         checkpoint stays until then."""
         estimate = self._expected_bytes.get(model_only)
-        if (
-            estimate is None
-        ):  # the state's shapes do not change between saves: gathered once per kind
+        # the state's shapes do not change between saves: gathered once per kind
+        if estimate is None:
             estimate = self._expected_bytes[model_only] = space.state_bytes(state)
         verdict = [None]
         if self.rank == 0:
@@ -208,13 +206,10 @@ class Checkpointer:
                 basis = f"the size of {last.name}" if last else "the model and optimizer state"
                 verdict[0] = (
                     f"checkpoint.dir: no room for checkpoint {final.name} in {self.dir}: it needs "
-                    "about "
-                    f"{space.readable(needed)} ({basis}), and {space.readable(free)} are free. "
-                    "Free space "
-                    "there, keep fewer checkpoints (checkpoint.keep_last="
-                    f"{self.cfg.keep_last} now; older ones are pruned only after a save), or set "
-                    "checkpoint.dir to a disk with room"
-                    f"{self._last_good()}"
+                    f"about {space.readable(needed)} ({basis}), and {space.readable(free)} are "
+                    "free. Free space there, keep fewer checkpoints "
+                    f"(checkpoint.keep_last={self.cfg.keep_last} now; older ones are pruned only "
+                    f"after a save), or set checkpoint.dir to a disk with room{self._last_good()}"
                 )
         if dist.get_world_size() > 1:
             dist.broadcast_object_list(verdict, src=0)
@@ -322,8 +317,7 @@ class Checkpointer:
         if not (path / META_FILE).exists():
             raise ConfigError(
                 f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no "
-                f"{META_FILE}). "
-                "Give a step-N directory, or use auto/none"
+                f"{META_FILE}). Give a step-N directory, or use auto/none"
             )
         try:
             return self._load(path)
@@ -342,14 +336,11 @@ class Checkpointer:
         if step != self.trainer.total_steps:
             raise ConfigError(
                 f"train.steps: {path} holds the final weights of a finished run "
-                "(checkpoint.model_only_final, step "
-                f"{step}; no optimizer or data state to continue from), and "
-                f"train.steps={self.trainer.total_steps} "
-                "would train on in this directory, overwriting or pruning them. Use a new run.dir: "
-                "with "
+                f"(checkpoint.model_only_final, step {step}; no optimizer or data state to "
+                f"continue from), and train.steps={self.trainer.total_steps} would train on in "
+                "this directory, overwriting or pruning them. Use a new run.dir: with "
                 f"checkpoint.resume={path} it starts from these weights, or with "
-                "checkpoint.resume=<an older step-N "
-                "directory> it continues that state"
+                "checkpoint.resume=<an older step-N directory> it continues that state"
             )
         log.info(
             "%s holds the final weights (checkpoint.model_only_final); nothing is loaded or "
@@ -377,17 +368,15 @@ class Checkpointer:
         _masters_from_params(t)
         t.load_optimizer_state_dict(state["optim"])
         scheduler_state = meta["scheduler"]
-        if isinstance(
-            t.optimizer.param_groups[0]["lr"], torch.Tensor
-        ):  # torchao's optimizers keep lr a tensor
+        # torchao's optimizers keep lr a tensor
+        if isinstance(t.optimizer.param_groups[0]["lr"], torch.Tensor):
             scheduler_state["base_lrs"] = [torch.tensor(lr) for lr in scheduler_state["base_lrs"]]
         t.scheduler.load_state_dict(scheduler_state)
         changed = t.restore_configured_settings()
         if changed:
             log.warning(
                 "resuming with other optimizer settings than the checkpoint's: %s; this run's "
-                "values apply "
-                "from step %d on (as config.yaml says)",
+                "values apply from step %d on (as config.yaml says)",
                 ", ".join(changed),
                 meta["step"] + 1,
             )

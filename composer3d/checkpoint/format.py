@@ -97,8 +97,8 @@ class _MetadataUnpickler(pickle.Unpickler):
         ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata; "
-            "refusing to load it"
+            f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata; refusing "
+            "to load it"
         )
 
 
@@ -130,8 +130,7 @@ def check_complete(path: Path) -> None:
     if problem is not None:
         raise ConfigError(
             f"checkpoint.resume: {path} {problem}. Give another step-N directory, or start afresh "
-            "in a "
-            "new run.dir with checkpoint.resume=none"
+            "in a new run.dir with checkpoint.resume=none"
         )
 
 
@@ -140,9 +139,8 @@ def incomplete(path: Path) -> str | None:
     shorter than the index says), or None where it is whole. Reads only the index and file sizes."""
     try:
         metadata = SafeFileSystemReader(path).read_metadata()
-    except (
-        Exception
-    ) as error:  # missing, truncated or foreign .metadata: unpickling fails in many ways
+    # missing, truncated or foreign .metadata: unpickling fails in many ways
+    except Exception as error:
         return f"has no readable DCP index (.metadata: {failure_reason(error)})"
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -228,9 +226,9 @@ def resumes_from_a_checkpoint(ckpt_cfg: CheckpointConfig, run_dir: Path) -> bool
 def check_steps_left(meta: dict, total_steps: int, path: Path) -> None:
     if meta["step"] > total_steps:
         raise ConfigError(
-            f"train.steps: the checkpoint {path} is at step {meta['step']}, past train.steps="
-            f"{total_steps}: there is nothing to train. Raise train.steps above {meta['step']}, "
-            "or start afresh with checkpoint.resume=none"
+            f"train.steps: the checkpoint {path} is at step {meta['step']}, past "
+            f"train.steps={total_steps}: there is nothing to train. Raise train.steps above "
+            f"{meta['step']}, or start afresh with checkpoint.resume=none"
         )
 
 
@@ -269,8 +267,7 @@ def check_same_model(
         first = differing[0]
         raise ConfigError(
             f"model: the checkpoint {path} holds a model of another shape ({len(differing)} "
-            "parameters "
-            f"differ, e.g. {first}: {_shape(before.get(first))} in the checkpoint, "
+            f"parameters differ, e.g. {first}: {_shape(before.get(first))} in the checkpoint, "
             f"{_shape(now.get(first))} in this config). " + remedy.format(meta=path / META_FILE)
         )
 

@@ -21,11 +21,10 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser(
         "export",
-        help="checkpoint directory -> Hugging Face safetensors directory (bfloat16 unless "
-        "--dtype says otherwise)",
+        help="checkpoint directory -> Hugging Face safetensors directory (bfloat16 unless --dtype "
+        "says otherwise)",
         description="Write a checkpoint's model as a Hugging Face directory. The tensors are "
-        "written "
-        "in bfloat16 unless --dtype says otherwise (--dtype float32 for full precision).",
+        "written in bfloat16 unless --dtype says otherwise (--dtype float32 for full precision).",
     )
     ex.add_argument(
         "checkpoint", type=Path, help="a checkpoint directory (…/checkpoints/step-NNNNNNNN)"
@@ -54,8 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         "--merge",
         action="store_true",
         help="a peft=lora|qlora checkpoint: write the merged full model (W + alpha/r·B·A, in fp32 "
-        "then "
-        "--dtype; QLoRA's from its dequantized NF4 base) instead of PEFT's adapter directory "
+        "then --dtype; QLoRA's from its dequantized NF4 base) instead of PEFT's adapter directory "
         "(adapter_config.json, adapter_model.safetensors)",
     )
     im = sub.add_parser(

@@ -60,9 +60,8 @@ def check_weights_source(cfg: DictConfig) -> None:
         if not (Path(resume) / META_FILE).is_file():
             raise ConfigError(
                 f"checkpoint.resume: {resume} is not a composer3d checkpoint (no {META_FILE}). "
-                "Give a "
-                "step-N directory (its model weights are evaluated), or leave it out to evaluate "
-                "model.path's weights"
+                "Give a step-N directory (its model weights are evaluated), or leave it out to "
+                "evaluate model.path's weights"
             )
         return
     if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
@@ -89,9 +88,8 @@ def adopt_checkpoint_model(cfg: DictConfig, typed_overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
     if not any(key.startswith("data.tokenizer") for key in keys):
         cfg.data.tokenizer = (recorded.get("data") or {}).get("tokenizer")
-    if "peft" in recorded and not any(
-        key.startswith("peft") for key in keys
-    ):  # its LoRA adapters: its model's
+    # its LoRA adapters: its model's
+    if "peft" in recorded and not any(key.startswith("peft") for key in keys):
         cfg.peft = OmegaConf.merge(cfg.peft, recorded["peft"])
 
 
@@ -104,8 +102,7 @@ def check_checkpoint_model(cfg: DictConfig) -> None:
             Path(resume),
             build_with_adapters(cfg.model, cfg.peft),
             remedy="Leave out the model overrides: composer3d-eval takes the checkpoint's own "
-            "model "
-            "(see {meta})",
+            "model (see {meta})",
         )
 
 

@@ -70,8 +70,8 @@ def encode_prompt(tokenizer: ByteTokenizer | HFTokenizer, prompt: str, chat: boo
         if not tokenizer.has_chat_template:
             raise ConfigError(
                 "generate.chat: the run's tokenizer has no chat template. Leave "
-                "generate.chat=false to "
-                "continue the prompt as plain text, or set data.tokenizer to a tokenizer with one"
+                "generate.chat=false to continue the prompt as plain text, or set data.tokenizer "
+                "to a tokenizer with one"
             )
         text = tokenizer.render_chat(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
@@ -101,8 +101,7 @@ def adopt_checkpoint_config(cfg: DictConfig, typed_overrides: list[str]) -> None
     if clashing:
         raise ConfigError(
             f"{clashing[0].split('=', 1)[0]}: the checkpoint's own model and tokenizer are used "
-            "(its "
-            f"recorded config names them). Drop {', '.join(clashing)}"
+            f"(its recorded config names them). Drop {', '.join(clashing)}"
         )
     recorded = read_meta(Path(resume))["config"]
     cfg.model = OmegaConf.merge(cfg.model, recorded["model"])
@@ -123,8 +122,7 @@ def check_generation(cfg: DictConfig, layout: Layout, prompts: list[list[int]]) 
     if cfg.generate.compile and (layout.tp > 1 or cfg.model.moe.experts > 0):
         raise ConfigError(
             "generate.compile: compiled decoding is built and tested for a dense model on one "
-            "process "
-            "(routed experts have data-dependent shapes; tensor parallel is untested). Use "
+            "process (routed experts have data-dependent shapes; tensor parallel is untested). Use "
             "generate.compile=false"
         )
     if not all(prompts):

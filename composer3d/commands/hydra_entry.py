@@ -39,9 +39,8 @@ class SweepJobFailed(CompactHydraException):
     the sweep."""
 
     def __init__(self, code: int, line: str | None):
-        super().__init__(
-            code, line
-        )  # both in args: a submitit job sends the exception back pickled
+        # both in args: a submitit job sends the exception back pickled
+        super().__init__(code, line)
         self.code, self.line = code, line
 
     def __str__(self) -> str:

@@ -84,9 +84,8 @@ def _main(cfg: DictConfig) -> None:
         if cfg.plan.measure:
             raise ConfigError(
                 "plan.measure: measures one layout, and none is given. Add its parallel.* keys "
-                "(e.g. "
-                "parallel.tp=2 parallel.dp_shard=-1; composer3d-plan without plan.measure ranks "
-                "them)"
+                "(e.g. parallel.tp=2 parallel.dp_shard=-1; composer3d-plan without plan.measure "
+                "ranks them)"
             )
         fitting, tried = ranked(cfg, cluster)
         shown = fitting[: cfg.plan.top]

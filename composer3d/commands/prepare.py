@@ -77,8 +77,8 @@ main = hydra_entry_point(
     [
         "composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok "
         "data.prepared=corpus.prepared",
-        "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   "
-        "(then train on them)",
+        "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   (then "
+        "train on them)",
     ],
     config_path="pkg://composer3d.conf",
     config_name="train",

@@ -88,10 +88,8 @@ def run(
     if len(sequences) < cfg.train.global_batch_size and (env is None or env.rank == 0):
         log.warning(
             "the corpus packs into %d sequences of train.seq_len=%d tokens, fewer than one global "
-            "batch "
-            "(train.global_batch_size=%d): every step repeats sequences. Give more text "
-            "(data.paths, "
-            "data.max_tokens) or a smaller train.global_batch_size",
+            "batch (train.global_batch_size=%d): every step repeats sequences. Give more text "
+            "(data.paths, data.max_tokens) or a smaller train.global_batch_size",
             len(sequences),
             cfg.train.seq_len,
             cfg.train.global_batch_size,
@@ -146,8 +144,8 @@ def _train_in_group(
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     trainer.run_info_extra = {"parallel_auto": plan} if plan else {}
     log.info(
-        "model: %s parameters (%s of them on this rank); %s tokens a step (%d sequences of %d); "
-        "%d steps",
+        "model: %s parameters (%s of them on this rank); %s tokens a step (%d sequences of %d); %d "
+        "steps",
         f"{trainer.num_params:,}",
         console.human_bytes(sum(local_bytes(p) for p in trainer.model.parameters())),
         f"{cfg.train.global_batch_size * cfg.train.seq_len:,}",
@@ -185,9 +183,8 @@ def _main(cfg: DictConfig) -> None:
     try:
         resolve_model_config(cfg.model)
         plan = None
-        if (
-            cfg.parallel.auto
-        ):  # every process plans alike: the launcher (for preflight) and each worker
+        # every process plans alike: the launcher (for preflight) and each worker
+        if cfg.parallel.auto:
             plan = choose_layout(
                 cfg,
                 env.world_size if env else cfg.launch.nproc_per_node,
@@ -198,24 +195,21 @@ def _main(cfg: DictConfig) -> None:
             raise ConfigError(
                 "launch.max_restarts: restarts are the local launcher's; this job was started by "
                 "torchrun, SLURM or submitit. Use torchrun's --max-restarts (or the scheduler's "
-                "requeue) "
-                "instead"
+                "requeue) instead"
             )
         if not cfg.checkpoint.enabled and cfg.checkpoint.resume not in ("auto", "none"):
             raise ConfigError(
                 f"checkpoint.resume: {cfg.checkpoint.resume} would not be read: "
-                "checkpoint.enabled=false "
-                "turns off loading as well as saving, so training would start from scratch. Use "
-                "checkpoint.enabled=true to continue from it, or leave checkpoint.resume out"
+                "checkpoint.enabled=false turns off loading as well as saving, so training would "
+                "start from scratch. Use checkpoint.enabled=true to continue from it, or leave "
+                "checkpoint.resume out"
             )
         if env is None and distributed.in_submitit_job() and cfg.launch.nproc_per_node > 1:
             raise ConfigError(
                 f"launch.nproc_per_node: {cfg.launch.nproc_per_node} processes asked for, but a "
-                "submitit "
-                "job's ranks are its tasks, one per device, and this job has one. Use "
+                "submitit job's ranks are its tasks, one per device, and this job has one. Use "
                 f"hydra.launcher.tasks_per_node={cfg.launch.nproc_per_node} (hydra/launcher=slurm "
-                "sets it "
-                "from launch.nproc_per_node)"
+                "sets it from launch.nproc_per_node)"
             )
         if env is None:
             # Fail here, in seconds, before starting any worker (or, in one process, before
@@ -229,9 +223,8 @@ def _main(cfg: DictConfig) -> None:
         line = f"composer3d: invalid configuration: {error}"
         _tell(env, line, every_rank=error.rank_specific)
         raise Exit(2, line) from None
-    except (
-        CheckpointError
-    ) as error:  # every rank alike (a save's verdict is rank 0's, a load's fails everywhere)
+    # every rank alike (a save's verdict is rank 0's, a load's fails everywhere)
+    except CheckpointError as error:
         line = f"composer3d: {error}"
         _tell(env, line)
         raise Exit(error.EXIT_CODE, line) from None
@@ -256,8 +249,7 @@ def _main(cfg: DictConfig) -> None:
             how = signal.Signals(signum).name + (" (Ctrl-C)" if signum == signal.SIGINT else "")
             print(
                 f"composer3d: stopped by {how}; the last checkpoint is "
-                f"{_last_checkpoint(cfg, run_dir)}; "
-                f"{_resume_hint(cfg, run_dir)}; exit code {code}",
+                f"{_last_checkpoint(cfg, run_dir)}; {_resume_hint(cfg, run_dir)}; exit code {code}",
                 file=sys.stderr,
             )
         sys.exit(code)
@@ -298,9 +290,8 @@ def _run_dir(cfg: DictConfig) -> Path:
     the job's number."""
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        cfg.run.dir = (
-            hydra_cfg.runtime.output_dir
-        )  # what the job's config.yaml says, and its workers are given
+        # what the job's config.yaml says, and its workers are given
+        cfg.run.dir = hydra_cfg.runtime.output_dir
     return Path(os.path.abspath(cfg.run.dir))
 
 
@@ -332,9 +323,8 @@ def _launch(cfg: DictConfig, run_dir: Path) -> None:
 
 def _resume_hint(cfg: DictConfig, run_dir: Path) -> str:
     """What resumes this run; for a job of a sweep, the job alone in its own directory."""
-    if os.environ.get(
-        launcher.RESUME_HINT
-    ):  # a local launcher's worker: the launcher knows the sweep
+    # a local launcher's worker: the launcher knows the sweep
+    if os.environ.get(launcher.RESUME_HINT):
         return os.environ[launcher.RESUME_HINT]
     sweep = None
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:

@@ -75,9 +75,8 @@ def _entries(prefix: str, cls, node, comments) -> list[str]:
     lines = []
     for key in dataclasses.fields(cls):
         name = f"{prefix}.{key.name}"
-        if dataclasses.is_dataclass(
-            key.default_factory
-        ):  # a nested section (precision.float8): its keys
+        # a nested section (precision.float8): its keys
+        if dataclasses.is_dataclass(key.default_factory):
             lines += _entries(name, key.default_factory, node[key.name], comments)
             continue
         value = "???" if OmegaConf.is_missing(node, key.name) else _value(node[key.name])

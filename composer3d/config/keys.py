@@ -45,9 +45,8 @@ def names_a_setting(key: str) -> bool:
         if not isinstance(node, DictConfig) or node._is_none() or OmegaConf.get_type(node) is dict:
             # a value, a section left None, or a free-form mapping: not the schema's to say
             return True
-        if (
-            part not in node.keys()
-        ):  # not `in node`: that is False for a key whose value is missing (???)
+        # not `in node`: that is False for a key whose value is missing (???)
+        if part not in node.keys():
             return False
         node = node._get_node(part)
     return True

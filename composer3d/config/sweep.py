@@ -40,10 +40,8 @@ def check_sweep(config_path: str, config_name: str, overrides: list[str]) -> Non
     ):
         raise ConfigError(
             f"launch.max_restarts: {cfg.launch.max_restarts} restarts asked for, but they are the "
-            "local "
-            "launcher's, and the ranks of a submitit job are its tasks: nothing would restart "
-            "them. "
-            "Use launch.max_restarts=0; under SLURM, hydra.launcher.max_num_timeout=N requeues a "
-            "job "
-            "preempted or out of time (it resumes from its last checkpoint)"
+            "local launcher's, and the ranks of a submitit job are its tasks: nothing would "
+            "restart them. Use launch.max_restarts=0; under SLURM, "
+            "hydra.launcher.max_num_timeout=N requeues a job preempted or out of time (it resumes "
+            "from its last checkpoint)"
         )

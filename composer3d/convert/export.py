@@ -96,8 +96,7 @@ def load_model_tensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[s
         if tuple(entry.size) != shape:
             raise ConvertError(
                 f"the checkpoint's model.{name} has shape {tuple(entry.size)}, but its config's "
-                "model "
-                f"expects {shape}"
+                f"model expects {shape}"
             )
         state[name] = torch.empty(shape, dtype=entry.properties.dtype)
     wrapped = {"model": state}
@@ -337,8 +336,8 @@ def prepare_out_dir(out: Path, overwrite: bool) -> None:
     )
     if stale and not overwrite:
         raise ConvertError(
-            f"{out} already holds model files ({', '.join(p.name for p in stale[:4])}); "
-            "choose an empty directory or pass --overwrite"
+            f"{out} already holds model files ({', '.join(p.name for p in stale[:4])}); choose an "
+            "empty directory or pass --overwrite"
         )
     for path in stale:  # old shards would be mixed with new ones
         path.unlink()

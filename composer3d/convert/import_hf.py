@@ -31,8 +31,7 @@ def load_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
             f"{hf_dir} has no {HF_WEIGHTS} or {HF_INDEX}"
             + (
                 f" (only pickled weights {pickled[:3]}, which composer3d does not unpickle: "
-                "re-save "
-                "them as safetensors)"
+                "re-save them as safetensors)"
                 if pickled
                 else ""
             )
@@ -79,8 +78,7 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
         if tuple(native[name].shape) != shape:
             raise ConvertError(
                 f"{hf_dir}: {llama.hf_names(cfg).get(name, name)} has shape "
-                f"{tuple(native[name].shape)}, "
-                f"but config.json implies {shape}"
+                f"{tuple(native[name].shape)}, but config.json implies {shape}"
             )
     # A tied output.weight is the embedding: stored once, under the embedding's name, as a trained
     # model's save does.
@@ -107,7 +105,6 @@ def import_hf(hf_dir: Path, out: Path, ignore_rope_scaling: bool = False) -> dic
         "world_size": 1,
         "source": {"huggingface": str(hf_dir.resolve())},
     }
-    (out / META_FILE).write_text(
-        json.dumps(meta, indent=1)
-    )  # last: its presence marks the checkpoint complete
+    # last: its presence marks the checkpoint complete
+    (out / META_FILE).write_text(json.dumps(meta, indent=1))
     return model_fields

@@ -27,8 +27,8 @@ def mixtral_mismatches(cfg) -> list[str]:
         (
             moe.dense_layers == 0,
             (
-                f"model.moe.dense_layers={moe.dense_layers} (every Mixtral layer is a "
-                "mixture of experts)"
+                f"model.moe.dense_layers={moe.dense_layers} (every Mixtral layer is a mixture of "
+                "experts)"
             ),
         ),
         (
@@ -42,8 +42,8 @@ def mixtral_mismatches(cfg) -> list[str]:
         (
             moe.route_scale == 1.0,
             (
-                f"model.moe.route_scale={moe.route_scale} (Mixtral does not scale the "
-                "mixing weights)"
+                f"model.moe.route_scale={moe.route_scale} (Mixtral does not scale the mixing "
+                "weights)"
             ),
         ),
         (
@@ -90,17 +90,15 @@ def mixtral_state_from_native(state: dict[str, torch.Tensor], cfg) -> dict[str, 
         if bias.abs().max() > 0:
             raise ValueError(
                 f"layer {i}'s routing bias (model.moe.bias_update_rate={cfg.moe.bias_update_rate}) "
-                "is "
-                f"not zero (largest {bias.abs().max().item():.3g}): it changes which experts are "
-                "chosen, and Mixtral chooses by the router's scores alone"
+                f"is not zero (largest {bias.abs().max().item():.3g}): it changes which experts "
+                "are chosen, and Mixtral chooses by the router's scores alone"
             )
         prefix = f"model.layers.{i}.block_sparse_moe"
         out[f"{prefix}.gate.weight"] = state[f"layers.{i}.moe.gate.weight"]
         for w in ("w1", "w2", "w3"):
             for e, weight in enumerate(state[f"layers.{i}.moe.experts.{w}"]):
-                out[f"{prefix}.experts.{e}.{w}.weight"] = (
-                    weight.clone()
-                )  # safetensors writes no shared storage
+                # safetensors writes no shared storage
+                out[f"{prefix}.experts.{e}.{w}.weight"] = weight.clone()
     return out
 
 

@@ -59,10 +59,9 @@ def check_sources(
             else "the byte-level tokenizer has none"
         )
         raise ConfigError(
-            f"data.tokenizer: data.format=chat renders conversations with the tokenizer's chat "
+            "data.tokenizer: data.format=chat renders conversations with the tokenizer's chat "
             f"template, and {where}. Set data.tokenizer to a Hugging Face tokenizer directory "
-            "whose "
-            "tokenizer_config.json has a chat_template"
+            "whose tokenizer_config.json has a chat_template"
         )
     if tokenizer.vocab_size > model_vocab_size:
         raise ConfigError(
@@ -110,9 +109,8 @@ def check_prepared(
     if data_cfg.paths and source_entries(expand(list(data_cfg.paths))) != manifest["sources"]:
         raise ConfigError(
             f"data.prepared: {where} was prepared from other sources than data.paths names now "
-            "(files, "
-            "sizes or modification times differ). Leave data.paths out to train on the corpus as "
-            f"prepared, or: {redo}"
+            "(files, sizes or modification times differ). Leave data.paths out to train on the "
+            f"corpus as prepared, or: {redo}"
         )
     return sequences
 

@@ -35,9 +35,8 @@ class GlobalBatchLoader:
         dp_size: int,
         seed: int,
     ):
-        if isinstance(
-            sequences, torch.Tensor
-        ):  # bare token windows: no documents known, every target counts
+        # bare token windows: no documents known, every target counts
+        if isinstance(sequences, torch.Tensor):
             sequences = PackedSequences(sequences)
         self.sequences = sequences
         self.global_batch_size = global_batch_size
@@ -89,14 +88,11 @@ class GlobalBatchLoader:
         if state["num_sequences"] != len(self.sequences) or state["seed"] != self.seed:
             raise ConfigError(
                 "checkpoint.resume: the checkpoint's data-loader state is for "
-                f"{state['num_sequences']} "
-                f"sequences with seed {state['seed']}, but this run has {len(self.sequences)} with "
-                "seed "
-                f"{self.seed}: the corpus (data.*), train.seq_len or train.seed changed since it "
-                "was "
-                "saved. Resume with the settings it was saved with (its composer3d.json has them), "
-                "or "
-                "start afresh in a new run.dir with checkpoint.resume=none"
+                f"{state['num_sequences']} sequences with seed {state['seed']}, but this run has "
+                f"{len(self.sequences)} with seed {self.seed}: the corpus (data.*), train.seq_len "
+                "or train.seed changed since it was saved. Resume with the settings it was saved "
+                "with (its composer3d.json has them), or start afresh in a new run.dir with "
+                "checkpoint.resume=none"
             )
         self.consumed = state["consumed_sequences"]
 
@@ -187,14 +183,12 @@ def _prefetch(
 
 def _stop_prefetch(thread: threading.Thread, batches: queue.Queue, stop: threading.Event) -> None:
     stop.set()
-    while (
-        True
-    ):  # emptying the queue frees a put() blocked on it; the thread then sees stop and ends
+    # emptying the queue frees a put() blocked on it; the thread then sees stop and ends
+    while True:
         try:
             batches.get_nowait()
         except queue.Empty:
             break
-    if (
-        thread is not threading.current_thread()
-    ):  # (a garbage collection may run on the thread itself)
+    # (a garbage collection may run on the thread itself)
+    if thread is not threading.current_thread():
         thread.join()

@@ -40,9 +40,8 @@ from composer3d.errors import ConfigError
 
 log = logging.getLogger("composer3d")
 
-PIECE_BYTES = (
-    64 << 20
-)  # of source text per piece: a worker holds about 10x that while it tokenizes one
+# of source text per piece: a worker holds about 10x that while it tokenizes one
+PIECE_BYTES = 64 << 20
 ENCODE_BATCH = 1024  # documents per tokenizer call
 
 
@@ -59,8 +58,7 @@ def prepare_corpus(
     if not data_cfg.paths:
         raise ConfigError(
             "data.paths: composer3d-prepare reads the corpus from data.paths, which names nothing. "
-            "Set "
-            "data.paths=[/path/to/corpus/*.jsonl]"
+            "Set data.paths=[/path/to/corpus/*.jsonl]"
         )
     settings = corpus_settings(data_cfg)
     tokenizer = check_sources(
@@ -133,8 +131,7 @@ def prepare_corpus(
         shutil.rmtree(partial, ignore_errors=True)
         raise ConfigError(
             f"data.paths: the corpus holds no text to train on ({', '.join(files[:3])}). Give "
-            "files "
-            "whose documents are not empty"
+            "files whose documents are not empty"
         )
     manifest["identity"] = corpus_identity(manifest)
     _write_json(partial / MANIFEST, manifest)
@@ -170,16 +167,14 @@ def _existing(directory: Path, fingerprint: dict, overwrite: bool) -> dict | Non
     if not isinstance(manifest, dict):
         raise ConfigError(
             f"data.prepared: {directory} exists and is not a prepared corpus (no readable "
-            f"{MANIFEST}). "
-            "Choose a new directory, or set data.prepare_overwrite=true to replace what it holds"
+            f"{MANIFEST}). Choose a new directory, or set data.prepare_overwrite=true to replace "
+            "what it holds"
         )
     differing = [k for k, v in fingerprint.items() if manifest.get(k) != v]
     raise ConfigError(
         f"data.prepared: {directory} holds a corpus prepared with other {', '.join(differing)} "
-        "than this "
-        "config's (sources are compared by path, size and modification time). Choose a new "
-        "directory, "
-        "or set data.prepare_overwrite=true to prepare it again"
+        "than this config's (sources are compared by path, size and modification time). Choose a "
+        "new directory, or set data.prepare_overwrite=true to prepare it again"
     )
 
 
@@ -224,9 +219,8 @@ def prepare_piece(job: tuple) -> dict:
     if not tokens:
         return {"name": name, "tokens": 0, "documents": 0}
     stream = np.concatenate(tokens)
-    if (
-        stream.min() < 0 or stream.max() >= np.iinfo(dtype).max + 1
-    ):  # never silently wrapped into other ids
+    # never silently wrapped into other ids
+    if stream.min() < 0 or stream.max() >= np.iinfo(dtype).max + 1:
         raise ConfigError(
             f"data.tokenizer: it gave id {int(stream.max())} (or a negative one), which {dtype} "
             "cannot hold though its vocabulary size says it would. Give a tokenizer whose ids stay "

@@ -164,14 +164,11 @@ def check_same_corpus(saved: dict, identity: str | None) -> None:
             else "a corpus read in memory"
         )
         raise ConfigError(
-            f"data.prepared: the checkpoint was trained on the prepared corpus of identity "
+            "data.prepared: the checkpoint was trained on the prepared corpus of identity "
             f"{recorded[:16]}, and this run reads {now}: its sources, tokenizer or token counts "
-            "changed "
-            "since. Resume with data.prepared pointing at the corpus it was saved with "
-            "(composer3d-prepare "
-            "of the same sources with the same tokenizer gives the same identity), or start afresh "
-            "with "
-            "checkpoint.resume=none"
+            "changed since. Resume with data.prepared pointing at the corpus it was saved with "
+            "(composer3d-prepare of the same sources with the same tokenizer gives the same "
+            "identity), or start afresh with checkpoint.resume=none"
         )
 
 
@@ -200,16 +197,14 @@ class PreparedSequences:
             self.starts.append(self._map(shard["name"], "starts", shard["documents"], "int64"))
             if chat:
                 self.trainable.append(self._map(shard["name"], "mask", shard["tokens"], "uint8"))
-        self.offsets = np.cumsum(
-            [0] + [s["tokens"] for s in self.manifest["shards"]]
-        )  # each shard's first token
+        # each shard's first token
+        self.offsets = np.cumsum([0] + [s["tokens"] for s in self.manifest["shards"]])
         self.num_tokens = int(self.offsets[-1])
         self.num_sequences = (self.num_tokens - 1) // seq_len
         if self.num_sequences < 1:
             raise ConfigError(
                 f"train.seq_len: the prepared corpus {directory} has {self.num_tokens} tokens, too "
-                "few "
-                f"for one sequence of {seq_len}. Lower train.seq_len or prepare more data"
+                f"few for one sequence of {seq_len}. Lower train.seq_len or prepare more data"
             )
 
     def _map(self, name: str, part: str, length: int, dtype: str) -> np.memmap:
@@ -219,14 +214,12 @@ class PreparedSequences:
         except (OSError, ValueError) as error:
             raise ConfigError(
                 f"data.prepared: {path} is missing or unreadable ({error}). Prepare the corpus "
-                "again "
-                "with composer3d-prepare (data.prepare_overwrite=true)"
+                "again with composer3d-prepare (data.prepare_overwrite=true)"
             ) from None
         if array.shape != (length,) or array.dtype != np.dtype(dtype):
             raise ConfigError(
                 f"data.prepared: {path} holds {array.shape} {array.dtype}, the manifest says "
-                f"({length},) "
-                f"{dtype}. Prepare the corpus again with composer3d-prepare "
+                f"({length},) {dtype}. Prepare the corpus again with composer3d-prepare "
                 "(data.prepare_overwrite=true)"
             )
         return array

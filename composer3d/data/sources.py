@@ -68,15 +68,13 @@ def expand(paths: list[str]) -> list[str]:
         if not matches:
             raise ConfigError(
                 f"data.paths: {pattern!r} matches no file. Give existing .txt/.jsonl/.parquet "
-                "files, "
-                "directories holding them, or globs"
+                "files, directories holding them, or globs"
             )
         for match in matches:
             if Path(match).suffix not in FILE_KINDS:
                 raise ConfigError(
                     f"data.paths: {match!r} is not a .txt, .jsonl/.json or .parquet file. Give "
-                    "only "
-                    "those (a directory contributes only those)"
+                    "only those (a directory contributes only those)"
                 )
         files.extend(matches)
     kinds = [
@@ -124,14 +122,12 @@ def _check_utf8(file: str) -> None:
     with open(file, "rb") as f:
         head = f.read(SNIFF_BYTES)
     try:
-        codecs.getincrementaldecoder("utf-8")().decode(
-            head, final=False
-        )  # a character cut at the end is fine
+        # a character cut at the end is fine
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
     except UnicodeDecodeError as error:
         raise ConfigError(
             f"data.paths: {file} is not UTF-8 text (byte {error.start}: {error.reason}). Give "
-            "UTF-8 "
-            "text files (re-encode with iconv), or leave binary files out"
+            "UTF-8 text files (re-encode with iconv), or leave binary files out"
         ) from None
 
 
@@ -142,14 +138,12 @@ def _json_row(line: bytes, where: str) -> dict:
     except (ValueError, UnicodeDecodeError) as error:
         raise ConfigError(
             f"data.paths: {where} is not valid JSON ({error}). Give JSON Lines: one JSON object "
-            "per "
-            "line"
+            "per line"
         ) from None
     if not isinstance(row, dict):
         raise ConfigError(
             f"data.paths: {where} holds {type(row).__name__}, not a JSON object. Give JSON Lines: "
-            "one "
-            "JSON object per line"
+            "one JSON object per line"
         )
     return row
 
@@ -184,8 +178,7 @@ def _check_parquet_schema(file: str, field: str, key: str, wanted: str) -> None:
     except (OSError, pa.ArrowException) as error:
         raise ConfigError(
             f"data.paths: {file} is not a readable parquet file ({_first_line(error)}). Give "
-            "intact "
-            ".parquet files"
+            "intact .parquet files"
         ) from None
     if field not in schema.names:
         raise ConfigError(
@@ -208,8 +201,7 @@ def _check_value_type(value, file: str, where: str, key: str, wanted: str) -> No
     ):
         raise ConfigError(
             f"{key}: {file} {where} holds {type(value).__name__} {str(value)[:80]!r}, not "
-            f"{wanted}. "
-            f"Set {key} to the field that holds the {wanted}"
+            f"{wanted}. Set {key} to the field that holds the {wanted}"
         )
 
 
@@ -241,18 +233,15 @@ def _load_rows(files: list[str], field: str, key: str):
     # document.
     options = {"sample_by": "document"} if builder == "text" else {}
     try:
-        with _datasets_quiet(
-            datasets
-        ):  # its progress bars and its own log of a failure we report in one line
+        # its progress bars and its own log of a failure we report in one line
+        with _datasets_quiet(datasets):
             dataset = datasets.load_dataset(
                 builder, data_files=files, split="train", keep_in_memory=True, **options
             )
-    except (
-        Exception
-    ) as error:  # datasets wraps the reader's error (arrow, JSON, UTF-8) in its own types
-        if (
-            builder == "json"
-        ):  # arrow's row count and cause mislead: the first line Python's JSON refuses, named
+    # datasets wraps the reader's error (arrow, JSON, UTF-8) in its own types
+    except Exception as error:
+        # arrow's row count and cause mislead: the first line Python's JSON refuses, named
+        if builder == "json":
             for file in files:
                 for _ in _json_lines(file):
                     pass
@@ -260,13 +249,12 @@ def _load_rows(files: list[str], field: str, key: str):
         raise ConfigError(
             f"data.paths: reading {', '.join(files[:3])}{' …' if len(files) > 3 else ''} failed "
             f"({type(cause).__name__}: {_first_line(cause)}). Give intact UTF-8 text, JSON Lines "
-            "or "
-            "parquet files"
+            "or parquet files"
         ) from None
     if field not in dataset.column_names:
         raise ConfigError(
-            f"{key}: {field!r} is not a field of {files[0]} (fields: {dataset.column_names}). "
-            f"Set {key} to the field that holds it"
+            f"{key}: {field!r} is not a field of {files[0]} (fields: {dataset.column_names}). Set "
+            f"{key} to the field that holds it"
         )
     return dataset[field]
 
@@ -300,8 +288,8 @@ def conversation(messages, where: str) -> list[dict]:
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
         raise ConfigError(
-            f"data.messages_field: {where} holds {str(messages)[:200]!r}, not a list "
-            "of {role, content} messages. Point data.messages_field at such a list"
+            f"data.messages_field: {where} holds {str(messages)[:200]!r}, not a list of {{role, "
+            "content} messages. Point data.messages_field at such a list"
         )
     # Rows of one file share a schema: drop the keys another message filled and this one lacks
     # (None), so the template's `is defined` tests see each message as it was written.
@@ -312,8 +300,7 @@ def document(text, where: str) -> str:
     if not isinstance(text, str):
         raise ConfigError(
             f"data.text_field: {where} holds {type(text).__name__} {str(text)[:80]!r}, not text. "
-            "Set "
-            "data.text_field to the field that holds the text"
+            "Set data.text_field to the field that holds the text"
         )
     return text
 
@@ -390,8 +377,7 @@ def piece_rows(piece: Piece, field: str, key: str) -> Iterator[tuple[object, str
             except UnicodeDecodeError as error:
                 raise ConfigError(
                     f"data.paths: {file} is not UTF-8 text (byte {error.start}: {error.reason}). "
-                    "Give "
-                    "UTF-8 text files (re-encode with iconv), or leave binary files out"
+                    "Give UTF-8 text files (re-encode with iconv), or leave binary files out"
                 ) from None
     elif kind == "json":
         file = piece.files[0]
@@ -413,8 +399,7 @@ def piece_rows(piece: Piece, field: str, key: str) -> Iterator[tuple[object, str
         if field not in parquet.schema_arrow.names:
             raise ConfigError(
                 f"{key}: {field!r} is not a field of {file} (fields: "
-                f"{parquet.schema_arrow.names}). "
-                f"Set {key} to the field that holds it"
+                f"{parquet.schema_arrow.names}). Set {key} to the field that holds it"
             )
         row = sum(parquet.metadata.row_group(i).num_rows for i in range(piece.row_groups[0]))
         for batch in parquet.iter_batches(row_groups=list(piece.row_groups), columns=[field]):

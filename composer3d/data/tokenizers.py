@@ -84,8 +84,8 @@ class HFTokenizer:
         self.eos_id = self.tokenizer.eos_token_id
         if self.eos_id is None:
             raise ConfigError(
-                f"{key}: the tokenizer in {path!r} has no eos token, needed to separate "
-                "packed documents. Set eos_token in its tokenizer_config.json"
+                f"{key}: the tokenizer in {path!r} has no eos token, needed to separate packed "
+                "documents. Set eos_token in its tokenizer_config.json"
             )
         self.has_chat_template = bool(getattr(self.tokenizer, "chat_template", None))
 
@@ -112,11 +112,10 @@ class HFTokenizer:
             return self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
-        except (
-            Exception
-        ) as error:  # jinja's own errors (a template that raises, or expects other fields)
+        # jinja's own errors (a template that raises, or expects other fields)
+        except Exception as error:
             raise ConfigError(
-                f"data.format: the tokenizer's chat template failed on the messages "
+                "data.format: the tokenizer's chat template failed on the messages "
                 f"{str(messages)[:300]} ({type(error).__name__}: {error}). Fix the rows or give "
                 "data.tokenizer a template that accepts them"
             ) from error
@@ -146,17 +145,12 @@ class HFTokenizer:
             if not (upto.startswith(prompt) and full.startswith(upto) and len(prompt) >= end):
                 raise ConfigError(
                     "data.format: the tokenizer's chat template is not prefix-stable: rendering "
-                    "the first "
-                    f"{i} message(s) with the generation prompt, then the first {i + 1}, does not "
-                    "give successive "
-                    "prefixes of the whole conversation, so the assistant replies cannot be "
-                    "located (templates "
-                    "that rewrite earlier turns, e.g. drop past reasoning, do this). Give "
-                    "data.tokenizer a "
-                    "directory whose chat_template renders a conversation's first messages as a "
-                    "prefix of the "
-                    f"whole.\nprefix: {prompt[-200:]!r}\nwhole: "
-                    f"{full[: len(prompt) + 200][-400:]!r}"
+                    f"the first {i} message(s) with the generation prompt, then the first {i + 1}, "
+                    "does not give successive prefixes of the whole conversation, so the assistant "
+                    "replies cannot be located (templates that rewrite earlier turns, e.g. drop "
+                    "past reasoning, do this). Give data.tokenizer a directory whose chat_template "
+                    "renders a conversation's first messages as a prefix of the whole.\nprefix: "
+                    f"{prompt[-200:]!r}\nwhole: {full[: len(prompt) + 200][-400:]!r}"
                 )
             spans.append((len(prompt), len(upto)))
             end = len(upto)

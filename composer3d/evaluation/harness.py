@@ -90,8 +90,7 @@ def check_tasks(
             raise ConfigError(
                 f"eval.tasks: lm-eval has no task, group or tag named {name!r} (among its "
                 f"{len(manager.all_tasks)} built-in ones{where}). Run `lm-eval ls tasks` for the "
-                "names, "
-                "or add a directory of task YAMLs with eval.task_paths=[dir]"
+                "names, or add a directory of task YAMLs with eval.task_paths=[dir]"
             )
         if (entry.cfg or {}).get("output_type") == "generate_until" and generation:
             raise ConfigError(_generation_refused(name, generation))
@@ -100,8 +99,8 @@ def check_tasks(
 def _generation_refused(name: str, problem: str) -> str:
     return (
         f"eval.tasks: {name} is a generation task (generate_until), and {problem}. Score it on one "
-        "process or "
-        f"under parallel.tp alone with parallel.sequence_parallel=false, or leave {name} out"
+        "process or under parallel.tp alone with parallel.sequence_parallel=false, or leave "
+        f"{name} out"
     )
 
 
@@ -182,9 +181,8 @@ class ComposerLM(TemplateLM):
             return self.composer_tokenizer.encode(string).tolist()
         options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         prefix = self.hf_tokenizer.decode(self.prefix_token_id)
-        if (
-            add_special_tokens is None and prefix and string.startswith(prefix)
-        ):  # the text brings its own
+        # the text brings its own
+        if add_special_tokens is None and prefix and string.startswith(prefix):
             options["add_special_tokens"] = False
         return self.hf_tokenizer.encode(string, **options)
 
@@ -284,8 +282,7 @@ class ComposerLM(TemplateLM):
         if len(continuation) > self.seq_len:
             raise ConfigError(
                 f"train.seq_len: a continuation of {len(continuation)} tokens does not fit a "
-                "window "
-                f"of {self.seq_len}. Use train.seq_len>={len(continuation)}"
+                f"window of {self.seq_len}. Use train.seq_len>={len(continuation)}"
             )
         whole = (context + continuation)[-(self.seq_len + 1) :]
         inputs = whole[:-1]

@@ -71,9 +71,8 @@ def generate(
     ``settings``: the ``generate`` config; ``decode``: the tokenizer's ids → text (stop strings are
     found in the decoded text)."""
     width, batch = max(map(len, prompts)), len(prompts)
-    ids = torch.tensor(
-        [[0] * (width - len(p)) + p for p in prompts], device=device
-    )  # padding's id is never read
+    # padding's id is never read
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     decoder = (
         Recompute(model)
@@ -86,9 +85,8 @@ def generate(
     started, new = time.perf_counter(), ids
     for _ in range(settings.max_new_tokens):
         logits = decoder(new, mask)
-        if isinstance(
-            logits, DTensor
-        ):  # tensor parallel: the head's output is sharded over the vocabulary
+        # tensor parallel: the head's output is sharded over the vocabulary
+        if isinstance(logits, DTensor):
             logits = logits.full_tensor()
         tokens = next_tokens(
             logits.float(), settings.temperature, settings.top_k, settings.top_p, generator

@@ -102,17 +102,14 @@ def device_type(requested: str, local_processes: int = 1) -> str:
         )
         raise ConfigError(
             f"launch.device: {requested!r} is not an accelerator here ({here}). Use "
-            "launch.device=auto "
-            f"(the accelerator if there is one, else the CPU), cpu, or "
-            f"{other}"
+            f"launch.device=auto (the accelerator if there is one, else the CPU), cpu, or {other}"
         )
     count = torch.accelerator.device_count()
     if local_processes > count:
         raise ConfigError(
             f"launch.nproc_per_node: {local_processes} processes on this node but it has {count} "
             f"{requested} device(s). Use launch.nproc_per_node<={count}, or launch.device=cpu to "
-            "run "
-            f"{local_processes} processes on the CPU",
+            f"run {local_processes} processes on the CPU",
             rank_specific=True,
         )
     return requested

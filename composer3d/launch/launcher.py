@@ -100,14 +100,12 @@ def report_to_launcher(line: str) -> bool:
     rank's. (A rank that fails stops the others at once, so the rank 0 meant to tell may be gone
     before it could.) False where no local launcher started this worker: then the worker prints
     it."""
-    error_file = os.environ.get(
-        "TORCHELASTIC_ERROR_FILE"
-    )  # one per worker and attempt, set by the elastic agent
+    # one per worker and attempt, set by the elastic agent
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not started_by_local_launcher() or not error_file:
         return False
-    with open(
-        error_file, "w"
-    ) as f:  # elastic's error-file format, a plain message; read back as ProcessFailure
+    # elastic's error-file format, a plain message; read back as ProcessFailure
+    with open(error_file, "w") as f:
         json.dump({"message": line, "timestamp": int(time.time()), _REPORTED: True}, f)
     return True
 
@@ -194,18 +192,16 @@ def exits_as_a_command(command: str, env):
     command before any worker)."""
     try:
         yield
-    except (
-        ConfigError
-    ) as error:  # the same on every rank: one line tells (the local launcher's, or rank 0's)
+    # the same on every rank: one line tells (the local launcher's, or rank 0's)
+    except ConfigError as error:
         line = f"{command}: invalid configuration: {error}"
         if not report_to_launcher(line) and (env is None or env.rank == 0 or error.rank_specific):
             print(line, file=sys.stderr)
         sys.exit(2)
     except (KeyboardInterrupt, Interrupted) as error:  # one line, not a traceback per process
         signum = getattr(error, "signum", signal.SIGINT)
-        if env is None or (
-            env.rank == 0 and not started_by_local_launcher()
-        ):  # a worker's launcher tells
+        # a worker's launcher tells
+        if env is None or (env.rank == 0 and not started_by_local_launcher()):
             print(f"{command}: stopped by {signal.Signals(signum).name}", file=sys.stderr)
         sys.exit(128 + signum)
 
@@ -350,9 +346,8 @@ def _log_to_console_and(log_dir: Path | None) -> None:
     it ended, only to <log_dir>/launcher.log."""
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(message)s"))
-    console.setLevel(
-        logging.INFO
-    )  # debug lines (what was started, how it ended) go to the file only
+    # debug lines (what was started, how it ended) go to the file only
+    console.setLevel(logging.INFO)
     log.handlers[:] = [console]
     log.setLevel(logging.DEBUG)
     log.propagate = False

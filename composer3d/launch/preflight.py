@@ -42,38 +42,33 @@ def preflight(cfg, world_size: int) -> Layout:
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
     validate_for_device(cfg, layout, kind)
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
-    if (
-        cfg.data.prepared
-    ):  # mapped, not read: its manifest, shard sizes and what it was prepared from
+    # mapped, not read: its manifest, shard sizes and what it was prepared from
+    if cfg.data.prepared:
         check_prepared(cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.model)
     else:
         check_sources(cfg.data, cfg.model.vocab_size, cfg.model)
     if cfg.train.eval_every:
         eval_windows(cfg.eval, cfg.data, cfg.model, cfg.train.seq_len)
-    if (
-        cfg.peft.method != "none" and cfg.peft.base_from
-    ):  # first: a resume, too, rebuilds the base from there
+    # first: a resume, too, rebuilds the base from there
+    if cfg.peft.method != "none" and cfg.peft.base_from:
         check_base_from(cfg.peft, cfg.model)
     directory = checkpoint_dir(cfg.checkpoint, Path(cfg.run.dir))
     resumes_from = check_resumable(cfg, directory) if cfg.checkpoint.enabled else None
     check_fresh_start(cfg, Path(cfg.run.dir), directory)
-    if (
-        Path(cfg.run.dir) / "metrics.jsonl"
-    ).is_file():  # what a resume continues: readable, or refused now
+    # what a resume continues: readable, or refused now
+    if (Path(cfg.run.dir) / "metrics.jsonl").is_file():
         metrics_records(Path(cfg.run.dir) / "metrics.jsonl")
     peft = cfg.peft.method != "none"
     if peft:  # the linears the patterns name, on the model (on meta)
         check_targets(build_model(cfg.model), cfg.peft, layout.dp_shard * layout.cp)
-        if (
-            cfg.peft.init_from and resumes_from is None
-        ):  # a checkpoint's adapters would replace them
+        # a checkpoint's adapters would replace them
+        if cfg.peft.init_from and resumes_from is None:
             check_init_from(build_model(cfg.model), cfg.peft, cfg.model)
     weights = (
         None if cfg.peft.base_from else MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     )
-    if weights is not None and (
-        resumes_from is None or peft
-    ):  # a full checkpoint's weights would replace them
+    # a full checkpoint's weights would replace them
+    if weights is not None and (resumes_from is None or peft):
         MODEL_REGISTRY[cfg.model.name].check_pretrained(build_model(cfg.model), weights)
     # Last: these create the directories, which a refused run should not leave behind.
     check_writable("run.dir", Path(cfg.run.dir))
@@ -121,12 +116,9 @@ def check_fresh_start(cfg, run_dir: Path, directory: Path) -> None:
     )
     raise ConfigError(
         f"checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier run "
-        f"({held}); "
-        "starting over there would overwrite its metrics and config, and checkpoint.keep_last "
-        "would "
-        "prune this run's checkpoints for that run's. Give this run a new run.name (or run.dir), "
-        "or "
-        "resume that run with checkpoint.resume=auto"
+        f"({held}); starting over there would overwrite its metrics and config, and "
+        "checkpoint.keep_last would prune this run's checkpoints for that run's. Give this run a "
+        "new run.name (or run.dir), or resume that run with checkpoint.resume=auto"
     )
 
 
@@ -137,9 +129,8 @@ def check_resumable(cfg, directory: Path) -> Path | None:
     mode = cfg.checkpoint.resume
     if mode == "none":
         return None
-    if (
-        mode == "auto"
-    ):  # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
+    # the newest training checkpoint that passes verification (as Checkpointer.resume takes it)
+    if mode == "auto":
         path = next(
             (p for p in verified_checkpoints(directory) if not read_meta(p)["model_only"]), None
         )
@@ -150,8 +141,7 @@ def check_resumable(cfg, directory: Path) -> Path | None:
         if not (path / META_FILE).is_file():
             raise ConfigError(
                 f"checkpoint.resume: {path} is not a complete composer3d checkpoint (no "
-                f"{META_FILE}). "
-                "Give a step-N directory, or use auto/none"
+                f"{META_FILE}). Give a step-N directory, or use auto/none"
             )
         check_complete(path)
     try:
@@ -165,25 +155,22 @@ def check_resumable(cfg, directory: Path) -> Path | None:
         if (meta["config"].get("peft") or {}).get("method", "none") == "none":
             raise ConfigError(
                 f"checkpoint.resume: {path} is a full checkpoint (trained without peft), and this "
-                "run "
-                f"trains peft={cfg.peft.method} adapters. To train them on its weights, start with "
-                f"peft.base_from={path} (checkpoint.resume continues a run of the same kind)"
+                f"run trains peft={cfg.peft.method} adapters. To train them on its weights, start "
+                f"with peft.base_from={path} (checkpoint.resume continues a run of the same kind)"
             )
         check_same_base(path, meta, cfg)
     try:
         check_same_model(path, build_with_adapters(cfg.model, cfg.peft))
     except ConfigError:
         raise
-    except (
-        Exception
-    ):  # an unreadable index: resume=auto falls back to an older checkpoint when it loads
+    # an unreadable index: resume=auto falls back to an older checkpoint when it loads
+    except Exception:
         if mode != "auto":
             raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)
-        if (
-            cfg.data.prepared
-        ):  # its data position points into the windows of the corpus it was saved with
+        # its data position points into the windows of the corpus it was saved with
+        if cfg.data.prepared:
             check_same_corpus(
                 meta["data"],
                 check_prepared(
@@ -207,8 +194,8 @@ def metrics_records(path: Path) -> list[tuple[str, int]]:
             if number < len(lines):
                 raise ConfigError(
                     f"run.dir: {path}, line {number}, is not a metrics record ({line[:80]!r}). "
-                    "Repair "
-                    "or delete that line to resume this run, or give a fresh run a new run.name"
+                    "Repair or delete that line to resume this run, or give a fresh run a new "
+                    "run.name"
                 ) from None
             log.warning(
                 "%s: dropped its last line, cut short mid-write by the run that wrote it: %r",

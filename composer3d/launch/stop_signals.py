@@ -38,9 +38,8 @@ class StopSignals:
         self.previous = {sig: signal.signal(sig, self._record) for sig in self.SIGNALS}
 
     def _record(self, signum: int, frame) -> None:
-        if (
-            signum == signal.SIGINT and self.interrupted
-        ):  # Ctrl-C twice: the user will not wait for the save
+        # Ctrl-C twice: the user will not wait for the save
+        if signum == signal.SIGINT and self.interrupted:
             raise KeyboardInterrupt
         self.interrupted |= signum == signal.SIGINT
         self.received = max(self.received, signum)

@@ -61,9 +61,8 @@ def _save_list() -> set:
     ):
         if hasattr(aten, name):
             ops.add(getattr(aten, name).default)
-    ops.add(
-        torch.ops.higher_order.flex_attention
-    )  # the native llama's attention within packed documents
+    # the native llama's attention within packed documents
+    ops.add(torch.ops.higher_order.flex_attention)
     # TP's reductions and expert parallel's token exchange: don't redo communication that saves no
     # memory
     for name in ("reduce_scatter_tensor", "all_reduce", "all_to_all_single"):

@@ -138,9 +138,8 @@ class ActivationOffload:
 
     def __init__(self, device: torch.device, min_bytes: int = MIN_OFFLOAD_BYTES):
         self.accelerator = device.type != "cpu"
-        if (
-            self.accelerator and device.index is None
-        ):  # compared with the tensors' devices, which have one
+        # compared with the tensors' devices, which have one
+        if self.accelerator and device.index is None:
             device = torch.device(device.type, torch.accelerator.current_device_index())
         self.device, self.min_bytes = device, min_bytes
         self.stream = torch.Stream(device) if self.accelerator else None
@@ -218,12 +217,10 @@ class ActivationOffload:
             self._bring_back(group)  # at once, unless it came as the block after's prefetch
             previous = group.previous() if group.previous is not None else None
             if previous is not None:
-                self._bring_back(
-                    previous
-                )  # the next block's backward: its copies overlap this one's
-        if (
-            packed.on_device is None
-        ):  # unpacked again (a split backward), or saved after the group came back
+                # the next block's backward: its copies overlap this one's
+                self._bring_back(previous)
+        # unpacked again (a split backward), or saved after the group came back
+        if packed.on_device is None:
             self._bring_back_one(packed)
         out, packed.on_device = packed.on_device, None
         if packed.brought is not None:

@@ -56,9 +56,8 @@ class HostTensors:
         path = os.path.join(self.directory, f"{self.count}.bin")
         self.count += 1
         flat = torch.from_file(path, shared=True, size=like.numel(), dtype=like.dtype)
-        os.unlink(
-            path
-        )  # the mapping keeps the data; the name is not needed and nothing outlives the process
+        # the mapping keeps the data; the name is not needed and nothing outlives the process
+        os.unlink(path)
         self.file_bytes += flat.numel() * flat.element_size()
         return flat.view(like.shape)
 
@@ -117,9 +116,8 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
                 {**{k: v for k, v in group.items() if k != "params"}, "params": masters}
             )
         self.inner = optimizer_class(host_groups, **kwargs)
-        self.defaults = (
-            self.inner.defaults
-        )  # every hyperparameter the optimizer has: a checkpoint as on the device
+        # every hyperparameter the optimizer has: a checkpoint as on the device
+        self.defaults = self.inner.defaults
         self._settings_from(self.inner.param_groups)
         # The device parameters are the truth until the first step, and again after a checkpoint
         # loads them (or a model is loaded after this optimizer was made): the masters are then
@@ -148,9 +146,8 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
             for key in MOMENTS:
                 if key not in state:
                     state[key] = _like(master, self.host.buffer(_local(master)))
-                elif (
-                    _local(state[key]).untyped_storage().filename is None
-                ):  # loaded into host memory: into its file
+                # loaded into host memory: into its file
+                elif _local(state[key]).untyped_storage().filename is None:
                     local = self.host.buffer(_local(master))
                     local.copy_(_local(state[key]))
                     state[key] = _like(master, local)
@@ -169,28 +166,24 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         """Gradients to the host, the host step, the masters back to the device parameters."""
         loss = closure() if closure is not None else None
         for host_group, group in zip(self.inner.param_groups, self.param_groups):
-            host_group.update(
-                {k: v for k, v in group.items() if k != "params"}
-            )  # the schedule's lr, the config's
+            # the schedule's lr, the config's
+            host_group.update({k: v for k, v in group.items() if k != "params"})
         for param, master, grad_buffer in self.pairs:
             if self.masters_stale:
                 _local(master).copy_(_local(param).detach(), non_blocking=True)
-            if (
-                param.grad is None
-            ):  # no gradient this step (e.g. an expert no token reached): no update, as on device
+            # no gradient this step (e.g. an expert no token reached): no update, as on device
+            if param.grad is None:
                 master.grad = None
                 continue
             _local(grad_buffer).copy_(_local(param.grad), non_blocking=True)
             master.grad = grad_buffer
         if self.device.type != "cpu":
-            torch.accelerator.synchronize(
-                self.device
-            )  # the gradients have arrived in the host buffers
+            # the gradients have arrived in the host buffers
+            torch.accelerator.synchronize(self.device)
         self.masters_stale = False
         self._init_state_in_files()
-        scale = getattr(
-            self, "grad_scale", None
-        )  # the clip, handed to the step (training/grad.py): the host's
+        # the clip, handed to the step (training/grad.py): the host's
+        scale = getattr(self, "grad_scale", None)
         self.inner.grad_scale = None if scale is None else scale.to("cpu")
         self.inner.step()
         for param, master, _ in self.pairs:

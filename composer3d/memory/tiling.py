@@ -133,9 +133,8 @@ def tiled_head_loss(
     whose tiles the head gathers over the tp ranks in rank order; ``targets`` (batch, seq) cover the
     whole sequence.
     """
-    shards = (
-        targets.shape[1] // _local(hidden).shape[1]
-    )  # > 1 where the head gathers the sequence's slices
+    # > 1 where the head gathers the sequence's slices
+    shards = targets.shape[1] // _local(hidden).shape[1]
     target_tiles = targets.unflatten(1, (shards, -1)).tensor_split(tiles, dim=2)
     losses = [
         _recomputed(_tile_loss, tile, tile_targets.flatten(1), logits_fn, loss_fn)

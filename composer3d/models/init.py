@@ -114,12 +114,10 @@ def materialize(
             rule = model.init_rule(source)
         full = rule(tuple(param.shape), generator, compute_device)
         local = param.to_local() if isinstance(param, DTensor) else param
-        if is_nf4(
-            local
-        ):  # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors
-            local = (
-                param._local_tensor if isinstance(param, DTensor) else param
-            )  # QLoRA: quantized whole, then cut, so every layout holds the same
+        # the tensor FSDP gathers, not a view of it: ``copy_nf4_`` sets its inner tensors
+        if is_nf4(local):
+            # QLoRA: quantized whole, then cut, so every layout holds the same
+            local = param._local_tensor if isinstance(param, DTensor) else param
             full = to_nf4(full)
         shard = local_shard(full, param)
         if shard.shape != local.shape:

@@ -80,9 +80,8 @@ class ComposerModel(Protocol):
     layout.
     """
 
-    layers: (
-        nn.ModuleDict
-    )  # the blocks: the unit of pipeline splitting, checkpointing, compile and FSDP
+    # the blocks: the unit of pipeline splitting, checkpointing, compile and FSDP
+    layers: nn.ModuleDict
     tok_embeddings: nn.Module | None
     norm: nn.Module | None
     output: nn.Module | None

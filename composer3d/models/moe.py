@@ -97,9 +97,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x``: this rank's rows sorted by its local experts, ``counts[e]`` of them for local
         expert e."""
-        if torch.is_autocast_enabled(
-            x.device.type
-        ):  # one device, no FSDP: compute in autocast's dtype, as linears do
+        # one device, no FSDP: compute in autocast's dtype, as linears do
+        if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         w1, w2, w3 = (local(w).to(x.dtype) for w in (self.w1, self.w2, self.w3))
         if grouped_mm_fits(x, w1) and grouped_mm_fits(x, w2.transpose(-2, -1)):
@@ -121,9 +120,8 @@ def _one_by_one(
     """The experts' SwiGLUs over their rows, expert by expert, where the grouped GEMM does not
     run."""
     outputs = []
-    for e, rows in enumerate(
-        torch.split(x, counts.tolist())
-    ):  # a host sync: the loop needs the counts
+    # a host sync: the loop needs the counts
+    for e, rows in enumerate(torch.split(x, counts.tolist())):
         outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
     return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
 
@@ -162,12 +160,10 @@ class MoE(nn.Module):
             buffer.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            self.tp_mesh is not None and self.sequence_parallel
-        ):  # route whole sequences on every TP rank
-            if not isinstance(
-                x, DTensor
-            ):  # the sequence-parallel norm hands over a DTensor, or its local shard
+        # route whole sequences on every TP rank
+        if self.tp_mesh is not None and self.sequence_parallel:
+            # the sequence-parallel norm hands over a DTensor, or its local shard
+            if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, self.tp_mesh, (Shard(1),), run_check=False)
             x = x.redistribute(placements=(Replicate(),)).to_local()
         batch, seq, dim = x.shape
@@ -256,9 +252,8 @@ class MoE(nn.Module):
         sequence, first choices before second ones and earlier positions first."""
         k, experts = self.cfg.top_k, self.n_experts
         capacity = math.ceil(self.cfg.capacity_factor * seq * k / experts)
-        in_order = (
-            chosen.view(batch, seq, k).transpose(1, 2).reshape(batch, k * seq)
-        )  # slot-major priority
+        # slot-major priority
+        in_order = chosen.view(batch, seq, k).transpose(1, 2).reshape(batch, k * seq)
         onehot = F.one_hot(in_order, experts)
         place = (onehot.cumsum(1) * onehot).sum(-1) - 1  # this choice's place in its expert's queue
         return (place < capacity).view(batch, k, seq).transpose(1, 2).reshape(-1, k)

@@ -52,9 +52,8 @@ class Parallelized:
     """What the trainer needs of the dimensions ``parallelize`` applied; it never reaches into the
     model for them."""
 
-    stages: list[StageModule] = field(
-        default_factory=list
-    )  # this rank's pipeline stages ([] without PP)
+    # this rank's pipeline stages ([] without PP)
+    stages: list[StageModule] = field(default_factory=list)
     # the cp group's attention, which the model's attention also holds: the trainer places each
     # batch on it (``place``) and cuts its share of the rows before the forward reads that placement
     # (None: cp = 1)
@@ -127,9 +126,8 @@ def parallelize(
     if compile.enabled:
         for block in model.layers.values():
             block.compile()  # in place: parameter names unchanged
-    if (
-        memory.activation_offload
-    ):  # around each block's call: outside its compiled graph and FSDP's hooks
+    # around each block's call: outside its compiled graph and FSDP's hooks
+    if memory.activation_offload:
         apply_activation_offload(model, device)
     if runs_fsdp(mesh, parallel):
         apply_data_parallel(

@@ -61,9 +61,8 @@ def keep_grads_in_param_layout(model: nn.Module) -> None:
     would stay whole, 4x the shard's bytes at tp=4. Slice it back to the parameter's layout as it
     accumulates (Replicate -> Shard is local)."""
     for param in model.parameters():
-        if (
-            isinstance(param, DTensor) and param.requires_grad
-        ):  # frozen ones (peft's base) get no gradient
+        # frozen ones (peft's base) get no gradient
+        if isinstance(param, DTensor) and param.requires_grad:
             param.register_post_accumulate_grad_hook(_grad_to_param_layout)
 
 

@@ -79,8 +79,7 @@ def check_targets(model: nn.Module, cfg: PeftConfig, shards: int) -> None:
         raise ConfigError(
             f"peft.target_modules: {list(cfg.target_modules)} names no linear layer of the model's "
             "blocks. Name their projections, e.g. [wq, wk, wv, wo, w1, w2, w3] (native) or "
-            "[q_proj, "
-            "k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] (Hugging Face)"
+            "[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj] (Hugging Face)"
         )
     if cfg.method != "qlora":
         return
@@ -89,10 +88,8 @@ def check_targets(model: nn.Module, cfg: PeftConfig, shards: int) -> None:
         if numel % (NF4_BLOCK * shards) or rows % shards:
             raise ConfigError(
                 f"peft.method: qlora quantizes {name} ({rows}x{linear.in_features}) in NF4 blocks "
-                "of "
-                f"{NF4_BLOCK} values, whole blocks on each of the {shards} ranks FSDP shards it "
-                "over; "
-                f"{numel} values do not split so. Leave {name.rpartition('.')[2]} out of "
+                f"of {NF4_BLOCK} values, whole blocks on each of the {shards} ranks FSDP shards it "
+                f"over; {numel} values do not split so. Leave {name.rpartition('.')[2]} out of "
                 "peft.target_modules, or use peft=lora"
             )
 
@@ -198,8 +195,7 @@ def tensor_parallel_styles(
             raise ConfigError(
                 f"peft.target_modules: {name} is split by {type(style).__name__} from "
                 f"{style.input_layouts}, which LoRA does not follow (column-parallel linears of a "
-                "whole "
-                "input, row-parallel ones). Leave it out of peft.target_modules"
+                "whole input, row-parallel ones). Leave it out of peft.target_modules"
             )
     return styles
 

@@ -110,8 +110,8 @@ def check_base_from(peft: PeftConfig, model: ModelConfig) -> None:
     if not (path / META_FILE).is_file():
         raise ConfigError(
             f"peft.base_from: {path} is not a composer3d checkpoint (no {META_FILE}). Name a "
-            "step-N "
-            "directory of a run trained without peft (its model weights become the frozen base)"
+            "step-N directory of a run trained without peft (its model weights become the frozen "
+            "base)"
         )
     try:
         meta = read_meta(path)
@@ -131,8 +131,7 @@ def check_base_from(peft: PeftConfig, model: ModelConfig) -> None:
         path,
         build_model(model),
         remedy="Set peft.base_from to a checkpoint of this run's model, or the model.* keys as "
-        "{meta} "
-        "records them",
+        "{meta} records them",
     )
 
 
@@ -184,9 +183,8 @@ def tensor_reader(path: Path) -> Callable[[str, tuple[int, ...]], torch.Tensor]:
                 "checkpoint of this model (trained without peft)"
             )
         state = {"model": {name: torch.empty(shape, dtype=entry.properties.dtype)}}
-        with (
-            warnings.catch_warnings()
-        ):  # "assuming the intent is to load in a single process": it is
+        # "assuming the intent is to load in a single process": it is
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
         return state["model"][name].float()

@@ -74,9 +74,8 @@ def export_peft(
     )
     _prepare_adapter_dir(out, overwrite)
     written = []
-    if (
-        base_dir is None
-    ):  # no directory holds the base the adapters trained on: write it under OUT/base (not in
+    # no directory holds the base the adapters trained on: write it under OUT/base (not in
+    if base_dir is None:
         # OUT itself: transformers would load OUT's adapter into a base read from there)
         written = write_model(meta, base, out / BASE_DIR, dtype, max_shard_size, overwrite)
         base_dir = str((out / BASE_DIR).resolve())
@@ -226,20 +225,15 @@ def _readme(peft: dict, base_dir: str) -> str:
     """The directory's model card: what the adapters are and which base they go on."""
     text = (
         f"# LoRA adapters exported by composer3d-convert\n\npeft={peft['method']}, "
-        f"r={peft['rank']}, "
-        f"lora_alpha={peft['alpha']}. Load with `peft.PeftModel.from_pretrained(base, <this "
-        "directory>)`, the "
-        f"base being `{base_dir}`.\n"
+        f"r={peft['rank']}, lora_alpha={peft['alpha']}. Load with "
+        f"`peft.PeftModel.from_pretrained(base, <this directory>)`, the base being `{base_dir}`.\n"
     )
     if peft["method"] == "qlora":
         text += (
             "\nQLoRA: these adapters were trained on the base weights rounded to 4-bit NF4 and "
-            "dequantized; "
-            "PEFT applies them to the original base, whose outputs differ from the training run's "
-            "by NF4's "
-            "rounding. A base loaded in 4 bits (bitsandbytes NF4) comes closer; `--merge` writes "
-            "the "
-            "dequantized NF4 base plus the adapters.\n"
+            "dequantized; PEFT applies them to the original base, whose outputs differ from the "
+            "training run's by NF4's rounding. A base loaded in 4 bits (bitsandbytes NF4) comes "
+            "closer; `--merge` writes the dequantized NF4 base plus the adapters.\n"
         )
     return text
 

@@ -81,9 +81,8 @@ def copy_nf4_(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def is_nf4(tensor: torch.Tensor) -> bool:
-    quantization = sys.modules.get(
-        "torchao.quantization"
-    )  # loaded by any run that made an NF4 tensor
+    # loaded by any run that made an NF4 tensor
+    quantization = sys.modules.get("torchao.quantization")
     return quantization is not None and isinstance(tensor, quantization.NF4Tensor)
 
 

@@ -118,9 +118,8 @@ def layer_activations(
         shape.n_heads,
     )
     mlp, mlp_selective, mlp_backward = _mlp_elements(shape, c, moe, compute_bytes)
-    gathered = (
-        2 * h if c.sequence_parallel else 0
-    )  # SP: attention's and MLP's all-gathered inputs, kept by the matmuls
+    # SP: attention's and MLP's all-gathered inputs, kept by the matmuls
+    gathered = 2 * h if c.sequence_parallel else 0
     mlp_tile = 0.0
     tiled = c.tile_mlp > 1 and not moe
     if tiled:

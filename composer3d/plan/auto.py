@@ -35,8 +35,7 @@ def choose_layout(cfg, world_size: int, local_world_size: int, device_type: str)
         "chosen": chosen.candidate.short(),
         "overrides": chosen.candidate.overrides(),
         "why": f"fastest predicted of {len(ranked)} layouts that fit ({tried} valid) on "
-        f"{cluster.nodes} × "
-        f"{cluster.gpus_per_node} {cluster.device}",
+        f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.device}",
         "runner_up": None
         if runner_up is None
         else {"layout": runner_up.candidate.short(), "why_slower": why_slower(runner_up, chosen)},

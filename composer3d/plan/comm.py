@@ -84,9 +84,8 @@ def data_parallel(
     units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int
 ) -> list[Collective]:
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
-    window = (
-        2 / 3 / c.microbatches if c.pp > 1 else 1.0
-    )  # ... during its last micro-batch's backward
+    # ... during its last micro-batch's backward
+    window = 2 / 3 / c.microbatches if c.pp > 1 else 1.0
     out = []
     if fsdp_shards(c):
         reshard = c.zero_stage == 3 and c.pp == 1
@@ -110,9 +109,8 @@ def data_parallel(
                 * (2 if reshard and u.kind != "root" else 1)
                 for u in mine
             )
-            if (
-                n > 1
-            ):  # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
+            # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
+            if n > 1:
                 out.append(Collective(dim, "all_gather", n, m * gathers * compute_bytes, True))
                 out.append(
                     Collective(dim, "reduce_scatter", n, m * grads * reduce_bytes, True, window)
@@ -196,9 +194,8 @@ def tensor_parallel(
         # The norms' weight gradients are partial sums over the sequence shards: all-reduced per
         # micro-batch.
         norms = (2 * layers + last) * shape.dim * compute_bytes * c.microbatches
-        regathered = (
-            layers if regathers(c) else 0
-        )  # op-level selective: the block's gathers, not its reductions
+        # op-level selective: the block's gathers, not its reductions
+        regathered = layers if regathers(c) else 0
         return [
             Collective(
                 "tp",

@@ -66,24 +66,21 @@ def collectives(
     forwards = (layers + _reruns(c, layers)) * c.microbatches
     backwards = layers * c.microbatches
     kv = kv_bytes(shape, c, seq_len, compute_bytes)
-    if (
-        c.cp_style == "ring"
-    ):  # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
+    # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
+    if c.cp_style == "ring":
         return [
             Collective("cp", "send", c.cp, (forwards + backwards) * (c.cp - 1) * kv, True),
             Collective("cp", "send", c.cp, backwards * c.cp * kv / compute_bytes * 4, False),
         ]
-    if (
-        c.cp_style == "allgather"
-    ):  # counted by the whole sequence's K/V: gathered, then their gradients scattered
+    # counted by the whole sequence's K/V: gathered, then their gradients scattered
+    if c.cp_style == "allgather":
         gathers = forwards + (backwards if regathers(c) else 0)
         return [
             Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
             Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False),
         ]
-    q = (
-        kv / (2 * shape.n_kv_heads) * shape.n_heads
-    )  # this rank's queries (and the attention output)
+    # this rank's queries (and the attention output)
+    q = kv / (2 * shape.n_kv_heads) * shape.n_heads
     return [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]
 
 

@@ -195,9 +195,8 @@ def _exposed_comm(
             out[col.dim] = out.get(col.dim, 0.0) + t
     total = sum(pool.values())
     for dim, t in pool.items():
-        first_gather = (
-            t / max(1, 2 * layers) if dim != "tp" else 0.0
-        )  # about one block's traffic, never hidden
+        # about one block's traffic, never hidden
+        first_gather = t / max(1, 2 * layers) if dim != "tp" else 0.0
         out[dim] = out.get(dim, 0.0) + max(0.0, total - compute) * t / total + first_gather
     return out
 
@@ -253,9 +252,8 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         host_exposed, host_overlapped = host_seconds(
             shape, c, sets[i], work.optimizer, cluster, mems[i]
         )
-        if (
-            host_exposed or host_overlapped
-        ):  # the copies over the host link hide behind compute, not the host step
+        # the copies over the host link hide behind compute, not the host step
+        if host_exposed or host_overlapped:
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)

@@ -34,9 +34,8 @@ def host_seconds(
     pipeline rank."""
     activations = 2 * memory.host_activations * c.microbatches / cluster.host_link_bw
     exposed, overlapped = _offload_seconds(shape, c, stages, optimizer, cluster)
-    files = (
-        2 * memory.disk / cluster.disk_bw
-    )  # the host step reads and writes back its files' every byte
+    # the host step reads and writes back its files' every byte
+    files = 2 * memory.disk / cluster.disk_bw
     return exposed + files, overlapped + activations
 
 
@@ -54,9 +53,8 @@ def _offload_seconds(
 ) -> tuple[float, float]:
     if c.offload == "none":
         return 0.0, 0.0
-    param_bytes, grad_bytes, _ = model_state(
-        stages.units(shape, c.tp, c.ep), c, optimizer
-    )  # fp32 shard, grads
+    # fp32 shard, grads
+    param_bytes, grad_bytes, _ = model_state(stages.units(shape, c.tp, c.ep), c, optimizer)
     host_step = param_bytes / cluster.host_optimizer_bw
     if c.offload == "optimizer":
         return (param_bytes + grad_bytes) / cluster.host_link_bw + host_step, 0.0

@@ -118,9 +118,8 @@ def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> flo
     cb = cluster.compute_bytes
     if float8:
         flops_s = 2 * m * n * k / (2 * cluster.peak_flops * cluster.achievable_fraction)
-        bytes_ = (
-            m * k + n * k + m * n * cb + (m * k + n * k) * (2 * cb + 1)
-        )  # operands, output, their casts
+        # operands, output, their casts
+        bytes_ = m * k + n * k + m * n * cb + (m * k + n * k) * (2 * cb + 1)
     else:
         flops_s = 2 * m * n * k / (cluster.peak_flops * cluster.achievable_fraction)
         bytes_ = (m * k + n * k + m * n) * cb
@@ -227,9 +226,8 @@ def step_compute(
     """One step of this pipeline rank: every micro-batch's forward and backward, recomputation, the
     optimizer step. ``seq_len``: the tokens of a sequence this rank holds (seq_len / cp);
     ``local_params``: the parameters its optimizer steps (after FSDP's or ZeRO-1's sharding)."""
-    rows = (
-        c.micro_batch_size * seq_len
-    )  # a GEMM's m: SP gathers the sequence back before each matmul
+    # a GEMM's m: SP gathers the sequence back before each matmul
+    rows = c.micro_batch_size * seq_len
     full = c.activation_checkpointing == "full"
     every = c.ac_every if c.activation_checkpointing == "selective" else 0
     op_level = c.activation_checkpointing == "selective" and not every
@@ -237,9 +235,8 @@ def step_compute(
     # forward GEMMs rerun per block: full checkpointing all of them, every ac_every-th block's
     rerun_gemm = 1.0 if full else 1 / every if every else 0.0
     alternate = op_level and c.ac_policy == "alternate_matmuls"
-    rerun_fwd = (
-        1.0 if full else 1 / every if every else 0.0
-    )  # attention's forward and the whole block's
+    # attention's forward and the whole block's
+    rerun_fwd = 1.0 if full else 1 / every if every else 0.0
     rerun_elementwise = 1.0 if (full or op_level) else 1 / every if every else 0.0
 
     def block_gemms(linears, float8: bool) -> float:

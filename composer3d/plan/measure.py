@@ -85,9 +85,8 @@ class PeakTracker(MemTracker):
 
     def _track_module_params_and_buffers(self, module, install_grad_hooks: bool = True):
         for param in module.parameters():
-            if (
-                not param.requires_grad
-            ):  # as if hooked already: MemTracker then hooks only what trains
+            # as if hooked already: MemTracker then hooks only what trains
+            if not param.requires_grad:
                 self._param_to_grad_hook_handles.setdefault(param, (_NO_HOOK, _NO_HOOK))
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
 

@@ -136,9 +136,8 @@ def model_state(
         local = sum(u.count * sharded_numel(u, shard_degree(c, u)) for u in trainable)
         return frozen + 4 * local, 4 * local, opt * local
     n = whole(trainable)
-    if (
-        c.zero_stage == 1 and c.dp * c.cp > 1
-    ):  # gradients: the whole buckets, and the reduced slices this rank owns
+    # gradients: the whole buckets, and the reduced slices this rank owns
+    if c.zero_stage == 1 and c.dp * c.cp > 1:
         owned = sum(u.count * u.numel / zero1_degree(c, u) for u in trainable)
         # a bucket reduced over no other rank is its own reduced slice (the experts under ep =
         # dp_shard × cp)
@@ -242,23 +241,20 @@ def memory(
     host = 0.0
     if c.offload == "cpu":
         host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
-    elif (
-        c.offload == "optimizer"
-    ):  # the host keeps fp32 masters, moments and a gradient buffer (or files do)
+    # the host keeps fp32 masters, moments and a gradient buffer (or files do)
+    elif c.offload == "optimizer":
         host, opt = params + grads + opt, 0.0
     disk = 0.0
-    if (
-        c.offload == "optimizer" and c.offload_dir
-    ):  # masters and moments in files; the gradient buffer stays
+    # masters and moments in files; the gradient buffer stays
+    if c.offload == "optimizer" and c.offload_dir:
         disk, host = host - grads, grads
     cb = cluster.compute_bytes
     held = seq_len // c.cp  # this rank's tokens of each sequence
     tokens = c.micro_batch_size * held
     cp_saved, cp_transient = cp_attention(shape, c, cb)
     fsdp_casts = fsdp_shards(c) or c.offload == "cpu"  # FSDP runs on one rank too under offload=cpu
-    autocast = (
-        cb != 4 and not casts_once and not fsdp_casts
-    )  # fp32 residual stream, low-precision matmuls
+    # fp32 residual stream, low-precision matmuls
+    autocast = cb != 4 and not casts_once and not fsdp_casts
     dense = layer_activations(shape, c, False, cb, cp_saved, cp_transient, compiled, autocast)
     moe = (
         layer_activations(shape, c, True, cb, cp_saved, cp_transient, compiled, autocast)
@@ -273,9 +269,8 @@ def memory(
     saved = dense.saved * stages.dense_layers + (moe.saved * stages.moe_layers if moe else 0.0)
     acts = saved * tokens * in_flight * cb + cp_mask_bytes(c, seq_len) * in_flight
     host_acts = 0.0
-    if (
-        c.activation_offload
-    ):  # on the device: the block being computed and the one prefetched; the rest on the host
+    # on the device: the block being computed and the one prefetched; the rest on the host
+    if c.activation_offload:
         per_block = sorted(
             [dense.saved] * stages.dense_layers + ([moe.saved] * stages.moe_layers if moe else [])
         )
@@ -304,9 +299,8 @@ def memory(
         else []
     )
     layer = max(sum(math.prod(s) for s in params) for params in kinds) * cb
-    if (
-        casts_once
-    ):  # every parameter's low-precision copy, kept through backward; a block's gradients in it
+    # every parameter's low-precision copy, kept through backward; a block's gradients in it
+    if casts_once:
         buffers = whole(units) * cb + (layer if in_backward else 0.0)
     elif fsdp_casts:
         keeps_gathered = not reshard_blocks_after_forward(
@@ -314,18 +308,15 @@ def memory(
         )
         all_layers = sum(u.count * u.numel for u in layers) * cb
         buffers = root + (all_layers if keeps_gathered else 2 * layer)
-        if (
-            c.pp > 1
-        ):  # the pipeline syncs gradients at its last micro-batch: until then they are whole
+        # the pipeline syncs gradients at its last micro-batch: until then they are whole
+        if c.pp > 1:
             buffers += all_layers + root
-        elif (
-            in_backward
-        ):  # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
+        # a block's whole gradients and the reduce-scatter's copy of them, in reduce dtype
+        elif in_backward:
             buffers += 2 * layer / cb * 4
     else:
-        if (
-            c.dp > 1 and c.zero_stage != 1
-        ):  # replicas' all-reduce copies the whole gradients into a buffer
+        # replicas' all-reduce copies the whole gradients into a buffer
+        if c.dp > 1 and c.zero_stage != 1:
             buffers += whole(trained) * 4
         buffers += casts + (0.0 if in_backward else forward_casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts, disk)

@@ -51,8 +51,8 @@ def detail(e: Estimate, cluster: Cluster) -> str:
             else "inter-node"
         )
         lines.append(
-            f"  {col.dim:<13}{col.kind:<15} group {col.group_size:<5}{_gib(col.bytes):>14}  {link}"
-            f"{'' if col.overlapped else ', on the critical path'}"
+            f"  {col.dim:<13}{col.kind:<15} group {col.group_size:<5}{_gib(col.bytes):>14}  "
+            f"{link}{'' if col.overlapped else ', on the critical path'}"
         )
     if c.pp > 1:
         ideal = (
@@ -82,18 +82,16 @@ def table(ranked: list[Estimate], tried: int, top: int, cluster: Cluster) -> str
     rows = [
         (
             f"{'#':>3}  {'layout':<58}{'mem/GPU':>12}{'step':>10}{'tok/s/GPU':>12}{'TFLOP/s':>9}"
-            f"{'MFU':>7}"
-            f"{'bubble':>8}  why slower than #1"
+            f"{'MFU':>7}{'bubble':>8}  why slower than #1"
         )
     ]
     for i, e in enumerate(ranked[:top], 1):
         mfu = f"{e.mfu:.1%}" if e.mfu is not None else "-"
         rows.append(
-            f"{i:>3}  {e.candidate.short():<58}{_gib(e.memory.total):>12}"
-            f"{e.step_time_s * 1e3:>8.0f}ms"
+            f"{i:>3}  "
+            f"{e.candidate.short():<58}{_gib(e.memory.total):>12}{e.step_time_s * 1e3:>8.0f}ms"
             f"{e.tokens_per_s_per_gpu:>12,.0f}{e.tflops_per_gpu:>9.1f}{mfu:>7}"
-            f"{e.bubble_fraction:>8.1%}  "
-            f"{why_slower(e, first)}"
+            f"{e.bubble_fraction:>8.1%}  {why_slower(e, first)}"
         )
     notes = dict.fromkeys(note for e in ranked[:top] for note in e.notes)
     return "\n".join(
@@ -138,9 +136,8 @@ def what_fits(
     lines += [_fits_row(f, f"{f.amount} ({f.params / 1e9:.1f}B)") for f in models]
     if sequences and sequences[0].estimate:
         seq = sequences[0].amount
-        longer = (
-            [f"model.max_seq_len={seq}"] if seq > max_seq_len else []
-        )  # RoPE's tables must reach it
+        # RoPE's tables must reach it
+        longer = [f"model.max_seq_len={seq}"] if seq > max_seq_len else []
         lines.append(
             "longest sequence takes: "
             + " ".join(
@@ -163,8 +160,7 @@ def _fits_row(f: Fit, amount: str) -> str:
     m = f.estimate.memory
     return (
         f"  {f.options.label():<52}{amount:>14}{_gib(m.total):>12}"
-        f"{_gib(m.host + m.host_activations):>12}"
-        f"{f.estimate.tokens_per_s_per_gpu:>11,.0f}"
+        f"{_gib(m.host + m.host_activations):>12}{f.estimate.tokens_per_s_per_gpu:>11,.0f}"
     )
 
 
@@ -174,17 +170,14 @@ def measured(result: dict) -> str:
     return "\n".join(
         [
             f"layout: {result['layout']}; rank {m['rank']} of {m['world_size']} (pp rank "
-            f"{m['pp_rank']}) run on "
-            f"{m['device']} with a fake process group (collectives free)",
+            f"{m['pp_rank']}) run on {m['device']} with a fake process group (collectives free)",
             f"  {'':<18}{'measured':>14}{'predicted':>14}{'ratio':>8}",
             f"  {'peak memory':<18}{_gib(m['peak_bytes']):>14}{_gib(p['peak_bytes']):>14}"
             f"{r['peak_bytes']:>8.2f}",
             f"  {'model state':<18}{_gib(m['model_state_bytes']):>14}"
-            f"{_gib(p['model_state_bytes']):>14}"
-            f"{r['model_state_bytes']:>8.2f}",
+            f"{_gib(p['model_state_bytes']):>14}{r['model_state_bytes']:>8.2f}",
             f"  {'step compute':<18}{m['median_step_s'] * 1e3:>11.1f} "
-            f"ms{p['compute_s'] * 1e3:>11.1f} ms"
-            f"{r['compute_s']:>8.2f}   (predicted for {p['device']}; comparable where that is "
-            "this device)",
+            f"ms{p['compute_s'] * 1e3:>11.1f} ms{r['compute_s']:>8.2f}   (predicted for "
+            f"{p['device']}; comparable where that is this device)",
         ]
     )

@@ -77,8 +77,7 @@ def best(cfg, cluster: Cluster) -> tuple[Estimate, list[Estimate], int]:
         return e, fitting, tried
     raise ConfigError(
         f"parallel.auto: none of the {len(fitting)} layouts that fit passes composer3d's checks. "
-        "Give "
-        "the layout by hand (parallel.* keys)"
+        "Give the layout by hand (parallel.* keys)"
     )
 
 

@@ -59,8 +59,8 @@ class ExpertShape:
         if problem:
             raise ConfigError(
                 f"model.path: {path} is a mixture of experts composer3d-plan cannot count: "
-                f"{problem}. "
-                "Plan the closest native shape (model=llama with model.moe.* set to its config's)"
+                f"{problem}. Plan the closest native shape (model=llama with model.moe.* set to "
+                "its config's)"
             )
         return (
             None
@@ -283,9 +283,8 @@ def stage_sets(shape: ModelShape, pp: int, stages_per_rank: int, schedule: str) 
         return [StageSet(0, (shape.n_layers,), True, True, shape.n_moe_layers)]
     costs = [float(shape.layer_numel(i)) for i in range(shape.n_layers)]
     costs[0] += shape.embedding_numel
-    costs[-1] += (
-        shape.dim + shape.embedding_numel
-    )  # the head's matrix: its own, or a tied embedding's twin
+    # the head's matrix: its own, or a tied embedding's twin
+    costs[-1] += shape.dim + shape.embedding_numel
     ranges = split_layers(costs, pp * stages_per_rank)
     sets = []
     for rank in range(pp):

@@ -22,8 +22,8 @@ def validate_plan(cfg: Any) -> None:
         c.device in DEVICES,
         "cluster.device",
         f"unknown device {c.device!r}",
-        f"Choose one of {sorted(DEVICES)}, "
-        "or the closest one with cluster.memory_gib / cluster.peak_tflops / cluster.*_gbps set",
+        f"Choose one of {sorted(DEVICES)}, or the closest one with cluster.memory_gib / "
+        "cluster.peak_tflops / cluster.*_gbps set",
     )
     for key in ("nodes", "gpus_per_node"):
         _require(
@@ -85,8 +85,8 @@ def validate_plan(cfg: Any) -> None:
     _require(
         0 <= p.measure_rank < world,
         "plan.measure_rank",
-        f"must name a rank of the {world} (cluster.nodes × "
-        f"cluster.gpus_per_node), got {p.measure_rank}",
+        f"must name a rank of the {world} (cluster.nodes × cluster.gpus_per_node), got "
+        f"{p.measure_rank}",
         f"Use 0 to {world - 1}",
     )
     schedule = cfg.parallel.pp_schedule
@@ -94,13 +94,10 @@ def validate_plan(cfg: Any) -> None:
         not (p.measure and cfg.parallel.pp > 1 and schedule in ZERO_BUBBLE),
         "parallel.pp_schedule",
         f"plan.measure cannot run {schedule}: torch's MemTracker follows the backward by hooks on "
-        "each module's "
-        "inputs, which the autograd.grad call a zero-bubble schedule splits input from weight "
-        "gradients with "
-        "rejects for a stage's received activations (torch 2.13)",
-        "Measure the layout under "
-        "parallel.pp_schedule=interleaved_1f1b (two stages a rank, as zbv and dualpipev place "
-        "them) or 1f1b",
+        "each module's inputs, which the autograd.grad call a zero-bubble schedule splits input "
+        "from weight gradients with rejects for a stage's received activations (torch 2.13)",
+        "Measure the layout under parallel.pp_schedule=interleaved_1f1b (two stages a rank, as zbv "
+        "and dualpipev place them) or 1f1b",
     )
     _require(
         p.measure_steps >= 1,

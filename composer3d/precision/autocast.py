@@ -50,9 +50,8 @@ class _LinearKeepingWeight(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = rows.mm(weight.to(grad.dtype)).view(
-                x_low.shape
-            )  # the cast lives for this matmul only
+            # the cast lives for this matmul only
+            grad_x = rows.mm(weight.to(grad.dtype)).view(x_low.shape)
         if ctx.needs_input_grad[1]:
             grad_w = rows.t().mm(x_low.reshape(-1, x_low.shape[-1]))
         return grad_x, grad_w, None

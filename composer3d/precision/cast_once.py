@@ -83,9 +83,8 @@ class CastOnce:
         for module, name in self.slots:
             param = module._parameters[name]
             if id(param) not in copies:
-                copies[id(param)] = param.to(
-                    self.dtype
-                )  # under autograd: the gradient cast back to fp32
+                # under autograd: the gradient cast back to fp32
+                copies[id(param)] = param.to(self.dtype)
             module.__dict__[name] = copies[id(param)]
 
     def _after_forward(self, model: nn.Module, args, output) -> None:

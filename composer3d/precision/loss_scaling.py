@@ -36,9 +36,8 @@ class DynamicLossScaler:
         found = torch.zeros((), device=self.device)
         for g in grads:
             found = torch.maximum(found, (~torch.isfinite(g)).any().to(found.dtype))
-        dist.all_reduce(
-            found, op=dist.ReduceOp.MAX
-        )  # all ranks, all mesh dims: one decision everywhere
+        # all ranks, all mesh dims: one decision everywhere
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
         if found.item() > 0:
             self.scale /= 2
             self.clean_steps = 0

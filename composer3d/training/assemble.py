@@ -29,9 +29,8 @@ from composer3d.training.flops import attention_layers, embedding_params, flops_
 class ParallelModel:
     model: nn.Module
     stages: list[StageModule]  # this rank's pipeline stages ([] without PP)
-    context: (
-        ContextParallel | None
-    )  # the cp group's attention (None: cp = 1), as ``parallelize`` returned it
+    # the cp group's attention (None: cp = 1), as ``parallelize`` returned it
+    context: ContextParallel | None
     num_params: int  # of the whole model, before any split
     # of those, what the optimizer updates (``peft``: the adapters and modules_to_save)
     trainable_params: int
@@ -102,9 +101,8 @@ def build_parallel_model(
         )
         if weights is not None:
             spec.load_pretrained(model, weights)
-    if (
-        cfg.peft.init_from and not from_checkpoint
-    ):  # a PEFT adapter directory's adapters instead of fresh ones
+    # a PEFT adapter directory's adapters instead of fresh ones
+    if cfg.peft.init_from and not from_checkpoint:
         load_adapters(model, cfg.peft.init_from, cfg.model)
     check_twins_match(model)
     if not runs_fsdp(mesh, cfg.parallel):  # after materialize: it makes the parameters

@@ -135,8 +135,7 @@ class CompiledAdamW(torch.optim.AdamW):
             self._compiled_for, self._chunks = having, self._chunked()
             log.info(
                 "compiling the optimizer step (optim.implementation=compiled): %d tensors in %d "
-                "chunks, "
-                "graphs: %d, once a run, their code cached for the next",
+                "chunks, graphs: %d, once a run, their code cached for the next",
                 sum(map(sum, having)),
                 len(self._chunks),
                 len({_signature(chunk) for chunk in self._chunks}),
@@ -153,9 +152,8 @@ class CompiledAdamW(torch.optim.AdamW):
         if not self._warned_eager:
             log.warning(
                 "optim.implementation=compiled: other parameters have gradients than at the first "
-                "step; "
-                "such steps run torch's fused AdamW eagerly (the same update, 4 bytes a parameter "
-                "more)"
+                "step; such steps run torch's fused AdamW eagerly (the same update, 4 bytes a "
+                "parameter more)"
             )
             self._warned_eager = True
         _update_eagerly(

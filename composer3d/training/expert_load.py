@@ -40,12 +40,10 @@ class ExpertLoad:
             global_batch_size // micro_batch_size,
         )
         self.global_batch_size, self.mesh = global_batch_size, mesh
-        self.window = torch.zeros(
-            len(self.layers), routing.experts, device=device
-        )  # routed tokens, logging window
-        self.window_global = (
-            self.cfg is not None and self.cfg.bias_update_rate > 0
-        )  # summed over ranks each step
+        # routed tokens, logging window
+        self.window = torch.zeros(len(self.layers), routing.experts, device=device)
+        # summed over ranks each step
+        self.window_global = self.cfg is not None and self.cfg.bias_update_rate > 0
 
     def before_step(self, loss_scale: float) -> None:
         """The auxiliary loss's gradient: coefficient over the global batch's sequences (it is a
@@ -62,9 +60,8 @@ class ExpertLoad:
     def after_step(self, updated: bool) -> None:
         """Move the balancing bias by this step's global load (if the update was applied) and start
         a new count."""
-        if (
-            not self.layers
-        ):  # a pipeline stage without MoE layers, as are the other ranks of its loss mesh
+        # a pipeline stage without MoE layers, as are the other ranks of its loss mesh
+        if not self.layers:
             return
         counts = torch.stack([layer.routed_tokens for layer in self.layers])
         if self.window_global:

@@ -46,9 +46,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         wants_x, wants_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         trained = targets != IGNORE_INDEX
         index = torch.where(trained, targets, 0).unsqueeze(1)
-        scale = (
-            (trained * grad_scale).float().unsqueeze(1)
-        )  # each row's share of the output gradient
+        # each row's share of the output gradient
+        scale = (trained * grad_scale).float().unsqueeze(1)
         lse = torch.empty(rows, dtype=torch.float32, device=x.device)
         target_logit = torch.empty(rows, dtype=torch.float32, device=x.device)
         grad_x = torch.empty_like(x) if wants_x else None
@@ -122,8 +121,7 @@ def fused_linear_cross_entropy_sum(
     if isinstance(weight, DTensor) or isinstance(x, DTensor):
         raise ValueError(
             "the fused loss takes the head's whole weight, not a DTensor (tensor parallel's "
-            "vocabulary "
-            "shards): use train.loss_impl=chunked"
+            "vocabulary shards): use train.loss_impl=chunked"
         )
     device_type = x.device.type
     dtype = (
@@ -131,9 +129,8 @@ def fused_linear_cross_entropy_sum(
         if torch.is_autocast_enabled(device_type)
         else weight.dtype
     )
-    if (
-        not torch.is_grad_enabled()
-    ):  # evaluation: the loss alone (a Function's forward sees inputs' requires_grad)
+    # evaluation: the loss alone (a Function's forward sees inputs' requires_grad)
+    if not torch.is_grad_enabled():
         x, weight = x.detach(), weight.detach()
     grad_scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=x.device)
     kernels = compiled_kernels() if compiled else EAGER_KERNELS

@@ -97,9 +97,8 @@ def clip_grad_norm_(
     ]
     total_sq = torch.stack(squares).sum() if squares else torch.zeros(())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(
-            total_sq
-        )  # the whole job: every mesh dimension and pipeline stage in one reduction
+        # the whole job: every mesh dimension and pipeline stage in one reduction
+        dist.all_reduce(total_sq)
     total = total_sq.sqrt()
     if divides_in_step(optimizer):
         optimizer.grad_scale = (

@@ -89,9 +89,8 @@ def _run(
                 k: int(max_over_ranks(v, trainer.device)) for k, v in sorted(breakdown.items())
             }
             sink.write_run_info(run_info)
-        if (
-            "model_state_bytes_per_rank" not in run_info
-        ):  # grads and optimizer state exist now: measure them
+        # grads and optimizer state exist now: measure them
+        if "model_state_bytes_per_rank" not in run_info:
             run_info["model_state_bytes_per_rank"] = int(
                 max_over_ranks(trainer.model_state_bytes(), trainer.device)
             )
@@ -141,8 +140,7 @@ def _run(
             raise TrainingDiverged(
                 f"step {diverged['step']}: the loss or gradient norm is not finite (NaN/inf) and "
                 "train.on_nonfinite=stop: stopped without saving this state; the last checkpoint "
-                "written "
-                "before it is kept. Lower optim.lr or resume from that checkpoint, or set "
+                "written before it is kept. Lower optim.lr or resume from that checkpoint, or set "
                 "train.on_nonfinite=skip to drop such updates"
             )
         if evaluating:
@@ -151,9 +149,8 @@ def _run(
         if saving:
             started = time.perf_counter()
             checkpointer.save(trainer.step)
-            records[-1]["checkpoint_blocked_s"] = (
-                time.perf_counter() - started
-            )  # training waited this long
+            # training waited this long
+            records[-1]["checkpoint_blocked_s"] = time.perf_counter() - started
         sink.log(records, to_console=trainer.step % cfg.logging.log_every == 0 or last)
         if stop:
             _stop(trainer, stop, checkpointer, signals)

@@ -155,8 +155,8 @@ def cross_entropy_sum(
             isinstance(placements[0], Shard) and placements[0].dim in (-1, logits.ndim - 1)
         ):
             raise ValueError(
-                f"logits must be sharded on the vocabulary over one mesh dim, got {placements} "
-                f"on a {mesh.ndim}-D mesh"
+                f"logits must be sharded on the vocabulary over one mesh dim, got {placements} on "
+                f"a {mesh.ndim}-D mesh"
             )
         # DTensor shards like torch.chunk: every rank but the last holds ceil(vocab / size) entries
         per_rank = math.ceil(logits.shape[-1] / mesh.size())

@@ -107,9 +107,8 @@ def peak_memory_bytes(device: torch.device) -> dict[str, int]:
 
 
 def _number(value: float | None, spec: str) -> str:
-    return (
-        "non-finite" if value is None else format(value, spec)
-    )  # None: NaN/inf, which JSON cannot hold
+    # None: NaN/inf, which JSON cannot hold
+    return "non-finite" if value is None else format(value, spec)
 
 
 class Throughput:
@@ -172,9 +171,8 @@ class MetricsSink:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        if (
-            cfg.logging.progress_bar and is_terminal()
-        ):  # off a terminal it would print one cut-short line
+        # off a terminal it would print one cut-short line
+        if cfg.logging.progress_bar and is_terminal():
             from rich.progress import (
                 BarColumn,
                 MofNCompleteColumn,
@@ -204,9 +202,8 @@ class MetricsSink:
             return
         kept = [line for line, record_step in metrics_records(self.path) if record_step <= step]
         text = "".join(line + "\n" for line in kept)
-        if (
-            text != self.path.read_text()
-        ):  # a finished run's file, resumed with nothing to train, stays untouched
+        # a finished run's file, resumed with nothing to train, stays untouched
+        if text != self.path.read_text():
             self.path.write_text(text)
 
     def write_run_info(self, info: dict) -> None:
@@ -229,10 +226,9 @@ class MetricsSink:
                         self.tensorboard.add_scalar(key, value, record["step"])
         record = records[-1]
         summary = (
-            f"step {record['step']} loss {_number(record['loss'], '.4f')} "
-            f"grad_norm {_number(record['grad_norm'], '.3f')} "
-            f"lr {record['lr']:.2e} tokens/s {record['tokens_per_s']:,.0f} "
-            f"TFLOP/s/device {record['tflops_per_s']:.3g}"
+            f"step {record['step']} loss {_number(record['loss'], '.4f')} grad_norm "
+            f"{_number(record['grad_norm'], '.3f')} lr {record['lr']:.2e} tokens/s "
+            f"{record['tokens_per_s']:,.0f} TFLOP/s/device {record['tflops_per_s']:.3g}"
             + (f" MFU {record['mfu']:.1%}" if record["mfu"] is not None else "")
             + f" mem {record['peak_mem_bytes'] / 2**30:.2f} GiB"
             + (

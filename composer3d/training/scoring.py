@@ -33,9 +33,8 @@ def layout_logits(trainer, inputs: torch.Tensor) -> torch.Tensor:
         targets = torch.full_like(inputs, IGNORE_INDEX)
         args = (inputs,) if trainer.runs_first_stage else ()
         logits = trainer.pipeline.eval(*args, target=targets, losses=[])
-    if isinstance(
-        logits, DTensor
-    ):  # tensor parallel: the head's output is sharded over the vocabulary
+    # tensor parallel: the head's output is sharded over the vocabulary
+    if isinstance(logits, DTensor):
         logits = logits.full_tensor()
     if trainer.pipeline is not None:  # the last stage's logits to every stage: the others add zeros
         group = trainer.mesh["pp"].get_group()

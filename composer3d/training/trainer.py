@@ -143,9 +143,8 @@ class Trainer:
         self.global_tokens = 1.0
         self.memory_tracker = None  # set while logging.memory_breakdown measures a step
         self.scaler = None
-        if (
-            cfg.precision.param_dtype == "float16"
-        ):  # fp16's narrow range needs loss scaling; bf16 does not
+        # fp16's narrow range needs loss scaling; bf16 does not
+        if cfg.precision.param_dtype == "float16":
             self.scaler = DynamicLossScaler(
                 cfg.precision.loss_scale_init, cfg.precision.loss_scale_growth_interval, device
             )
@@ -192,9 +191,8 @@ class Trainer:
         return self._normalized(self._loss_sum(logits, targets))
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return cross_entropy_sum(
-            logits, targets, compiled=self._compiled_loss, in_place=True
-        )  # logits not kept
+        # logits not kept
+        return cross_entropy_sum(logits, targets, compiled=self._compiled_loss, in_place=True)
 
     def _normalized(self, loss: torch.Tensor) -> torch.Tensor:
         if self.evaluating:
@@ -239,9 +237,8 @@ class Trainer:
         documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
         positions = batch.position_ids if documents else None
         if self.context is not None:
-            self.context.place(
-                positions, inputs.shape[1]
-            )  # one placement for the batch, every microbatch of it
+            # one placement for the batch, every microbatch of it
+            self.context.place(positions, inputs.shape[1])
             inputs, targets, positions = (
                 self.context.shard(t) for t in (inputs, targets, positions)
             )
@@ -284,20 +281,16 @@ class Trainer:
         """One optimizer step. The loss and gradient norm stay on the device (this rank's share of
         the loss, not yet reduced): reading them back is a host sync, which ``fit`` does once per
         logging window."""
-        batch = (
-            self.loader.next_batch()
-        )  # built ahead on a background thread, already on its way to the device
-        processed = (
-            self.cfg.train.global_batch_size * batch.inputs.shape[1]
-        )  # tokens through the model, all ranks
-        self.global_tokens = float(
-            batch.global_targets
-        )  # counted by the loader: no collective, no sync
+        # built ahead on a background thread, already on its way to the device
+        batch = self.loader.next_batch()
+        # tokens through the model, all ranks
+        processed = self.cfg.train.global_batch_size * batch.inputs.shape[1]
+        # counted by the loader: no collective, no sync
+        self.global_tokens = float(batch.global_targets)
         if batch.global_targets == 0:  # the same count on every rank: all skip alike
             log.warning(
                 "step %d: no target in the global batch takes a loss (all masked: chat rows "
-                "without "
-                "assistant tokens in these windows?); step skipped, no update",
+                "without assistant tokens in these windows?); step skipped, no update",
                 self.step + 1,
             )
             self.scheduler.step()
@@ -352,9 +345,8 @@ class Trainer:
                     float(grad_norm),
                 )
         lr = float(self.scheduler.get_last_lr()[0])  # torchao's optimizers keep lr as a tensor
-        if (
-            stepped
-        ):  # a dropped update is dropped on every rank alike (the LR schedule still advances)
+        # a dropped update is dropped on every rank alike (the LR schedule still advances)
+        if stepped:
             self.optimizer.step()
             self.dropped_in_a_row = 0
         else:
@@ -365,10 +357,10 @@ class Trainer:
         self.step += 1
         if self.dropped_in_a_row > self.cfg.train.max_skipped_steps:
             raise TrainingDiverged(
-                f"step {self.step}: {self.dropped_in_a_row} updates in a row were dropped "
-                f"(fp16 overflow or non-finite gradients), more than train.max_skipped_steps="
-                f"{self.cfg.train.max_skipped_steps}: training has diverged. Lower optim.lr, "
-                "use bf16, or resume from an earlier checkpoint"
+                f"step {self.step}: {self.dropped_in_a_row} updates in a row were dropped (fp16 "
+                "overflow or non-finite gradients), more than "
+                f"train.max_skipped_steps={self.cfg.train.max_skipped_steps}: training has "
+                "diverged. Lower optim.lr, use bf16, or resume from an earlier checkpoint"
             )
         metrics = {
             "loss": loss,
@@ -431,9 +423,8 @@ class Trainer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self.model.zero_grad(
-            set_to_none=True
-        )  # ZeRO-1's optimizer only sees its slices of the gradients
+        # ZeRO-1's optimizer only sees its slices of the gradients
+        self.model.zero_grad(set_to_none=True)
 
     @torch.no_grad()
     def evaluate(self, windows: torch.Tensor) -> dict:
@@ -469,9 +460,8 @@ class Trainer:
             self.model.train()
         for total in (loss_sum, count):
             dist.all_reduce(total, group=self.mesh.loss.get_group())
-        if (
-            self.pipeline is not None
-        ):  # the loss lives on the last stage's ranks; the others add zero
+        # the loss lives on the last stage's ranks; the others add zero
+        if self.pipeline is not None:
             dist.all_reduce(loss_sum, group=self.mesh["pp"].get_group())
         return eval_result(loss_sum.item(), int(count.item()))
 

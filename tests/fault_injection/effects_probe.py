@@ -201,9 +201,8 @@ def _fsdp(trainer: Trainer) -> list[dict]:
 
 def _compiled(block: torch.nn.Module) -> bool:
     call = getattr(block, "_compiled_call_impl", None)
-    if isinstance(
-        call, OffloadedCall
-    ):  # activation offload sits around the block's call, compiled or not
+    # activation offload sits around the block's call, compiled or not
+    if isinstance(call, OffloadedCall):
         call = call.call if call.call != block._call_impl else None
     return call is not None
 
@@ -288,9 +287,8 @@ def _effects(trainer: Trainer) -> dict:
             if isinstance(v, torch.Tensor) and v.ndim > 0
         ],
         "optimizer_class": type(optimizer).__name__,
-        "optimizer_chunks": len(
-            getattr(optimizer, "_chunks", ())
-        ),  # optim.implementation=compiled: calls a step
+        # optim.implementation=compiled: calls a step
+        "optimizer_chunks": len(getattr(optimizer, "_chunks", ())),
         # offload=optimizer: the host copies the step updates (masters), and the bytes this rank
         # keeps in files
         "host_masters": [
@@ -302,9 +300,8 @@ def _effects(trainer: Trainer) -> dict:
             for _, m, _ in getattr(optimizer, "pairs", ())
         ],
         "host_file_bytes": getattr(optimizer, "host_file_bytes", 0),
-        "output_dtypes": sorted(
-            set(trainer._probe_output_dtypes)
-        ),  # the head's compute dtype, where this rank has it
+        # the head's compute dtype, where this rank has it
+        "output_dtypes": sorted(set(trainer._probe_output_dtypes)),
         "head_saved_weight_dtypes": sorted(getattr(trainer, "_probe_head_saved", ())),
         # what the (uncompiled) blocks computed from: the residual stream they got, and their
         # weights as the projections held them during the forward (FSDP's cast copies, or autocast's
@@ -372,9 +369,8 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
         counter.clear()
     _init(self, *args, **kwargs)
     self._probe_output_dtypes = []
-    head = getattr(
-        self.model, "output", None
-    )  # outside the blocks, so never inside a compiled graph
+    # outside the blocks, so never inside a compiled graph
+    head = getattr(self.model, "output", None)
     if head is not None:
         head.register_forward_hook(
             lambda module, inputs, output: self._probe_output_dtypes.append(str(output.dtype))
@@ -388,9 +384,8 @@ def __init__(self: Trainer, *args, **kwargs) -> None:
         attention = getattr(block, "attention", None)
         if attention is None:
             continue
-        if _compiled(
-            block
-        ):  # hooks inside a compiled block would be traced into (and guard) its graphs
+        # hooks inside a compiled block would be traced into (and guard) its graphs
+        if _compiled(block):
             continue
         attention.register_forward_pre_hook(first_tokens)
         block.register_forward_pre_hook(first_tokens)
@@ -446,9 +441,8 @@ def _tied_twin(trainer: Trainer) -> dict | None:
 
 def train_step(self: Trainer) -> dict:
     metrics = _train_step(self)
-    directory = Path(
-        os.environ["COMPOSER3D_TEST_EFFECTS"]
-    )  # read now: a group of jobs sets it per job
+    # read now: a group of jobs sets it per job
+    directory = Path(os.environ["COMPOSER3D_TEST_EFFECTS"])
     if self.step == 1:  # optimizer state, gradients and compiled graphs exist now
         directory.mkdir(parents=True, exist_ok=True)
         (directory / f"rank{dist.get_rank()}.json").write_text(json.dumps(_effects(self), indent=1))

@@ -107,9 +107,8 @@ def _unknown_keys(given: dict, schema: dict, prefix: str) -> list[str]:
     for key, value in given.items():
         if key in schema and not (isinstance(value, dict) and isinstance(schema[key], dict)):
             continue
-        if isinstance(
-            value, dict
-        ):  # an unknown section is named by its keys, as the user typed them
+        # an unknown section is named by its keys, as the user typed them
+        if isinstance(value, dict):
             section = schema.get(key)
             found += _unknown_keys(
                 value, section if isinstance(section, dict) else {}, f"{prefix}{key}."
@@ -127,16 +126,14 @@ def validate_for_device(cfg: Any, layout: Layout, device_type: str) -> None:
     _require(
         cfg.checkpoint.async_mode != "async_pinned",
         "checkpoint.async_mode",
-        "async_pinned stages into pinned "
-        "host memory, which needs an accelerator; this run is on the CPU",
+        "async_pinned stages into pinned host memory, which needs an accelerator; this run is on "
+        "the CPU",
         "Use checkpoint.async_mode=async",
     )
     _require(
         not (cfg.compile.enabled and layout.tp > 1),
         "compile.enabled",
-        "torch.compile of tensor-parallel "
-        "blocks gives wrong gradients on the CPU backend in torch 2.13 (the loss leaves the "
-        "uncompiled curve "
-        "from the second step)",
+        "torch.compile of tensor-parallel blocks gives wrong gradients on the CPU backend in torch "
+        "2.13 (the loss leaves the uncompiled curve from the second step)",
         "Use compile.enabled=false with parallel.tp>1 on CPU",
     )

@@ -39,8 +39,8 @@ def _check_data(d: Any, m: Any) -> None:
         _require(
             not d.paths,
             "data.paths",
-            f"is set, but data.name={d.name} reads no files: the run would train on "
-            f"the {d.name} corpus instead",
+            f"is set, but data.name={d.name} reads no files: the run would train on the {d.name} "
+            "corpus instead",
             "Add data=text_files to train on these files",
         )
     _require(
@@ -59,9 +59,8 @@ def _check_data(d: Any, m: Any) -> None:
         _require(
             bool(d.tokenizer) or m.name == "hf",
             "data.tokenizer",
-            "data.format=chat needs a Hugging "
-            "Face tokenizer with a chat template, and the byte-level one (data.tokenizer=null) "
-            "has none",
+            "data.format=chat needs a Hugging Face tokenizer with a chat template, and the "
+            "byte-level one (data.tokenizer=null) has none",
             "Set data.tokenizer=<tokenizer directory>, or use model=hf (its own tokenizer)",
         )
         _require(bool(d.messages_field), "data.messages_field", "is empty", "Use e.g. messages")

@@ -90,8 +90,7 @@ def check_context_parallel(
         f"cp={cp} cuts train.seq_len={seq_len} into 2·cp = {2 * cp} equal chunks, which does not "
         "divide it",
         f"Use a cp with 2·cp dividing {seq_len} ({_divisors(seq_len // 2)}), or a train.seq_len "
-        "divisible by "
-        f"{2 * cp}",
+        f"divisible by {2 * cp}",
     )
     balance = cp_balance
     _require(
@@ -99,8 +98,7 @@ def check_context_parallel(
         "parallel.cp_balance",
         f"got {balance!r}",
         "Use documents (the default: balanced by each batch's packed documents) or head_tail (rank "
-        "r holds "
-        "chunks r and 2·cp−1−r)",
+        "r holds chunks r and 2·cp−1−r)",
     )
     style = cp_style
     _require(
@@ -116,9 +114,8 @@ def check_context_parallel(
             "model.n_kv_heads": model.n_kv_heads or model.n_heads,
         }
         for key, count in heads.items():
-            local = (
-                count // tp if count % tp == 0 else count
-            )  # tp not dividing is its own error (_check_layout)
+            # tp not dividing is its own error (_check_layout)
+            local = count // tp if count % tp == 0 else count
             held = (
                 f"{key}={count} over tp={tp} leaves {local} a rank, which"
                 if tp > 1
@@ -127,10 +124,10 @@ def check_context_parallel(
             _require(
                 local % cp == 0,
                 "parallel.cp_style",
-                f"ulysses splits the heads a rank holds over the cp ranks, "
-                f"and {held} is not divisible by cp={cp}",
-                "Use parallel.cp_style=ring (or allgather), or a cp "
-                f"dividing {local}" + (", or a smaller parallel.tp" if tp > 1 else ""),
+                f"ulysses splits the heads a rank holds over the cp ranks, and {held} is not "
+                f"divisible by cp={cp}",
+                "Use parallel.cp_style=ring (or allgather), or a cp dividing "
+                f"{local}" + (", or a smaller parallel.tp" if tp > 1 else ""),
             )
     problem = MODEL_REGISTRY[model.name].context_parallel_problem(model)
     _require(
@@ -145,8 +142,7 @@ def check_context_parallel(
         model.moe.experts == 0 or model.moe.capacity_factor <= 0,
         "model.moe.capacity_factor",
         f"expert capacity drops a sequence's choices by position, and under parallel.cp={cp} each "
-        "rank holds "
-        "only its chunks of the sequence",
+        "rank holds only its chunks of the sequence",
         "Use model.moe.capacity_factor=0 with parallel.cp>1, or parallel.cp=1",
     )
     # the native model composes cp with each of these and their combinations (tests/test_cp_*.py)
@@ -163,8 +159,8 @@ def check_context_parallel(
                 not given,
                 key,
                 f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} yet",
-                f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP "
-                "and HSDP)",
+                f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and "
+                "HSDP)",
             )
 
 
@@ -181,15 +177,15 @@ def _check_layout(cfg: Any, layout: Layout) -> None:
         p.zero_stage in (1, 2, 3),
         "parallel.zero_stage",
         f"must be 1, 2 or 3, got {p.zero_stage}",
-        "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, "
-        "1 replicates params and shards only optimizer state",
+        "3 shards params+grads+optimizer state, 2 keeps params gathered through backward, 1 "
+        "replicates params and shards only optimizer state",
     )
     _require(
         p.zero1_bucket_mb > 0,
         "parallel.zero1_bucket_mb",
         f"must be > 0 MiB, got {p.zero1_bucket_mb}",
-        "Use a bucket of some MiB (40 by default; smaller buckets overlap sooner, larger ones "
-        "send fewer messages)",
+        "Use a bucket of some MiB (40 by default; smaller buckets overlap sooner, larger ones send "
+        "fewer messages)",
     )
     if p.zero_stage == 1:
         _require(
@@ -222,9 +218,8 @@ def _check_layout(cfg: Any, layout: Layout) -> None:
             "needs tensor parallel (tp > 1) to shard the sequence over",
             "Set parallel.tp>1 or parallel.sequence_parallel=false",
         )
-        cp = (
-            layout.cp
-        )  # under context parallel, sequence parallel splits each cp rank's seq_len/cp tokens
+        # under context parallel, sequence parallel splits each cp rank's seq_len/cp tokens
+        cp = layout.cp
         held = (
             f"the {t.seq_len // cp} tokens each of the cp={cp} ranks holds"
             if cp > 1
@@ -255,8 +250,7 @@ def _check_expert_parallel(cfg: Any, layout: Layout) -> None:
         "parallel.ep",
         f"expert parallel (ep={ep}) needs a mixture-of-experts model, and {what}",
         "Use parallel.ep=1, or a mixture-of-experts model (model=tiny_moe, model.moe.experts>0, or "
-        "model=hf with "
-        "a Hugging Face MoE model)",
+        "model=hf with a Hugging Face MoE model)",
     )
     _require(
         problem is None,
@@ -267,8 +261,8 @@ def _check_expert_parallel(cfg: Any, layout: Layout) -> None:
     _require(
         experts % ep == 0,
         "parallel.ep",
-        f"ep={ep} does not divide the {experts} routed experts of each MoE "
-        "layer (each ep rank holds experts/ep of every MoE layer)",
+        f"ep={ep} does not divide the {experts} routed experts of each MoE layer (each ep rank "
+        "holds experts/ep of every MoE layer)",
         f"Choose parallel.ep among {_divisors(experts)}",
     )
     cp, dp_shard = layout.cp, layout.dp_shard
@@ -279,17 +273,15 @@ def _check_expert_parallel(cfg: Any, layout: Layout) -> None:
         _require(
             ep % cp == 0 and dp_shard % (ep // cp) == 0,
             "parallel.ep",
-            f"under context parallel (cp={cp}) "
-            f"expert parallel takes all cp ranks and ep/cp more from dp_shard={dp_shard}, and "
-            f"ep={ep} is not "
-            "so made",
+            f"under context parallel (cp={cp}) expert parallel takes all cp ranks and ep/cp more "
+            f"from dp_shard={dp_shard}, and ep={ep} is not so made",
             f"Choose parallel.ep among {choices}",
         )
     _require(
         cp > 1 or dp_shard % ep == 0,
         "parallel.ep",
-        f"ep={ep} does not divide dp_shard={dp_shard}: "
-        "expert parallel takes its ranks from the data-parallel shard dimension",
+        f"ep={ep} does not divide dp_shard={dp_shard}: expert parallel takes its ranks from the "
+        "data-parallel shard dimension",
         f"Choose parallel.ep among {_divisors(dp_shard)}, or give dp_shard a multiple of {ep}",
     )
 
@@ -320,8 +312,8 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
     _require(
         stages <= m.n_layers,
         "parallel.pp",
-        f"pp={pp} × pp_stages_per_rank={stages_per_rank} = {stages} stages "
-        f"but the model has {m.n_layers} layers (each stage needs at least one)",
+        f"pp={pp} × pp_stages_per_rank={stages_per_rank} = {stages} stages but the model has "
+        f"{m.n_layers} layers (each stage needs at least one)",
         "Lower parallel.pp or parallel.pp_stages_per_rank",
     )
     if m.name == "hf":
@@ -330,13 +322,11 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
         _require(
             not wants_router_loss(load_hf_config(m.path)),
             "parallel.pp",
-            f"{m.path}/config.json sets "
-            "output_router_logits: true, and transformers' router load-balancing loss pools every "
-            "MoE layer of "
-            "a forward, of which a pipeline stage holds only some",
-            "Use parallel.pp=1 (FSDP, TP/SP and EP) "
-            "for this model, or set output_router_logits to false in config.json to train without "
-            "that loss",
+            f"{m.path}/config.json sets output_router_logits: true, and transformers' router "
+            "load-balancing loss pools every MoE layer of a forward, of which a pipeline stage "
+            "holds only some",
+            "Use parallel.pp=1 (FSDP, TP/SP and EP) for this model, or set output_router_logits to "
+            "false in config.json to train without that loss",
         )
     # A tied head becomes the embedding's twin on the last stage, its gradient summed with the first
     # stage's (parallel.tied): that needs the two stages on two ranks.
@@ -347,20 +337,17 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
         not (m.tie_embeddings and p.pp_schedule in V_SHAPED),
         "parallel.pp_schedule",
         f"{p.pp_schedule} runs the first and the last stage on one rank, where the head tied to "
-        "the embedding "
-        f"({tied_by}) would be one parameter in two stages",
-        "Use another schedule (1f1b, interleaved_1f1b, "
-        "interleaved_zero_bubble, …) for a tied model",
+        f"the embedding ({tied_by}) would be one parameter in two stages",
+        "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …) for a tied "
+        "model",
     )
     # ZeRO-1 moves each gradient into its bucket during the backward (parallel.zero_buckets), before
     # the twins' gradients could be summed, and steps slices the twins do not share.
     _require(
         not (m.tie_embeddings and p.zero_stage == 1),
         "parallel.zero_stage",
-        f"ZeRO-1 reduces each gradient "
-        f"into its buckets during the backward, before a tied head's twin ({tied_by}) could add "
-        "its gradient to "
-        "the embedding's on the first stage",
+        "ZeRO-1 reduces each gradient into its buckets during the backward, before a tied head's "
+        f"twin ({tied_by}) could add its gradient to the embedding's on the first stage",
         "Use parallel.zero_stage=2 or 3 for a tied model under parallel.pp",
     )
     local_batch = t.global_batch_size // dp
@@ -369,8 +356,7 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
         microbatches >= 1 and local_batch % microbatches == 0,
         "parallel.pp_microbatches",
         f"{microbatches} microbatches do not divide the {local_batch} sequences each data-parallel "
-        "rank gets "
-        f"(global_batch_size {t.global_batch_size} / dp {dp})",
+        f"rank gets (global_batch_size {t.global_batch_size} / dp {dp})",
         f"Use a divisor of {local_batch}",
     )
     problem = schedule_problem(p.pp_schedule, pp, stages_per_rank, microbatches)
@@ -397,16 +383,14 @@ def _check_offload(cfg: Any) -> None:
         p.offload == "none" or p.zero_stage != 1,
         "parallel.offload",
         f"offload={p.offload} offloads the shards FSDP owns; ZeRO-1 keeps replicated params and "
-        "shards the "
-        "optimizer state itself",
+        "shards the optimizer state itself",
         f"Use parallel.zero_stage=2 or 3 with parallel.offload={p.offload}",
     )
     _require(
         p.offload != "optimizer" or cfg.optim.name == "adamw",
         "parallel.offload",
         f"the host optimizer step is torch's AdamW; optim.name={cfg.optim.name} keeps its low-bit "
-        "state on the "
-        "device",
+        "state on the device",
         "Use optim.name=adamw with parallel.offload=optimizer, or parallel.offload=none",
     )
     _require(

@@ -29,9 +29,8 @@ def _check_model(m: Any) -> None:
         f"unknown model {m.name!r}",
         f"Choose one of {sorted(MODEL_REGISTRY)} (or a config in the model= group)",
     )
-    if (
-        m.name == "hf"
-    ):  # sizes come from its config.json (resolve_model_config); transformers checks them
+    # sizes come from its config.json (resolve_model_config); transformers checks them
+    if m.name == "hf":
         _require(
             bool(m.path), "model.path", "model=hf needs the model directory", "Set model.path=<dir>"
         )
@@ -61,8 +60,8 @@ def _check_model(m: Any) -> None:
     _require(
         m.n_heads % n_kv == 0,
         "model.n_kv_heads",
-        f"{n_kv} does not divide model.n_heads={m.n_heads} "
-        "(grouped-query attention shares each kv head among a whole number of query heads)",
+        f"{n_kv} does not divide model.n_heads={m.n_heads} (grouped-query attention shares each kv "
+        "head among a whole number of query heads)",
         f"Choose n_kv_heads among {_divisors(m.n_heads)}",
     )
     _require(
@@ -105,8 +104,8 @@ def _check_moe(m: Any) -> None:
     _require(
         0 <= moe.dense_layers < m.n_layers,
         "model.moe.dense_layers",
-        f"must be between 0 and n_layers-1="
-        f"{m.n_layers - 1} (at least one MoE layer), got {moe.dense_layers}",
+        f"must be between 0 and n_layers-1={m.n_layers - 1} (at least one MoE layer), got "
+        f"{moe.dense_layers}",
         "Use 0 or 1",
     )
     _require(
@@ -119,8 +118,7 @@ def _check_moe(m: Any) -> None:
         moe.score_func == "softmax" or moe.normalize_top_k or moe.top_k == 1,
         "model.moe.normalize_top_k",
         "sigmoid scores do not sum to one: unnormalized, the mixing weights of top_k > 1 experts "
-        "would add up "
-        "to as much as top_k",
+        "would add up to as much as top_k",
         "Use model.moe.normalize_top_k=true with score_func=sigmoid",
     )
     for key in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):

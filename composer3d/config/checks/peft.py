@@ -31,7 +31,7 @@ def _check_peft(cfg: Any, layout: Layout) -> None:
         f.method != "none" or not f.base_from,
         "peft.base_from",
         "is the frozen base of LoRA adapters, and peft.method is none",
-        f"Add peft=lora (or peft=qlora), or continue full training with "
+        "Add peft=lora (or peft=qlora), or continue full training with "
         f"checkpoint.resume={f.base_from}",
     )
     if f.method == "none":
@@ -55,18 +55,16 @@ def _check_peft(cfg: Any, layout: Layout) -> None:
     _require(
         f.dropout == 0 or layout.tp == 1,
         "peft.dropout",
-        f"{f.dropout} with parallel.tp={layout.tp}: "
-        "the tp ranks would each draw their own dropout mask over the input they share, and their "
-        "adapter "
-        "outputs would disagree",
+        f"{f.dropout} with parallel.tp={layout.tp}: the tp ranks would each draw their own dropout "
+        "mask over the input they share, and their adapter outputs would disagree",
         "Use peft.dropout=0 with tensor parallel",
     )
     experts = [t for t in f.target_modules if "experts" in t and "shared" not in t]
     _require(
         not experts,
         "peft.target_modules",
-        f"{experts} would adapt the routed experts, whose stacked weights "
-        "are no linear layers; they stay frozen",
+        f"{experts} would adapt the routed experts, whose stacked weights are no linear layers; "
+        "they stay frozen",
         "Leave them out (the shared experts' linears can be adapted)",
     )
     _require(
@@ -80,15 +78,15 @@ def _check_peft(cfg: Any, layout: Layout) -> None:
     _require(
         layout.tp == 1,
         "parallel.tp",
-        "QLoRA's NF4 weights split only by rows (torchao's NF4Tensor), and "
-        "row-parallel layers split columns",
+        "QLoRA's NF4 weights split only by rows (torchao's NF4Tensor), and row-parallel layers "
+        "split columns",
         "Use parallel.tp=1 with peft=qlora (FSDP and PP shard it), or peft=lora",
     )
     _require(
         p.zero_stage != 1 and not (layout.dp_shard == 1 and layout.dp_replicate > 1),
         "parallel.zero_stage",
-        "QLoRA's NF4 weights are sharded by FSDP; replicated data parallel (ZeRO-1, "
-        "DDP) does not carry them (untested)",
+        "QLoRA's NF4 weights are sharded by FSDP; replicated data parallel (ZeRO-1, DDP) does not "
+        "carry them (untested)",
         "Use parallel.zero_stage=3 or 2 with a dp_shard dimension",
     )
     _require(
@@ -115,8 +113,7 @@ def _check_init_from(f: Any) -> None:
         f"{directory} "
         f"{'lacks ' + ' and '.join(missing) if directory.is_dir() else 'is not a directory'}",
         "Name a PEFT adapter directory (what composer3d-convert export writes for a peft=lora run, "
-        "or "
-        "PeftModel.save_pretrained)",
+        "or PeftModel.save_pretrained)",
     )
     try:
         adapter = read_adapter_config(directory)
@@ -132,8 +129,8 @@ def _check_init_from(f: Any) -> None:
         and not adapter.get("use_rslora")
         and not adapter.get("use_dora"),
         "peft.init_from",
-        f"{directory} holds a {adapter.get('peft_type')} adapter"
-        f"{' with rsLoRA or DoRA' if adapter.get('peft_type') == 'LORA' else ''}",
+        f"{directory} holds a {adapter.get('peft_type')} "
+        f"adapter{' with rsLoRA or DoRA' if adapter.get('peft_type') == 'LORA' else ''}",
         "Name a plain LoRA adapter",
     )
     _require(
@@ -145,7 +142,7 @@ def _check_init_from(f: Any) -> None:
     _require(
         float(adapter.get("lora_alpha", 8)) == float(f.alpha),
         "peft.alpha",
-        f"is {f.alpha}, but the adapter "
-        f"in {directory} was trained with lora_alpha {adapter.get('lora_alpha')}",
+        f"is {f.alpha}, but the adapter in {directory} was trained with lora_alpha "
+        f"{adapter.get('lora_alpha')}",
         f"Use peft.alpha={adapter.get('lora_alpha')} so its output keeps its scale",
     )

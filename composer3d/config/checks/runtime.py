@@ -62,10 +62,9 @@ def _check_launch_and_logging(launch: Any, logging: Any, checkpoint: Any) -> Non
         launch.max_restarts == 0 or (checkpoint.enabled and checkpoint.resume == "auto"),
         "launch.max_restarts",
         f"restarts resume from the last checkpoint, but checkpoint.enabled={checkpoint.enabled} "
-        "and "
-        f"checkpoint.resume={checkpoint.resume}",
-        "Use checkpoint.enabled=true checkpoint.resume=auto (the "
-        "defaults) with a checkpoint.interval, or launch.max_restarts=0",
+        f"and checkpoint.resume={checkpoint.resume}",
+        "Use checkpoint.enabled=true checkpoint.resume=auto (the defaults) with a "
+        "checkpoint.interval, or launch.max_restarts=0",
     )
     _require(
         logging.peak_tflops is None or logging.peak_tflops > 0,

@@ -41,8 +41,7 @@ def _check_batch(cfg: Any, layout: Layout) -> None:
         t.global_batch_size >= 1 and t.global_batch_size % per_step == 0,
         "train.global_batch_size",
         f"{t.global_batch_size} is not divisible by micro_batch_size × dp = {t.micro_batch_size} × "
-        f"{dp} "
-        f"= {per_step}",
+        f"{dp} = {per_step}",
         f"Use a multiple of {per_step}, e.g. {per_step * max(1, t.global_batch_size // per_step)}",
     )
 
@@ -204,15 +203,15 @@ def _check_optimizer(o: Any, p: Any) -> None:
     _require(
         o.name == "adamw" or o.implementation == "auto",
         "optim.implementation",
-        f"{o.name} is torchao's "
-        "compiled low-bit AdamW, which has no fused/foreach/for_loop/compiled variants",
+        f"{o.name} is torchao's compiled low-bit AdamW, which has no "
+        "fused/foreach/for_loop/compiled variants",
         "Use optim.implementation=auto",
     )
     _require(
         o.implementation != "compiled" or p.offload != "optimizer",
         "optim.implementation",
-        "compiled steps on the device, and parallel.offload=optimizer steps on the host (its "
-        "fused AdamW)",
+        "compiled steps on the device, and parallel.offload=optimizer steps on the host (its fused "
+        "AdamW)",
         "Use optim.implementation=auto with parallel.offload=optimizer",
     )
     _require(
@@ -249,25 +248,22 @@ def _check_precision(
     _require(
         precision.cast != "params" or world_size == 1,
         "precision.cast",
-        "params casts each parameter once "
-        f"on one device, and this run has {world_size} ranks (FSDP casts the parameters wherever a "
-        "data-parallel dim shards them)",
+        f"params casts each parameter once on one device, and this run has {world_size} ranks "
+        "(FSDP casts the parameters wherever a data-parallel dim shards them)",
         "Use precision.cast=auto",
     )
     _require(
         precision.cast != "params" or zero_stage != 1,
         "precision.cast",
-        "params computes from bf16 copies of "
-        "fp32 parameters, and ZeRO-1 (parallel.zero_stage=1) keeps its own: rounded parameters and "
-        "fp32 "
-        "masters",
+        "params computes from bf16 copies of fp32 parameters, and ZeRO-1 (parallel.zero_stage=1) "
+        "keeps its own: rounded parameters and fp32 masters",
         "Use precision.cast=auto, or parallel.zero_stage=3",
     )
     _require(
         precision.cast != "params" or peft_method != "qlora",
         "precision.cast",
-        "params would keep a bf16 copy "
-        "of every NF4 base weight from forward through backward, the memory QLoRA saves",
+        "params would keep a bf16 copy of every NF4 base weight from forward through backward, the "
+        "memory QLoRA saves",
         "Use precision.cast=auto (autocast with peft=qlora on one rank)",
     )
     _require(
@@ -323,8 +319,8 @@ def _check_memory(cfg: Any, layout: Layout) -> None:
         mem.ac_policy == "all_matmuls"
         or (mem.activation_checkpointing == "selective" and mem.ac_every == 0),
         "memory.ac_policy",
-        f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run "
-        f"has activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
+        f"{mem.ac_policy} chooses what op-level selective checkpointing keeps, and this run has "
+        f"activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}",
         "Add memory.activation_checkpointing=selective memory.ac_every=0",
     )
     gathers = blocks_all_gather(layout.tp, p.sequence_parallel, layout.cp, p.cp_style)
@@ -332,15 +328,13 @@ def _check_memory(cfg: Any, layout: Layout) -> None:
         not mem.ac_save_gathers
         or (mem.activation_checkpointing == "selective" and mem.ac_every == 0 and gathers),
         "memory.ac_save_gathers",
-        "it keeps the all-gathers' outputs of op-level selective checkpointing, and "
-        f"this run has activation_checkpointing={mem.activation_checkpointing}, "
-        f"ac_every={mem.ac_every}, "
+        "it keeps the all-gathers' outputs of op-level selective checkpointing, and this run has "
+        f"activation_checkpointing={mem.activation_checkpointing}, ac_every={mem.ac_every}, "
         f"tp={layout.tp}, sequence_parallel={p.sequence_parallel}, cp={layout.cp}, "
         f"cp_style={p.cp_style}",
-        "Use it with memory.activation_checkpointing=selective memory.ac_every=0 and "
-        "parallel.tp>1 parallel.sequence_parallel=true (or parallel.cp>1 "
-        "parallel.cp_style=allgather), "
-        "or leave it false",
+        "Use it with memory.activation_checkpointing=selective memory.ac_every=0 and parallel.tp>1 "
+        "parallel.sequence_parallel=true (or parallel.cp>1 parallel.cp_style=allgather), or leave "
+        "it false",
     )
     _require(
         not (cfg.logging.memory_breakdown and pp > 1),
@@ -352,8 +346,8 @@ def _check_memory(cfg: Any, layout: Layout) -> None:
     _require(
         not (mem.activation_checkpointing != "none" and pp > 1 and p.pp_schedule in zero_bubble),
         "memory.activation_checkpointing",
-        f"cannot be combined with {p.pp_schedule}, whose split backward "
-        "(input and weight gradients at different times) re-enters the checkpointed region twice",
+        f"cannot be combined with {p.pp_schedule}, whose split backward (input and weight "
+        "gradients at different times) re-enters the checkpointed region twice",
         "Use parallel.pp_schedule=1f1b or interleaved_1f1b with activation checkpointing",
     )
     _require(
@@ -364,10 +358,9 @@ def _check_memory(cfg: Any, layout: Layout) -> None:
             and not cfg.compile.enabled
         ),
         "memory.activation_offload",
-        "eager op-level selective "
-        "checkpointing keeps the tensors its policy saves in checkpoint's own cache, which the "
-        "offload's "
-        "saved-tensor hooks never see (compiled, the graph saves them through autograd)",
+        "eager op-level selective checkpointing keeps the tensors its policy saves in checkpoint's "
+        "own cache, which the offload's saved-tensor hooks never see (compiled, the graph saves "
+        "them through autograd)",
         "Add compile.enabled=true, or use memory.activation_checkpointing=full or "
         "memory.ac_every>=1",
     )
@@ -390,30 +383,29 @@ def _check_loss_impl(cfg: Any, layout: Layout) -> None:
     _require(
         layout.tp == 1,
         "train.loss_impl",
-        "fused takes the head's whole weight, and tensor parallel shards "
-        "it on the vocabulary (the chunked loss completes each row over the tp ranks)",
+        "fused takes the head's whole weight, and tensor parallel shards it on the vocabulary (the "
+        "chunked loss completes each row over the tp ranks)",
         "Use train.loss_impl=chunked with parallel.tp>1",
     )
     _require(
         layout.pp == 1,
         "train.loss_impl",
-        "fused runs inside the model's forward, and the pipeline "
-        "schedule computes the loss from the last stage's logits outside it",
+        "fused runs inside the model's forward, and the pipeline schedule computes the loss from "
+        "the last stage's logits outside it",
         "Use train.loss_impl=chunked with parallel.pp>1",
     )
     _require(
         cfg.memory.tile_loss <= 1,
         "train.loss_impl",
-        "fused already holds one chunk of logits at a time; "
-        "memory.tile_loss would recompute the head for nothing",
+        "fused already holds one chunk of logits at a time; memory.tile_loss would recompute the "
+        "head for nothing",
         "Use memory.tile_loss=0 with it",
     )
     _require(
         build_model(cfg.model).linear_head() is not None,
         "train.loss_impl",
-        "fused runs the head as the final "
-        "norm and one bias-free linear layer, and this model adds to it (logit scaling, "
-        "soft-capping or a bias)",
+        "fused runs the head as the final norm and one bias-free linear layer, and this model adds "
+        "to it (logit scaling, soft-capping or a bias)",
         "Use train.loss_impl=chunked",
     )
 
@@ -438,8 +430,8 @@ def _check_tiling(cfg: Any, layout: Layout) -> None:
         _require(
             tiles <= 1 or held % tiles == 0,
             f"memory.{key}",
-            f"{tiles} tiles do not divide the {held} tokens "
-            f"of a sequence each rank holds ({where})",
+            f"{tiles} tiles do not divide the {held} tokens of a sequence each rank holds "
+            f"({where})",
             f"Use one of {_divisors(held)}",
         )
     moe = cfg.model.moe
@@ -449,15 +441,14 @@ def _check_tiling(cfg: Any, layout: Layout) -> None:
         or moe.experts == 0
         or moe.dense_layers > 0,
         "memory.tile_mlp",
-        "every layer of this model is a mixture of experts (model.moe.dense_layers=0), and "
-        "tiling runs only dense feed-forwards",
+        "every layer of this model is a mixture of experts (model.moe.dense_layers=0), and tiling "
+        "runs only dense feed-forwards",
         "Use memory.tile_mlp=0, or dense layers (model.moe.dense_layers)",
     )
     _require(
         cfg.memory.tile_loss <= 1 or layout.pp == 1,
         "memory.tile_loss",
-        "the pipeline schedule computes "
-        "the loss from the last stage's logits, outside the model, so the head cannot run in "
-        "tiles there",
+        "the pipeline schedule computes the loss from the last stage's logits, outside the model, "
+        "so the head cannot run in tiles there",
         "Use memory.tile_loss=0 with parallel.pp>1",
     )

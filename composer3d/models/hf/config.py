@@ -31,13 +31,10 @@ def resolve_model_dir(path: str | None) -> str:
     except Exception:  # noqa: BLE001 — any failure means "not available locally"
         raise ConfigError(
             f"model.path: {path!r} is neither a local directory nor a model in the local Hugging "
-            "Face "
-            "cache (nothing is downloaded at run time). Download it first (huggingface-cli "
-            "download) "
-            "or point model.path at a directory holding config.json; a run that resumes from its "
-            "checkpoint (e.g. after the model directory moved) needs only config.json and the "
-            "tokenizer "
-            "there"
+            "Face cache (nothing is downloaded at run time). Download it first (huggingface-cli "
+            "download) or point model.path at a directory holding config.json; a run that resumes "
+            "from its checkpoint (e.g. after the model directory moved) needs only config.json and "
+            "the tokenizer there"
         ) from None
 
 
@@ -61,8 +58,7 @@ def load_hf_config(path: str, attn_implementation: str | None = None):
         raise ConfigError(
             f"model.path: transformers {transformers.__version__} cannot read {path}/config.json "
             f"({reason}). Use a model type this transformers knows (upgrade transformers for a "
-            "newer "
-            "architecture), or fix config.json"
+            "newer architecture), or fix config.json"
         ) from None
     if attn_implementation:
         config._attn_implementation = attn_implementation
@@ -133,8 +129,7 @@ def moe_sizes(config) -> tuple[dict | None, str | None]:
         if only_mlp != list(range(dense)) or (step or 1) > 1:
             return None, (
                 f"its dense layers (mlp_only_layers={only_mlp}, decoder_sparse_step={step}) are "
-                "not the "
-                "first layers of the stack"
+                "not the first layers of the stack"
             )
     return {
         "experts": experts,
@@ -160,8 +155,7 @@ def fill_model_config(m) -> None:
         raise ConfigError(
             f"model.path: {m.path}/config.json ({c.model_type}) has no {missing} at its top level: "
             "composer3d trains decoder-only text models; a multimodal model's config nests its "
-            "text "
-            "model (text_config). Use a text-only causal LM"
+            "text model (text_config). Use a text-only causal LM"
         )
     m.dim = c.hidden_size
     m.n_layers = c.num_hidden_layers
@@ -205,9 +199,8 @@ def tiny_replica(config, tensor_parallel: int = 1):
     else:
         kept = list(range(min(layers, 2)))
     replica.num_hidden_layers = len(kept)
-    for key, value in vars(
-        config
-    ).items():  # per-layer lists (layer_types, mlp_layer_types, …) follow the layers
+    # per-layer lists (layer_types, mlp_layer_types, …) follow the layers
+    for key, value in vars(config).items():
         if isinstance(value, list) and len(value) == layers and layers > 1:
             setattr(replica, key, [value[i] for i in kept])
     if getattr(config, "sliding_window", None):

@@ -93,9 +93,8 @@ def attention_plan(
     if position_ids is None:
         position_ids, documents = context.token_index(seq_len, device).unsqueeze(0), None
     else:
-        documents = find_packed_sequence_indices(
-            context.whole(position_ids)
-        )  # None: no restart in any row
+        # None: no restart in any row
+        documents = find_packed_sequence_indices(context.whole(position_ids))
     return position_ids, Plan(context, context.attention_plan(seq_len, documents, device))
 
 
@@ -107,8 +106,7 @@ def context_parallel_problem(m) -> str | None:
     if "sliding_attention" in types or (not types and getattr(config, "sliding_window", None)):
         return (
             f"{name} has sliding-window attention layers, which composer3d's context-parallel "
-            "attention does not "
-            "compute (it attends over the whole sequence)"
+            "attention does not compute (it attends over the whole sequence)"
         )
     if getattr(config, "attn_logit_softcapping", None):
         return f"{name} soft-caps its attention scores, which the context-parallel kernels do not"
@@ -120,8 +118,7 @@ def context_parallel_problem(m) -> str | None:
     if wants_router_loss(config):
         return (
             f"{name}'s router load-balancing loss (output_router_logits) pools the routing of "
-            "whole sequences, "
-            "and each cp rank holds a share of every sequence"
+            "whole sequences, and each cp rank holds a share of every sequence"
         )
     return _interface_problem(m.path, m.attn_implementation)
 
@@ -170,8 +167,7 @@ def _interface_problem(path: str, attn_implementation: str | None) -> str | None
     if extras:
         return (
             f"{config.model_type}'s attention asks for {', '.join(sorted(extras))}, which context "
-            "parallel does not "
-            "compute"
+            "parallel does not compute"
         )
     if (
         len(calls) != replica.num_hidden_layers
@@ -179,8 +175,7 @@ def _interface_problem(path: str, attn_implementation: str | None) -> str | None
     ):
         return (
             f"{config.model_type}'s attention is not all reached through transformers' attention "
-            "interface "
-            f"({len(calls)} calls for {replica.num_hidden_layers} layers), or does more than "
-            "attend there"
+            f"interface ({len(calls)} calls for {replica.num_hidden_layers} layers), or does more "
+            "than attend there"
         )
     return None

@@ -35,9 +35,8 @@ class Fused:
     """A parameter transformers builds from one checkpoint tensor per expert and source pattern."""
 
     converter: object  # transformers' WeightConverter (its patterns and operations)
-    keys: dict[str, list[str]] = field(
-        default_factory=dict
-    )  # source pattern → checkpoint keys, expert by expert
+    # source pattern → checkpoint keys, expert by expert
+    keys: dict[str, list[str]] = field(default_factory=dict)
 
     def build(self, read, experts: range) -> torch.Tensor:
         """The fused rows of ``experts`` through transformers' own operations; ``read(key)`` gives a
@@ -96,8 +95,7 @@ def map_checkpoint(
         if gaps:
             problems += [
                 f"{name} is stacked from {p} of experts 0..{count - 1}, but the checkpoint has "
-                "that tensor "
-                f"for experts {found}"
+                f"that tensor for experts {found}"
                 for p, found in gaps
             ]
             del fused[name]
@@ -137,11 +135,10 @@ def _check_row_wise(converter, path: str) -> None:
     if not row_wise:
         raise ConfigError(
             f"model.path: {path} stores tensors that transformers combines with "
-            f"{converter.operations} "
-            f"into {converter.target_patterns}; composer3d reads per-expert tensors stacked on dim "
-            "0 "
-            "(and combined within each expert), not these. Save the model with save_pretrained("
-            "save_original_format=False) to store the combined tensors, which load as they are"
+            f"{converter.operations} into {converter.target_patterns}; composer3d reads per-expert "
+            "tensors stacked on dim 0 (and combined within each expert), not these. Save the model "
+            "with save_pretrained(save_original_format=False) to store the combined tensors, which "
+            "load as they are"
         )
 
 
@@ -151,9 +148,8 @@ def _expert_index(pattern: str, key: str) -> int:
     if match is None:
         raise ConfigError(
             f"model.path: checkpoint tensor {key} matches transformers' per-expert pattern "
-            f"{pattern}, "
-            "but names no expert by number there. Use the directory save_pretrained wrote, "
-            "unmodified"
+            f"{pattern}, but names no expert by number there. Use the directory save_pretrained "
+            "wrote, unmodified"
         )
     return int(match.group(1))
 

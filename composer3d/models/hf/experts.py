@@ -84,10 +84,8 @@ def experts_support(model: nn.Module, model_type: str) -> tuple[int, str | None]
         if odd or names != {"gate_up_proj", "down_proj"}:
             return module.gate_up_proj.shape[0] if "gate_up_proj" in names else 0, (
                 f"{type(module).__name__} ({model_type}) has weights {sorted(names)} and "
-                f"{odd or 'the usual layout'}; "
-                "composer3d's expert parallel runs experts with a fused gate_up_proj and a "
-                "down_proj, no biases, "
-                "not transposed"
+                f"{odd or 'the usual layout'}; composer3d's expert parallel runs experts with a "
+                "fused gate_up_proj and a down_proj, no biases, not transposed"
             )
     return modules[0].gate_up_proj.shape[0], None
 
@@ -109,9 +107,8 @@ def count_routing(modules: list[nn.Module], device: torch.device) -> None:
 def _count_routed_tokens(module: nn.Module, args: tuple, kwargs: dict) -> None:
     if not recorded_forward(module):
         return
-    chosen = (
-        kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
-    )  # (hidden_states, top_k_index, weights)
+    # (hidden_states, top_k_index, weights)
+    chosen = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
     with torch.no_grad():
         module.routed_tokens.add_(
             per_expert(chosen.flatten(), module.num_experts).to(module.routed_tokens)

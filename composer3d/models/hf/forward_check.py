@@ -38,9 +38,8 @@ def _random_reference(replica):
     torch.manual_seed(0)
     reference = AutoModelForCausalLM.from_config(replica, dtype=torch.float32).eval()
     for param in reference.parameters():
-        if (
-            param.dim() == 1
-        ):  # norms start at ones or zeros: perturbed, a skipped or swapped norm shows
+        # norms start at ones or zeros: perturbed, a skipped or swapped norm shows
+        if param.dim() == 1:
             param.add_(0.1 * torch.randn_like(param))
     return reference
 
@@ -84,7 +83,7 @@ def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> N
         except Exception as error:  # noqa: BLE001 — whatever stops transformers itself on the replica
             raise ConfigError(
                 f"model.path: cannot check composer3d's forward of {kind} against transformers': "
-                f"transformers' own model fails on a tiny replica of its config.json "
+                "transformers' own model fails on a tiny replica of its config.json "
                 f"({type(error).__name__}: {error}). Unchecked, it could train on wrong numbers; "
                 f"use an architecture that passes the check ({TESTED})"
             ) from None
@@ -96,13 +95,10 @@ def check_forward_matches_transformers(model_cfg, tensor_parallel: int = 1) -> N
     if mismatch is not None:
         raise ConfigError(
             f"model.path: composer3d's forward of {kind} does not compute what transformers' own "
-            "does "
-            f"({mismatch} on a tiny random replica of its "
-            "config.json). The architecture does something in its top-level forward that "
-            "composer3d's does not "
-            "reproduce (as embedding or logit multipliers); training it would give wrong numbers. "
-            "Use an "
-            f"architecture that passes this check ({TESTED})"
+            f"does ({mismatch} on a tiny random replica of its config.json). The architecture does "
+            "something in its top-level forward that composer3d's does not reproduce (as embedding "
+            "or logit multipliers); training it would give wrong numbers. Use an architecture that "
+            f"passes this check ({TESTED})"
         )
     if tensor_parallel > 1 and plan_is_derived(config):
         _check_split(ours, tokens, expected, tensor_parallel, kind)
@@ -131,9 +127,8 @@ def _shard(
         linear = shard.get_submodule(name)
         dim = 0 if style == "colwise" else 1
         linear.weight = nn.Parameter(linear.weight.chunk(ranks, dim)[rank].clone())
-        if (
-            linear.bias is not None
-        ):  # a column slice keeps its share of the bias; a row-parallel bias is added once
+        # a column slice keeps its share of the bias; a row-parallel bias is added once
+        if linear.bias is not None:
             bias = (
                 linear.bias.chunk(ranks)[rank] if style == "colwise" else linear.bias * (rank == 0)
             )
@@ -171,8 +166,7 @@ def _check_split(model, tokens, expected, ranks: int, kind: str) -> None:
     if mismatch is not None:
         raise ConfigError(
             f"parallel.tp: {kind} has no tensor-parallel plan in transformers, and the Llama "
-            "family's plan that "
-            f"composer3d derives for its layout does not split it exactly ({mismatch} over "
-            f"tp={ranks} on a tiny replica "
-            f"of its config.json). Use parallel.tp=1 (FSDP and pipeline parallel work)"
+            "family's plan that composer3d derives for its layout does not split it exactly "
+            f"({mismatch} over tp={ranks} on a tiny replica of its config.json). Use parallel.tp=1 "
+            "(FSDP and pipeline parallel work)"
         )

@@ -90,10 +90,8 @@ class HFCausalLM(nn.Module):
         if missing:
             raise ConfigError(
                 f"model.path: {type(causal).__name__} lacks {missing}; composer3d runs "
-                "decoder-only "
-                "text models laid out as transformers' Llama family (model.embed_tokens, "
-                "model.layers, "
-                "model.norm, model.rotary_emb, lm_head)"
+                "decoder-only text models laid out as transformers' Llama family "
+                "(model.embed_tokens, model.layers, model.norm, model.rotary_emb, lm_head)"
             )
         unknown = sorted(set(getattr(config, "layer_types", None) or []) - set(_MASKS))
         if unknown:
@@ -340,13 +338,11 @@ class HFCausalLM(nn.Module):
             if position_ids is None and self.context_parallel is None:
                 position_ids = torch.arange(seq, device=h.device).unsqueeze(0)
             local = h.to_local() if isinstance(h, DTensor) else h
-            reference = local.new_empty(
-                (local.shape[0], seq, 0)
-            )  # masks read batch, length, dtype, device
+            # masks read batch, length, dtype, device
+            reference = local.new_empty((local.shape[0], seq, 0))
             kinds = {self._layer_type(i) for i in layer_ids}
-            if (
-                self.context_parallel is not None
-            ):  # the global positions of this rank's tokens, one plan for all
+            # the global positions of this rank's tokens, one plan for all
+            if self.context_parallel is not None:
                 position_ids, plan = attention_plan(
                     self.context_parallel, seq, position_ids, h.device
                 )

@@ -100,10 +100,8 @@ def tensor_parallel_problem(m) -> str | None:
         if problem:
             return (
                 f"{config.model_type} defines no tensor-parallel plan (base_model_tp_plan) in "
-                "transformers, and "
-                f"composer3d's plan for the Llama layout does not fit it: {problem}. It trains "
-                "with FSDP and "
-                "pipeline parallel"
+                "transformers, and composer3d's plan for the Llama layout does not fit it: "
+                f"{problem}. It trains with FSDP and pipeline parallel"
             )
         return None
     moe_layer = _moe_layer(_meta_layers(config))
@@ -111,8 +109,7 @@ def tensor_parallel_problem(m) -> str | None:
         if style not in TP_STYLES and not _inside_moe_block(pattern, moe_layer):
             return (
                 f"module {pattern} of {config.model_type} asks for tensor-parallel style "
-                f"{style!r}, which "
-                f"composer3d does not translate (known: {sorted(TP_STYLES)})"
+                f"{style!r}, which composer3d does not translate (known: {sorted(TP_STYLES)})"
             )
     return None
 
@@ -171,9 +168,8 @@ class _GatherSequence(ParallelStyle):
             return args, kwargs
 
         def own_slice(_module, _args, output):
-            whole = (
-                output[0] if isinstance(output, tuple) else output
-            )  # some blocks also return router logits
+            # some blocks also return router logits
+            whole = output[0] if isinstance(output, tuple) else output
             mine = (
                 DTensor.from_local(whole, device_mesh, [Replicate()], run_check=False)
                 .redistribute(placements=[Shard(1)])
@@ -299,9 +295,8 @@ def tensor_parallel_plan(
             if "norm" in type(child).__name__.lower():
                 block[child_name] = SequenceParallel(use_local_output=True)
             elif any(key.startswith(child_name + ".") for key in block) or hf_expert_modules(child):
-                block[child_name] = (
-                    _GatherSequence()
-                )  # attention, MLP: they hold the planned projections
+                # attention, MLP: they hold the planned projections
+                block[child_name] = _GatherSequence()
     if plan_is_derived(model.config):
         block["self_attn"] = _LocalHeads(then=block.get("self_attn"))
     return root, block

@@ -30,9 +30,8 @@ def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
     if not files:
         raise ConfigError(
             f"model.path: {path} holds no *.safetensors weights (composer3d reads only "
-            "safetensors). "
-            "Convert the checkpoint with save_pretrained(safe_serialization=True), or use "
-            "model.pretrained=false to train from a random init"
+            "safetensors). Convert the checkpoint with save_pretrained(safe_serialization=True), "
+            "or use model.pretrained=false to train from a random init"
         )
     index: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
@@ -74,8 +73,8 @@ def check_checkpoint_keys(
     if wrong:
         problems.append(
             f"{len(wrong)} shape mismatches, e.g. {wrong[:3]} (config.json does not match the "
-            "weights: "
-            "check num_key_value_heads, head_dim, intermediate_size, vocab_size, the expert count)"
+            "weights: check num_key_value_heads, head_dim, intermediate_size, vocab_size, the "
+            "expert count)"
         )
     if problems:
         raise ConfigError(
@@ -119,9 +118,8 @@ def load_pretrained(model: HFCausalLM, path: str) -> None:
         if name not in mapped.fused and name not in quantized
     }
     load(whole, storage_reader=HuggingFaceStorageReader(path), no_dist=not dist.is_initialized())
-    for name in sorted(
-        quantized
-    ):  # QLoRA's NF4 weights: each read whole, quantized whole, then cut to the rank's
+    # QLoRA's NF4 weights: each read whole, quantized whole, then cut to the rank's
+    for name in sorted(quantized):
         param = params[name]
         full = torch.empty(model.full_shapes[name], device=param.device)
         load(
@@ -164,9 +162,8 @@ def _load_fused(param: torch.Tensor, fused: Fused, files: ExpertFiles) -> None:
     """This rank's block of a fused expert parameter: the rows (experts) it holds, built from their
     tensors only."""
     if isinstance(param, DTensor):
-        (chunk,) = (
-            param.__create_chunk_list__()
-        )  # the block's offsets and sizes in the whole parameter
+        # the block's offsets and sizes in the whole parameter
+        (chunk,) = param.__create_chunk_list__()
         offsets, sizes, local = chunk.offsets, chunk.sizes, param.to_local()
     else:
         offsets, sizes, local = [0] * param.dim(), param.shape, param

@@ -36,9 +36,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     position_ids, (batch, seq, head_dim / 2)."""
     if cos.dim() == 2:
         cos, sin = cos[: x.shape[1]], sin[: x.shape[1]]
-    if (
-        torch.compiler.is_compiling()
-    ):  # Inductor fuses the products into one kernel (complex ops it leaves unfused)
+    # Inductor fuses the products into one kernel (complex ops it leaves unfused)
+    if torch.compiler.is_compiling():
         cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
         even, odd = x.float()[..., 0::2], x.float()[..., 1::2]
         return (
@@ -49,9 +48,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # Eager: each pair a complex number turned by e^{iθ}, in fp32, the same numbers as the products
     # written out in a third of the kernels (each a pass over q or k, which selective AC runs again
     # in backward)
-    turn = torch.complex(cos.float(), sin.float()).unsqueeze(
-        -2
-    )  # tables cast with a bf16 model too
+    # tables cast with a bf16 model too
+    turn = torch.complex(cos.float(), sin.float()).unsqueeze(-2)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(pairs * turn).flatten(-2).type_as(x)
 

@@ -180,8 +180,8 @@ def native_config_from_hf(hf: dict, ignore_rope_scaling: bool = False) -> dict:
     dim, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim") not in (None, dim // n_heads) or dim % n_heads:
         problems.append(
-            f"head_dim={hf.get('head_dim')} with hidden_size={dim} and {n_heads} heads "
-            "(the model needs head_dim = hidden_size / num_attention_heads)"
+            f"head_dim={hf.get('head_dim')} with hidden_size={dim} and {n_heads} heads (the model "
+            "needs head_dim = hidden_size / num_attention_heads)"
         )
     rope = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
@@ -192,8 +192,7 @@ def native_config_from_hf(hf: dict, ignore_rope_scaling: bool = False) -> dict:
     if rope_type != "default" and not ignore_rope_scaling:
         problems.append(
             f"RoPE type {rope_type!r} (the model implements plain RoPE only; pass "
-            "--ignore-rope-scaling "
-            "to drop the scaling and keep the base frequency)"
+            "--ignore-rope-scaling to drop the scaling and keep the base frequency)"
         )
     if problems:
         raise ValueError(

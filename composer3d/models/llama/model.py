@@ -187,9 +187,8 @@ class Llama(nn.Module):
         self.context_parallel = context
         for block in self.layers.values():
             block.attention.context_parallel = context
-        for moe in moe_layers(
-            self
-        ):  # its sequence-wise auxiliary loss counts the choices of the whole sequence
+        # its sequence-wise auxiliary loss counts the choices of the whole sequence
+        for moe in moe_layers(self):
             moe.cp_group = context.group
 
     def feed_forwards(self) -> list[nn.Module]:

@@ -43,9 +43,8 @@ class Block:
     queries: slice
     keys: slice
     causal: bool  # the same chunk: causal within it
-    mask: (
-        torch.Tensor | None
-    )  # (batch, 1, queries, keys) bool where documents cut the pair; None: all allowed
+    # (batch, 1, queries, keys) bool where documents cut the pair; None: all allowed
+    mask: torch.Tensor | None
 
 
 def kernel_for(q: torch.Tensor, block: Block) -> str:

@@ -159,9 +159,8 @@ class ContextParallel:
             .transpose(0, 1)
             .contiguous()
         )
-        x = funcol.all_to_all_single_autograd(
-            x, None, None, self.group
-        )  # dim 0: to rank j / from rank j
+        # dim 0: to rank j / from rank j
+        x = funcol.all_to_all_single_autograd(x, None, None, self.group)
         return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * tokens, dim)
 
     def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:

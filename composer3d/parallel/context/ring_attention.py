@@ -56,9 +56,8 @@ def ring_blocks(
                     allowed = allowed & unmasked
                     if not allowed.any():
                         continue  # no query of this chunk shares a document with these keys
-                    if not torch.equal(
-                        allowed, unmasked.expand_as(allowed)
-                    ):  # a document starts inside the pair
+                    # a document starts inside the pair
+                    if not torch.equal(allowed, unmasked.expand_as(allowed)):
                         causal, mask = False, allowed.unsqueeze(1)
                 blocks.append(
                     Block(
@@ -147,9 +146,8 @@ class _RingAttention(torch.autograd.Function):
         ring, grad_out = ctx.ring, grad_out.contiguous()
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
-        grad_kv = torch.zeros(
-            kv.shape, dtype=torch.float32, device=kv.device
-        )  # of the block held, its owner's
+        # of the block held, its owner's
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(ring.size):
             last = step == ring.size - 1
             if not last:

@@ -108,9 +108,8 @@ def apply_data_parallel(
         wrap_block(block)
     roots = roots or [model]
     for root in roots:
-        wrap(
-            root
-        )  # embedding, final norm and head (those this rank kept); gathered through backward
+        # embedding, final norm and head (those this rank kept); gathered through backward
+        wrap(root)
     if mesh.layout.dp * mesh.layout.cp == 1:
         # one rank: FSDP neither divides nor reduces (a factor would cost a pass over the gradients)
         return

@@ -48,9 +48,8 @@ class Bucket:
     # this rank's slice, summed over the ranks, in the parameters' dtype
     reduced: torch.Tensor | None = None
     waiting: int = 0  # members whose gradient is not complete yet this step
-    work: list = field(
-        default_factory=list
-    )  # the in-flight reduce-scatter and what it must keep alive
+    # the in-flight reduce-scatter and what it must keep alive
+    work: list = field(default_factory=list)
 
 
 def plan_buckets(sizes: list[int], bucket_elements: int, ranks: int) -> list[Bucket]:
@@ -109,9 +108,8 @@ class GradientBuckets:
             bucket.waiting = len(bucket.members)
             for index, offset in zip(bucket.members, bucket.offsets):
                 self.place[index] = (bucket, offset)
-        self.backwards = [0] * len(
-            params
-        )  # backwards whose gradient each parameter has had this step
+        # backwards whose gradient each parameter has had this step
+        self.backwards = [0] * len(params)
         for index, param in enumerate(params):
             param.register_post_accumulate_grad_hook(lambda p, i=index: self._on_gradient(i))
 
@@ -134,9 +132,8 @@ class GradientBuckets:
             if not accumulate:
                 target.zero_()
             return
-        grad = local(grad).reshape(
-            -1
-        )  # in the parameter's layout (``tensor.keep_grads_in_param_layout``)
+        # in the parameter's layout (``tensor.keep_grads_in_param_layout``)
+        grad = local(grad).reshape(-1)
         target.add_(grad) if accumulate else target.copy_(grad)
         param.grad = None  # the bucket holds it now
 
@@ -145,8 +142,7 @@ class GradientBuckets:
         if done >= self.backwards_per_step:
             raise RuntimeError(
                 f"parameter {index} had more backwards in a step than the "
-                f"{self.backwards_per_step} "
-                "micro-batches ZeRO-1 expects"
+                f"{self.backwards_per_step} micro-batches ZeRO-1 expects"
             )
         self._take_gradient(index, accumulate=done > 0)
         self.backwards[index] = done + 1

@@ -287,8 +287,7 @@ def _check_sent(stage: StageModule, args, output: torch.Tensor, expected: torch.
     if (output.shape, output.dtype) != (expected.shape, expected.dtype):
         raise RuntimeError(
             f"pipeline stage {stage.plan.index} sends {tuple(output.shape)} {output.dtype}, but "
-            "its "
-            f"boundary says {tuple(expected.shape)} {expected.dtype} (pipeline.stage_boundary)"
+            f"its boundary says {tuple(expected.shape)} {expected.dtype} (pipeline.stage_boundary)"
         )
 
 

@@ -30,9 +30,8 @@ TWINS_ATTRIBUTE = "pipeline_twins"  # where a model split by PP keeps its Pipeli
 class PipelineTwins:
     embedding: str  # the embedding weight's name: the one tensor a checkpoint holds
     head: str  # the head weight's name: on the last stage, the embedding's twin
-    group: (
-        dist.ProcessGroup | None
-    )  # this rank's embedding group (None: a middle stage, which holds neither)
+    # this rank's embedding group (None: a middle stage, which holds neither)
+    group: dist.ProcessGroup | None
     device: torch.device  # where the group reduces (offloaded gradients travel there and back)
 
 
@@ -122,8 +121,8 @@ def check_twins_match(model: nn.Module) -> None:
     if both[0] != both[1]:
         raise RuntimeError(
             f"the tied embedding {twins.embedding} and its twin {twins.head} on the last pipeline "
-            "stage "
-            f"are split differently ({both[0]} vs {both[1]}), so their gradients cannot be summed"
+            f"stage are split differently ({both[0]} vs {both[1]}), so their gradients cannot be "
+            "summed"
         )
 
 
@@ -135,9 +134,8 @@ def sum_twin_grads(model: nn.Module) -> None:
     if held is None:
         return
     twins = twins_of(model)
-    if (
-        held.grad is None
-    ):  # a stage that took no gradient still contributes, or the other rank would wait
+    # a stage that took no gradient still contributes, or the other rank would wait
+    if held.grad is None:
         held.grad = torch.zeros_like(held)
     local = _local(held.grad)
     buffer = local.to(twins.device)
