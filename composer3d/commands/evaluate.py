@@ -36,13 +36,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
-from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
+from composer3d.commands.hydra_entry import hydra_entry_point, run_command
 from composer3d.config.checks import resolve_model_config, validate
 from composer3d.config.registration import register_configs
 from composer3d.data import eval_windows
 from composer3d.data.tokenizers import build_tokenizer
 from composer3d.errors import ConfigError, require_eval_extra
-from composer3d.launch import distributed, launcher
+from composer3d.launch import distributed
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.mesh import Layout, ParallelMesh
@@ -165,25 +165,23 @@ def check_tasks_or_windows(cfg: DictConfig, layout: Layout) -> None:
     check_tasks(cfg.eval, generation=generation_problem(layout, cfg.parallel.sequence_parallel))
 
 
+def _settle(cfg: DictConfig) -> None:
+    adopt_checkpoint_model(cfg, list(HydraConfig.get().overrides.task))
+    resolve_model_config(cfg.model)
+
+
+def _check(cfg: DictConfig) -> None:
+    layout = validate(cfg, cfg.launch.nproc_per_node)
+    check_weights_source(cfg)
+    check_checkpoint_model(cfg)
+    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
+    check_tasks_or_windows(cfg, layout)
+
+
 def _main(cfg: DictConfig) -> None:
-    env = distributed.job_env()
-    if launcher.started_by_local_launcher():
-        launcher.die_with_launcher()
-    with launcher.exits_as_a_command("composer3d-eval", env):
-        adopt_checkpoint_model(cfg, list(HydraConfig.get().overrides.task))
-        resolve_model_config(cfg.model)
-        if env is None:  # before any worker starts
-            layout = validate(cfg, cfg.launch.nproc_per_node)
-            check_weights_source(cfg)
-            check_checkpoint_model(cfg)
-            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
-            check_tasks_or_windows(cfg, layout)
-        if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(
-                cfg.launch.nproc_per_node, "composer3d.commands.evaluate", job_overrides()
-            )
-            return
-        run(cfg, env)
+    run_command(
+        "composer3d-eval", "composer3d.commands.evaluate", cfg, run, settle=_settle, check=_check
+    )
 
 
 # pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml),

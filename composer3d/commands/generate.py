@@ -38,14 +38,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.commands.evaluate import check_weights_source
-from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
+from composer3d.commands.hydra_entry import hydra_entry_point, run_command
 from composer3d.config.checks import resolve_model_config, validate
 from composer3d.config.registration import register_configs
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.dtypes import DTYPES
 from composer3d.errors import ConfigError
 from composer3d.generation import Generation, generate
-from composer3d.launch import distributed, launcher
+from composer3d.launch import distributed
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.mesh import Layout, ParallelMesh
@@ -212,29 +212,32 @@ def _print(results: list[Generation], tokenizer, output: str) -> None:
     )
 
 
-def _main(cfg: DictConfig) -> None:
-    env = distributed.job_env()
-    if launcher.started_by_local_launcher():
-        launcher.die_with_launcher()
+def _settle(cfg: DictConfig) -> None:
     # The same numbers without sequence parallel, which needs a sequence length divisible by tp: a
     # growing one is not.
     cfg.parallel.sequence_parallel = False
-    with launcher.exits_as_a_command("composer3d-generate", env):
-        adopt_checkpoint_config(cfg, list(HydraConfig.get().overrides.task))
-        resolve_model_config(cfg.model)
-        if env is None:  # before any worker starts
-            layout = validate(cfg, cfg.launch.nproc_per_node)
-            check_weights_source(cfg)
-            check_generation(
-                cfg, layout, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate)
-            )
-            MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
-        if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(
-                cfg.launch.nproc_per_node, "composer3d.commands.generate", job_overrides()
-            )
-            return
-        run(cfg, env)
+    adopt_checkpoint_config(cfg, list(HydraConfig.get().overrides.task))
+    resolve_model_config(cfg.model)
+
+
+def _check(cfg: DictConfig) -> None:
+    layout = validate(cfg, cfg.launch.nproc_per_node)
+    check_weights_source(cfg)
+    check_generation(
+        cfg, layout, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate)
+    )
+    MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
+
+
+def _main(cfg: DictConfig) -> None:
+    run_command(
+        "composer3d-generate",
+        "composer3d.commands.generate",
+        cfg,
+        run,
+        settle=_settle,
+        check=_check,
+    )
 
 
 # pkg://: the configs are the top-level conf/ mapped into the package (see

@@ -1,4 +1,5 @@
-"""Command-line entry points on Hydra, with the exit codes the README promises.
+"""Command-line entry points on Hydra, with the exit codes the README promises, and the one skeleton
+a command's processes follow (``run_command``).
 
 Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and
 exits 1 — the same code as a crash inside the run. A configuration the user typed wrong exits 2
@@ -31,6 +32,7 @@ from composer3d.config.help import set_command
 from composer3d.config.keys import check_override_keys
 from composer3d.config.sweep import check_sweep
 from composer3d.errors import ConfigError, StoppedBySignal
+from composer3d.launch import distributed, launcher
 from composer3d.launch.distributed import in_submitit_job
 
 
@@ -124,3 +126,32 @@ def job_overrides() -> list[str]:
     ``hydra.mode=MULTIRUN``."""
     overrides = HydraConfig.get().overrides
     return list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]
+
+
+def run_command(
+    command: str,
+    module: str,
+    cfg: DictConfig,
+    run: Callable[[DictConfig, distributed.Env | None], object],
+    *,
+    settle: Callable[[DictConfig], None] = lambda cfg: None,
+    check: Callable[[DictConfig], None] = lambda cfg: None,
+) -> None:
+    """The skeleton of a command that may run on several processes (composer3d-eval, -generate):
+    every process ``settle``s the config alike (what a checkpoint records, the model's sizes); the
+    command, before any worker starts, ``check``s what can fail in seconds; then it starts
+    ``launch.nproc_per_node`` local workers running ``module``, or (one process, or a worker, or a
+    rank of torchrun/SLURM) ``run``s. A bad config ends in one line and exit 2, a signal in 128 +
+    it (``launcher.exits_as_a_command``). composer3d-train adds restarts, the run directory and
+    its own exit codes around the same steps."""
+    env = distributed.job_env()
+    if launcher.started_by_local_launcher():
+        launcher.die_with_launcher()
+    with launcher.exits_as_a_command(command, env):
+        settle(cfg)
+        if env is None:  # before any worker starts
+            check(cfg)
+        if env is None and cfg.launch.nproc_per_node > 1:
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, module, job_overrides())
+            return
+        run(cfg, env)

@@ -27,6 +27,7 @@ from composer3d.config.checks import resolve_model_config, validate_data
 from composer3d.config.registration import register_configs
 from composer3d.data import prepare_corpus
 from composer3d.errors import ConfigError
+from composer3d.launch import launcher
 from composer3d.training import console
 
 
@@ -35,7 +36,7 @@ def _main(cfg: DictConfig) -> None:
     # workers
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     console.setup_logging(0, stream=sys.stderr)
-    try:
+    with launcher.exits_as_a_command("composer3d-prepare", None):
         resolve_model_config(cfg.model)
         validate_data(cfg)
         if not cfg.data.prepared:
@@ -44,9 +45,6 @@ def _main(cfg: DictConfig) -> None:
                 "data.prepared=<dir> (and train with the same setting)"
             )
         manifest = prepare_corpus(cfg.data, cfg.model)
-    except ConfigError as error:
-        print(f"composer3d-prepare: invalid configuration: {error}", file=sys.stderr)
-        sys.exit(2)
     seconds = manifest["seconds"]
     print(
         json.dumps(
