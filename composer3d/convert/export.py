@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from composer3d.config.schema import ModelConfig
 from composer3d.convert.common import HF_INDEX, ConvertError, model_config
 from composer3d.convert.mixtral import (
     mixtral_config_from_native,
@@ -106,7 +107,7 @@ def load_model_tensors(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[s
     return wrapped["model"]
 
 
-def load_native_state(path: Path, cfg, names: list[str]) -> dict[str, torch.Tensor]:
+def load_native_state(path: Path, cfg: ModelConfig, names: list[str]) -> dict[str, torch.Tensor]:
     """Tensors ``names`` of the native model in checkpoint ``path``, checked against the shapes its
     config builds."""
     from composer3d.models import build_model

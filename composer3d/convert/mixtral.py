@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from composer3d.config.schema import ModelConfig
 from composer3d.models import llama
 
 
-def mixtral_mismatches(cfg) -> list[str]:
+def mixtral_mismatches(cfg: ModelConfig) -> list[str]:
     """What of model config ``cfg`` (a native MoE llama) Mixtral cannot express; empty if it can."""
     moe = cfg.moe
     checks = [
@@ -54,19 +55,19 @@ def mixtral_mismatches(cfg) -> list[str]:
     return [reason for ok, reason in checks if not ok]
 
 
-def expert_hidden_dim(cfg) -> int:
+def expert_hidden_dim(cfg: ModelConfig) -> int:
     return cfg.moe.expert_hidden_dim or llama.ffn_hidden_dim(
         cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier, cfg.ffn_hidden_dim
     )
 
 
-def _attention_and_root_names(cfg) -> dict[str, str]:
+def _attention_and_root_names(cfg: ModelConfig) -> dict[str, str]:
     """The dense mapping (native → Hugging Face) without its feed-forwards: embeddings, attention,
     norms, head."""
     return {k: v for k, v in llama.hf_names(cfg).items() if ".feed_forward." not in k}
 
 
-def native_names(cfg) -> list[str]:
+def native_names(cfg: ModelConfig) -> list[str]:
     """The native tensors a Mixtral export reads: the dense mapping's without the dense
     feed-forwards, each MoE layer's router and stacked experts, and its routing bias (checked to be
     zero)."""
@@ -80,7 +81,9 @@ def native_names(cfg) -> list[str]:
     return names
 
 
-def mixtral_state_from_native(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def mixtral_state_from_native(
+    state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
     """Whole native tensors (``native_names``) under Mixtral's checkpoint names; q/k rows permuted
     as for Llama. Raises ValueError if a layer's routing bias is not zero: Mixtral chooses experts
     by their scores alone."""
@@ -102,7 +105,7 @@ def mixtral_state_from_native(state: dict[str, torch.Tensor], cfg) -> dict[str, 
     return out
 
 
-def mixtral_config_from_native(cfg) -> dict:
+def mixtral_config_from_native(cfg: ModelConfig) -> dict:
     """MixtralConfig keyword arguments for ``cfg`` (transformers 5 spelling, as
     ``llama.hf_config_from_native``)."""
     dense = llama.hf_config_from_native(cfg)

@@ -25,6 +25,7 @@ from composer3d.checkpoint import (
     verified_checkpoints,
 )
 from composer3d.config.checks import validate, validate_for_device
+from composer3d.config.schema import TrainConfig
 from composer3d.data import check_prepared, check_same_corpus, check_sources, eval_windows
 from composer3d.errors import ConfigError
 from composer3d.launch import distributed
@@ -36,7 +37,7 @@ from composer3d.peft.base import build_with_adapters, check_base_from, check_sam
 log = logging.getLogger("composer3d")
 
 
-def preflight(cfg, world_size: int) -> Layout:
+def preflight(cfg: TrainConfig, world_size: int) -> Layout:
     """Check the run ``cfg`` describes on ``world_size`` ranks; returns the layout."""
     layout = validate(cfg, world_size)
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
@@ -91,7 +92,7 @@ def check_writable(key: str, directory: Path) -> None:
         ) from None
 
 
-def check_fresh_start(cfg, run_dir: Path, directory: Path) -> None:
+def check_fresh_start(cfg: TrainConfig, run_dir: Path, directory: Path) -> None:
     """checkpoint.resume=none in a run.dir that holds an earlier run is refused: the fresh start
     would overwrite that run's metrics.jsonl and config.yaml, and keep_last would prune the new
     run's checkpoints for the old run's (newer by step). The way out is a run directory of its
@@ -122,7 +123,7 @@ def check_fresh_start(cfg, run_dir: Path, directory: Path) -> None:
     )
 
 
-def check_resumable(cfg, directory: Path) -> Path | None:
+def check_resumable(cfg: TrainConfig, directory: Path) -> Path | None:
     """The checkpoint a resume would load fits this run: complete (an explicit one), the same model
     shapes, and steps left to train. (Its data position is checked against the corpus when a worker
     loads it.) Returns that checkpoint; None where the run starts afresh."""

@@ -7,6 +7,7 @@ import torch
 from omegaconf import DictConfig
 
 from composer3d.config.checks import validate, validate_for_device
+from composer3d.config.schema import TrainConfig
 from composer3d.launch import distributed
 from composer3d.parallel.mesh import Layout
 from composer3d.precision.autocast import auto_cast
@@ -24,7 +25,7 @@ def prepare_rank(cfg: DictConfig, env: distributed.Env | None) -> tuple[Layout, 
     return layout, device
 
 
-def resolve_precision(cfg, device: torch.device, world_size: int) -> None:
+def resolve_precision(cfg: TrainConfig, device: torch.device, world_size: int) -> None:
     """``precision.param_dtype=auto``: bf16 where it is fast, fp32 on the CPU;
     ``precision.cast=auto``: ``precision.autocast.auto_cast``. In place, so the run's config.yaml
     records what ran."""

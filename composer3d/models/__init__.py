@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from composer3d.config.schema import ModelConfig
 from composer3d.models import hf, llama
 from composer3d.models.interface import ComposerModel, ModelSpec, Routing
 
 MODEL_REGISTRY: dict[str, ModelSpec] = {spec.name: spec for spec in (llama.SPEC, hf.SPEC)}
 
 
-def build_model(cfg) -> nn.Module:
+def build_model(cfg: ModelConfig) -> nn.Module:
     """The model of ``cfg`` on the meta device: no memory, no initialization yet."""
     with torch.device("meta"):
         return MODEL_REGISTRY[cfg.name].build(cfg)

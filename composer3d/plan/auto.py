@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from omegaconf import open_dict
 
+from composer3d.config.schema import TrainConfig
 from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.layouts import apply_to_config
 from composer3d.plan.search import best, why_slower
 from composer3d.plan.validation import validate_plan
 
 
-def choose_layout(cfg, world_size: int, local_world_size: int, device_type: str) -> dict:
+def choose_layout(
+    cfg: TrainConfig, world_size: int, local_world_size: int, device_type: str
+) -> dict:
     """Apply the chosen layout to ``cfg``; returns what run.json records about the choice (and
     why)."""
     with open_dict(cfg):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from composer3d.config.schema import TrainConfig
 from composer3d.dtypes import DTYPES
 from composer3d.peft.planning import Peft
 from composer3d.plan import comm, context
@@ -50,7 +51,7 @@ class Workload:
     cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
 
     @classmethod
-    def from_config(cls, cfg) -> Workload:
+    def from_config(cls, cfg: TrainConfig) -> Workload:
         return cls(
             ModelShape.from_config(cfg.model),
             cfg.train.seq_len,

@@ -16,6 +16,7 @@ from itertools import product
 
 from composer3d.config.checks import pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
+from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
 from composer3d.memory.activation_checkpointing import blocks_all_gather
 from composer3d.models import MODEL_REGISTRY
@@ -177,7 +178,7 @@ class Candidate:
         return " ".join(parts)
 
 
-def candidate_from_config(cfg, world_size: int) -> Candidate:
+def candidate_from_config(cfg: TrainConfig, world_size: int) -> Candidate:
     """The layout a config asks for (``dp_shard=-1`` resolved)."""
     p = cfg.parallel
     layout = resolve_degrees(p, world_size)
@@ -209,7 +210,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
+def _tp_degrees(cfg: TrainConfig, world_size: int, gpus_per_node: int) -> list[int]:
     """Tensor-parallel degrees this model can split, within one node (TP's traffic needs its fastest
     links)."""
     m = cfg.model
@@ -221,7 +222,7 @@ def _tp_degrees(cfg, world_size: int, gpus_per_node: int) -> list[int]:
     ]
 
 
-def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candidate]:
+def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) -> list[Candidate]:
     """Every layout of ``world_size`` ranks this config could run (composer3d's checks, in
     arithmetic form)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -280,7 +281,7 @@ def enumerate_candidates(cfg, world_size: int, gpus_per_node: int) -> list[Candi
     return found
 
 
-def _cp_styles(cfg, layout: Layout, zero_stage: int) -> tuple[str, ...]:
+def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:
     """The context-parallel styles training would accept for this layout (none where it refuses cp):
     the config's own check, asked of each style with the candidate's ZeRO stage."""
     if layout.cp == 1:
@@ -303,7 +304,7 @@ def _cp_styles(cfg, layout: Layout, zero_stage: int) -> tuple[str, ...]:
     return tuple(styles)
 
 
-def _tiles_fit(cfg, held: int, pp: int) -> bool:
+def _tiles_fit(cfg: TrainConfig, held: int, pp: int) -> bool:
     """The config's sequence tiles divide the tokens a rank holds; the loss's only without a
     pipeline (checks)."""
     mlp, loss = cfg.memory.tile_mlp, cfg.memory.tile_loss
@@ -358,7 +359,7 @@ def _with_schedules_and_ac(
     return out
 
 
-def apply_to_config(cfg, candidate: Candidate) -> None:
+def apply_to_config(cfg: TrainConfig, candidate: Candidate) -> None:
     """Write ``candidate`` into ``cfg`` (the keys ``Candidate.overrides`` names)."""
     p = cfg.parallel
     p.pp, p.dp_replicate, p.dp_shard, p.tp = (

@@ -39,6 +39,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 # group (torchtitan and torch's own memory estimators use it).
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from composer3d.config.schema import TrainConfig
 from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
 from composer3d.launch.rank import prepare_rank
@@ -110,7 +111,7 @@ class PeakTracker(MemTracker):
             super()._post_bw_hook(module, args)
 
 
-def measure_rank(cfg, world_size: int, rank: int, steps: int) -> RankMeasurement:
+def measure_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int) -> RankMeasurement:
     """Run rank ``rank`` of a ``world_size``-rank job of ``cfg`` here for ``steps`` + 1 steps: the
     first builds the optimizer state and warms up; the next is tracked for memory; each after it is
     timed."""

@@ -6,13 +6,14 @@ from __future__ import annotations
 import copy
 
 from composer3d.config.checks import validate
+from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
 from composer3d.plan.estimate import Estimate, Workload, estimate
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate, apply_to_config, enumerate_candidates
 
 
-def ranked(cfg, cluster: Cluster) -> tuple[list[Estimate], int]:
+def ranked(cfg: TrainConfig, cluster: Cluster) -> tuple[list[Estimate], int]:
     """(layouts that fit, best first; how many valid layouts there were)."""
     candidates = enumerate_candidates(cfg, cluster.world_size, cluster.gpus_per_node)
     work = Workload.from_config(cfg)
@@ -54,7 +55,7 @@ def _faster_then_smaller(fitting: list[Estimate]) -> list[Estimate]:
     return ordered
 
 
-def checked(cfg, c: Candidate, world_size: int):
+def checked(cfg: TrainConfig, c: Candidate, world_size: int):
     """A copy of ``cfg`` with ``c`` applied, through composer3d's validation (what training would
     refuse)."""
     trial = copy.deepcopy(cfg)
@@ -64,7 +65,7 @@ def checked(cfg, c: Candidate, world_size: int):
     return trial
 
 
-def best(cfg, cluster: Cluster) -> tuple[Estimate, list[Estimate], int]:
+def best(cfg: TrainConfig, cluster: Cluster) -> tuple[Estimate, list[Estimate], int]:
     """The fastest layout that fits and that composer3d's checks accept, the ranking, and the count
     tried."""
     fitting, tried = ranked(cfg, cluster)

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from composer3d.config.schema import ModelConfig
 from composer3d.models.hf.config import load_hf_config, tiny_replica
 from composer3d.models.moe import grouped_mm_fits, local, mix_routed, per_expert, recorded_forward
 
@@ -56,7 +57,7 @@ def inactive_params(model: nn.Module) -> int:
     return inactive
 
 
-def expert_parallel_support(cfg) -> tuple[int, str | None]:
+def expert_parallel_support(cfg: ModelConfig) -> tuple[int, str | None]:
     """(routed experts of each MoE layer, 0 for a dense model; why composer3d's expert parallel
     cannot run them, None where it can), from a tiny replica of ``model.path``'s config built on
     meta."""

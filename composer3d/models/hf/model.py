@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from composer3d.config.schema import ModelConfig
 from composer3d.errors import ConfigError
 from composer3d.models.hf.config import expert_count, layer_types, load_hf_config, resolve_model_dir
 from composer3d.models.hf.context_parallel import ATTENTION, attention_plan, register_attention
@@ -80,7 +81,7 @@ class HFCausalLM(nn.Module):
     """A transformers causal LM (built on meta) behind composer3d's model protocol; names stay
     transformers'."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         from transformers import AutoModelForCausalLM
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from composer3d.config.schema import ModelConfig
 from composer3d.models.llama.model import ffn_hidden_dim
 
 # Per-layer names: native suffix -> Hugging Face suffix (w1 is the gate, w3 the up projection, w2
@@ -32,7 +33,7 @@ HF_ROOT_NAMES = {
 }
 
 
-def hf_names(cfg) -> dict[str, str]:
+def hf_names(cfg: ModelConfig) -> dict[str, str]:
     """Native parameter name -> Hugging Face name for every parameter of ``cfg``'s model.
 
     With tied embeddings ``output.weight`` is the embedding itself and has no Hugging Face name of
@@ -67,7 +68,7 @@ def rope_half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor
     )
 
 
-def _rope_heads(native_name: str, cfg) -> int | None:
+def _rope_heads(native_name: str, cfg: ModelConfig) -> int | None:
     """Heads whose rows RoPE rotates in this weight (q or k projections), else None."""
     if native_name.endswith("attention.wq.weight"):
         return cfg.n_heads
@@ -100,7 +101,9 @@ def hf_state_dict_from_native(
     return out
 
 
-def native_state_dict_from_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def native_state_dict_from_hf(
+    state: dict[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
     """A LlamaForCausalLM state dict as the native model's (the inverse of
     ``hf_state_dict_from_native``).
 
@@ -131,7 +134,7 @@ def native_state_dict_from_hf(state: dict[str, torch.Tensor], cfg) -> dict[str, 
     return out
 
 
-def hf_config_from_native(cfg) -> dict:
+def hf_config_from_native(cfg: ModelConfig) -> dict:
     """LlamaConfig keyword arguments (transformers 5 spelling: RoPE under ``rope_parameters``) for
     ``cfg``."""
     return {

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask
 
 import composer3d.models.llama.attention as attention_module
+from composer3d.config.schema import ModelConfig
 from composer3d.models.init import InitRule, normal, ones
 from composer3d.models.interface import Routing
 from composer3d.models.llama.attention import Attention, document_ids, document_mask, rope_tables
@@ -81,7 +82,7 @@ class TransformerBlock(nn.Module):
         return h + (self.moe if hasattr(self, "moe") else self.feed_forward)(self.ffn_norm(h))
 
 
-def is_moe_layer(cfg, layer: int) -> bool:
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
     """Whether layer ``layer`` of model config ``cfg`` is a mixture of experts (after
     moe.dense_layers dense ones)."""
     moe = getattr(cfg, "moe", None)
@@ -89,7 +90,7 @@ def is_moe_layer(cfg, layer: int) -> bool:
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         n_kv_heads = cfg.n_kv_heads or cfg.n_heads

@@ -16,6 +16,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from composer3d.config.schema import ModelConfig
 from composer3d.models.llama.model import Llama, ffn_hidden_dim
 
 
@@ -80,7 +81,7 @@ def tensor_parallel_plan(
     return root, block
 
 
-def tp_split_sizes(cfg) -> list[tuple[str, int]]:
+def tp_split_sizes(cfg: ModelConfig) -> list[tuple[str, int]]:
     """The sizes tensor parallel splits, as (config key, value), for validation before launch."""
     hidden = ffn_hidden_dim(cfg.dim, cfg.multiple_of, cfg.ffn_dim_multiplier, cfg.ffn_hidden_dim)
     sizes = [
