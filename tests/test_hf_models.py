@@ -689,7 +689,7 @@ def test_experts_are_found_as_each_transformers_version_marks_them():
     """transformers 5.17 marks its experts modules with has_gate, has_bias and is_transposed only
     (5.24 adds _is_expert_parallel, is_concatenated and has_post_expert_norm): experts marked the
     5.17 way are found and run under expert parallel, on whichever version is installed (the real
-    5.17 runs the MoE tests above: README)."""
+    5.17 runs the MoE tests above: docs/performance.md)."""
     from transformers import AutoModelForCausalLM
 
     from composer3d.models.hf import experts as hf_experts

@@ -208,9 +208,9 @@ def test_this_install_composes_from_any_directory(module, tmp_path):
 
 
 def test_the_suite_runs_on_versions_the_pins_declare():
-    """pyproject's pins are the range the tests ran with (README: what ran on each): a suite run on
-    a torch, torchao or transformers outside them is a version to declare (and record) or not to
-    claim."""
+    """pyproject's pins are the range the tests ran with (docs/performance.md: what ran on each): a
+    suite run on a torch, torchao or transformers outside them is a version to declare (and record)
+    or not to claim."""
     from importlib.metadata import version
 
     import tomllib

@@ -14,7 +14,7 @@ are only required to stay under 1% together). For pp=2 at M=8 under GPipe, 1F1B 
 a fixed wait so that what is measured is the schedule, not this shared machine's CPU scheduler. pp=4
 with one layer per stage is measured at 8 micro-batches (its peak predicted 9% low under 1F1B, 1%
 under GPipe; at 16, 12.5% and 5%: the planner leaves out the pipeline's per-micro-batch receive
-buffers and backward's temporaries, README).
+buffers and backward's temporaries, docs/planner.md).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ LAYOUTS_2 = {
 }
 # Pipelines whose idle share is timed (tests/plan_measure.py): PAD_S of simulated compute per
 # forward chunk, twice that per backward. Looped BFS and the zero-bubble schedules are not among
-# them: they measure above the planner's (P−1)/(v·M) and its zero-bubble ideal (README).
+# them: they measure above the planner's (P−1)/(v·M) and its zero-bubble ideal (docs/planner.md).
 TIMED_PIPELINES = {
     schedule: [*MODEL, *PP_BATCH, "parallel.pp=2", f"parallel.pp_schedule={schedule}"]
     for schedule in ("1f1b", "gpipe", "interleaved_1f1b")
@@ -514,9 +514,9 @@ def test_planner_predicts_composer3d_steps_at_the_current_code():
 
 
 def test_readme_what_fits_rows_are_what_the_planner_prints():
-    """The README's plan.what_fits example: its command, rerun, prints every row the README shows,
-    to the digit."""
-    readme = (ROOT / "README.md").read_text()
+    """The plan.what_fits example (docs/planner.md): its command, rerun, prints every row the page
+    shows, to the digit."""
+    readme = (ROOT / "docs" / "planner.md").read_text()
     block = readme.split("$ composer3d-plan model=llama3_8b cluster.gpus_per_node=1", 1)[1].split(
         "```", 1
     )[0]
@@ -1094,18 +1094,18 @@ H200_1B = [
     ],
 )
 def test_one_device_peak_follows_how_it_casts(overrides, measured_gib):
-    """The peaks one H200 measured (README: the loss's gradient written over the logits, 2026-11-27;
-    the autocast rows again on 2026-11-28, the head casting its weight in backward: Llama 3.2 1B
-    dims, untied head, 8192 tokens) within 3%: whole bf16 copies of the weights under
-    precision.cast=params; under autocast compiled, the recomputing block's (an embedding lookup
-    casts none, the head keeps none: the compiled rows fell 0.46 GiB with it); eager, every block's
-    until forward ends (that row did not move: 28.52 GiB before and after, predicted 2.7% low).
-    Charging compiled autocast every weight's copy, as a matmul without checkpointing keeps it,
-    predicted the compiled rows 8-9% high; eager autocast one block's, 7% low (28.5 GiB measured,
-    26.6 predicted). Not here: the 3B under alternate_matmuls, 54.07 GiB measured and 52.40
-    predicted (-3.1%). Its allocator trace puts the peak just after the head's backward with 10.6
-    GiB of the blocks' saved tensors, where the same compiled block on the CPU keeps the planner's
-    9.2 to the byte: inductor's CUDA partition of that block keeps more."""
+    """The peaks one H200 measured (docs/performance.md: the loss's gradient written over the
+    logits, 2026-11-27; the autocast rows again on 2026-11-28, the head casting its weight in
+    backward: Llama 3.2 1B dims, untied head, 8192 tokens) within 3%: whole bf16 copies of the
+    weights under precision.cast=params; under autocast compiled, the recomputing block's (an
+    embedding lookup casts none, the head keeps none: the compiled rows fell 0.46 GiB with it);
+    eager, every block's until forward ends (that row did not move: 28.52 GiB before and after,
+    predicted 2.7% low). Charging compiled autocast every weight's copy, as a matmul without
+    checkpointing keeps it, predicted the compiled rows 8-9% high; eager autocast one block's, 7%
+    low (28.5 GiB measured, 26.6 predicted). Not here: the 3B under alternate_matmuls, 54.07 GiB
+    measured and 52.40 predicted (-3.1%). Its allocator trace puts the peak just after the head's
+    backward with 10.6 GiB of the blocks' saved tensors, where the same compiled block on the CPU
+    keeps the planner's 9.2 to the byte: inductor's CUDA partition of that block keeps more."""
     est, _ = planned(*H200_1B, *overrides)
     assert _rel(est.memory.total / 2**30, measured_gib) < 0.03, (
         est.memory.total / 2**30,

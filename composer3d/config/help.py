@@ -6,6 +6,10 @@ there is documented here, with no second copy to fall out of date.
 Hydra prints the help (``hydra.help.template`` in conf/train.yaml, which lists the config groups
 itself); the resolvers here fill in what it does not know, the running command's banner and examples
 among them (every command reads the same config, and ``set_command`` says which one is running).
+
+The documentation site's configuration reference is the same keys and comments as markdown:
+``python -m composer3d.config.help > docs/configuration/reference.md`` (tests/test_docs.py checks it
+is current).
 """
 
 from __future__ import annotations
@@ -14,10 +18,13 @@ import dataclasses
 import inspect
 import json
 import re
+import sys
 import textwrap
 from importlib.resources import files
 
-from omegaconf import OmegaConf
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
 from composer3d.config import peft_schema, plan_schema, schema
 
@@ -107,11 +114,155 @@ def key_help(_root_) -> str:
     return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
 
 
+def _group_files(group: str) -> dict:
+    """A config group's options and their YAML files: the recipe group's in recipes/recipe/, the
+    others' in conf/<group>/."""
+    if group == "recipe":
+        folder = files("composer3d.recipes") / "recipe"
+    else:
+        folder = files("composer3d.conf")
+        for part in group.split("/"):
+            folder = folder / part
+    paths = sorted(folder.iterdir(), key=lambda p: p.name)
+    return {p.name.removesuffix(".yaml"): p for p in paths if p.name.endswith(".yaml")}
+
+
 def recipes() -> str:
     """The recipe group's options (recipe=<name>), which Hydra's own group listing does not show."""
-    names = sorted(
-        p.name.removesuffix(".yaml")
-        for p in (files("composer3d.recipes") / "recipe").iterdir()
-        if p.name.endswith(".yaml")
+    return ", ".join(_group_files("recipe"))
+
+
+# The groups the reference lists: conf/'s and, of Hydra's, the launcher (the recipes have a table of
+# their own)
+GROUPS = ("model", "data", "parallel", "peft", "hydra/launcher")
+REFERENCE = "docs/configuration/reference.md"
+# an underscore only where it could open or close emphasis: data.text_field stays readable
+_MARKDOWN = re.compile(r"[\\`*\[\]|]|(?<!\w)_|_(?!\w)")
+
+
+def default_config() -> DictConfig:
+    """What a plain ``composer3d-train`` composes (conf/train.yaml and its groups' defaults), with
+    ``hydra.runtime.choices``: the option each group took."""
+    # conf/train.yaml lists the schema first; registration stores it too, but imports this module
+    ConfigStore.instance().store(name="train_schema", node=schema.TrainConfig)
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        return compose("train", return_hydra_config=True)
+
+
+def _text(text: str) -> str:
+    """Text for a markdown table cell: HTML's and markdown's characters escaped outside code spans
+    (a | would end the cell, a <run.dir> would be a tag)."""
+    parts = text.split("`")
+    if len(parts) % 2 == 0:  # an unpaired backtick opens no code span
+        parts = [text]
+    escaped = [
+        part
+        if i % 2
+        else _MARKDOWN.sub(lambda m: "\\" + m[0], part.replace("&", "&amp;").replace("<", "&lt;"))
+        for i, part in enumerate(parts)
+    ]
+    return "`".join(escaped)
+
+
+def _code(value: str) -> str:
+    return f"`{value}`" if value else '`""`'
+
+
+def _about(path) -> str:
+    """What an option's YAML says of itself: its opening comment, up to a blank or indented line (a
+    command to run), less the ``group=option:`` it may open with and a sentence that leads into a
+    command."""
+    lines = []
+    for line in path.read_text().splitlines():
+        if line.startswith("# @package"):
+            continue
+        if not line.startswith("# ") or line.startswith("#  "):
+            break
+        lines.append(line[2:])
+    text = re.sub(r"^\S+=\S+( \([^)]*\))?: ", "", " ".join(lines))
+    return text[: text.rfind(". ") + 1] if text.endswith(":") else text
+
+
+def _options_table(groups, choices) -> list[str]:
+    lines = ["| option | what it sets |", "|---|---|"]
+    for group in groups:
+        for option, path in _group_files(group).items():
+            default = " (default)" if choices[group] == option else ""
+            lines.append(f"| `{group}={option}`{default} | {_text(_about(path))} |")
+    return lines
+
+
+def _section(name: str, cls, values: dict, defaults: dict, comments, about: str) -> list[str]:
+    """A section's table, then its nested sections by their dotted paths; ``values`` and
+    ``defaults`` unresolved (a missing value is ``???``)."""
+    lines = [f"## {name}", ""] + ([_text(about), ""] if about else [])
+    lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+    nested = []
+    for key in dataclasses.fields(cls):
+        comment = comments.get((cls.__name__, key.name), "")
+        if dataclasses.is_dataclass(key.default_factory):
+            nested += _section(
+                f"{name}.{key.name}",
+                key.default_factory,
+                values[key.name],
+                defaults[key.name],
+                comments,
+                comment,
+            )
+            continue
+        value, default = _value(values[key.name]), _value(defaults[key.name])
+        cell = _code(value) + ("" if value == default else f" (schema: {_code(default)})")
+        lines.append(f"| `{name}.{key.name}` | {_text(key.type)} | {cell} | {_text(comment)} |")
+    return [*lines, "", *nested]
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration/reference.md): the config groups and the
+    recipes, then a table per section of the schema: each key, its type, its value in what a plain
+    composer3d-train composes (and the schema's default where that differs), its comment."""
+    cfg = default_config()
+    choices = cfg.hydra.runtime.choices
+    chosen = ", ".join(f"`{g}={choices[g]}`" for g in GROUPS if choices[g] in _group_files(g))
+    unchosen = ", ".join(
+        f"`{g}` (" + (f"Hydra's own `{choices[g]}`" if choices[g] else "none") + ")"
+        for g in (*GROUPS, "recipe")
+        if choices[g] not in _group_files(g)
     )
-    return ", ".join(names)
+    lines = [
+        f"<!-- Generated by `python -m composer3d.config.help > {REFERENCE}` from the comments "
+        "in composer3d/config/*schema.py and conf/: edit those, not this file. -->",
+        "",
+        "# Configuration reference",
+        "",
+        "Every key the commands read, as typed on the command line (`key=value`), in the schema's "
+        "order: its type, its default and what it means. The default is what a plain "
+        f"`composer3d-train` composes: conf/train.yaml with its groups' defaults ({chosen}). "
+        "Where that differs from the schema's own default (what an option that leaves the key "
+        "unset gets), the schema's follows it; `???`: no default, the key must be set. How the "
+        "config is composed and overridden: [Configuration](index.md).",
+        "",
+        "## Config groups",
+        "",
+        f"An option is picked as `group=option`. With none picked: {unchosen}.",
+        "",
+        *_options_table(GROUPS, choices),
+        "",
+        "## Recipes",
+        "",
+        "A recipe (`recipe=<name>`) sets a whole experiment: it beats the defaults, and the "
+        "command line beats it.",
+        "",
+        *_options_table(["recipe"], choices),
+        "",
+    ]
+    values = OmegaConf.to_container(cfg, resolve=False)
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema.TrainConfig), resolve=False)
+    comments = field_comments()
+    for section in dataclasses.fields(schema.TrainConfig):
+        name = section.name
+        lines += _section(name, section.default_factory, values[name], defaults[name], comments, "")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(reference_markdown())

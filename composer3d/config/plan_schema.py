@@ -27,11 +27,12 @@ class ClusterConfig:
     # of the dense peak FLOP/s that large GEMMs reach (the rest: plan/kernels.py)
     achievable_fraction: float = 0.8
     # the memory options' host side: GB/s per device to and from host memory (all devices copying at
-    # once), the fp32 parameter GB/s the host's AdamW updates per device (parallel.offload), host
-    # memory per node; None: the table's
+    # once); None: the table's
     host_link_gbps: float | None = None
+    # the fp32 parameter GB/s the host's AdamW updates per device (parallel.offload); None: the
+    # table's
     host_optimizer_gbps: float | None = None
-    host_memory_gib: float | None = None
+    host_memory_gib: float | None = None  # host memory per node; None: the table's
     # GB/s per device to and from parallel.offload_dir's files; None: 5
     disk_gbps: float | None = None
     # GB/s the device's memory gives its elementwise kernels; None: the table's
