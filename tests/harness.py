@@ -3,7 +3,9 @@ wrote."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -94,6 +96,97 @@ def train(
             f"({proc.returncode}):\n{result.output[-6000:]}"
         )
     return result
+
+
+def run_command(monkeypatch, module: str, *argv: str) -> int:
+    """``python -m module argv...`` in this process, as the command line runs it up to where it
+    would start workers, which fails the test: for what a command prints or refuses before any
+    worker. Returns its exit code (0 when it returns); its output is the test's capsys/capfd.
+    Hydra's global state is as it was before."""
+    import importlib
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError(f"{module} {' '.join(argv)} started workers")
+
+    monkeypatch.setattr("composer3d.launch.launcher.spawn_local_workers", no_workers)
+    main = importlib.import_module(module).main
+    monkeypatch.setattr("sys.argv", [module, *argv])
+    hydra = GlobalHydra.instance()
+    # a compose fixture's, while its scope lasts
+    before = hydra.hydra if hydra.is_initialized() else None
+    hydra.clear()
+    try:
+        main()
+        return 0
+    except SystemExit as exit_:
+        return exit_.code
+    finally:
+        hydra.clear()
+        if before is not None:
+            hydra.initialize(before)
+
+
+def command_output(module: str, *argv: str) -> subprocess.CompletedProcess:
+    """``run_command`` with what it prints to sys.stdout and sys.stderr: for a command whose output
+    is Python's prints (composer3d-plan's table, its one-line refusals)."""
+    import pytest
+
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run_command(monkeypatch, module, *argv)
+    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
+
+
+def train_command(monkeypatch, capfd, run_dir: Path, *overrides: str, nproc: int = 1) -> RunResult:
+    """composer3d-train with ``train``'s arguments, in this process (``run_command``): for what the
+    command refuses before any worker starts. ``output`` is what it printed."""
+    capfd.readouterr()
+    began = time.monotonic()
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        *_command(run_dir, overrides, nproc)[3:],
+    )
+    out, err = capfd.readouterr()
+    return RunResult(code, out + err, time.monotonic() - began, Path(run_dir))
+
+
+def convert(
+    *args: str, check: bool = True, umask: int = -1, cli: bool = False
+) -> subprocess.CompletedProcess:
+    """composer3d-convert ``args``: in this process (its ``main``), or with ``cli`` as a user runs
+    it (a subprocess: the exit code the shell sees)."""
+    if cli:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-m", "composer3d.commands.convert", *map(str, args)],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            umask=umask,
+        )
+    else:
+        from composer3d.commands.convert import main
+
+        out, err = io.StringIO(), io.StringIO()
+        saved = os.umask(umask) if umask >= 0 else None
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main([str(a) for a in args])
+        finally:
+            if saved is not None:
+                os.umask(saved)
+        proc = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"composer3d-convert {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
+    return proc
 
 
 def start(
@@ -194,6 +287,21 @@ def train_in_one_group(
         probe_effects,
     )
     return [RunResult(0, "", 0.0, Path(run_dir)) for run_dir, _ in jobs]
+
+
+def train_job(
+    run_dir: Path, *overrides: str, nproc: int = 1, probe_effects: bool = False
+) -> RunResult:
+    """The run ``train`` makes, without the command line: its ranks forked from the session's
+    preloaded server (``train_in_one_group``), so no interpreter starts. For what a run computes
+    (curves, effects, checkpoints); what the command line does (exit codes, launcher, signals) is
+    what ``train`` tests. ``output`` is rank 0's log (``<run.dir>/logs/rank0.log``)."""
+    began = time.monotonic()
+    train_in_one_group([(Path(run_dir), list(overrides))], nproc, probe_effects)
+    log = Path(run_dir, "logs", "rank0.log")
+    return RunResult(
+        0, log.read_text() if log.exists() else "", time.monotonic() - began, Path(run_dir)
+    )
 
 
 def _train_jobs(

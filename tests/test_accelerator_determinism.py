@@ -5,12 +5,9 @@ for bit — eager with the fused SDPA kernels (causal), eager and compiled with 
 tests/test_checkpoint.py (every CPU test runs deterministic)."""
 
 import pytest
-import torch
 from harness import train
 
-pytestmark = pytest.mark.skipif(
-    not torch.accelerator.is_available(), reason="determinism on an accelerator"
-)
+pytestmark = pytest.mark.accelerator
 
 BASE = [
     "model=tiny",

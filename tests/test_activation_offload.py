@@ -250,7 +250,7 @@ def test_offload_applies_inside_compiled_blocks_without_graph_breaks():
     assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(reference, grads))
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.accelerator
 def test_offload_lowers_device_memory_held_between_forward_and_backward():
     """On an accelerator: the device memory the forward leaves for backward falls with offload
     (pinned host buffers, side-stream copies), and the gradients stay equal."""

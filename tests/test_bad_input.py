@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from harness import FAST, train
+from harness import FAST, train, train_command, train_job
 from hf_models import make_model
 from hydra import compose, initialize_config_module
 
@@ -66,7 +66,7 @@ def files(tmp_path_factory):
 def checkpoint(tmp_path_factory):
     """A real 2-step checkpoint of the FAST config, for the resume cases."""
     run_dir = tmp_path_factory.mktemp("trained")
-    train(run_dir, *FAST, "train.steps=2")
+    train_job(run_dir, *FAST, "train.steps=2")
     return run_dir / "checkpoints" / "step-00000002"
 
 
@@ -271,14 +271,15 @@ def _refused_once(run, key: str) -> str:
     return message
 
 
-def test_launcher_refuses_bad_corpus_before_any_worker(tmp_path, files):
-    run = train(
+def test_launcher_refuses_bad_corpus_before_any_worker(monkeypatch, capfd, tmp_path, files):
+    run = train_command(
+        monkeypatch,
+        capfd,
         tmp_path / "run",
         "data=text_files",
         f"data.paths=[{files}/nonstring.parquet]",
         "launch.device=cpu",
         nproc=2,
-        check=False,
     )
     _refused_once(run, "data.text_field")
     assert "worker" not in run.output, "refused by the launcher, not by failing workers"
@@ -311,7 +312,7 @@ def test_late_corpus_error_in_workers_is_reported_once(tmp_path):
 
 def test_resume_after_data_change_is_a_config_error_not_a_bad_checkpoint(tmp_path, checkpoint):
     """A healthy checkpoint resumed with another seq_len: named as the change it is, not as
-    'unreadable'."""
+    'unreadable' (found by the workers as they load it: one line, exit 2, through the launcher)."""
     run = train(
         tmp_path / "run",
         *FAST,
@@ -325,16 +326,17 @@ def test_resume_after_data_change_is_a_config_error_not_a_bad_checkpoint(tmp_pat
     assert "train.seq_len or train.seed changed" in message and "unreadable" not in run.output
 
 
-def test_resume_with_checkpointing_off_is_refused(tmp_path, checkpoint):
+def test_resume_with_checkpointing_off_is_refused(monkeypatch, capfd, tmp_path, checkpoint):
     """checkpoint.resume=<step> with checkpoint.enabled=false: before, it trained from scratch
     without a word."""
-    run = train(
+    run = train_command(
+        monkeypatch,
+        capfd,
         tmp_path / "run",
         *FAST,
         "train.steps=4",
         "checkpoint.enabled=false",
         f"checkpoint.resume={checkpoint}",
-        check=False,
     )
     assert "would not be read" in _refused_once(run, "checkpoint.resume")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
@@ -349,14 +351,14 @@ def test_hydra_errors_exit_2(tmp_path, overrides, fragment):
     assert run.returncode == 2 and fragment in run.output, run.output
 
 
-def test_unreadable_metrics_line_is_refused_before_any_worker(tmp_path):
+def test_unreadable_metrics_line_is_refused_before_any_worker(monkeypatch, capfd, tmp_path):
     """A metrics.jsonl line that no crash could have cut (not the last) is refused in one line
     naming run.dir and the line, by the launcher: before, rank 0 raised a raw ValueError traceback
     once training had started."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('garbage{\n{"step": 2, "loss": 1.0}\n')
-    run = train(run_dir, *FAST, "train.steps=2", nproc=2, check=False)
+    run = train_command(monkeypatch, capfd, run_dir, *FAST, "train.steps=2", nproc=2)
     message = _refused_once(run, "run.dir")
     assert (
         "metrics.jsonl, line 1, is not a metrics record" in message and "worker" not in run.output

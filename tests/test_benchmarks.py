@@ -388,6 +388,7 @@ def test_virtual_ring_matches_full_attention_on_cpu():
         assert max(row["ring_error"].values()) < 1e-5, row
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checks the CUDA block kernels")
 def test_virtual_ring_cuda_kernels_match_full_attention():
     """On CUDA: flash attention as the ring's unmasked blocks in bf16 (materialized scores for the

@@ -8,11 +8,16 @@ import shutil
 
 import pytest
 import torch
-from harness import FAST, train
+from harness import FAST, run_command, train, train_job
 
 from composer3d.checkpoint import META_FILE, SafeFileSystemReader, committed_checkpoints
 
 KILL = "COMPOSER3D_TEST_KILL_DURING_SAVE"
+
+
+def _command(run_dir, *overrides):
+    """composer3d-train's module and arguments for a one-process run in ``run_dir``."""
+    return "composer3d.commands.train", f"run.dir={run_dir}", *FAST, *overrides
 
 
 def _steps(run):
@@ -21,7 +26,7 @@ def _steps(run):
 
 def test_crash_during_save_keeps_previous_and_resume_is_bit_identical(tmp_path):
     args = [*FAST, "train.steps=20", "checkpoint.interval=10", "parallel.dp_shard=2"]
-    straight = train(tmp_path / "straight", *args, nproc=2)
+    straight = train_job(tmp_path / "straight", *args, nproc=2)
 
     crashed = train(tmp_path / "crash", *args, nproc=2, check=False, faults={KILL: "20:1"})
     assert crashed.returncode != 0, "rank 1 was killed during the step-20 save"
@@ -46,7 +51,7 @@ def test_crash_during_save_keeps_previous_and_resume_is_bit_identical(tmp_path):
 
 @pytest.fixture(scope="module")
 def fsdp4_run(tmp_path_factory):
-    return train(
+    return train_job(
         tmp_path_factory.mktemp("fsdp4"),
         *FAST,
         "train.steps=12",
@@ -68,7 +73,7 @@ def fsdp4_run(tmp_path_factory):
 )
 def test_resume_under_another_layout_follows_the_same_curve(tmp_path, fsdp4_run, layout, nproc):
     checkpoint = fsdp4_run.run_dir / "checkpoints" / "step-00000006"
-    run = train(
+    run = train_job(
         tmp_path, *FAST, "train.steps=12", f"checkpoint.resume={checkpoint}", *layout, nproc=nproc
     )
     assert _steps(run) == list(range(7, 13))
@@ -78,7 +83,7 @@ def test_resume_under_another_layout_follows_the_same_curve(tmp_path, fsdp4_run,
 
 def test_zero1_checkpoint_resumes_under_tensor_parallel(tmp_path):
     """ZeRO-1 saves its sharded Adam state in the parameter-shaped form every other layout reads."""
-    base = train(
+    base = train_job(
         tmp_path / "zero1",
         *FAST,
         "train.steps=8",
@@ -87,7 +92,7 @@ def test_zero1_checkpoint_resumes_under_tensor_parallel(tmp_path):
         "parallel.zero_stage=1",
         nproc=2,
     )
-    run = train(
+    run = train_job(
         tmp_path / "tp",
         *FAST,
         "train.steps=8",
@@ -101,7 +106,7 @@ def test_zero1_checkpoint_resumes_under_tensor_parallel(tmp_path):
 
 def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
     args = [*FAST, "train.steps=6", "checkpoint.interval=3"]
-    first_losses = train(tmp_path, *args).losses
+    first_losses = train_job(tmp_path, *args).losses
     newest = tmp_path / "checkpoints" / "step-00000006"
     data_file = next(newest.glob("*.distcp"))
     data_file.write_bytes(data_file.read_bytes()[:100])  # truncated, as by a full disk
@@ -118,7 +123,7 @@ def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
     # resume=auto: the newest fails verification, is never chosen, and never counts as one keep_last
     # keeps. The run resumes from step 3 and saves step 5: keep_last=1 keeps it, not the corrupt
     # (newer by step) step 6.
-    again = train(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
+    again = train_job(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
     assert f"checkpoint {newest} is incomplete: {data_file.name} has 100 bytes" in again.output
     assert "never resumed from nor counted by checkpoint.keep_last" in again.output
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000003'} at step 3" in again.output
@@ -131,13 +136,13 @@ def test_corrupt_checkpoint_falls_back_with_a_clear_error(tmp_path):
         "step-00000005",
     ]
     # the same command again
-    finished = train(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
+    finished = train_job(tmp_path, *args, "train.steps=5", "checkpoint.keep_last=1")
     assert f"resumed from {tmp_path / 'checkpoints' / 'step-00000005'} at step 5" in finished.output
     assert "already finished" in finished.output
 
 
 def test_keep_last_prunes_and_model_only_final(tmp_path):
-    run = train(
+    run = train_job(
         tmp_path,
         *FAST,
         "train.steps=8",
@@ -170,7 +175,7 @@ def test_async_save_gives_sync_losses_and_resumable_checkpoints(tmp_path):
         "checkpoint.keep_last=0",
         "parallel.dp_shard=2",
     ]
-    sync = train(tmp_path / "sync", *args, nproc=2)
+    sync = train_job(tmp_path / "sync", *args, nproc=2)
     # Three saves through one stager, which closes itself after each as torch 2.11-2.12's does: each
     # save still works.
     asynchronous = train(
@@ -186,7 +191,7 @@ def test_async_save_gives_sync_losses_and_resumable_checkpoints(tmp_path):
         "step-00000004",
         "step-00000002",
     ]
-    resumed = train(
+    resumed = train_job(
         tmp_path / "resumed",
         *args,
         f"checkpoint.resume={tmp_path / 'async' / 'checkpoints' / 'step-00000004'}",
@@ -199,7 +204,7 @@ def test_async_save_gives_sync_losses_and_resumable_checkpoints(tmp_path):
 
 def test_metadata_with_foreign_pickle_is_refused(tmp_path):
     source = tmp_path / "real"
-    train(source, *FAST, "train.steps=1")
+    train_job(source, *FAST, "train.steps=1")
     checkpoint = next(iter(committed_checkpoints(source / "checkpoints")))
     evil = tmp_path / "evil"
     shutil.copytree(checkpoint, evil)
@@ -234,18 +239,20 @@ def test_metadata_with_foreign_pickle_is_refused(tmp_path):
         ("checkpoint.keep_last=-1", "checkpoint.keep_last"),
     ],
 )
-def test_bad_checkpoint_settings_fail_fast_naming_the_key(tmp_path, override, key):
-    run = train(tmp_path, *FAST, "train.steps=2", override, check=False, timeout=120)
-    assert run.returncode == 2 and f"invalid configuration: {key}:" in run.output, run.output[
-        -2000:
-    ]
+def test_bad_checkpoint_settings_fail_fast_naming_the_key(
+    monkeypatch, capfd, tmp_path, override, key
+):
+    code = run_command(monkeypatch, *_command(tmp_path, "train.steps=2", override))
+    output = capfd.readouterr().err
+    assert code == 2 and f"invalid configuration: {key}:" in output, output[-2000:]
 
 
-def test_resuming_with_another_model_shape_is_refused(tmp_path):
-    train(tmp_path, *FAST, "train.steps=2")
-    run = train(tmp_path, *FAST, "train.steps=4", "model.n_layers=3", check=False)
-    assert run.returncode == 2 and "invalid configuration: model: the checkpoint" in run.output
-    assert "layers.2." in run.output, "names a parameter that differs"
+def test_resuming_with_another_model_shape_is_refused(monkeypatch, capfd, tmp_path):
+    train_job(tmp_path, *FAST, "train.steps=2")
+    code = run_command(monkeypatch, *_command(tmp_path, "train.steps=4", "model.n_layers=3"))
+    output = capfd.readouterr().err
+    assert code == 2 and "invalid configuration: model: the checkpoint" in output, output[-2000:]
+    assert "layers.2." in output, "names a parameter that differs"
 
 
 def test_peft_base_reader_reads_every_tensor_whole_and_the_index_once(tmp_path, monkeypatch):

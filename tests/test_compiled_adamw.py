@@ -37,9 +37,7 @@ def _graphs() -> int:
     return len(_debug_get_cache_entry_list(compiled_adamw._update.__code__))
 
 
-NEEDS_ACCELERATOR = pytest.mark.skipif(
-    not torch.accelerator.is_available(), reason="needs an accelerator"
-)
+NEEDS_ACCELERATOR = pytest.mark.accelerator
 
 
 @pytest.mark.parametrize("on_accelerator", [False, pytest.param(True, marks=NEEDS_ACCELERATOR)])

@@ -7,7 +7,7 @@ Hydra's compose API.
 """
 
 import pytest
-from harness import train
+from harness import run_command, train
 from hydra import compose, initialize_config_module
 
 from composer3d.config.checks import validate
@@ -98,32 +98,63 @@ VALIDATION_CASES = [
 ]
 
 
+def assert_one_config_error(code: int, output: str, expected: list[str]) -> None:
+    """Exit code 2 and a single message are the parent's ConfigError path; workers failing would
+    give exit code 1 (the elastic agent's ChildFailedError) and one message per worker."""
+    assert code == 2, f"expected the parent's config error (2), got {code}:\n{output}"
+    assert output.count(PREFIX) == 1, output
+    message = output[output.index(PREFIX) + len(PREFIX) :]
+    assert message.startswith(expected[0] + ":"), (
+        f"message should start with {expected[0]!r}:\n{output}"
+    )
+    for fragment in expected[1:]:
+        assert fragment in message, f"{fragment!r} missing:\n{output}"
+    assert "Traceback" not in output, output
+
+
 @pytest.mark.parametrize(
     "nproc, overrides, expected",
     [c[1:] for c in VALIDATION_CASES],
     ids=[c[0] for c in VALIDATION_CASES],
 )
-def test_bad_config_fails_in_parent_naming_key(tmp_path, nproc, overrides, expected):
-    run = train(tmp_path / "run", *overrides, nproc=nproc, check=False, timeout=HANG_GUARD_S)
-    assert run.returncode != 0, run.output
-    # Exit code 2 and a single message are the parent's ConfigError path; workers failing would give
-    # exit code 1 (the elastic agent's ChildFailedError) and one message per worker.
-    assert run.returncode == 2, (
-        f"expected the parent's config error (2), got {run.returncode}:\n{run.output}"
+def test_bad_config_fails_in_parent_naming_key(
+    monkeypatch, capfd, tmp_path, nproc, overrides, expected
+):
+    """The command's own checks, in this process up to where it would start workers (which fails
+    the test): the command line itself is the next test's."""
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        "launch.device=cpu",
+        f"launch.nproc_per_node={nproc}",
+        f"run.dir={tmp_path / 'run'}",
+        *overrides,
     )
-    assert run.output.count(PREFIX) == 1, run.output
-    message = run.output[run.output.index(PREFIX) + len(PREFIX) :]
-    assert message.startswith(expected[0] + ":"), (
-        f"message should start with {expected[0]!r}:\n{run.output}"
+    assert_one_config_error(code, capfd.readouterr().err, expected)
+    assert not (tmp_path / "run").exists(), "nothing should be written for a config that cannot run"
+
+
+@pytest.mark.cli
+def test_bad_config_through_the_command_line_exits_2_before_any_worker(tmp_path):
+    """As a user runs it: 4 workers asked for, the parent refuses in seconds (mostly torch's
+    import); a minute means something waits in workers or a collective."""
+    _, nproc, overrides, expected = VALIDATION_CASES[0]
+    run = train(
+        tmp_path / "run",
+        "launch.device=cpu",
+        *overrides,
+        nproc=nproc,
+        check=False,
+        timeout=HANG_GUARD_S,
     )
-    for fragment in expected[1:]:
-        assert fragment in message, f"{fragment!r} missing:\n{run.output}"
-    assert "Traceback" not in run.output, run.output
+    assert_one_config_error(run.returncode, run.output, expected)
     assert not (tmp_path / "run").exists(), "nothing should be written for a config that cannot run"
     assert run.seconds < HANG_GUARD_S
 
 
-def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(tmp_path):
+def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(
+    monkeypatch, capfd, tmp_path
+):
     """checkpoint.resume=none where an earlier run lives would overwrite its metrics and config, and
     keep_last would prune the new run's checkpoints for the old run's (newer by step): refused,
     naming the way out."""
@@ -136,24 +167,25 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(tmp_pat
     )
     (run_dir / "config.yaml").write_text("the earlier run's config\n")
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()}
-    run = train(
-        run_dir,
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        f"run.dir={run_dir}",
         "model=tiny",
         "launch.device=cpu",
         "train.steps=1",
         "checkpoint.resume=none",
-        check=False,
-        timeout=HANG_GUARD_S,
     )
-    assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output[-3000:]
+    output = capfd.readouterr().err
+    assert code == 2 and output.count(PREFIX) == 1, output[-3000:]
     assert (
         f"{PREFIX}checkpoint.resume: none starts afresh, but run.dir {run_dir} holds an earlier "
         "run (metrics.jsonl with 40 records, checkpoints step-00000040 in "
-        f"{run_dir / 'checkpoints'})" in run.output
+        f"{run_dir / 'checkpoints'})" in output
     )
     assert (
         "Give this run a new run.name (or run.dir), or resume that run with checkpoint.resume=auto"
-        in run.output
+        in output
     )
     assert {
         p: (p.read_bytes(), p.stat().st_mtime_ns) for p in run_dir.rglob("*") if p.is_file()
@@ -174,13 +206,20 @@ HYDRA_CASES = [
 @pytest.mark.parametrize(
     "overrides, expected", [c[1:] for c in HYDRA_CASES], ids=[c[0] for c in HYDRA_CASES]
 )
-def test_hydra_errors_fail_naming_key(tmp_path, overrides, expected):
-    run = train(tmp_path / "run", *overrides, nproc=4, check=False, timeout=HANG_GUARD_S)
-    assert run.returncode != 0, run.output
+def test_hydra_errors_fail_naming_key(monkeypatch, capfd, tmp_path, overrides, expected):
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        "launch.device=cpu",
+        "launch.nproc_per_node=4",
+        f"run.dir={tmp_path / 'run'}",
+        *overrides,
+    )
+    output = "".join(capfd.readouterr())
+    assert code != 0, output
     for fragment in expected:
-        assert fragment in run.output, f"{fragment!r} missing:\n{run.output}"
+        assert fragment in output, f"{fragment!r} missing:\n{output}"
     assert not (tmp_path / "run").exists()
-    assert run.seconds < HANG_GUARD_S
 
 
 # ------------------------------------------------------------- validate() in-process, no subprocess
@@ -694,7 +733,9 @@ def test_init_from_an_adapter_of_another_rank_or_alpha_names_the_key(
     assert str(error.value).startswith(key + ": ") and hint in str(error.value), error.value
 
 
-def test_init_from_an_adapter_of_other_targets_exits_2_before_any_worker(tmp_path):
+def test_init_from_an_adapter_of_other_targets_exits_2_before_any_worker(
+    monkeypatch, capfd, tmp_path
+):
     """Checked on the model (on meta) in the parent: the adapter lacks the run's w1-w3 adapters and
     holds one for a linear the run does not target."""
     prefix = "base_model.model.model.layers.{}.self_attn.{}_proj.lora_{}.weight"
@@ -704,21 +745,21 @@ def test_init_from_an_adapter_of_other_targets_exits_2_before_any_worker(tmp_pat
     )
     shapes["base_model.model.model.layers.0.self_attn.x_proj.lora_A.weight"] = (8, 64)
     adapter = _adapter_dir(tmp_path / "adapter", shapes)
-    run = train(
-        tmp_path / "run",
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        f"run.dir={tmp_path / 'run'}",
+        "launch.device=cpu",
+        "launch.nproc_per_node=2",
         "peft=lora",
         f"peft.init_from={adapter}",
-        nproc=2,
-        check=False,
-        timeout=HANG_GUARD_S,
     )
-    assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output
-    message = run.output[run.output.index(PREFIX) + len(PREFIX) :]
-    assert message.startswith("peft.init_from: "), run.output
-    assert "lacks ['base_model.model.model.layers.0.mlp.down_proj.lora_A.weight'" in message, (
-        run.output
-    )
-    assert "x_proj" in message and "peft.target_modules" in message, run.output
+    output = capfd.readouterr().err
+    assert code == 2 and output.count(PREFIX) == 1, output
+    message = output[output.index(PREFIX) + len(PREFIX) :]
+    assert message.startswith("peft.init_from: "), output
+    assert "lacks ['base_model.model.model.layers.0.mlp.down_proj.lora_A.weight'" in message, output
+    assert "x_proj" in message and "peft.target_modules" in message, output
     assert not (tmp_path / "run").exists()
 
 
@@ -838,7 +879,7 @@ def test_context_parallel_of_a_sliding_window_model_exits_2_before_any_worker(
 
     path = make_model(tmp_path / "mistral", "mistral")
     assert (
-        _run_entry_point(
+        run_command(
             monkeypatch,
             "composer3d.commands.train",
             f"run.dir={tmp_path / 'run'}",
@@ -859,13 +900,13 @@ def test_context_parallel_of_a_sliding_window_model_exits_2_before_any_worker(
     assert not (tmp_path / "run").exists()
 
 
-def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_recipes():
+def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_recipes(
+    monkeypatch, capsys
+):
     """`composer3d-train --help`: every key of the schema with its value in the composed config (a
     recipe's, when one is chosen) and the schema's comment on it; the config groups and the recipes.
     Exit 0, nothing trained."""
     import dataclasses
-    import subprocess
-    import sys
 
     from composer3d.config.schema import TrainConfig
 
@@ -874,14 +915,9 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
             nested = f.default_factory if dataclasses.is_dataclass(f.default_factory) else None
             yield from keys(f"{prefix}{f.name}.", nested) if nested else [f"{prefix}{f.name}"]
 
-    help_ = subprocess.run(
-        [sys.executable, "-m", "composer3d.commands.train", "recipe=llama3_1_8b", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert help_.returncode == 0, help_.stderr[-3000:]
-    text = help_.stdout
+    code = run_command(monkeypatch, "composer3d.commands.train", "recipe=llama3_1_8b", "--help")
+    text = capsys.readouterr().out
+    assert code == 0, text[-3000:]
     missing = [key for key in keys("", TrainConfig) if f"  {key}=" not in text]
     assert not missing, missing
     assert "  model.name=hf " in text and "  train.seq_len=4096 " in text, (
@@ -901,29 +937,6 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
 # ---------------------------------------------------------------------- the entry points in-process
 
 
-def _run_entry_point(monkeypatch, module: str, *argv: str) -> int:
-    """``python -m module argv...`` in this process: the exit code (Hydra's global state as it was
-    before)."""
-    import importlib
-
-    from hydra.core.global_hydra import GlobalHydra
-
-    main = importlib.import_module(module).main
-    monkeypatch.setattr("sys.argv", [module, *argv])
-    hydra = GlobalHydra.instance()
-    # compose_cfg's, while its module scope lasts
-    before = hydra.hydra if hydra.is_initialized() else None
-    hydra.clear()
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            main()
-    finally:
-        hydra.clear()
-        if before is not None:
-            hydra.initialize(before)
-    return exit_.value.code
-
-
 @pytest.mark.parametrize(
     "typed, near",
     [
@@ -939,7 +952,7 @@ def test_mistyped_key_names_the_nearest_real_key_not_hydras_plus_hint(
     """One line naming the key typed and the nearest real one, exit 2; not Hydra's "use +key" (which
     we refuse)."""
     assert (
-        _run_entry_point(
+        run_command(
             monkeypatch, "composer3d.commands.train", "run.dir=unused", typed, "launch.device=cpu"
         )
         == 2
@@ -978,7 +991,7 @@ def test_key_added_with_plus_names_the_nearest_real_key(compose_cfg):
     ],
 )
 def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module, command):
-    assert _run_entry_point(monkeypatch, module, "--help") == 0
+    assert run_command(monkeypatch, module, "--help") == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(f"{command}: "), out[:300]
     examples = out[out.index("Examples: ") :]
@@ -1000,7 +1013,7 @@ def test_hugging_face_without_the_hf_extra_says_how_to_install_it(
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     argv = [o.format(tmp=tmp_path) for o in overrides]
     assert (
-        _run_entry_point(
+        run_command(
             monkeypatch,
             "composer3d.commands.train",
             f"run.dir={tmp_path / 'run'}",
@@ -1022,7 +1035,7 @@ def test_max_restarts_in_a_submitit_sweep_is_refused_before_any_job(
     monkeypatch, capsys, tmp_path, launcher
 ):
     assert (
-        _run_entry_point(
+        run_command(
             monkeypatch,
             "composer3d.commands.train",
             f"run.dir={tmp_path / 'sweep'}",
@@ -1118,7 +1131,7 @@ def test_a_peft_base_that_cannot_be_found_or_is_no_base_exits_2_naming_the_key(
             f"Continue it with checkpoint.resume={lora}, or name the base",
         ),
     }[case]
-    code = _run_entry_point(
+    code = run_command(
         monkeypatch,
         "composer3d.commands.train",
         f"run.dir={tmp_path / 'run'}",

@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +22,7 @@ from composer3d.models.init import materialize
 from composer3d.parallel.pipeline.tied import to_checkpoint_names
 
 transformers = pytest.importorskip("transformers")
-from harness import FAST, train
+from harness import FAST, convert, train_job
 from transformers import LlamaConfig, LlamaForCausalLM
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*single process:UserWarning")
@@ -45,24 +42,6 @@ TINY = {
     "init_std": 0.1,
 }
 ATOL = 1e-5
-
-
-def convert(*args: str, check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "composer3d.commands.convert", *map(str, args)],
-        check=False,
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        umask=umask,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(
-            f"composer3d-convert {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-        )
-    return proc
 
 
 def random_native(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
@@ -355,7 +334,7 @@ def test_export_reads_a_bfloat16_model_only_checkpoint(tmp_path):
 def test_export_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("hello")
-    proc = convert("export", tmp_path / "run", tmp_path / "hf", check=False)
+    proc = convert("export", tmp_path / "run", tmp_path / "hf", check=False, cli=True)
     assert proc.returncode != 0
     assert "is not a composer3d checkpoint" in proc.stderr and "composer3d.json" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -380,7 +359,7 @@ def test_import_refuses_a_model_that_is_not_llama(tmp_path):
 def test_checkpoint_of_a_tensor_parallel_run_exports_to_transformers(tmp_path):
     """Train 2 steps on 2 processes (tp=2), export the checkpoint, and compare transformers with
     composer3d."""
-    train(
+    train_job(
         tmp_path / "run",
         *FAST,
         "train.steps=2",
@@ -415,7 +394,7 @@ def test_training_starts_from_an_imported_checkpoint(tmp_path):
     overrides = shlex.split(
         next(line for line in proc.stdout.splitlines() if "composer3d-train" in line)
     )[1:]
-    run = train(
+    run = train_job(
         tmp_path / "run",
         *FAST,
         *overrides,
@@ -450,7 +429,7 @@ def test_mixture_of_experts_checkpoint_of_an_expert_parallel_run_exports_as_mixt
     from transformers import MixtralForCausalLM
 
     fast = [o for o in FAST if not o.startswith("model=")]
-    train(
+    train_job(
         tmp_path / "run",
         *fast,
         *MIXTRAL_LIKE,

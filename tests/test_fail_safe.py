@@ -5,7 +5,7 @@ is refused."""
 
 import json
 
-from harness import FAST, train
+from harness import FAST, train, train_job
 
 DIVERGING = [
     "optim.lr=1e6",
@@ -45,7 +45,7 @@ def test_non_finite_loss_stops_without_checkpointing_it_and_keeps_the_last_good_
         "parallel.dp_shard=2",
     ]
     # step-4 is the last good checkpoint
-    good = train(tmp_path / "run", *args, "train.steps=4", nproc=2)
+    good = train_job(tmp_path / "run", *args, "train.steps=4", nproc=2)
     assert _checkpoint_steps(good) == [4]
     # Resumed with a diverging learning rate (a changed setting: it applies, and the log says so).
     run = train(tmp_path / "run", *args, *DIVERGING, "logging.log_every=5", nproc=2, check=False)
@@ -107,8 +107,8 @@ def test_fp16_loss_scale_resumes_where_it_was(tmp_path):
         "checkpoint.interval=4",
         "parallel.dp_shard=2",
     ]
-    straight = train(tmp_path / "straight", *args, nproc=2)
-    resumed = train(
+    straight = train_job(tmp_path / "straight", *args, nproc=2)
+    resumed = train_job(
         tmp_path / "resumed",
         *args,
         nproc=2,
@@ -122,10 +122,10 @@ def test_fp16_loss_scale_resumes_where_it_was(tmp_path):
 
 def test_changed_learning_rate_on_resume_applies_from_the_next_step(tmp_path):
     args = [*FAST, "train.steps=6", "checkpoint.interval=3"]
-    base = train(tmp_path / "base", *args)
+    base = train_job(tmp_path / "base", *args)
     # what the resumed run's schedule must follow
-    lower = train(tmp_path / "lower", *args, "optim.lr=1e-4")
-    resumed = train(
+    lower = train_job(tmp_path / "lower", *args, "optim.lr=1e-4")
+    resumed = train_job(
         tmp_path / "resumed",
         *args,
         "optim.lr=1e-4",
@@ -136,7 +136,7 @@ def test_changed_learning_rate_on_resume_applies_from_the_next_step(tmp_path):
 
 
 def test_a_checkpoint_past_train_steps_is_refused(tmp_path):
-    base = train(tmp_path / "base", *FAST, "train.steps=4")
+    base = train_job(tmp_path / "base", *FAST, "train.steps=4")
     run = train(
         tmp_path / "short",
         *FAST,
@@ -165,7 +165,7 @@ def test_a_full_disk_stops_the_save_in_one_line_leaving_no_partial_and_the_last_
     tmp_path,
 ):
     args = [*FAST, "train.steps=6", "checkpoint.interval=2", "checkpoint.keep_last=1"]
-    train(tmp_path, *args, "train.steps=4")
+    train_job(tmp_path, *args, "train.steps=4")
     good = tmp_path / "checkpoints" / "step-00000004"
     kept = _files(good)
     size = sum(p.stat().st_size for p in good.rglob("*") if p.is_file())
@@ -235,6 +235,6 @@ def test_a_full_disk_stops_the_save_in_one_line_leaving_no_partial_and_the_last_
     assert _files(good) == kept, (
         "the last good checkpoint is untouched: nothing pruned to make room"
     )
-    resumed = train(tmp_path, *args)
+    resumed = train_job(tmp_path, *args)
     assert f"resumed from {good} at step 4" in resumed.output
     assert [m["step"] for m in resumed.metrics] == [1, 2, 3, 4, 5, 6]

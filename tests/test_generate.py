@@ -21,7 +21,7 @@ from composer3d.models import build_model
 from composer3d.models.init import materialize
 
 transformers = pytest.importorskip("transformers")
-from harness import FAST, train
+from harness import FAST, convert, run_command, train_job
 from hf_models import make_model
 
 PROMPT = "def main("
@@ -260,25 +260,10 @@ def native_run(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny native model trained 40 steps (its checkpoint), exported in float32 to a Hugging Face
     directory."""
     root = tmp_path_factory.mktemp("generate")
-    train(root / "run", *FAST, "train.steps=40", "optim.lr=3e-3")
+    train_job(root / "run", *FAST, "train.steps=40", "optim.lr=3e-3")
     step = root / "run" / "checkpoints" / "step-00000040"
     out = root / "hf"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composer3d.commands.convert",
-            "export",
-            str(step),
-            str(out),
-            "--dtype",
-            "float32",
-        ],
-        check=True,
-        capture_output=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
+    convert("export", step, out, "--dtype", "float32")
     return step, out
 
 
@@ -422,15 +407,22 @@ def test_hf_model_under_tensor_parallel_generates_what_transformers_generates(tm
         ),  # compiled decoding: one process
     ],
 )
-def test_refusals_before_any_worker_starts(native_run, nproc, overrides, key):
+def test_refusals_before_any_worker_starts(monkeypatch, capfd, native_run, nproc, overrides, key):
+    """In this process up to where the command would start workers (which fails the test)."""
     step, _ = native_run
-    proc = generate(
-        f"checkpoint.resume={step}", "generate.prompt=hello", *overrides, nproc=nproc, check=False
+    capfd.readouterr()
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.generate",
+        "launch.device=cpu",
+        "generate.output=json",
+        f"launch.nproc_per_node={nproc}",
+        f"checkpoint.resume={step}",
+        "generate.prompt=hello",
+        *overrides,
     )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    lines = [
-        line for line in proc.stderr.splitlines() if line.startswith("composer3d-generate: invalid")
-    ]
-    assert len(lines) == 1 and f": {key}:" in lines[0], proc.stderr[-3000:]
-    # refused by the launcher: no worker started
-    assert "failed first" not in proc.stderr and not proc.stdout.strip()
+    out, err = capfd.readouterr()
+    assert code == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("composer3d-generate: invalid")]
+    assert len(lines) == 1 and f": {key}:" in lines[0], err[-3000:]
+    assert "failed first" not in err and not out.strip()

@@ -187,10 +187,10 @@ def test_tensor_parallel_with_an_unknown_style_is_refused_and_without_a_plan_tak
 
 
 def test_model_without_a_plan_still_trains_with_fsdp_and_pp(tmp_path):
-    from harness import FAST, train
+    from harness import FAST, train_job
 
     path = _with_plan(tmp_path, {})
-    run = train(
+    run = train_job(
         tmp_path / "run",
         *[o for o in FAST if not o.startswith("model=")],
         "model=hf",
@@ -381,23 +381,23 @@ def test_a_llama_layout_without_a_tp_plan_gets_the_llama_plan_checked_and_others
 
 
 def test_an_architecture_whose_forward_composer3d_does_not_reproduce_is_refused_before_launch(
-    tmp_path,
+    monkeypatch, capfd, tmp_path
 ):
     """NanoChat normalizes the embeddings in its own top-level forward, which composer3d rebuilds
     without that norm: left alone it would train logits 0.2–0.4 away from transformers under every
     layout. Refused, exit 2, no worker."""
-    from harness import FAST, train
+    from harness import FAST, train_command
 
     path = _tiny_config_dir(tmp_path / "nanochat", "nanochat")
-    run = train(
+    run = train_command(
+        monkeypatch,
+        capfd,
         tmp_path / "run",
         *[o for o in FAST if not o.startswith("model=")],
         "model=hf",
         f"model.path={path}",
         "parallel.dp_shard=2",
         nproc=2,
-        check=False,
-        timeout=300,
     )
     assert run.returncode == 2, run.output[-3000:]
     assert (

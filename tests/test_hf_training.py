@@ -9,15 +9,13 @@ process group (``train_in_one_group``); the tests after them use the command.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers")
-from harness import FAST, train, train_in_one_group
+from harness import FAST, convert, train_command, train_in_one_group, train_job
 from hf_models import ARCHITECTURES, make_model
 from safetensors import safe_open
 
@@ -126,15 +124,6 @@ def test_training_parity_at_8_processes(layout, model_dirs, single_process, tmp_
 NO_UPDATE = ["optim.lr=1e-30", "optim.eps=1e30", "optim.weight_decay=0"]
 
 
-def _convert(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "composer3d.commands.convert", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -149,7 +138,7 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = make_model(tmp_path / "src", "qwen3", tie_word_embeddings=True)
-    frozen = train(
+    frozen = train_job(
         tmp_path / "frozen",
         *HF_FAST,
         f"model.path={source}",
@@ -160,14 +149,14 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
         nproc=2,
     )
     ckpt = frozen.run_dir / "checkpoints" / "step-00000001"
-    proc = _convert("export", ckpt, tmp_path / "same", "--dtype", "float32")
+    proc = convert("export", ckpt, tmp_path / "same", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     before, after = _tensors(source), _tensors(tmp_path / "same")
     assert set(before) == set(after)  # a tied head stays out, as transformers saves it
     for name in before:
         assert torch.equal(before[name], after[name]), name
 
-    trained = train(
+    trained = train_job(
         tmp_path / "trained",
         *HF_FAST,
         f"model.path={source}",
@@ -177,7 +166,7 @@ def test_load_then_export_is_identity_and_trained_export_loads(tmp_path):
         "parallel.tp=2",
         nproc=4,
     )
-    proc = _convert(
+    proc = convert(
         "export",
         trained.run_dir / "checkpoints" / "step-00000003",
         tmp_path / "out",
@@ -256,7 +245,7 @@ def test_mixture_of_experts_load_then_export_is_identity_and_trained_export_load
         assert torch.equal(param, trained_state[name]), name
 
 
-def test_bad_hf_inputs_fail_before_launch(tmp_path):
+def test_bad_hf_inputs_fail_before_launch(monkeypatch, capfd, tmp_path):
     good = make_model(tmp_path / "good", "llama")
     cases = []
     # No such directory
@@ -270,7 +259,7 @@ def test_bad_hf_inputs_fail_before_launch(tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     cases.append(([f"model.path={broken}"], "shape mismatches"))
     for overrides, needle in cases:
-        run = train(tmp_path / "run", *HF_FAST, *overrides, nproc=4, check=False, timeout=300)
+        run = train_command(monkeypatch, capfd, tmp_path / "run", *HF_FAST, *overrides, nproc=4)
         assert run.returncode != 0 and needle in run.output, (overrides, run.output[-3000:])
 
 
@@ -289,7 +278,7 @@ def test_bad_hf_inputs_fail_before_launch(tmp_path):
 def test_activation_checkpointing_and_compile_keep_the_curve(
     extra, model_dirs, single_process, tmp_path
 ):
-    run = train(
+    run = train_job(
         tmp_path,
         *HF_FAST,
         f"model.path={model_dirs['qwen3']}",
@@ -316,8 +305,8 @@ def test_from_scratch_init_is_transformers_scheme_and_layout_independent(model_d
         "checkpoint.enabled=true",
         *NO_UPDATE,
     ]
-    single = train(tmp_path / "one", *scratch)
-    sharded = train(
+    single = train_job(tmp_path / "one", *scratch)
+    sharded = train_job(
         tmp_path / "four",
         *scratch,
         "parallel.dp_shard=2",
@@ -372,9 +361,9 @@ def test_resume_under_another_layout(model_dirs, tmp_path):
         "checkpoint.enabled=true",
         "optim.schedule=constant",
     ]
-    straight = train(tmp_path / "straight", *common, "train.steps=5")
-    train(tmp_path / "resumed", *common, "train.steps=3", "parallel.dp_shard=2", nproc=2)
-    resumed = train(
+    straight = train_job(tmp_path / "straight", *common, "train.steps=5")
+    train_job(tmp_path / "resumed", *common, "train.steps=3", "parallel.dp_shard=2", nproc=2)
+    resumed = train_job(
         tmp_path / "resumed",
         *common,
         "train.steps=5",

@@ -258,6 +258,7 @@ def test_where_no_parent_death_signal_exists_a_watchdog_ends_the_orphan(tmp_path
     assert _all_gone([worker], 5), "an orphan outlived its parent by 5 s"
 
 
+@pytest.mark.accelerator
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's caching allocator setting")
 def test_cuda_allocator_grows_segments_in_place_unless_the_environment_or_the_config_says_otherwise():  # noqa: E501
     """memory.expandable_segments (the default): the device's segments are expandable, and the run

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn as nn
-from harness import FAST, train, train_in_one_group
+from harness import FAST, train, train_in_one_group, train_job
 
 STEPS = ["train.steps=6"]
 
@@ -15,7 +15,7 @@ STEPS = ["train.steps=6"]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return {
-        layers: train(
+        layers: train_job(
             tmp_path_factory.mktemp(f"ref{layers}"),
             *FAST,
             *STEPS,
@@ -262,7 +262,7 @@ def assert_effect_and_control(run, reference, switch, layout):
 )
 def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, nproc, layers):
     switch = [arg.format(tmp=tmp_path) for arg in switch]
-    run = train(
+    run = train_job(
         tmp_path / "run",
         *FAST,
         *STEPS,
@@ -305,7 +305,7 @@ def test_switch_keeps_the_reference_curve(tmp_path, reference, switch, layout, n
     ids=_id,
 )
 def test_lower_precision_stays_close(tmp_path, reference, switch, layout, nproc, tolerance):
-    run = train(tmp_path, *FAST, *STEPS, *switch, *layout, nproc=nproc, probe_effects=True)
+    run = train_job(tmp_path, *FAST, *STEPS, *switch, *layout, nproc=nproc, probe_effects=True)
     assert _max_diff(reference[2], run) < tolerance
     assert_effect_and_control(run, reference[2], switch, layout)
 
@@ -335,7 +335,7 @@ _SLOW = pytest.mark.slow
     ids=_id,
 )
 def test_switch_composes_with_tp_and_pp(tmp_path, reference, switch, layout, tolerance):
-    run = train(
+    run = train_job(
         tmp_path, *FAST, *STEPS, "model.n_layers=4", *switch, *layout, nproc=2, probe_effects=True
     )
     assert _max_diff(reference[4], run) < tolerance
@@ -454,7 +454,7 @@ ON_ACCELERATOR = [arg for arg in FAST if not arg.startswith("launch.device=")] +
 ]
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.accelerator
 def test_one_device_bf16_casts_once_eager_and_per_op_compiled_on_the_accelerator(tmp_path):
     """precision.cast=auto on one accelerator: params eager (cast_once's copies: bf16 weights and
     residual stream in the blocks, fp32 state, no FSDP), autocast compiled; both curves within
@@ -485,7 +485,7 @@ def test_one_device_bf16_casts_once_eager_and_per_op_compiled_on_the_accelerator
     assert len(resumed.losses) == 2 and abs(resumed.losses[-1] - per_op.losses[-1]) < 0.05
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.accelerator
 @pytest.mark.parametrize("mode", ["cpu", "optimizer"])
 def test_offload_on_the_accelerator(tmp_path, mode):
     """On an accelerator the offloaded model state is in host memory (offload=cpu: parameter shards,
@@ -552,7 +552,7 @@ def test_low_bit_optimizer_state_is_smaller_and_checkpoints(tmp_path):
 def test_fp16_overflow_skips_the_step_on_every_rank(tmp_path):
     # 2**40 overflows fp16 gradients: the first steps must be skipped and the scale halved, on both
     # ranks alike.
-    run = train(
+    run = train_job(
         tmp_path,
         *FAST,
         "train.steps=8",
@@ -612,7 +612,7 @@ def test_activation_checkpointing_with_zero_bubble_schedule_is_refused(tmp_path)
 
 
 def test_auto_precision_is_fp32_on_cpu(tmp_path):
-    run = train(tmp_path, *FAST, "train.steps=1")
+    run = train_job(tmp_path, *FAST, "train.steps=1")
     assert "param_dtype: float32" in (tmp_path / "config.yaml").read_text()
     # the resolved choice is recorded
     assert "cast: autocast" in (tmp_path / "config.yaml").read_text()
@@ -640,8 +640,10 @@ def test_auto_cast_is_params_only_for_an_eager_run_on_one_accelerator():
 
 def test_memory_breakdown_shows_activation_checkpointing_effect(tmp_path):
     args = [*FAST, "train.steps=2", "parallel.dp_shard=2", "logging.memory_breakdown=true"]
-    plain = train(tmp_path / "none", *args, nproc=2).run_info
-    full = train(tmp_path / "full", *args, "memory.activation_checkpointing=full", nproc=2).run_info
+    plain = train_job(tmp_path / "none", *args, nproc=2).run_info
+    full = train_job(
+        tmp_path / "full", *args, "memory.activation_checkpointing=full", nproc=2
+    ).run_info
     acts = (
         plain["memory_breakdown_bytes_per_rank"]["ACT"],
         full["memory_breakdown_bytes_per_rank"]["ACT"],

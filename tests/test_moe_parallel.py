@@ -7,7 +7,7 @@ gradients and state sharded over all data-parallel ranks, the experts' over the 
 same experts, and its checkpoint resumed under FSDP and the other way round."""
 
 import pytest
-from harness import FAST, TINY_MOE_EXPERT_PARAMS, train, train_in_one_group
+from harness import FAST, TINY_MOE_EXPERT_PARAMS, train_in_one_group, train_job
 
 MOE = ["model=tiny_moe", "train.steps=10", "logging.log_every=5"]
 ZERO1_EP = ["parallel.ep=2", "parallel.zero_stage=1"]
@@ -48,7 +48,7 @@ PROBED = ("ep2_fsdp2_tp2_sp", ["parallel.ep=2", "parallel.tp=2", "parallel.seque
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("moe_ref"), *FAST, *MOE)
+    return train_job(tmp_path_factory.mktemp("moe_ref"), *FAST, *MOE)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +74,7 @@ def layout_runs(tmp_path_factory):
             ]
         runs.update(zip(names, train_in_one_group(jobs, nproc=world, probe_effects=world == 4)))
     name, overrides = PROBED
-    runs[name] = train(root / name, *FAST, *MOE, *overrides, nproc=4, probe_effects=True)
+    runs[name] = train_job(root / name, *FAST, *MOE, *overrides, nproc=4, probe_effects=True)
     return runs
 
 

@@ -3,7 +3,7 @@ The reference runs through the command; the layouts through ``composer3d.command
 torchrun's workers run it."""
 
 import pytest
-from harness import FAST, train, train_in_one_group
+from harness import FAST, train_in_one_group, train_job
 
 STEPS = ["train.steps=10"]
 LAYOUTS = {
@@ -54,7 +54,7 @@ WORLD = {"tp2": 2, "tp2_sp": 2, "tp2_sp_ac_regather": 2, "tp2_sp_ac_keep_gathers
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref"), *FAST, *STEPS)
+    return train_job(tmp_path_factory.mktemp("ref"), *FAST, *STEPS)
 
 
 @pytest.fixture(scope="session")
@@ -153,7 +153,7 @@ def test_tied_embeddings_parity(tmp_path):
     """A head tied to the embedding stays one parameter under TP (vocab-sharded) and FSDP: same
     curve."""
     tied = ["model.tie_embeddings=true", "train.steps=6"]
-    ref = train(tmp_path / "ref", *FAST, *tied)
-    run = train(tmp_path / "tp", *FAST, *tied, *LAYOUTS["fsdp2_tp2_sp"], nproc=4)
+    ref = train_job(tmp_path / "ref", *FAST, *tied)
+    run = train_job(tmp_path / "tp", *FAST, *tied, *LAYOUTS["fsdp2_tp2_sp"], nproc=4)
     assert max(abs(a - b) for a, b in zip(ref.losses, run.losses)) < 1e-4, (ref.losses, run.losses)
     assert run.run_info["num_params"] == ref.run_info["num_params"]

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import FAST, assert_follows, spawn, train, train_in_one_group
+from harness import FAST, assert_follows, spawn, train_in_one_group, train_job
 from hf_models import make_model
 from hydra import compose, initialize_config_module
 
@@ -80,7 +80,7 @@ def qwen3(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("lora_ref"), *FAST, *LORA)
+    return train_job(tmp_path_factory.mktemp("lora_ref"), *FAST, *LORA)
 
 
 @pytest.fixture(scope="session")
@@ -165,7 +165,7 @@ def _assert_follows(reference, run, name):
 def test_hugging_face_lora_loads_the_pretrained_base_and_follows_one_process(tmp_path, qwen3, runs):
     """Qwen3 (q/k norms, GQA) with its pretrained weights under the adapters: the first step (B = 0)
     is the full model's own loss; TP 2 + SP follows the one-process curve."""
-    one = train(tmp_path / "one", *HF, f"model.path={qwen3}", *LORA)
+    one = train_job(tmp_path / "one", *HF, f"model.path={qwen3}", *LORA)
     sharded, full = runs["hf_lora_tp2_sp"], runs["hf_full_fsdp2"]
     assert abs(one.losses[0] - full.losses[0]) < 1e-5, (one.losses[0], full.losses[0])
     diffs = [abs(a - b) for a, b in zip(one.losses, sharded.losses)]
@@ -243,7 +243,7 @@ def test_lora_on_a_full_checkpoints_weights_starts_at_its_loss_and_resumes_from_
 
 
 def test_qlora_stores_the_base_in_nf4_and_follows_one_process_under_fsdp(tmp_path, runs):
-    one = train(tmp_path / "qlora", *FAST, *QLORA)
+    one = train_job(tmp_path / "qlora", *FAST, *QLORA)
     sharded = runs["qlora_fsdp2"]
     diffs = [abs(a - b) for a, b in zip(one.losses, sharded.losses)]
     assert len(one.losses) == 4 and max(diffs) < 1e-4, (one.losses, sharded.losses)
@@ -541,6 +541,6 @@ def test_compiled_lora_blocks_have_no_graph_break_and_train_as_eager():
 # compile and LoRA each train in the default run; here inductor compiles LoRA's blocks
 @pytest.mark.slow
 def test_lora_compiled_run_follows_eager(reference, tmp_path):
-    compiled = train(tmp_path / "compiled", *FAST, *LORA, "compile.enabled=true")
+    compiled = train_job(tmp_path / "compiled", *FAST, *LORA, "compile.enabled=true")
     diffs = [abs(a - b) for a, b in zip(reference.losses, compiled.losses)]
     assert len(compiled.losses) == 10 and max(diffs) < 1e-4, (reference.losses, compiled.losses)

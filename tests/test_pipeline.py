@@ -5,7 +5,7 @@ import itertools
 import random
 
 import pytest
-from harness import FAST, RunResult, train, train_in_one_group
+from harness import FAST, RunResult, train_command, train_in_one_group, train_job
 
 from composer3d.parallel.pipeline.stages import (
     SCHEDULES,
@@ -20,7 +20,7 @@ EIGHT_LAYERS = [*FAST, "model.n_layers=8", "train.steps=10"]
 
 @pytest.fixture(scope="module")
 def reference4(tmp_path_factory):
-    return train(tmp_path_factory.mktemp("ref4"), *FOUR_LAYERS)
+    return train_job(tmp_path_factory.mktemp("ref4"), *FOUR_LAYERS)
 
 
 def _assert_parity(reference, run):
@@ -92,8 +92,8 @@ def test_pp_composed_with_data_and_tensor_parallel(reference4, pipeline_runs, na
 
 
 def test_pp4_interleaved_two_stages_per_rank(tmp_path):
-    reference = train(tmp_path / "ref", *EIGHT_LAYERS, "train.global_batch_size=16")
-    run = train(
+    reference = train_job(tmp_path / "ref", *EIGHT_LAYERS, "train.global_batch_size=16")
+    run = train_job(
         tmp_path / "pp4",
         *EIGHT_LAYERS,
         "train.global_batch_size=16",
@@ -185,9 +185,9 @@ def test_schedule_requirements_are_known_before_launch():
         ),
     ],
 )
-def test_bad_pipeline_configs_fail_fast(tmp_path, overrides, key, fragment):
+def test_bad_pipeline_configs_fail_fast(monkeypatch, capfd, tmp_path, overrides, key, fragment):
     nproc = 4 if "parallel.pp=4" in overrides else 2
-    run = train(tmp_path, *FAST, *overrides, nproc=nproc, check=False, timeout=120)
+    run = train_command(monkeypatch, capfd, tmp_path, *FAST, *overrides, nproc=nproc)
     assert run.returncode == 2, run.output[-2000:]
     assert f"invalid configuration: {key}:" in run.output and fragment in run.output, run.output[
         -2000:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import FAST, train
+from harness import FAST, command_output, train
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf, open_dict
 from plan_measure import run_measurements
@@ -477,6 +477,7 @@ def test_readme_table_is_what_the_planner_predicts():
     assert table == {row: round(e.tflops_per_gpu, 1) for row, _, _, e in _published_rows()}
 
 
+@pytest.mark.cli  # the script runs composer3d-plan for each row
 def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
     """benchmarks/plan_published.py end to end on three of its rows (a smoke run: the whole script
     plans 40 layouts, minutes): a table row and two held-out ones, the mixture of experts among
@@ -622,7 +623,11 @@ def test_norm_kernel_adds_a_composite_norms_bytes_to_an_eager_step_only():
     assert got[True, "composite"].compute_s == got[True, "fused"].compute_s
 
 
-def _plan(*overrides: str) -> subprocess.CompletedProcess:
+def _plan(*overrides: str, cli: bool = False) -> subprocess.CompletedProcess:
+    """composer3d-plan ``overrides``: in this process (what it prints and its exit code), or with
+    ``cli`` as a user runs it (plan.measure's process group is its own)."""
+    if not cli:
+        return command_output("composer3d.commands.plan", *overrides)
     return subprocess.run(
         [sys.executable, "-m", "composer3d.commands.plan", *overrides],
         check=False,

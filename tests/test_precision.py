@@ -1,11 +1,11 @@
 """bf16 compute through FSDP's mixed-precision policy: trains, and stays near the fp32 curve."""
 
-from harness import FAST, train
+from harness import FAST, train_job
 
 
 def test_bf16_params_fp32_reduce_tracks_fp32(tmp_path):
-    fp32 = train(tmp_path / "fp32", *FAST, "train.steps=5", "parallel.dp_shard=2", nproc=2)
-    bf16 = train(
+    fp32 = train_job(tmp_path / "fp32", *FAST, "train.steps=5", "parallel.dp_shard=2", nproc=2)
+    bf16 = train_job(
         tmp_path / "bf16",
         *FAST,
         "train.steps=5",

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import FAST, spawn, train
+from harness import FAST, spawn, train_job
 from hydra import compose, initialize_config_module
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -198,7 +198,7 @@ def test_auto_compiles_the_step_where_every_parameter_is_on_the_accelerator(monk
     assert isinstance(build_optimizer(model, compose_cfg([]).optim)[0], CompiledAdamW)
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="needs an accelerator")
+@pytest.mark.accelerator
 def test_auto_builds_the_compiled_step_on_the_accelerator():
     model = _tiny_model().to(torch.accelerator.current_accelerator())
     assert isinstance(build_optimizer(model, compose_cfg([]).optim)[0], CompiledAdamW)
@@ -390,8 +390,8 @@ def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
 
 def test_single_device_checkpoint_resumes_under_fsdp_and_tp(tmp_path):
     args = [*FAST, "train.steps=8", "checkpoint.interval=4"]
-    single = train(tmp_path / "single", *args)
-    resumed = train(
+    single = train_job(tmp_path / "single", *args)
+    resumed = train_job(
         tmp_path / "fsdp_tp",
         *args,
         "parallel.dp_shard=2",
@@ -411,8 +411,8 @@ def test_metrics_are_read_back_once_per_window_with_the_same_values(tmp_path):
     """log_every=3 defers reading the loss to every third step (and the last), yet writes every
     step's line with the values a per-step read gives; TFLOP/s and, with a declared peak, MFU come
     with them."""
-    every_step = train(tmp_path / "each", *FAST, "train.steps=7")
-    windowed = train(
+    every_step = train_job(tmp_path / "each", *FAST, "train.steps=7")
+    windowed = train_job(
         tmp_path / "window",
         *FAST,
         "train.steps=7",
