@@ -1,5 +1,5 @@
-"""Command-line entry points on Hydra, with the exit codes the README promises, and the one skeleton
-a command's processes follow (``run_command``).
+"""Command-line entry points on Hydra, with the exit codes of docs/troubleshooting.md, and the one
+skeleton a command's processes follow (``run_command``).
 
 Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and
 exits 1 — the same code as a crash inside the run. A configuration the user typed wrong exits 2

@@ -82,9 +82,10 @@ def cast_head_in_backward(model: nn.Module) -> None:
 def auto_cast(
     accelerator: bool, world_size: int, compiled: bool, zero_stage: int, peft_method: str
 ) -> str:
-    """What ``precision.cast=auto`` resolves to, by measurement (H200, 1B Llama, seq 8192, selective
-    AC; README). Eager on one accelerator, params: 43.0k tok/s against autocast's 41.5k (one cast of
-    each weight a step instead of one per forward and recomputation, and none of each activation).
+    """What ``precision.cast=auto`` resolves to, by measurement (docs/performance.md: H200, 1B
+    Llama, seq 8192, selective AC). Eager on one accelerator, params: 43.0k tok/s against
+    autocast's 41.5k (one cast of each weight a step instead of one per forward and recomputation,
+    and none of each activation).
     Compiled, autocast: 48.3k against 47.5k and 2.1 GiB less (Inductor fuses the activations' casts,
     and FSDP's one-rank copies, which params ran through then, cost more than the weights' casts
     left; ``cast_once`` since leaves them out, not yet measured on a GPU). Where params cannot run,
