@@ -133,11 +133,16 @@ def command_output(module: str, *argv: str) -> subprocess.CompletedProcess:
     is Python's prints (composer3d-plan's table, its one-line refusals)."""
     import pytest
 
-    out, err = io.StringIO(), io.StringIO()
     with pytest.MonkeyPatch.context() as monkeypatch:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = run_command(monkeypatch, module, *argv)
-    return subprocess.CompletedProcess([module, *argv], code, out.getvalue(), err.getvalue())
+        return _printed([module, *argv], lambda: run_command(monkeypatch, module, *argv))
+
+
+def _printed(args: list, call) -> subprocess.CompletedProcess:
+    """``call()``'s exit code and what it printed to sys.stdout and sys.stderr, as a subprocess."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = call()
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def train_command(monkeypatch, capfd, run_dir: Path, *overrides: str, nproc: int = 1) -> RunResult:
@@ -173,15 +178,12 @@ def convert(
     else:
         from composer3d.commands.convert import main
 
-        out, err = io.StringIO(), io.StringIO()
         saved = os.umask(umask) if umask >= 0 else None
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = main([str(a) for a in args])
+            proc = _printed(list(args), lambda: main([str(a) for a in args]))
         finally:
             if saved is not None:
                 os.umask(saved)
-        proc = subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
     if check and proc.returncode != 0:
         raise AssertionError(
             f"composer3d-convert {args} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
