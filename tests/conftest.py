@@ -23,9 +23,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 TIERS = ("unit", "multiprocess", "cli")
 # harness's functions that start a composer3d command, and those that fork ranks
 STARTS_A_COMMAND = {"train", "start", "train_in_background"}
-STARTS_PROCESSES = {"spawn", "processes", "train_in_one_group", "train_job", "compiled_jobs"}
+STARTS_PROCESSES = {
+    "spawn",
+    "processes",
+    "train_in_one_group",
+    "train_job",
+    "compiled_jobs",
+    "command_job",
+}
 # a composer3d command: its console script or its module (python -m)
 COMMAND = re.compile(r"composer3d(-[a-z]+\b|\.commands\.[a-z]+|\.train\b)")
+# harness's functions that take a command's module and run it without its command line
+RUNS_A_MODULE = {"run_command", "command_output", "command_job"}
 
 
 def pytest_configure(config):
@@ -94,7 +103,7 @@ def _calls_of(function, module, seen=None) -> set[str]:
             found.add("processes")
         elif name == "convert" and any(k.arg == "cli" for k in node.keywords):
             found.add("command")
-        elif owner == "subprocess" or owner == "mp":
+        elif (owner == "subprocess" and attr != "CompletedProcess") or owner == "mp":
             found.add("processes")
         elif attr == "getfixturevalue" and module is not None:  # the fixtures it may ask for
             for named in ast.walk(node):
@@ -112,8 +121,9 @@ def _calls_of(function, module, seen=None) -> set[str]:
 
 
 def _strings(tree) -> list[str]:
-    """The string constants of ``tree``'s code (docstrings left out)."""
-    docstrings = {
+    """The string constants of ``tree``'s code (docstrings left out, and the modules handed to
+    harness's functions that run them in a process of the test's: RUNS_A_MODULE)."""
+    left_out = {
         id(node.body[0].value)
         for node in ast.walk(tree)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Module))
@@ -121,12 +131,19 @@ def _strings(tree) -> list[str]:
         and isinstance(node.body[0], ast.Expr)
         and isinstance(node.body[0].value, ast.Constant)
     }
+    left_out |= {
+        id(arg)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and getattr(node.func, "id", getattr(node.func, "attr", None)) in RUNS_A_MODULE
+        for arg in node.args
+    }
     return [
         node.value
         for node in ast.walk(tree)
         if isinstance(node, ast.Constant)
         and isinstance(node.value, str)
-        and id(node) not in docstrings
+        and id(node) not in left_out
     ]
 
 

@@ -317,18 +317,10 @@ def _train_jobs(
     from composer3d.config.registration import register_configs
     from composer3d.launch import distributed
 
-    os.environ.update(
-        OMP_NUM_THREADS="1",
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nproc),
-        MASTER_ADDR="127.0.0.1",
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
         for (run_dir, overrides), port in zip(jobs, ports):
-            os.environ["MASTER_PORT"] = str(port)
+            _rank_env(rank, nproc, port)
             # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the
             # same ranks and names compares equal to this job's: its cached outputs would carry that
             # mesh, whose process groups are gone ("Could not resolve the process group") unless
@@ -345,6 +337,66 @@ def _train_jobs(
             )
             resolve_model_config(cfg.model)
             run(cfg, distributed.job_env(), Path(run_dir))
+
+
+def _rank_env(rank: int, nproc: int, port: int) -> None:
+    """The environment torchrun gives a worker, its rendezvous store served by the test."""
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+
+
+def command_job(module: str, *overrides: str, nproc: int = 1) -> list[str]:
+    """What composer3d-eval or -generate (``module``) computes on ``nproc`` ranks, without the
+    command line: the ranks forked from the session's preloaded server (``processes``), each
+    settling the config as the command's workers do and running its ``run``. Returns what each rank
+    printed to stdout. For the numbers a command computes; its exit codes, its refusals before any
+    worker and the launcher are what the command-line tests test."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with tempfile.TemporaryDirectory() as out:
+        processes(_command_rank, nproc, nproc, module, list(overrides), store.port, out)
+        return [Path(out, f"rank{rank}.stdout").read_text() for rank in range(nproc)]
+
+
+def _command_rank(
+    rank: int, nproc: int, module: str, overrides: list[str], port: int, out: str
+) -> None:
+    import importlib
+
+    from hydra import compose, initialize_config_module
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import open_dict
+
+    from composer3d.config.registration import register_configs
+    from composer3d.launch import distributed
+
+    _rank_env(rank, nproc, port)
+    command = importlib.import_module(module)
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        cfg = compose(
+            "train",
+            overrides=[f"launch.nproc_per_node={nproc}", *overrides],
+            return_hydra_config=True,
+        )
+    # what Hydra's run gives the command: its overrides as typed (HydraConfig), the job's config
+    # without the hydra node
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    command._settle(cfg)
+    with open(Path(out, f"rank{rank}.stdout"), "w") as stdout, contextlib.redirect_stdout(stdout):
+        command.run(cfg, distributed.job_env())
 
 
 def compiled_jobs(
@@ -384,6 +436,9 @@ FORKSERVER_PRELOAD = [
     "torch.distributed.checkpoint",
     "transformers",
     "composer3d.commands.train",
+    "composer3d.commands.evaluate",
+    "composer3d.commands.generate",
+    "composer3d.evaluation.harness",  # lm-eval's (4 s a process)
     "harness",
 ]
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+from harness import FAST, command_job, command_output, convert, train_job
 from hf_models import make_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -34,7 +35,17 @@ def reference(model_dir, text: str) -> dict:
     return {"loss": loss, "tokens": n * (SEQ - 1)}
 
 
+EVAL = [
+    "launch.device=cpu",
+    f"train.seq_len={SEQ}",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "logging.progress_bar=false",
+]
+
+
 def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
+    """composer3d-eval as a user runs it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
         [
@@ -42,11 +53,7 @@ def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
             "-m",
             "composer3d.commands.evaluate",
             f"launch.nproc_per_node={nproc}",
-            "launch.device=cpu",
-            f"train.seq_len={SEQ}",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=8",
-            "logging.progress_bar=false",
+            *EVAL,
             *overrides,
         ],
         capture_output=True,
@@ -54,6 +61,15 @@ def run_eval(*overrides: str, nproc: int) -> subprocess.CompletedProcess:
         timeout=600,
         env=env,
     )
+
+
+def evaluated(*overrides: str, nproc: int) -> dict:
+    """What composer3d-eval computes on ``nproc`` ranks (``harness.command_job``): rank 0's one
+    JSON line; the other ranks print nothing."""
+    printed = command_job("composer3d.commands.evaluate", *EVAL, *overrides, nproc=nproc)
+    lines = [line for line in printed[0].splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and not any(out.strip() for out in printed[1:]), printed
+    return json.loads(lines[0])
 
 
 @pytest.mark.parametrize(
@@ -71,17 +87,14 @@ def test_eval_matches_transformers(nproc, layout, tmp_path):
         + "A tail that does not fill a window"
     )
     (tmp_path / "valid.txt").write_text(text)
-    proc = run_eval(
+    got = evaluated(
         "model=hf",
         f"model.path={model_dir}",
         f"eval.path={tmp_path / 'valid.txt'}",
         *layout,
         nproc=nproc,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout
-    got, want = json.loads(lines[0]), reference(model_dir, text)
+    want = reference(model_dir, text)
     assert got["tokens"] == want["tokens"]
     assert abs(got["loss"] - want["loss"]) < 1e-5, (got, want)
     assert abs(got["perplexity"] - torch.tensor(want["loss"]).exp().item()) < 1e-3
@@ -90,8 +103,13 @@ def test_eval_matches_transformers(nproc, layout, tmp_path):
 def test_eval_file_too_short_is_a_config_error(tmp_path):
     model_dir = make_model(tmp_path / "model", "llama")
     (tmp_path / "short.txt").write_text("too short")
-    proc = run_eval(
-        "model=hf", f"model.path={model_dir}", f"eval.path={tmp_path / 'short.txt'}", nproc=2
+    proc = command_output(
+        "composer3d.commands.evaluate",
+        *EVAL,
+        "model=hf",
+        f"model.path={model_dir}",
+        f"eval.path={tmp_path / 'short.txt'}",
+        "launch.nproc_per_node=2",
     )
     assert (
         proc.returncode == 2
@@ -101,13 +119,11 @@ def test_eval_file_too_short_is_a_config_error(tmp_path):
 
 
 def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
-    from harness import FAST, train
-
     valid = tmp_path / "valid.txt"
     valid.write_text("def f(x):\n    return x + 1\n" * 60)
     # A model other than model=tiny's default shape: composer3d-eval must take it from the
     # checkpoint.
-    run = train(
+    run = train_job(
         tmp_path / "run",
         *FAST,
         "model.n_layers=1",
@@ -157,12 +173,11 @@ def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
 
 
 def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_path):
-    from harness import FAST, train
-
+    """composer3d-eval's command line on 2 workers (TP), over a Hugging Face model's checkpoint."""
     model_dir = make_model(tmp_path / "model", "mistral")
     text = "def add(a, b):\n    return a + b\n" * 80
     (tmp_path / "valid.txt").write_text(text)
-    run = train(
+    run = train_job(
         tmp_path / "run",
         *[o for o in FAST if not o.startswith("model=")],
         "model=hf",
@@ -175,22 +190,7 @@ def test_eval_of_a_trained_checkpoint_matches_transformers_on_its_export(tmp_pat
         nproc=2,
     )
     step = run.run_dir / "checkpoints" / "step-00000003"
-    export = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "composer3d.commands.convert",
-            "export",
-            str(step),
-            str(tmp_path / "out"),
-            "--dtype",
-            "float32",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert export.returncode == 0, export.stderr
+    convert("export", step, tmp_path / "out", "--dtype", "float32")
     proc = run_eval(
         "model=hf",
         f"model.path={model_dir}",

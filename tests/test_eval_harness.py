@@ -10,8 +10,9 @@ import pytest
 
 pytest.importorskip("transformers")
 pytest.importorskip("lm_eval")
+from harness import command_output
 from hf_models import make_model
-from test_eval import run_eval
+from test_eval import EVAL, evaluated
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 SEQ = 32  # test_eval's window: long texts take several rolling windows
@@ -121,7 +122,7 @@ def _metrics(results: dict) -> dict:
 )
 def test_tasks_score_as_lm_eval_scores_transformers(model_and_tasks, nproc, layout, tasks):
     model_dir, tasks_dir, (want, _) = model_and_tasks
-    proc = run_eval(
+    got = evaluated(
         "model=hf",
         f"model.path={model_dir}",
         f"eval.tasks=[{','.join(tasks)}]",
@@ -130,10 +131,6 @@ def test_tasks_score_as_lm_eval_scores_transformers(model_and_tasks, nproc, layo
         *layout,
         nproc=nproc,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1, proc.stdout
-    got = json.loads(lines[0])
     assert got["n_samples"]["c3d_choice"]["effective"] == len(QUESTIONS)
     got, want = _metrics(got["results"]), {k: v for k, v in _metrics(want).items() if k[0] in tasks}
     assert set(got) == set(want) and len(got) == 7 + (GENERATION in tasks), (
@@ -154,7 +151,7 @@ def test_generation_continues_each_prompt_as_transformers_generate_does(model_an
     model_dir, tasks_dir, (_, want) = model_and_tasks
     assert len(want) == len(TEXTS) and any(text for text in want), want
     samples = tmp_path / "samples.jsonl"
-    proc = run_eval(
+    evaluated(
         "model=hf",
         f"model.path={model_dir}",
         f"eval.tasks=[{GENERATION}]",
@@ -163,7 +160,6 @@ def test_generation_continues_each_prompt_as_transformers_generate_does(model_an
         f"eval.samples_path={samples}",
         nproc=1,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
     records = sorted(
         (json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"]
     )
@@ -178,13 +174,15 @@ def test_generation_and_unknown_tasks_are_refused_before_workers(model_and_tasks
     from composer3d.evaluation.harness import check_tasks
 
     model_dir, tasks_dir, _ = model_and_tasks
-    proc = run_eval(
+    proc = command_output(
+        "composer3d.commands.evaluate",
+        *EVAL,
         "model=hf",
         f"model.path={model_dir}",
         f"eval.task_paths=[{tasks_dir}]",
         "eval.tasks=[c3d_generate]",
         "parallel.dp_shard=2",
-        nproc=2,
+        "launch.nproc_per_node=2",
     )
     refusal = (
         "eval.tasks: c3d_generate is a generation task (generate_until), and generation runs on "

@@ -21,7 +21,7 @@ from composer3d.models import build_model
 from composer3d.models.init import materialize
 
 transformers = pytest.importorskip("transformers")
-from harness import FAST, convert, run_command, train_job
+from harness import FAST, command_job, convert, run_command, train_job
 from hf_models import make_model
 
 PROMPT = "def main("
@@ -52,8 +52,24 @@ def generate(*overrides: str, nproc: int = 1, check: bool = True) -> subprocess.
     return proc
 
 
-def generated(*overrides: str, nproc: int = 1) -> dict:
-    lines = generate(*overrides, nproc=nproc).stdout.strip().splitlines()
+def printed(*overrides: str, nproc: int = 1, cli: bool = False) -> list[str]:
+    """The lines composer3d-generate prints (rank 0's; the other ranks print nothing): with ``cli``
+    as a user runs it (``generate``), else what its ranks compute (``harness.command_job``)."""
+    if cli:
+        return generate(*overrides, nproc=nproc).stdout.strip().splitlines()
+    outs = command_job(
+        "composer3d.commands.generate",
+        "launch.device=cpu",
+        "generate.output=json",
+        *overrides,
+        nproc=nproc,
+    )
+    assert not any(out.strip() for out in outs[1:]), outs
+    return outs[0].strip().splitlines()
+
+
+def generated(*overrides: str, nproc: int = 1, cli: bool = False) -> dict:
+    lines = printed(*overrides, nproc=nproc, cli=cli)
     assert len(lines) == 1, f"one JSON line expected on stdout (rank 0's), got {lines}"
     return json.loads(lines[0])
 
@@ -297,8 +313,10 @@ def test_native_checkpoint_generates_what_transformers_generates_from_its_export
         "generate.max_new_tokens=24",
     ]
     sampling = ["generate.temperature=1.0", "generate.top_p=0.95", "generate.seed=3"]
+    # the command line: its launcher, its workers, rank 0's lines on stdout
     assert (
-        generated(*common, "parallel.tp=2", nproc=2)["completion_ids"] == greedy["completion_ids"]
+        generated(*common, "parallel.tp=2", nproc=2, cli=True)["completion_ids"]
+        == greedy["completion_ids"]
     )
     sampled = generated(*common, *sampling)
     assert sampled["completion_ids"] != greedy["completion_ids"]  # the switch took effect
@@ -316,17 +334,13 @@ def hf_generated_as_transformers_generates(path: Path, *overrides: str, nproc: i
     default (its special tokens added, as transformers' pipelines do), continued with transformers'
     own greedy tokens, stopped at its eos or the limit."""
     prompts = ",".join(f"'{text}'" for text in HF_PROMPTS)
-    out = (
-        generate(
-            "model=hf",
-            f"model.path={path}",
-            f"generate.prompts=[{prompts}]",
-            "generate.max_new_tokens=16",
-            *overrides,
-            nproc=nproc,
-        )
-        .stdout.strip()
-        .splitlines()
+    out = printed(
+        "model=hf",
+        f"model.path={path}",
+        f"generate.prompts=[{prompts}]",
+        "generate.max_new_tokens=16",
+        *overrides,
+        nproc=nproc,
     )
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     assert len(out) == len(HF_PROMPTS), out

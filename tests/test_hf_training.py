@@ -1,7 +1,7 @@
 """model=hf through the CLI: training parity across layouts, export round trips, clear errors.
 
-Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP,
-FSDP×TP+SP, PP×FSDP, and (``pytest -m slow``) PP×FSDP×TP+SP on 8 processes, and must follow the
+Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP×TP+SP,
+PP×FSDP, and (``pytest -m slow``) FSDP alone and PP×FSDP×TP+SP on 8 processes, and must follow the
 single-process curve within 1e-4 (fp32, deterministic). The parity runs of a layout share one
 process group (``train_in_one_group``); the tests after them use the command.
 """
@@ -31,6 +31,7 @@ HF_FAST = [o for o in FAST if not o.startswith("model=")] + [
     "checkpoint.enabled=false",
 ]
 LAYOUTS = {  # name: (processes, overrides)
+    # FSDP alone: slow, as each architecture trains under FSDP in the two layouts below
     "fsdp2": (2, ["parallel.dp_shard=2"]),
     "fsdp2_tp2_sp": (
         4,
@@ -51,7 +52,7 @@ LAYOUTS = {  # name: (processes, overrides)
         ],
     ),
 }
-SLOW = {"pp2_fsdp2_tp2_sp"}
+SLOW = {"fsdp2", "pp2_fsdp2_tp2_sp"}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +114,7 @@ def test_training_parity(layout, model_dirs, single_process, layout_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(SLOW))
-def test_training_parity_at_8_processes(layout, model_dirs, single_process, tmp_path):
+def test_training_parity_of_the_slow_layouts(layout, model_dirs, single_process, tmp_path):
     runs = train_in_one_group(_jobs(tmp_path, layout, model_dirs), nproc=LAYOUTS[layout][0])
     for arch, run in zip(model_dirs, runs):
         _assert_parity(arch, layout, run.losses, single_process[arch])
