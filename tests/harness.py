@@ -440,6 +440,7 @@ FORKSERVER_PRELOAD = [
     "composer3d.commands.generate",
     "composer3d.evaluation.harness",  # lm-eval's (4 s a process)
     "harness",
+    "preloaded",  # last: freezes what the imports above created
 ]
 
 
@@ -458,16 +459,23 @@ def processes(fn, nprocs: int, *args) -> None:
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
-    # OpenMP reads OMP_NUM_THREADS when torch loads, which is in the server: one thread per worker
-    # from there on.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    server_env = {
+        # OpenMP reads OMP_NUM_THREADS when torch loads, which is in the server: one thread per
+        # worker from there on.
+        "OMP_NUM_THREADS": "1",
+        # the tests' own modules preloaded too: Python 3.11's server ignores the sys.path it is
+        # handed, and a preload it cannot import is skipped without a word
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    saved = {key: os.environ.get(key) for key in server_env}
+    os.environ.update(server_env)
     try:
         forkserver.ensure_running()
     finally:
-        os.environ.pop("OMP_NUM_THREADS") if saved is None else os.environ.update(
-            OMP_NUM_THREADS=saved
-        )
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.update({key: value})
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 

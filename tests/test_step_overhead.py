@@ -388,6 +388,27 @@ def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
             assert sum(c["in_step"] for c in collections) > 10, collections
 
 
+def test_training_freezes_its_setup_and_leaves_a_callers_freeze_frozen():
+    """The setup is frozen while training (the step collections skip it) and thawed after; a heap
+    the process froze itself before training (a server that forks its workers) stays frozen."""
+    import gc
+
+    from composer3d.training.garbage import StepGarbageCollection
+
+    gc.unfreeze()
+    try:
+        with StepGarbageCollection(every=1):
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        with StepGarbageCollection(every=1):
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_single_device_checkpoint_resumes_under_fsdp_and_tp(tmp_path):
     args = [*FAST, "train.steps=8", "checkpoint.interval=4"]
     single = train_job(tmp_path / "single", *args)

@@ -6,7 +6,9 @@ torch (and often transformers) takes 0.1–0.2 s, and every rank waiting on that
 collective or pipeline receive waits as long. While training, the automatic collector is off; it
 collects on every rank alike at every ``every``-th step boundary, after freezing what existed when
 training started (modules, the model, the optimizer) so that those collections only scan what
-training created since.
+training created since. A process that froze its heap itself (a server that forks workers, as the
+gc module's documentation advises) keeps it frozen: that freeze is its, and undoing it would make
+every later full collection of each forked worker walk, and copy, the server's whole heap.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ class StepGarbageCollection:
             self._was_enabled = gc.isenabled()
             gc.disable()
             gc.collect()
-            gc.freeze()
+            self._freezes = not gc.get_freeze_count()
+            if self._freezes:
+                gc.freeze()
         return self
 
     def after_step(self, step: int) -> None:
@@ -37,6 +41,7 @@ class StepGarbageCollection:
 
     def __exit__(self, *exc) -> None:
         if self.every:
-            gc.unfreeze()
+            if self._freezes:
+                gc.unfreeze()
             if self._was_enabled:
                 gc.enable()
