@@ -440,3 +440,19 @@ def test_refusals_before_any_worker_starts(monkeypatch, capfd, native_run, nproc
     lines = [line for line in err.splitlines() if line.startswith("composer3d-generate: invalid")]
     assert len(lines) == 1 and f": {key}:" in lines[0], err[-3000:]
     assert "failed first" not in err and not out.strip()
+
+
+def test_without_weights_the_refusal_names_generate(monkeypatch, capfd):
+    """No checkpoint and a model with no weights of its own: generate, not eval, is what refuses."""
+    capfd.readouterr()
+    code = run_command(
+        monkeypatch, "composer3d.commands.generate", "launch.device=cpu", "generate.prompt=hello"
+    )
+    out, err = capfd.readouterr()
+    assert code == 2, err[-3000:]
+    assert err.strip().splitlines() == [
+        "composer3d-generate: invalid configuration: checkpoint.resume: model=llama has no weights "
+        "of its own here, so composer3d-generate would generate from a random initialization. "
+        "Give checkpoint.resume=<run>/checkpoints/step-N, or model=hf model.path=<dir> with "
+        "model.pretrained=true"
+    ], err

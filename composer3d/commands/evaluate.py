@@ -51,10 +51,10 @@ from composer3d.training import console
 from composer3d.training.trainer import Trainer
 
 
-def check_weights_source(cfg: DictConfig) -> None:
-    """The weights to evaluate: a checkpoint (checkpoint.resume) or the model's own (model=hf's
-    model.path). A random initialization measures nothing, so it is refused rather than reported as
-    a loss."""
+def check_weights_source(cfg: DictConfig, command: str = "composer3d-eval would evaluate") -> None:
+    """The weights to evaluate (or, ``command``, generate from): a checkpoint (checkpoint.resume) or
+    the model's own (model=hf's model.path). A random initialization measures nothing, so it is
+    refused rather than reported as a loss."""
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none"):
         if not (Path(resume) / META_FILE).is_file():
@@ -67,7 +67,7 @@ def check_weights_source(cfg: DictConfig) -> None:
     if MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model) is None:
         raise ConfigError(
             f"checkpoint.resume: model={cfg.model.name} has no weights of its own here, so "
-            "composer3d-eval would evaluate a random initialization. Give checkpoint.resume=<run>/"
+            f"{command} a random initialization. Give checkpoint.resume=<run>/"
             "checkpoints/step-N, or model=hf model.path=<dir> with model.pretrained=true"
         )
 

@@ -222,7 +222,7 @@ def _settle(cfg: DictConfig) -> None:
 
 def _check(cfg: DictConfig) -> None:
     layout = validate(cfg, cfg.launch.nproc_per_node)
-    check_weights_source(cfg)
+    check_weights_source(cfg, "composer3d-generate would generate from")
     check_generation(
         cfg, layout, encode_prompts(build_tokenizer(cfg.data, cfg.model), cfg.generate)
     )
