@@ -335,9 +335,9 @@ def test_export_refuses_a_directory_that_is_not_a_checkpoint(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "notes.txt").write_text("hello")
     proc = convert("export", tmp_path / "run", tmp_path / "hf", check=False, cli=True)
-    assert proc.returncode != 0
+    assert proc.returncode == 2, proc.stderr  # bad input, as every command's
     assert "is not a composer3d checkpoint" in proc.stderr and "composer3d.json" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "hf").exists()
 
 
@@ -347,7 +347,7 @@ def test_import_refuses_a_model_that_is_not_llama(tmp_path):
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64})
     )
     proc = convert("import", tmp_path / "hf", tmp_path / "ckpt", check=False)
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "'gpt2'" in proc.stderr and "only Llama" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "ckpt" / META_FILE).exists()
@@ -468,7 +468,7 @@ def test_mixture_of_experts_checkpoint_of_an_expert_parallel_run_exports_as_mixt
     )
     save_checkpoint(tmp_path / "shared", random_native(model_cfg), model_cfg, model_only=True)
     refused = convert("export", tmp_path / "shared", tmp_path / "out", check=False)
-    assert refused.returncode != 0
+    assert refused.returncode == 2
     for key in (
         "model.moe.shared_experts=1",
         "model.moe.dense_layers=1",
@@ -482,5 +482,5 @@ def test_mixture_of_experts_checkpoint_of_an_expert_parallel_run_exports_as_mixt
     save_checkpoint(tmp_path / "biased", biased, cfg, model_only=True)
     refused = convert("export", tmp_path / "biased", tmp_path / "out2", check=False)
     assert (
-        refused.returncode != 0 and "layer 1's routing bias" in refused.stderr + refused.stdout
+        refused.returncode == 2 and "layer 1's routing bias" in refused.stderr + refused.stdout
     ), refused.stderr

@@ -104,8 +104,9 @@ def main(argv: list[str] | None = None) -> int:
                 + " ".join(shlex.quote(o) for o in hydra_overrides(fields, args.out.resolve()))
             )
     except ConvertError as error:
+        # bad input, as argparse's own errors and every other command's refusals: exit code 2
         print(f"composer3d-convert {args.command}: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     return 0
 
 
