@@ -5,7 +5,7 @@ is refused."""
 
 import json
 
-from harness import FAST, train, train_job
+from harness import FAST, train, train_in_one_group, train_job
 
 DIVERGING = [
     "optim.lr=1e6",
@@ -133,6 +133,25 @@ def test_changed_learning_rate_on_resume_applies_from_the_next_step(tmp_path):
     )
     assert [m["lr"] for m in resumed.metrics] == [m["lr"] for m in lower.metrics][3:]
     assert "lr 0.0003 -> 0.0001" in _log(resumed) and "from step 4 on" in _log(resumed)
+
+
+def test_a_longer_schedule_on_resume_applies_from_the_first_resumed_step(tmp_path):
+    """train.steps raised on resume: the first resumed step already runs at the longer schedule's
+    rate (not the checkpoint's, computed for the shorter one), and the log says so."""
+    args = [*FAST, "train.steps=6", "checkpoint.interval=3", "optim.warmup_steps=2"]
+    base, longer = train_in_one_group(
+        [(tmp_path / "base", args), (tmp_path / "longer", [*args, "train.steps=12"])], nproc=1
+    )
+    resumed = train_job(
+        tmp_path / "resumed",
+        *args,
+        "train.steps=12",
+        f"checkpoint.resume={base.run_dir / 'checkpoints' / 'step-00000003'}",
+    )
+    lrs = [m["lr"] for m in longer.metrics]
+    assert [m["lr"] for m in base.metrics][3] != lrs[3], "the two schedules differ at step 4"
+    assert [m["lr"] for m in resumed.metrics] == lrs[3:]
+    assert "lr at step 4" in _log(resumed) and "this run's schedule" in _log(resumed)
 
 
 def test_a_checkpoint_past_train_steps_is_refused(tmp_path):

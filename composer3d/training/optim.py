@@ -167,9 +167,10 @@ def restore_configured_settings(
     optimizer: torch.optim.Optimizer, scheduler, settings: list[dict]
 ) -> list[str]:
     """Put the config's hyperparameters back after a checkpoint load restored the saved ones;
-    returns what the checkpoint had otherwise ("lr 0.0003 -> 0.0001"). A changed base learning rate
-    also changes the current one (the config's schedule at the current step), so the run continues
-    as its config.yaml says."""
+    returns what the checkpoint had otherwise ("lr 0.0003 -> 0.0001"). The current learning rate is
+    the config's schedule at the current step (the checkpoint's is its own schedule's: another base
+    rate, train.steps, warmup or decay), so the first resumed step already runs as config.yaml
+    says."""
     changed = []
     for i, (group, wanted) in enumerate(zip(optimizer.param_groups, settings)):
         for key, value in wanted.items():
@@ -181,17 +182,23 @@ def restore_configured_settings(
             if key != "initial_lr":
                 group[key] = value
                 continue
-            base = scheduler.base_lrs[
-                i
-            ]  # torchao's optimizers keep learning rates as tensors: keep the type
+            base = scheduler.base_lrs[i]
+            # torchao's optimizers keep learning rates as tensors: keep the type
             scheduler.base_lrs[i] = torch.tensor(value) if isinstance(base, torch.Tensor) else value
             group["initial_lr"] = scheduler.base_lrs[i]
-            lr = value * scheduler.lr_lambdas[i](scheduler.last_epoch)
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-            scheduler._last_lr[i] = group["lr"]
+        # as LambdaLR computes it, so an unchanged schedule gives the saved value bit for bit
+        lr = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        # a changed base rate, already named, explains the current rate's change
+        if _plain(group["lr"]) != _plain(lr) and not any(c.startswith("lr ") for c in changed):
+            changed.append(
+                f"lr at step {scheduler.last_epoch + 1} {_plain(group['lr']):.4g} -> "
+                f"{_plain(lr):.4g} (this run's schedule)"
+            )
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+        scheduler._last_lr[i] = group["lr"]
     return sorted(set(changed))
 
 
