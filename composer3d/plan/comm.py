@@ -301,17 +301,23 @@ def collectives(
 
 def _stride(c: Candidate, dim: str) -> int:
     """Distance in ranks between neighbours of ``dim`` (mesh order pp, dp_replicate,
-    dp_shard_mod_ep, ep, cp, tp; routed experts are sharded over dp_shard_mod_ep)."""
-    return {
-        "tp": 1,
-        "cp": c.tp,
-        "ep": c.tp * c.cp,
-        "dp_shard": c.tp,
-        "dp": c.tp * c.cp,
-        "expert_dp": c.tp * c.cp * c.ep,
-        "dp_replicate": c.tp * c.cp * c.dp_shard,
-        "pp": c.tp * c.cp * c.dp,
-    }[dim]
+    dp_shard_mod_ep, ep, cp, tp; routed experts are sharded over dp_shard_mod_ep). Only the asked
+    product is computed: the search calls this some 20 times for each of tens of thousands of
+    layouts."""
+    layout = c.layout
+    if dim == "tp":
+        return 1
+    if dim in ("cp", "dp_shard"):
+        return layout.tp
+    if dim in ("ep", "dp"):
+        return layout.tp * layout.cp
+    if dim == "expert_dp":
+        return layout.tp * layout.cp * layout.ep
+    if dim == "dp_replicate":
+        return layout.tp * layout.cp * layout.dp_shard
+    if dim == "pp":
+        return layout.tp * layout.cp * layout.dp
+    raise KeyError(dim)
 
 
 def members_on_node(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> int:
