@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,8 +359,6 @@ def command_job(module: str, *overrides: str, nproc: int = 1) -> list[str]:
     settling the config as the command's workers do and running its ``run``. Returns what each rank
     printed to stdout. For the numbers a command computes; its exit codes, its refusals before any
     worker and the launcher are what the command-line tests test."""
-    import tempfile
-
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -468,6 +467,11 @@ def processes(fn, nprocs: int, *args) -> None:
         "PYTHONPATH": os.pathsep.join(
             filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
         ),
+        # the workers read local files only, and keep datasets' cache out of the home directory
+        # (what the server's environment is, every worker's is: the test's own is not passed on)
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(Path(tempfile.gettempdir(), "composer3d-tests-datasets")),
     }
     saved = {key: os.environ.get(key) for key in server_env}
     os.environ.update(server_env)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from harness import train
+from harness import train, train_command
 from omegaconf import OmegaConf
 
 from composer3d.data import (
@@ -399,10 +399,16 @@ def big_vocab_dir(tmp_path_factory):
     return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("wordlevel"))
 
 
-def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_vocab_dir, corpus):
+def test_cli_refuses_tokenizer_larger_than_model_vocab(
+    monkeypatch, capfd, tmp_path, hf_cache, big_vocab_dir, corpus
+):
     # Two workers asked for: the launcher checks the data sources first and starts none (exit 2, one
-    # message).
-    run = train(
+    # message). In this process up to where the command would start workers (which fails the test).
+    for key, value in hf_cache.items():
+        monkeypatch.setenv(key, value)
+    run = train_command(
+        monkeypatch,
+        capfd,
         tmp_path / "run",
         "data=text_files",
         f"data.paths=['{corpus / 'docs.jsonl'}']",
@@ -410,9 +416,6 @@ def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_v
         "logging.progress_bar=false",
         "launch.device=cpu",
         nproc=2,
-        check=False,
-        env=hf_cache,
-        timeout=60,
     )
     assert run.returncode == 2, run.output
     assert run.output.count("invalid configuration") == 1, run.output
@@ -424,18 +427,19 @@ def test_cli_refuses_tokenizer_larger_than_model_vocab(tmp_path, hf_cache, big_v
     assert run.seconds < 60
 
 
-def test_cli_refuses_path_matching_no_file(tmp_path, hf_cache, corpus):
+def test_cli_refuses_path_matching_no_file(monkeypatch, capfd, tmp_path, hf_cache, corpus):
     missing = corpus / "no_such_dir" / "*.jsonl"
-    run = train(
+    for key, value in hf_cache.items():
+        monkeypatch.setenv(key, value)
+    run = train_command(
+        monkeypatch,
+        capfd,
         tmp_path / "run",
         "data=text_files",
         f"data.paths=['{missing}']",
         "logging.progress_bar=false",
         "launch.device=cpu",
         nproc=2,
-        check=False,
-        env=hf_cache,
-        timeout=60,
     )
     assert run.returncode == 2, run.output
     assert f"invalid configuration: data.paths: '{missing}' matches no file" in run.output, (

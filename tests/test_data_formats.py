@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from harness import FAST, spawn, train, train_in_one_group
+from harness import FAST, spawn, train_in_one_group, train_job
 from hf_models import make_model, make_tokenizer
 from omegaconf import OmegaConf
 
@@ -531,7 +531,7 @@ DOCUMENT_LAYOUTS = {
 }
 
 
-def test_document_masking_loss_parity_fsdp_tp_sp_pp(tmp_path, hf_cache, short_docs, monkeypatch):
+def test_document_masking_loss_parity_fsdp_tp_sp_pp(tmp_path, hf_cache, short_docs):
     """The native llama attends within documents under every layout: a layout where a document saw
     the one before it would leave the single-process curve by about 1e-3 from the first step."""
     data = [
@@ -541,9 +541,7 @@ def test_document_masking_loss_parity_fsdp_tp_sp_pp(tmp_path, hf_cache, short_do
         "optim.warmup_steps=2",
         "checkpoint.enabled=false",
     ]
-    ref = train(tmp_path / "ref", *FAST, *data, env=hf_cache, timeout=300)
-    for key, value in hf_cache.items():  # the group's processes inherit this environment
-        monkeypatch.setenv(key, value)
+    ref = train_job(tmp_path / "ref", *FAST, *data)
     runs = train_in_one_group(
         [(tmp_path / name, [*FAST, *data, *layout]) for name, layout in DOCUMENT_LAYOUTS.items()],
         nproc=4,
@@ -589,10 +587,8 @@ def test_chat_sft_on_hf_model_uses_its_tokenizer_with_parity(tmp_path, hf_cache)
         "optim.warmup_steps=1",
         "checkpoint.enabled=false",
     ]
-    ref = train(tmp_path / "ref", *common, env=hf_cache, timeout=300)
-    run = train(
-        tmp_path / "fsdp2", *common, "parallel.dp_shard=2", nproc=2, env=hf_cache, timeout=300
-    )
+    ref = train_job(tmp_path / "ref", *common)
+    run = train_job(tmp_path / "fsdp2", *common, "parallel.dp_shard=2", nproc=2)
     assert len(ref.losses) == len(run.losses) == 4, ref.output[-3000:]
     assert max(abs(a - b) for a, b in zip(ref.losses, run.losses)) < 1e-4, (ref.losses, run.losses)
     assert all(math.isfinite(x) and x > 0 for x in ref.losses)

@@ -3,7 +3,9 @@
 Each architecture trains 10 steps from its pretrained (random, saved) weights under FSDP×TP+SP,
 PP×FSDP, and (``pytest -m slow``) FSDP alone and PP×FSDP×TP+SP on 8 processes, and must follow the
 single-process curve within 1e-4 (fp32, deterministic). The parity runs of a layout share one
-process group (``train_in_one_group``); the tests after them use the command.
+process group (``train_in_one_group``); the tests after them use the command. Under PP×FSDP the
+default run trains the architectures whose pipeline stages differ (``DEFAULT_ARCHITECTURES``), the
+slow one the rest.
 """
 
 from __future__ import annotations
@@ -52,7 +54,21 @@ LAYOUTS = {  # name: (processes, overrides)
         ],
     ),
 }
-SLOW = {"fsdp2", "pp2_fsdp2_tp2_sp"}
+# What the default run trains under each of its layouts: every architecture under FSDP × TP + SP
+# (each one's tensor-parallel plan); under PP × FSDP, beside Llama, those whose stages differ from
+# its (Gemma 2's scaled embeddings and capped logits in the first and last stage, Gemma 3's rotary
+# embeddings per layer type in every stage). Every architecture's PP × FSDP forward is checked
+# against transformers' logits in the default run too (test_hf_models); the others train under
+# PP × FSDP in the slow run.
+DEFAULT_ARCHITECTURES = {
+    "fsdp2_tp2_sp": list(ARCHITECTURES),
+    "pp2_fsdp2": ["llama", "gemma2", "gemma3_text"],
+}
+# layout -> the architectures the slow run trains under it
+SLOW_CASES = {
+    name: [arch for arch in ARCHITECTURES if arch not in DEFAULT_ARCHITECTURES.get(name, [])]
+    for name in LAYOUTS
+}
 
 
 @pytest.fixture(scope="module")
@@ -75,27 +91,34 @@ def single_process(model_dirs, tmp_path_factory) -> dict[str, list[float]]:
     return curves
 
 
-def _jobs(root: Path, layout: str, model_dirs: dict[str, Path]) -> list[tuple[Path, list[str]]]:
+def _jobs(
+    root: Path, layout: str, model_dirs: dict[str, Path], archs: list[str]
+) -> list[tuple[Path, list[str]]]:
     return [
-        (root / layout / arch, [*HF_FAST, f"model.path={path}", *LAYOUTS[layout][1]])
-        for arch, path in model_dirs.items()
+        (root / layout / arch, [*HF_FAST, f"model.path={model_dirs[arch]}", *LAYOUTS[layout][1]])
+        for arch in archs
     ]
 
 
 @pytest.fixture(scope="module")
-def layout_runs(model_dirs, tmp_path_factory) -> dict[str, list]:
-    """layout -> each architecture's run: the default run's layouts, those of one world size in one
-    process group (its start-up paid once)."""
+def layout_runs(model_dirs, tmp_path_factory) -> dict[str, dict]:
+    """layout -> architecture -> its run: the default run's layouts and architectures, those of one
+    world size in one process group (its start-up paid once)."""
     root = tmp_path_factory.mktemp("hf_layouts")
     runs = {}
-    for nproc in sorted({n for name, (n, _) in LAYOUTS.items() if name not in SLOW}):
-        names = [name for name, (n, _) in LAYOUTS.items() if n == nproc and name not in SLOW]
-        results = iter(
-            train_in_one_group(
-                [job for name in names for job in _jobs(root, name, model_dirs)], nproc
-            )
+    for nproc in sorted({LAYOUTS[name][0] for name in DEFAULT_ARCHITECTURES}):
+        cases = [
+            (name, arch)
+            for name, archs in DEFAULT_ARCHITECTURES.items()
+            if LAYOUTS[name][0] == nproc
+            for arch in archs
+        ]
+        results = train_in_one_group(
+            [job for name, arch in cases for job in _jobs(root, name, model_dirs, [arch])],
+            nproc,
         )
-        runs.update({name: [next(results) for _ in model_dirs] for name in names})
+        for (name, arch), run in zip(cases, results):
+            runs.setdefault(name, {})[arch] = run
     return runs
 
 
@@ -105,18 +128,20 @@ def _assert_parity(arch: str, layout: str, losses: list[float], reference: list[
     assert worst < 1e-4, f"{arch} under {layout}: max |Δloss| {worst:.3g}\n{losses}\n{reference}"
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in SLOW])
+@pytest.mark.parametrize("layout", list(DEFAULT_ARCHITECTURES))
 def test_training_parity(layout, model_dirs, single_process, layout_runs):
-    """Every architecture under the layout, on the one-process curve."""
-    for arch, run in zip(model_dirs, layout_runs[layout]):
+    """The default run's architectures under the layout, on the one-process curve."""
+    assert sorted(layout_runs[layout]) == sorted(DEFAULT_ARCHITECTURES[layout])
+    for arch, run in layout_runs[layout].items():
         _assert_parity(arch, layout, run.losses, single_process[arch])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", sorted(SLOW))
+@pytest.mark.parametrize("layout", sorted(name for name, archs in SLOW_CASES.items() if archs))
 def test_training_parity_of_the_slow_layouts(layout, model_dirs, single_process, tmp_path):
-    runs = train_in_one_group(_jobs(tmp_path, layout, model_dirs), nproc=LAYOUTS[layout][0])
-    for arch, run in zip(model_dirs, runs):
+    archs = SLOW_CASES[layout]
+    runs = train_in_one_group(_jobs(tmp_path, layout, model_dirs, archs), nproc=LAYOUTS[layout][0])
+    for arch, run in zip(archs, runs):
         _assert_parity(arch, layout, run.losses, single_process[arch])
 
 

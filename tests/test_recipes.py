@@ -13,7 +13,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import pytest
-from harness import train
+from harness import train_job
 from hf_models import _CORPUS, make_model
 from hydra import compose, initialize_config_module
 from hydra.errors import MissingConfigException
@@ -372,7 +372,9 @@ TINY_RUNS = {
 
 
 @pytest.mark.parametrize("name", sorted(TINY_RUNS))
-def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path, monkeypatch):
+def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path):
+    """The recipe's run, its ranks forked (``train_job``); finding the recipes from any directory
+    through the command line is test_cli_finds_recipes_from_any_directory's."""
     needs_hf_model()
     arch, layout = TINY_RUNS[name]
     model_dir = make_model(tmp_path / "model", arch)
@@ -385,9 +387,7 @@ def test_recipe_runs_shrunk_to_two_cpu_processes(name, tmp_path, monkeypatch):
     else:
         rows = [{"text": text} for text in _CORPUS * 10]
     corpus.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    # the recipe group comes with the package, not from the working directory
-    monkeypatch.chdir(tmp_path)
-    result = train(
+    result = train_job(
         tmp_path / "run",
         f"recipe={name}",
         f"model.path={model_dir}",
