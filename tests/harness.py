@@ -347,6 +347,7 @@ def _rank_env(rank: int, nproc: int, port: int) -> None:
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",

@@ -388,6 +388,29 @@ def test_garbage_collected_only_at_step_boundaries(tmp_path, gc_every):
             assert sum(c["in_step"] for c in collections) > 10, collections
 
 
+def test_cpu_ranks_share_the_cores_among_their_compile_workers(monkeypatch):
+    """On the CPU each of a node's ranks gives inductor's compile pool its share of the cores (the
+    node's process count from LOCAL_WORLD_SIZE, as torchrun sets it); the environment's setting
+    wins."""
+    import os
+
+    import torch._inductor.config as inductor_config
+
+    from composer3d.launch import distributed
+
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(inductor_config, "compile_threads", 8)
+    for processes, threads in (("1", 8), ("4", 2), ("16", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)
+        assert distributed.resolve_device("cpu", local_rank=0) == torch.device("cpu")
+        assert inductor_config.compile_threads == threads, processes
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    monkeypatch.setattr(inductor_config, "compile_threads", 3)
+    distributed.resolve_device("cpu", local_rank=0)
+    assert inductor_config.compile_threads == 3
+
+
 def test_training_freezes_its_setup_and_leaves_a_callers_freeze_frozen():
     """The setup is frozen while training (the step collections skip it) and thawed after; a heap
     the process froze itself before training (a server that forks its workers) stays frozen."""
