@@ -246,8 +246,9 @@ def assert_effect_and_control(run, reference, switch, layout):
         ),
         (["compile.enabled=true"], ["parallel.pp=2"], 2, 4),
         # the compiled graph saves the policy's tensors through autograd, which the offload's hooks
-        # see
-        (
+        # see. Slow: the default run shows the offload inside compiled blocks, without graph breaks
+        # (test_activation_offload), and its curve uncompiled
+        pytest.param(
             [
                 "compile.enabled=true",
                 "memory.activation_checkpointing=selective",
@@ -256,6 +257,7 @@ def assert_effect_and_control(run, reference, switch, layout):
             ["parallel.dp_shard=2"],
             2,
             2,
+            marks=pytest.mark.slow,
         ),
     ],
     ids=_id,
