@@ -1,5 +1,7 @@
 """Smoke runs of the benchmarks on the CPU with tiny settings, so none of them rots unnoticed; what
-they measure is checked by their own output, not timed here."""
+they measure is checked by their own output, not timed here. Those whose every check the default
+run makes of composer3d itself elsewhere (async checkpointing's losses, the pipeline's idle time
+against the planner, checkpointing's and the 8-bit optimizer's bytes) run with ``-m slow``."""
 
 import json
 import math
@@ -118,6 +120,7 @@ def test_step_profile_groups_the_step_by_kernel_family():
     assert family("Memcpy DtoD (Device -> Device)") == "copy"
 
 
+@pytest.mark.slow
 def test_pipeline_bubble_benchmark_measures_each_schedule():
     stdout = _run(
         "pipeline_bubble.py",
@@ -140,6 +143,7 @@ def test_pipeline_bubble_benchmark_measures_each_schedule():
     )
 
 
+@pytest.mark.slow
 def test_checkpoint_blocking_benchmark_compares_sync_and_async():
     stdout = _run(
         "checkpoint_blocking.py", "--dim", "64", "--layers", "2", "--steps", "4", "--device", "cpu"
@@ -147,6 +151,7 @@ def test_checkpoint_blocking_benchmark_compares_sync_and_async():
     assert "async / sync blocking ratio" in stdout, stdout
 
 
+@pytest.mark.slow
 def test_memory_compile_benchmark_measures_each_switch():
     # Dynamo off: torch.compile (the blocks', torchao's 8-bit step) runs eagerly, or compiling alone
     # would take minutes on the CPU; compile itself is tested by test_memory_precision. Every

@@ -46,7 +46,9 @@ LAYOUTS = {  # name: (world size, cp, model, overrides, masking kinds in the def
         2,
         DENSE,
         ["parallel.pp=2", "parallel.dp_shard=1", "parallel.cp=2"],
-        ("documents", "causal"),
+        # without document masking: slow (cp's styles and compositions show it in
+        # tests/test_context_parallel.py)
+        ("documents",),
     ),
     # TP 2 + SP × cp 2 × EP 2 (the cp ranks): the experts split by width over tp too
     "moe_tp2_sp_cp2_ep2": (
@@ -293,7 +295,15 @@ EAGER = {
 }
 
 
-@pytest.mark.parametrize("name", list(COMPILED))
+# PP 2 × cp 2 compiled: slow, as its parts run by default (compiled blocks under PP in
+# tests/test_memory_precision.py, under cp with FSDP and EP here)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=[pytest.mark.slow] if name == "pp2_cp2_compiled" else [])
+        for name in COMPILED
+    ],
+)
 def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_path):  # noqa: F811
     """Compiled blocks (through inductor, cp's attention run eagerly between their graphs) under PP
     2 × cp 2 and under FSDP 2 × cp 2 × EP 4, packed documents: the one-process curve (and the MoE's
