@@ -14,6 +14,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 # Small and fast: the tiny model on a slice of the stdlib corpus, fp32, deterministic.
 FAST = [
@@ -474,13 +475,8 @@ def processes(fn, nprocs: int, *args) -> None:
         "HF_DATASETS_OFFLINE": "1",
         "HF_DATASETS_CACHE": str(Path(tempfile.gettempdir(), "composer3d-tests-datasets")),
     }
-    saved = {key: os.environ.get(key) for key in server_env}
-    os.environ.update(server_env)
-    try:
+    with mock.patch.dict(os.environ, server_env):
         forkserver.ensure_running()
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.update({key: value})
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 

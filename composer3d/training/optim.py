@@ -173,6 +173,7 @@ def restore_configured_settings(
     says."""
     changed = []
     for i, (group, wanted) in enumerate(zip(optimizer.param_groups, settings)):
+        base_changed = False
         for key, value in wanted.items():
             if _plain(group[key]) == value:
                 continue
@@ -182,6 +183,7 @@ def restore_configured_settings(
             if key != "initial_lr":
                 group[key] = value
                 continue
+            base_changed = True
             base = scheduler.base_lrs[i]
             # torchao's optimizers keep learning rates as tensors: keep the type
             scheduler.base_lrs[i] = torch.tensor(value) if isinstance(base, torch.Tensor) else value
@@ -189,7 +191,7 @@ def restore_configured_settings(
         # as LambdaLR computes it, so an unchanged schedule gives the saved value bit for bit
         lr = scheduler.base_lrs[i] * scheduler.lr_lambdas[i](scheduler.last_epoch)
         # a changed base rate, already named, explains the current rate's change
-        if _plain(group["lr"]) != _plain(lr) and not any(c.startswith("lr ") for c in changed):
+        if _plain(group["lr"]) != _plain(lr) and not base_changed:
             changed.append(
                 f"lr at step {scheduler.last_epoch + 1} {_plain(group['lr']):.4g} -> "
                 f"{_plain(lr):.4g} (this run's schedule)"
