@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import re
 import subprocess
 import sys
@@ -43,6 +44,7 @@ def pytest_configure(config):
         "multiprocess: starts processes (forked gloo ranks, a tool), not a composer3d command",
         "cli: starts a composer3d command as a user types it (exit codes, launcher, signals)",
         "accelerator: needs an accelerator (CUDA/XPU/MPS): skipped without one",
+        "timing: measures wall time: runs alone, not beside pytest-xdist's other worker",
     ):
         config.addinivalue_line("markers", line)
 
@@ -162,6 +164,18 @@ def _tree(function):
         return ast.parse(inspect.cleandoc("\n" + inspect.getsource(function)))
     except (OSError, TypeError, SyntaxError):
         return None
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_timed(request):
+    """A test that times its ranks fails in a pytest-xdist worker: the other worker's runs take its
+    cores and the times with them. CI runs them after the parallel run (``.ci/run``)."""
+    if request.node.get_closest_marker("timing") and os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.fail(
+            "a timing test measures wall time and runs alone: pytest -q -m 'timing and not slow' "
+            "tests (without -n)",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

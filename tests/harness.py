@@ -473,7 +473,13 @@ def processes(fn, nprocs: int, *args) -> None:
         # (what the server's environment is, every worker's is: the test's own is not passed on)
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
-        "HF_DATASETS_CACHE": str(Path(tempfile.gettempdir(), "composer3d-tests-datasets")),
+        # one cache per pytest-xdist worker
+        "HF_DATASETS_CACHE": str(
+            Path(
+                tempfile.gettempdir(),
+                f"composer3d-tests-datasets{os.environ.get('PYTEST_XDIST_WORKER', '')}",
+            )
+        ),
     }
     with mock.patch.dict(os.environ, server_env):
         forkserver.ensure_running()

@@ -437,6 +437,7 @@ def test_collective_bytes_within_2_percent(measured):
     )
 
 
+@pytest.mark.timing
 def test_pipeline_idle_fraction_within_20_percent(tmp_path):
     """The pipeline's idle share of a step per schedule (pp=2, 8 micro-batches; v=2 stages per rank
     where the schedule loops): 1 − the ranks' mean time inside stage compute over the step (the
