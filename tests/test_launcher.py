@@ -207,6 +207,7 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     assert _all_gone(workers, 5)
     steps = [m["step"] for m in RunResult(0, "", 0.0, tmp_path).metrics]
     assert steps == list(range(1, len(steps) + 1)), "one job's steps, each once"
+    assert (tmp_path / LOCK_FILE).read_text() == "", "the stopped launcher's name left with it"
 
 
 def test_workers_die_with_a_sigkilled_launcher_and_its_lock_goes_with_it(tmp_path):

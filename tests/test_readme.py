@@ -9,6 +9,8 @@ from pathlib import Path
 
 from harness import RunResult
 
+from composer3d.launch.launcher import LOCK_FILE
+
 README = Path(__file__).parents[1] / "README.md"
 
 
@@ -42,3 +44,5 @@ def test_readme_main_command_trains(tmp_path):
     assert "tokens/s" in result.output and all(m["tokens_per_s"] > 0 for m in result.metrics)
     assert result.run_info["layout"]["dp_shard"] == 2
     assert (tmp_path / "config.yaml").exists()
+    # the finished job's lock file no longer names its launcher
+    assert (tmp_path / LOCK_FILE).read_text() == ""

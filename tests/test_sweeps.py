@@ -86,14 +86,17 @@ def test_a_sweep_runs_each_job_in_its_own_run_dir_and_exits_with_the_first_faile
             r"\((to resume this job, .*)\)$", (job["dir"] / "logs" / "rank0.log").read_text(), re.M
         )
         assert hint and "run the command without -m, with: " in hint.group(1), job["dir"]
-        own = hint.group(1).split("with: ", 1)[1].split(" (the same sweep", 1)[0].split()
+        own = hint.group(1).split("with: ", 1)[1].split("; the same sweep", 1)[0].split()
         assert own[-1] == f"run.dir={job['dir']}" and "-m" not in own, hint.group(1)
         last = {
             o.split("=", 1)[0]: o.split("=", 1)[1] for o in own
         }  # Hydra takes a key's last value
         assert float(last["optim.lr"]) == cfg["optim"]["lr"], hint.group(1)
         assert int(last["launch.nproc_per_node"]) == cfg["launch"]["nproc_per_node"], hint.group(1)
-        assert f"the same sweep with run.dir={tmp_path} resumes every job" in hint.group(1)
+        # the layout line's parentheses close once
+        assert hint.group(1).endswith(
+            f"; the same sweep with run.dir={tmp_path} resumes every job"
+        ), hint.group(1)
     assert set(trained) == {(1e-3, 1), (1e-3, 2), (2e-3, 1), (2e-3, 2)}
     # Each job trained with its own lr: the losses part after the first update, and 1 or 2 ranks
     # agree.

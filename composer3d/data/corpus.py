@@ -28,7 +28,13 @@ from composer3d.data.sources import (
     text_file_documents,
 )
 from composer3d.data.streams import conversation_stream, document_stream
-from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_source
+from composer3d.data.tokenizers import (
+    ByteTokenizer,
+    HFTokenizer,
+    build_tokenizer,
+    describe_tokenizer,
+    tokenizer_source,
+)
 from composer3d.errors import ConfigError
 
 log = logging.getLogger("composer3d")
@@ -132,12 +138,14 @@ def build_sequences(
     if getattr(data_cfg, "prepared", None):
         sequences = check_prepared(data_cfg, model_vocab_size, seq_len, model_cfg)
         log.info(
-            "data: prepared corpus %s (%s), %d sequences of %d tokens, %d documents",
+            "data: prepared corpus %s (%s), %d sequences of %d tokens, %d documents; tokenizer: "
+            "%s (as prepared)",
             data_cfg.prepared,
             sequences.manifest["settings"]["format"],
             len(sequences),
             seq_len,
             sequences.manifest["documents"],
+            sequences.manifest["tokenizer"]["path"],
         )
         return sequences
     if data_cfg.name == "synthetic":
@@ -160,11 +168,12 @@ def build_sequences(
         stream = document_stream(documents, tokenizer, data_cfg.max_tokens)
     sequences = PackedSequences.from_stream(stream, seq_len, document_masking)
     log.info(
-        "data: %s (%s), %d sequences of %d tokens, %d documents",
+        "data: %s (%s), %d sequences of %d tokens, %d documents; %s",
         data_cfg.name,
         getattr(data_cfg, "format", "text"),
         len(sequences),
         seq_len,
         int(stream.starts.sum()),
+        describe_tokenizer(tokenizer, data_cfg, model_cfg),
     )
     return sequences

@@ -187,6 +187,23 @@ def tokenizer_source(
     return None
 
 
+def describe_tokenizer(
+    tokenizer: ByteTokenizer | HFTokenizer,
+    data_cfg: DataConfig,
+    model_cfg: ModelConfig | None = None,
+) -> str:
+    """The tokenizer as the run's data line names it: the byte-level default says so, since a run
+    meant for a model's own tokenizer would otherwise train on bytes without a word."""
+    source = tokenizer_source(data_cfg, model_cfg)
+    if source is None:
+        return (
+            f"tokenizer: byte-level (UTF-8 bytes, eos {tokenizer.eos_id}; data.tokenizer names a "
+            "Hugging Face one)"
+        )
+    directory, key = source
+    return f"tokenizer: {os.path.abspath(directory)} ({key}, {tokenizer.vocab_size:,} ids)"
+
+
 def build_tokenizer(
     data_cfg: DataConfig, model_cfg: ModelConfig | None = None
 ) -> ByteTokenizer | HFTokenizer:

@@ -15,6 +15,7 @@ and the scheduler:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import fcntl
@@ -411,4 +412,18 @@ def lock_run_dir(run_dir: Path) -> None:
     lock.truncate(0)
     lock.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
     lock.flush()
+    if not _held:
+        atexit.register(_unname_held_locks, os.getpid())
     _held.append(lock)  # open until the process exits
+
+
+def _unname_held_locks(holder: int) -> None:
+    """At a clean exit, the lock files stop naming this process (the kernel drops the flock after
+    it; a crash leaves the name, which the next job reads only while the lock is held). A forked
+    child exiting leaves its parent's."""
+    if os.getpid() != holder:
+        return
+    for lock in _held:
+        with contextlib.suppress(OSError, ValueError):
+            lock.truncate(0)
+            lock.flush()

@@ -30,9 +30,10 @@ def resume_hint(run_name: str | None, run_dir, sweep: tuple[list[str], str] | No
         own = " ".join(
             [o for o in overrides if not o.startswith("run.dir=")] + [f"run.dir={run_dir}"]
         )
+        # no closing parenthesis: the layout line puts the hint in parentheses
         return (
-            f"to resume this job, run the command without -m, with: {own} (the same sweep with "
-            f"run.dir={sweep_dir} resumes every job)"
+            f"to resume this job, run the command without -m, with: {own}; the same sweep with "
+            f"run.dir={sweep_dir} resumes every job"
         )
     if run_name is not None:
         return f"the same command resumes it (run.name={run_name})"
