@@ -544,3 +544,34 @@ def test_lora_compiled_run_follows_eager(reference, tmp_path):
     compiled = train_job(tmp_path / "compiled", *FAST, *LORA, "compile.enabled=true")
     diffs = [abs(a - b) for a, b in zip(reference.losses, compiled.losses)]
     assert len(compiled.losses) == 10 and max(diffs) < 1e-4, (reference.losses, compiled.losses)
+
+
+def test_adapters_over_a_random_base_are_said_before_any_worker(tmp_path):
+    """peft=lora on the native model without peft.base_from trains over the seed's initialization:
+    allowed (reproducible), and the preflight says so once; a named base says nothing."""
+    import logging
+
+    from composer3d.config.checks import resolve_model_config
+    from composer3d.launch.preflight import preflight
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("composer3d")
+    logger.addHandler(handler)
+    try:
+        make_model(tmp_path / "hf", "llama")
+        for run, model in (
+            ("random", ["model=tiny"]),
+            ("named", ["model=hf", f"model.path={tmp_path}/hf"]),
+        ):
+            cfg = _compose([*model, "peft=lora", "launch.device=cpu"])
+            cfg.run.dir = str(tmp_path / run)
+            resolve_model_config(cfg.model)  # as the command does: model=hf reads its config.json
+            before = len(said)
+            preflight(cfg, 1)
+            random_base = [m for m in said[before:] if "trains adapters over a random base" in m]
+            assert len(random_base) == (1 if run == "random" else 0), said[before:]
+    finally:
+        logger.removeHandler(handler)
+    assert "train.seed=" in said[0] and "peft.base_from=" in said[0], said

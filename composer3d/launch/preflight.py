@@ -32,7 +32,12 @@ from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.parallel.mesh import Layout
 from composer3d.peft.apply import check_init_from, check_targets
-from composer3d.peft.base import build_with_adapters, check_base_from, check_same_base
+from composer3d.peft.base import (
+    base_source,
+    build_with_adapters,
+    check_base_from,
+    check_same_base,
+)
 
 log = logging.getLogger("composer3d")
 
@@ -65,6 +70,15 @@ def preflight(cfg: TrainConfig, world_size: int) -> Layout:
         # a checkpoint's adapters would replace them
         if cfg.peft.init_from and resumes_from is None:
             check_init_from(build_model(cfg.model), cfg.peft, cfg.model)
+        # allowed (a seed's base is reproducible: parity tests, development), said once
+        if resumes_from is None and "seed" in base_source(cfg):
+            log.warning(
+                "peft=%s trains adapters over a random base (the initialization from "
+                "train.seed=%d), not a trained model: name one with peft.base_from=<a full "
+                "composer3d checkpoint> or model=hf model.path=<a Hugging Face model directory>",
+                cfg.peft.method,
+                cfg.train.seed,
+            )
     weights = (
         None if cfg.peft.base_from else MODEL_REGISTRY[cfg.model.name].pretrained_weights(cfg.model)
     )
