@@ -85,6 +85,18 @@ def test_loss_matches_single_process(name, reference, layout_runs):
     assert reference.losses[-1] < reference.losses[0], "the reference itself should learn"
 
 
+def test_the_run_ends_with_what_it_trained_and_where_it_saved(reference):
+    """The last line of a run: its step of train.steps, the tokens and time of this run, the final
+    loss as logged, the last checkpoint."""
+    last = reference.output.strip().splitlines()[-1]
+    head, tail = last.split(" finished: ", 1)[1].split(" tokens in ", 1)
+    assert head == "step 10 of train.steps=10 (10 this run: 5,120", last  # 10 steps of 8 × 64
+    assert tail.endswith(
+        f"; final loss {reference.losses[-1]:.4f}; last checkpoint "
+        f"{reference.run_dir / 'checkpoints' / 'step-00000010'}"
+    ), last
+
+
 def test_zero1_curve_equals_zero3_and_one_process(reference, layout_runs):
     """ZeRO-1's reduce-scatter of bucketed gradients sums them as FSDP's does: fp32 curves equal to
     1e-5."""

@@ -139,9 +139,13 @@ class Checkpointer:
             self.cfg.interval > 0 and step % self.cfg.interval == 0
         ) or step == self.trainer.total_steps
 
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of ``step`` is committed."""
+        return self.dir / f"step-{step:08d}"
+
     def save(self, step: int) -> None:
         self.wait()  # at most one save in flight
-        final = self.dir / f"step-{step:08d}"
+        final = self.path(step)
         partial = final.with_name(final.name + ".partial")
         model_only = self.cfg.model_only_final and step == self.trainer.total_steps
         state = self._state_dict(model_only, saving=True)

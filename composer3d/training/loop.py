@@ -69,7 +69,8 @@ def _run(
         **({"allocator_settings": allocator_settings()} if is_accelerator(trainer.device) else {}),
     }
     pending: list[tuple[int, dict]] = []  # steps whose metrics are still on the device
-    window_start = time.perf_counter()
+    window_start = began = time.perf_counter()
+    first_step, final = trainer.step, None
     while trainer.step < cfg.train.steps:
         # The second step is the steady state (optimizer state exists): measure it when asked.
         measure = (
@@ -152,12 +153,36 @@ def _run(
             # training waited this long
             records[-1]["checkpoint_blocked_s"] = time.perf_counter() - started
         sink.log(records, to_console=trainer.step % cfg.logging.log_every == 0 or last)
+        final = records[-1]
         if stop:
             _stop(trainer, stop, checkpointer, signals)
         window_start = time.perf_counter()
     if checkpointer is not None:
         checkpointer.wait()
     signals.finish()
+    if final is not None:
+        _finished(trainer, first_step, final, time.perf_counter() - began, checkpointer)
+
+
+def _finished(trainer, first_step: int, final: dict, seconds: float, checkpointer) -> None:
+    """The run's last line: what it trained, how fast, where it ended up."""
+    cfg = trainer.cfg
+    tokens = (trainer.step - first_step) * cfg.train.global_batch_size * cfg.train.seq_len
+    loss = "not finite" if final.get("loss") is None else f"{final['loss']:.4f}"
+    log.info(
+        "finished: step %d of train.steps=%d (%d this run: %s tokens in %.1f s, %s tokens/s); "
+        "final loss %s; %s",
+        trainer.step,
+        cfg.train.steps,
+        trainer.step - first_step,
+        f"{tokens:,}",
+        seconds,
+        f"{tokens / seconds:,.0f}",
+        loss,
+        "nothing saved (checkpoint.enabled=false)"
+        if checkpointer is None
+        else f"last checkpoint {checkpointer.path(trainer.step)}",
+    )
 
 
 def _stop(trainer, signum: int, checkpointer, signals: StopSignals) -> None:
