@@ -11,6 +11,7 @@ a late corpus error in the workers is reported once, and Hydra's own errors exit
 from __future__ import annotations
 
 import json
+import logging
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -210,6 +211,32 @@ def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overri
     message = str(error.value)
     assert message.startswith(key + ": "), message
     assert fragment in message, message
+
+
+def test_more_cpu_ranks_than_cores_are_said_before_any_worker(compose_cfg, monkeypatch):
+    """launch.nproc_per_node above the cores on the CPU runs (a layout is tried so on a small
+    machine), and the preflight says what it costs, once; within the cores it says nothing."""
+    from composer3d.launch import distributed
+
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("composer3d")
+    logger.addHandler(handler)
+    monkeypatch.setattr(distributed, "cpu_cores", lambda: 2)
+    try:
+        for nproc in (2, 8):
+            cfg = compose_cfg(
+                "model=tiny", "train.micro_batch_size=1", f"launch.nproc_per_node={nproc}"
+            )
+            preflight(cfg, nproc)
+    finally:
+        logger.removeHandler(handler)
+    assert [m for m in said if "CPU ranks on" in m] == [
+        "launch.nproc_per_node=8 CPU ranks on 2 cores: the ranks take turns on the cores and each "
+        "collective waits for those not running, so a step takes several times as long as on 2 "
+        "ranks. Right for trying a layout; to train, launch.nproc_per_node<=2"
+    ], said
 
 
 def test_preflight_passes_what_can_run(compose_cfg, files, checkpoint):

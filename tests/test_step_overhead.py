@@ -392,14 +392,13 @@ def test_cpu_ranks_share_the_cores_among_their_compile_workers(monkeypatch):
     """On the CPU each of a node's ranks gives inductor's compile pool its share of the cores (the
     node's process count from LOCAL_WORLD_SIZE, as torchrun sets it); the environment's setting
     wins."""
-    import os
 
     import torch._inductor.config as inductor_config
 
     from composer3d.launch import distributed
 
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(distributed, "cpu_cores", lambda: 8)
     monkeypatch.setattr(inductor_config, "compile_threads", 8)
     for processes, threads in (("1", 8), ("4", 2), ("16", 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)

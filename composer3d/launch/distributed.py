@@ -160,6 +160,14 @@ def resolve_device(
     return torch.device(kind, local_rank)
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity: a SLURM or container limit), else the
+    machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def share_compile_workers(local_processes: int) -> None:
     """On the CPU the node's ranks share its cores: inductor's pool of compiling processes (one per
     core by default, in every rank) would start cores × ranks processes on them, and starting it
@@ -170,7 +178,7 @@ def share_compile_workers(local_processes: int) -> None:
         return
     import torch._inductor.config as inductor_config  # noqa: PLC0415 (imported with torch.compile's machinery)
 
-    inductor_config.compile_threads = max(1, (os.cpu_count() or 1) // max(1, local_processes))
+    inductor_config.compile_threads = max(1, cpu_cores() // max(1, local_processes))
 
 
 def init_process_group(

@@ -47,6 +47,18 @@ def preflight(cfg: TrainConfig, world_size: int) -> Layout:
     layout = validate(cfg, world_size)
     kind = distributed.device_type(cfg.launch.device, local_processes=cfg.launch.nproc_per_node)
     validate_for_device(cfg, layout, kind)
+    cores = distributed.cpu_cores()
+    if kind == "cpu" and cfg.launch.nproc_per_node > cores:
+        # allowed: a layout of more ranks than cores is how a layout is tried on a small machine
+        log.warning(
+            "launch.nproc_per_node=%d CPU ranks on %d cores: the ranks take turns on the cores and "
+            "each collective waits for those not running, so a step takes several times as long "
+            "as on %d ranks. Right for trying a layout; to train, launch.nproc_per_node<=%d",
+            cfg.launch.nproc_per_node,
+            cores,
+            cores,
+            cores,
+        )
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
     # mapped, not read: its manifest, shard sizes and what it was prepared from
     if cfg.data.prepared:
