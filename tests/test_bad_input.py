@@ -213,6 +213,29 @@ def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overri
     assert fragment in message, message
 
 
+def test_model_sizes_given_with_a_hugging_face_model_are_refused_not_dropped(compose_cfg, tmp_path):
+    """model=hf builds what its config.json describes: sizes given beside it would be dropped
+    without a word, so they are refused naming the keys and the file; sizes equal to the file's
+    pass."""
+    path = make_model(tmp_path / "hf", "llama")
+    config = json.loads((path / "config.json").read_text())
+    layers, dim = config["num_hidden_layers"], config["hidden_size"]
+    with pytest.raises(ConfigError) as error:
+        resolve_model_config(
+            compose_cfg("model=hf", f"model.path={path}", "model.n_layers=6", "model.dim=256").model
+        )
+    assert str(error.value) == (
+        f"model.dim: model=hf builds the model {path}/config.json describes (dim={dim} "
+        f"n_layers={layers}), so the model.dim=256 model.n_layers=6 given would be dropped. Leave "
+        "the model.* sizes out, or give model.path a directory whose config.json has the sizes you "
+        "want"
+    )
+    same = compose_cfg("model=hf", f"model.path={path}", f"model.n_layers={layers}").model
+    resolve_model_config(same)
+    assert same.n_layers == layers and same.dim == dim
+    resolve_model_config(same)  # a config filled before holds the file's own sizes
+
+
 def test_more_cpu_ranks_than_cores_are_said_before_any_worker(compose_cfg, monkeypatch):
     """launch.nproc_per_node above the cores on the CPU runs (a layout is tried so on a small
     machine), and the preflight says what it costs, once; within the cores it says nothing."""

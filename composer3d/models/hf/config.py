@@ -157,13 +157,29 @@ def fill_model_config(m) -> None:
             "composer3d trains decoder-only text models; a multimodal model's config nests its "
             "text model (text_config). Use a text-only causal LM"
         )
-    m.dim = c.hidden_size
-    m.n_layers = c.num_hidden_layers
-    m.n_heads = c.num_attention_heads
-    m.n_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    m.head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    m.vocab_size = c.vocab_size
-    m.ffn_hidden_dim = getattr(c, "intermediate_size", None)
+    sizes = {
+        "dim": c.hidden_size,
+        "n_layers": c.num_hidden_layers,
+        "n_heads": c.num_attention_heads,
+        "n_kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        "vocab_size": c.vocab_size,
+        "ffn_hidden_dim": getattr(c, "intermediate_size", None),
+    }
+    # unset: model=hf's zeros, the schema's None (a config filled before holds config.json's own)
+    given = {k: getattr(m, k) for k in sizes if getattr(m, k) not in (0, None)}
+    changed = [k for k, v in given.items() if v != sizes[k]]
+    if changed:
+        raise ConfigError(
+            f"model.{changed[0]}: model=hf builds the model {m.path}/config.json describes ("
+            + " ".join(f"{k}={sizes[k]}" for k in changed)
+            + "), so the "
+            + " ".join(f"model.{k}={given[k]}" for k in changed)
+            + " given would be dropped. Leave the model.* sizes out, or give model.path a "
+            "directory whose config.json has the sizes you want"
+        )
+    for key, value in sizes.items():
+        setattr(m, key, value)
     m.max_seq_len = getattr(c, "max_position_embeddings", None) or m.max_seq_len
     m.tie_embeddings = bool(getattr(c, "tie_word_embeddings", False))
 
