@@ -456,3 +456,34 @@ def test_without_weights_the_refusal_names_generate(monkeypatch, capfd):
         "Give checkpoint.resume=<run>/checkpoints/step-N, or model=hf model.path=<dir> with "
         "model.pretrained=true"
     ], err
+
+
+def test_a_whitespace_only_completion_is_said_not_only_printed(capsys):
+    """A completion of only whitespace prints as nothing at all: the command says what it is and
+    what would change it; a completion with text says nothing."""
+    import logging
+
+    from composer3d.commands.generate import _print
+    from composer3d.data.tokenizers import ByteTokenizer
+    from composer3d.generation.decoding import Generation
+
+    tokenizer = ByteTokenizer()
+    blank, text = (
+        Generation(list(b"def main("), list(completion.encode()), completion, "length", 0.5)
+        for completion in (" " * 16, "\n    return 0")
+    )
+    said = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("composer3d")
+    logger.addHandler(handler)
+    try:
+        _print([text, blank], tokenizer, "text")
+    finally:
+        logger.removeHandler(handler)
+    assert capsys.readouterr().out == "def main(\n    return 0\n" + "def main(" + " " * 16 + "\n"
+    assert said == [
+        "prompt 2: the completion is whitespace only (16 tokens, '        '...): the model "
+        "predicts whitespace after this prompt, as a briefly trained one does under greedy "
+        "decoding. Train it longer, or sample (generate.temperature>0)"
+    ], said

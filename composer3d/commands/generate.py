@@ -201,6 +201,17 @@ def _print(results: list[Generation], tokenizer, output: str) -> None:
             )
         else:
             print(prompt + result.completion, flush=True)
+    for number, result in enumerate(results, 1):
+        # printed as is, it looks like no output at all
+        if result.completion_ids and not result.completion.strip():
+            log.warning(
+                "prompt %d: the completion is whitespace only (%d tokens, %r...): the model "
+                "predicts whitespace after this prompt, as a briefly trained one does under greedy "
+                "decoding. Train it longer, or sample (generate.temperature>0)",
+                number,
+                len(result.completion_ids),
+                result.completion[:8],
+            )
     tokens = sum(len(result.completion_ids) for result in results)
     seconds = results[0].seconds
     log.info(
