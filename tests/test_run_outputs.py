@@ -195,3 +195,24 @@ def test_a_named_run_resumes_when_its_command_is_run_again_and_its_wandb_run_con
     unnamed = _train_in(tmp_path, "train.steps=1", "checkpoint.enabled=false")
     (stamped,) = (tmp_path / "outputs").glob("????-??-??/*")  # outputs/<date>/<time>
     assert f"to resume it, run the same command with run.dir={stamped}" in unnamed
+
+
+def test_the_progress_bar_fits_80_columns_whole():
+    """On an 80-column terminal the bar's line keeps its status whole (the loss and the speed; the
+    full record is the log line above it): the bar gives up its width first."""
+    import io
+
+    from rich.console import Console
+
+    from composer3d.training.metrics import bar_status, progress_bar
+
+    for width in (80, 200):
+        console = Console(file=io.StringIO(), width=width, force_terminal=True, color_system=None)
+        bar = progress_bar(console)
+        task = bar.add_task("train", total=100, completed=0, status="")
+        bar.start()
+        bar.update(task, completed=16, status=bar_status({"loss": 4.57123, "tokens_per_s": 3210.4}))
+        bar.stop()
+        last = re.split(r"\r\x1b\[2K|\n", console.file.getvalue())[-2]
+        assert last.startswith("train ━") and len(last) <= width, (width, last)
+        assert "16/100 loss 4.5712 3,210 tokens/s" in last and "…" not in last, (width, last)

@@ -145,6 +145,33 @@ def _wandb_run_id(run_dir: Path, resume_step: int) -> str:
     return run_id
 
 
+def progress_bar(console):
+    """The bar a terminal gets: its status is the loss and the speed (the full record is the log's
+    line above it), so that it fits 80 columns whole: the bar gives up its width first."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    return Progress(
+        TextColumn("train"),
+        BarColumn(bar_width=None),  # takes what the text columns leave
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[status]}"),
+        TimeRemainingColumn(),
+        transient=False,
+        console=console,
+        expand=True,
+    )
+
+
+def bar_status(record: dict) -> str:
+    return f"loss {_number(record['loss'], '.4f')} {record['tokens_per_s']:,.0f} tokens/s"
+
+
 class MetricsSink:
     def __init__(
         self, run_dir: Path, cfg: TrainConfig, enabled: bool, total_steps: int, resume_step: int = 0
@@ -173,23 +200,7 @@ class MetricsSink:
             self.tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
         # off a terminal it would print one cut-short line
         if cfg.logging.progress_bar and is_terminal():
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-
-            self.progress = Progress(
-                TextColumn("train"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[status]}"),
-                TimeRemainingColumn(),
-                transient=False,
-                console=terminal_console(),
-            )
+            self.progress = progress_bar(terminal_console())
             self.task = self.progress.add_task(
                 "train", total=total_steps, completed=resume_step, status=""
             )
@@ -239,7 +250,7 @@ class MetricsSink:
             + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
         )
         if self.progress is not None:
-            self.progress.update(self.task, completed=record["step"], status=summary)
+            self.progress.update(self.task, completed=record["step"], status=bar_status(record))
         if to_console:
             log.info(summary)
 
