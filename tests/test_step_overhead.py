@@ -209,6 +209,42 @@ def test_low_bit_optimizer_refuses_a_kernel_choice():
         validate(compose_cfg(["optim.name=adamw_8bit", "optim.implementation=fused"]), 1)
 
 
+def test_a_low_bit_optimizer_says_its_first_step_compiles(monkeypatch):
+    """torchao's low-bit AdamW compiles its update during step 1 (tens of seconds on a CPU): said
+    when the optimizer is built, so the wait before step 1 is not taken for a hang; AdamW says
+    nothing."""
+    import logging
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    from composer3d.training.optim import optimizer_class
+
+    # what optimizer_class turns off for the process, restored for the tests after this one
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
+    monkeypatch.setattr(
+        functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache
+    )
+
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("composer3d")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        assert optimizer_class("adamw") is torch.optim.AdamW
+        assert optimizer_class("adamw_8bit").__name__ == "AdamW8bit"
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert said == [
+        "optim.name=adamw_8bit: torchao compiles its low-bit update during step 1 (tens of "
+        "seconds on a CPU, once per process)"
+    ], said
+
+
 def compose_cfg(overrides):
     register_configs()
     with initialize_config_module(config_module="composer3d.conf", version_base=None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 
@@ -15,6 +16,8 @@ from composer3d.launch.distributed import is_accelerator
 from composer3d.memory.optimizer_offload import HostOffloadOptimizer
 from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
 from composer3d.training.compiled_adamw import CompiledAdamW
+
+log = logging.getLogger("composer3d")
 
 
 def build_optimizer(
@@ -131,6 +134,12 @@ def optimizer_class(name: str) -> type[torch.optim.Optimizer]:
     # process avoids that.
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
+    # otherwise step 1 comes after a silence that looks like a hang
+    log.info(
+        "optim.name=%s: torchao compiles its low-bit update during step 1 (tens of seconds on a "
+        "CPU, once per process)",
+        name,
+    )
     return {"adamw_8bit": AdamW8bit, "adamw_4bit": AdamW4bit, "adamw_fp8": AdamWFp8}[name]
 
 
