@@ -128,6 +128,9 @@ def _assert_parity(arch: str, layout: str, losses: list[float], reference: list[
     assert worst < 1e-4, f"{arch} under {layout}: max |Δloss| {worst:.3g}\n{losses}\n{reference}"
 
 
+# its first case's setup trains the module's shared runs (8 architectures in one process, then 11
+# layout runs on 4 ranks): about 220 s alone on 2 cores, more beside another xdist worker
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("layout", list(DEFAULT_ARCHITECTURES))
 def test_training_parity(layout, model_dirs, single_process, layout_runs):
     """The default run's architectures under the layout, on the one-process curve."""
