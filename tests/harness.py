@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -500,6 +501,24 @@ def _worker(rank: int, fn, world_size: int, store: str, args) -> None:
     finally:
         # as training ends: without it gloo aborted at exit in ~1 of 10 runs of a FSDP test
         shut_down(finished)
+
+
+@contextlib.contextmanager
+def logged(level: int = logging.INFO):
+    """The messages composer3d's logger gives at ``level`` or above inside the block, read on the
+    logger itself (a run's console setup stops its records from reaching pytest's caplog)."""
+    said: list[str] = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("composer3d")
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(min(level, previous) if previous else level)
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
 
 
 def assert_follows(reference: RunResult, run: RunResult, what: str) -> None:

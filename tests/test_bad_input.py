@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from harness import FAST, train, train_command, train_job
+from harness import FAST, logged, train, train_command, train_job
 from hf_models import make_model
 from hydra import compose, initialize_config_module
 
@@ -241,20 +241,13 @@ def test_more_cpu_ranks_than_cores_are_said_before_any_worker(compose_cfg, monke
     machine), and the preflight says what it costs, once; within the cores it says nothing."""
     from composer3d.launch import distributed
 
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("composer3d")
-    logger.addHandler(handler)
     monkeypatch.setattr(distributed, "cpu_cores", lambda: 2)
-    try:
+    with logged(logging.WARNING) as said:
         for nproc in (2, 8):
             cfg = compose_cfg(
                 "model=tiny", "train.micro_batch_size=1", f"launch.nproc_per_node={nproc}"
             )
             preflight(cfg, nproc)
-    finally:
-        logger.removeHandler(handler)
     assert [m for m in said if "CPU ranks on" in m] == [
         "launch.nproc_per_node=8 CPU ranks on 2 cores: the ranks take turns on the cores and each "
         "collective waits for those not running, so a step takes several times as long as on 2 "

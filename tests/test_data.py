@@ -3,12 +3,11 @@ corpora."""
 
 import itertools
 import json
-import logging
 import math
 
 import pytest
 import torch
-from harness import train, train_command
+from harness import logged, train, train_command
 from omegaconf import OmegaConf
 
 from composer3d.data import (
@@ -303,22 +302,12 @@ def test_the_data_line_names_the_tokenizer(hf_cache, bpe_dir, corpus):
     """The run's data line says which tokenizer made the ids: the byte-level default says so (a run
     meant for a model's own tokenizer would otherwise train on bytes without a word), a Hugging Face
     one its directory, the key that named it and its vocabulary."""
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("composer3d")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as lines:
         build_sequences(data_cfg(max_tokens=2000), 512, 8, seed=0)
         bpe = data_cfg(
             name="text_files", paths=[str(corpus / "docs.jsonl")], tokenizer=str(bpe_dir)
         )
         build_sequences(bpe, 512, 8, seed=0)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     byte, hf = (line for line in lines if line.startswith("data: "))
     assert byte.endswith(
         "; tokenizer: byte-level (UTF-8 bytes, eos 256; data.tokenizer names a Hugging Face one)"

@@ -21,7 +21,7 @@ from composer3d.models import build_model
 from composer3d.models.init import materialize
 
 transformers = pytest.importorskip("transformers")
-from harness import FAST, command_job, convert, run_command, train_job
+from harness import FAST, command_job, convert, logged, run_command, train_job
 from hf_models import make_model
 
 PROMPT = "def main("
@@ -472,15 +472,8 @@ def test_a_whitespace_only_completion_is_said_not_only_printed(capsys):
         Generation(list(b"def main("), list(completion.encode()), completion, "length", 0.5)
         for completion in (" " * 16, "\n    return 0")
     )
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("composer3d")
-    logger.addHandler(handler)
-    try:
+    with logged(logging.WARNING) as said:
         _print([text, blank], tokenizer, "text")
-    finally:
-        logger.removeHandler(handler)
     assert capsys.readouterr().out == "def main(\n    return 0\n" + "def main(" + " " * 16 + "\n"
     assert said == [
         "prompt 2: the completion is whitespace only (16 tokens, '        '...): the model "

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import FAST, assert_follows, spawn, train_in_one_group, train_job
+from harness import FAST, assert_follows, logged, spawn, train_in_one_group, train_job
 from hf_models import make_model
 from hydra import compose, initialize_config_module
 
@@ -554,13 +554,8 @@ def test_adapters_over_a_random_base_are_said_before_any_worker(tmp_path):
     from composer3d.config.checks import resolve_model_config
     from composer3d.launch.preflight import preflight
 
-    said = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("composer3d")
-    logger.addHandler(handler)
-    try:
-        make_model(tmp_path / "hf", "llama")
+    make_model(tmp_path / "hf", "llama")
+    with logged(logging.WARNING) as said:
         for run, model in (
             ("random", ["model=tiny"]),
             ("named", ["model=hf", f"model.path={tmp_path}/hf"]),
@@ -572,6 +567,4 @@ def test_adapters_over_a_random_base_are_said_before_any_worker(tmp_path):
             preflight(cfg, 1)
             random_base = [m for m in said[before:] if "trains adapters over a random base" in m]
             assert len(random_base) == (1 if run == "random" else 0), said[before:]
-    finally:
-        logger.removeHandler(handler)
     assert "train.seed=" in said[0] and "peft.base_from=" in said[0], said

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from harness import FAST, spawn, train_job
+from harness import FAST, logged, spawn, train_job
 from hydra import compose, initialize_config_module
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
@@ -213,7 +213,6 @@ def test_a_low_bit_optimizer_says_its_first_step_compiles(monkeypatch):
     """torchao's low-bit AdamW compiles its update during step 1 (tens of seconds on a CPU): said
     when the optimizer is built, so the wait before step 1 is not taken for a hang; AdamW says
     nothing."""
-    import logging
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -226,19 +225,9 @@ def test_a_low_bit_optimizer_says_its_first_step_compiles(monkeypatch):
         functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache
     )
 
-    said = []
-    handler = logging.Handler(logging.INFO)
-    handler.emit = lambda record: said.append(record.getMessage())
-    logger = logging.getLogger("composer3d")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with logged() as said:
         assert optimizer_class("adamw") is torch.optim.AdamW
         assert optimizer_class("adamw_8bit").__name__ == "AdamW8bit"
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
     assert said == [
         "optim.name=adamw_8bit: torchao compiles its low-bit update during step 1 (tens of "
         "seconds on a CPU, once per process)"
