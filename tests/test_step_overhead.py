@@ -209,7 +209,7 @@ def test_low_bit_optimizer_refuses_a_kernel_choice():
         validate(compose_cfg(["optim.name=adamw_8bit", "optim.implementation=fused"]), 1)
 
 
-def test_a_low_bit_optimizer_says_its_first_step_compiles(monkeypatch):
+def test_a_low_bit_optimizer_says_its_first_step_compiles():
     """torchao's low-bit AdamW compiles its update during step 1 (tens of seconds on a CPU): said
     when the optimizer is built, so the wait before step 1 is not taken for a hang; AdamW says
     nothing."""
@@ -219,13 +219,14 @@ def test_a_low_bit_optimizer_says_its_first_step_compiles(monkeypatch):
 
     from composer3d.training.optim import optimizer_class
 
-    # what optimizer_class turns off for the process, restored for the tests after this one
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", inductor_config.fx_graph_cache)
-    monkeypatch.setattr(
-        functorch_config, "enable_autograd_cache", functorch_config.enable_autograd_cache
-    )
-
-    with logged() as said:
+    # what optimizer_class turns off for the process, restored for the tests after this one by the
+    # config modules' own patch (monkeypatch's undo deletes their entries: every later compile
+    # fails)
+    with (
+        inductor_config.patch(fx_graph_cache=inductor_config.fx_graph_cache),
+        functorch_config.patch(enable_autograd_cache=functorch_config.enable_autograd_cache),
+        logged() as said,
+    ):
         assert optimizer_class("adamw") is torch.optim.AdamW
         assert optimizer_class("adamw_8bit").__name__ == "AdamW8bit"
     assert said == [
