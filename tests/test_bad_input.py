@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,6 +62,16 @@ def files(tmp_path_factory):
     (hf_unknown / "config.json").write_text(
         json.dumps({**config, "model_type": "no_such_architecture"})
     )
+    # weights cut short, as a download or copy that stopped leaves them: one file, and one shard of
+    # a sharded save (model.safetensors.index.json beside the shards)
+    from transformers import AutoModelForCausalLM
+
+    whole = make_model(root / "hf_truncated", "llama", tokenizer=False)
+    AutoModelForCausalLM.from_pretrained(whole).save_pretrained(
+        root / "hf_sharded_truncated", max_shard_size="300KB"
+    )
+    for weights in (whole / "model.safetensors", root / "hf_sharded_truncated" / SHARD):
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     return root
 
 
@@ -76,6 +88,8 @@ def _absent_accelerator() -> str:
     here = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return "xpu" if here is not None and here.type == "cuda" else "cuda"
 
+
+SHARD = "model-00002-of-00003.safetensors"
 
 # (id, overrides with {files}/{checkpoint} placeholders, key the message starts with, a fragment it
 # contains)
@@ -191,6 +205,18 @@ PREFLIGHT_CASES = [
         "model.path",
         "no_such_architecture",
     ),
+    (
+        "truncated_safetensors",
+        ["model=hf", "model.path={files}/hf_truncated", "data=synthetic"],
+        "model.path",
+        "hf_truncated/model.safetensors is truncated or corrupt (safetensors: ",
+    ),
+    (
+        "truncated_safetensors_shard",
+        ["model=hf", "model.path={files}/hf_sharded_truncated", "data=synthetic"],
+        "model.path",
+        f"hf_sharded_truncated/{SHARD} is truncated or corrupt (safetensors: ",
+    ),
 ]
 
 
@@ -211,6 +237,92 @@ def test_preflight_refuses_naming_the_key(compose_cfg, files, checkpoint, overri
     message = str(error.value)
     assert message.startswith(key + ": "), message
     assert fragment in message, message
+
+
+@pytest.fixture
+def never_logged_in(monkeypatch, tmp_path):
+    """A machine where wandb was never logged in: a home, netrc file and wandb settings of its own,
+    no WANDB_* variables, and a fresh wandb singleton and session (they keep what they read
+    first)."""
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    for name in [name for name in os.environ if name.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / ".netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / ".config" / "wandb"))
+    monkeypatch.chdir(tmp_path)  # the workspace settings: ./wandb/settings
+    monkeypatch.setattr(wandb_setup, "_singleton", None)
+    monkeypatch.setattr(authenticate, "_session_auth", None)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        (
+            {},
+            "logging.wandb: not logged in to Weights & Biases (no API key in WANDB_API_KEY or "
+            "the netrc file). Run `wandb login` once on this machine, or set WANDB_MODE=offline "
+            "to log locally (`wandb sync` uploads the run later), or use logging.wandb=false",
+        ),
+        (
+            {"WANDB_API_KEY": "short"},
+            "logging.wandb: the Weights & Biases credentials are not usable (WANDB_API_KEY "
+            "invalid: API key must have 40+ characters, has 5.). Run `wandb login --relogin`, or "
+            "set WANDB_MODE=offline to log locally (`wandb sync` uploads the run later), or use "
+            "logging.wandb=false",
+        ),
+    ],
+    ids=["no_login", "malformed_key"],
+)
+def test_wandb_without_login_is_refused_before_any_worker(
+    compose_cfg, never_logged_in, monkeypatch, environment, message
+):
+    """logging.wandb=true with no usable credentials: one line naming the key and the ways out
+    (before: wandb.init's 32-line traceback in the workers, once the data and the model were
+    built)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as error:
+        preflight(compose_cfg("logging.wandb=true"), 1)
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "environment, netrc",
+    [
+        ({"WANDB_MODE": "offline"}, ""),
+        ({"WANDB_MODE": "disabled"}, ""),
+        ({"WANDB_API_KEY": "k" * 40}, ""),
+        ({}, f"machine api.wandb.ai\n  login user\n  password {'k' * 40}\n"),
+    ],
+    ids=["offline", "disabled", "key_in_environment", "key_in_netrc"],
+)
+def test_wandb_logged_in_or_offline_passes(
+    compose_cfg, never_logged_in, monkeypatch, environment, netrc
+):
+    """What `wandb login` leaves (the netrc file), WANDB_API_KEY, and an offline or disabled wandb
+    pass; only the files and the environment are read (a fake key is not refused)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    if netrc:
+        (never_logged_in / ".netrc").write_text(netrc)
+        (never_logged_in / ".netrc").chmod(0o600)
+    preflight(compose_cfg("logging.wandb=true"), 1)
+
+
+def test_wandb_not_installed_is_refused_naming_how_to_install(compose_cfg, monkeypatch):
+    """Before: a ModuleNotFoundError traceback in the workers, once the model was built."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError) as error:
+        preflight(compose_cfg("logging.wandb=true"), 1)
+    assert str(error.value) == (
+        "logging.wandb: the wandb package is not installed (composer3d depends on it; an install "
+        "with --no-deps leaves it out). Install it with pip install wandb, or use "
+        "logging.wandb=false"
+    )
 
 
 def test_model_sizes_given_with_a_hugging_face_model_are_refused_not_dropped(compose_cfg, tmp_path):

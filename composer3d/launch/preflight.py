@@ -59,6 +59,7 @@ def preflight(cfg: TrainConfig, world_size: int) -> Layout:
             cores,
             cores,
         )
+    check_wandb(cfg)
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
     # mapped, not read: its manifest, shard sizes and what it was prepared from
     if cfg.data.prepared:
@@ -102,6 +103,58 @@ def preflight(cfg: TrainConfig, world_size: int) -> Layout:
     if cfg.checkpoint.enabled:
         check_writable("checkpoint.dir" if cfg.checkpoint.dir else "run.dir", directory)
     return layout
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    """logging.wandb=true finds its credentials now, as wandb.init would: in the workers, with none
+    and no terminal to ask on, wandb.init fails with a traceback once the data and the model are
+    built. An offline or disabled wandb (WANDB_MODE, `wandb offline`) needs none."""
+    if not cfg.logging.wandb:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "logging.wandb: the wandb package is not installed (composer3d depends on it; an "
+            "install with --no-deps leaves it out). Install it with pip install wandb, or use "
+            "logging.wandb=false"
+        ) from None
+    from wandb.errors import AuthenticationError
+
+    try:
+        # wandb's own lookup, from its SDK's internals (wandb >= 0.31): an older wandb's differ,
+        # and there wandb.init reports a missing login itself, as before this check
+        from wandb.sdk import wandb_setup
+        from wandb.sdk.lib import wbauth
+
+        # the settings wandb.init starts from (environment, settings files): offline or
+        # disabled, it skips its login
+        settings = wandb_setup.singleton().settings
+        if settings._offline or settings._noop:
+            return
+        # The lookup wandb.init's login makes (WANDB_API_KEY, an identity token file, the netrc
+        # file, the api_key setting) without its prompt. Not wandb.login(prompt=False): found
+        # credentials, it asks the server whose they are, and rewrites the settings file.
+        auth = wbauth.authenticate_session(
+            host=wbauth.HostUrl(settings.base_url, app_url=settings.app_url),
+            source="composer3d",
+            prompt=False,
+            update_session=False,
+        )
+    except (ImportError, AttributeError, TypeError):
+        return
+    except AuthenticationError as error:  # a key of the wrong form, or two kinds of credentials
+        raise ConfigError(
+            f"logging.wandb: the Weights & Biases credentials are not usable ({error}). Run "
+            "`wandb login --relogin`, or set WANDB_MODE=offline to log locally (`wandb sync` "
+            "uploads the run later), or use logging.wandb=false"
+        ) from None
+    if auth is None:
+        raise ConfigError(
+            "logging.wandb: not logged in to Weights & Biases (no API key in WANDB_API_KEY or "
+            "the netrc file). Run `wandb login` once on this machine, or set WANDB_MODE=offline "
+            "to log locally (`wandb sync` uploads the run later), or use logging.wandb=false"
+        )
 
 
 def check_writable(key: str, directory: Path) -> None:

@@ -23,8 +23,10 @@ if TYPE_CHECKING:
 
 
 def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """name → (shape, file) of every tensor in the directory's safetensors files (headers only)."""
-    from safetensors import safe_open
+    """name → (shape, file) of every tensor in the directory's safetensors files (headers only).
+    A file cut short (a download or copy that stopped) or otherwise corrupt is refused naming it:
+    safetensors checks that the header parses and that the tensors it lists fill the file."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -35,9 +37,16 @@ def safetensors_index(path: str) -> dict[str, tuple[tuple[int, ...], str]]:
         )
     index: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                index[key] = (tuple(f.get_slice(key).get_shape()), file.name)
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    index[key] = (tuple(f.get_slice(key).get_shape()), file.name)
+        except SafetensorError as error:
+            raise ConfigError(
+                f"model.path: {file} is truncated or corrupt (safetensors: {error}). Download or "
+                "export the model again (save_pretrained writes whole files), or give model.path "
+                "an intact copy"
+            ) from None
     return index
 
 
