@@ -2,6 +2,6 @@
 ``composer3d.commands.train``."""
 
 if __name__ == "__main__":
-    from composer3d.commands.train import main
+    from composer3d.commands.cli import train
 
-    main()
+    train()

@@ -101,34 +101,43 @@ def train(
     return result
 
 
+@contextlib.contextmanager
+def hydra_cleared():
+    """Hydra's global state cleared while the block runs (as a command's process starts), then
+    as it was (a compose fixture's, while its scope lasts)."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    hydra = GlobalHydra.instance()
+    before = hydra.hydra if hydra.is_initialized() else None
+    hydra.clear()
+    try:
+        yield
+    finally:
+        # the instance now: Hydra's initialize_config_module restores a copy of the one it found
+        hydra = GlobalHydra.instance()
+        hydra.clear()
+        if before is not None:
+            hydra.initialize(before)
+
+
 def run_command(monkeypatch, module: str, *argv: str) -> int:
     """``python -m module argv...`` in this process, as the command line runs it up to where it
     would start workers, which fails the test: for what a command prints or refuses before any
     worker. Returns its exit code (0 when it returns); its output is the test's capsys/capfd.
     Hydra's global state is as it was before."""
-    import importlib
-
-    from hydra.core.global_hydra import GlobalHydra
+    from composer3d.commands import cli
 
     def no_workers(*args, **kwargs):
         raise AssertionError(f"{module} {' '.join(argv)} started workers")
 
     monkeypatch.setattr("composer3d.launch.launcher.spawn_local_workers", no_workers)
-    main = importlib.import_module(module).main
     monkeypatch.setattr("sys.argv", [module, *argv])
-    hydra = GlobalHydra.instance()
-    # a compose fixture's, while its scope lasts
-    before = hydra.hydra if hydra.is_initialized() else None
-    hydra.clear()
-    try:
-        main()
-        return 0
-    except SystemExit as exit_:
-        return exit_.code
-    finally:
-        hydra.clear()
-        if before is not None:
-            hydra.initialize(before)
+    with hydra_cleared():
+        try:
+            cli.SCRIPTS[module]()
+            return 0
+        except SystemExit as exit_:
+            return exit_.code
 
 
 def command_output(module: str, *argv: str) -> subprocess.CompletedProcess:

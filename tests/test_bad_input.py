@@ -499,7 +499,10 @@ def test_resume_with_checkpointing_off_is_refused(monkeypatch, capfd, tmp_path, 
 
 @pytest.mark.parametrize(
     "overrides, fragment",
-    [(["model=nonexistent"], "model/nonexistent"), (["train.steps=abc"], "train.steps")],
+    [
+        (["model=nonexistent"], "model: no option 'nonexistent'"),
+        (["train.steps=abc"], "train.steps"),
+    ],
 )
 def test_hydra_errors_exit_2(tmp_path, overrides, fragment):
     run = train(tmp_path / "run", *overrides, nproc=2, check=False)

@@ -6,8 +6,13 @@ in 4 workers or in a hanging collective. The in-process cases check ``validate``
 Hydra's compose API.
 """
 
+import shutil
+import subprocess
+import sys
+import time
+
 import pytest
-from harness import run_command, train
+from harness import hydra_cleared, run_command, train
 from hydra import compose, initialize_config_module
 
 from composer3d.config.checks import validate
@@ -192,21 +197,63 @@ def test_a_fresh_start_in_a_used_run_dir_is_refused_and_the_old_run_kept(
     } == before
 
 
-# Errors Hydra/OmegaConf raise while composing, before composer3d's code runs.
+# Errors Hydra/OmegaConf raise while composing, before composer3d's code runs: (id, overrides, the
+# one line after the prefix)
 HYDRA_CASES = [
     (
         "missing_model_group",
         ["model=nonexistent"],
-        ["model/nonexistent", "tiny"],
-    ),  # lists the available options
-    ("non_integer_steps", ["train.steps=abc"], ["train.steps", "abc"]),
+        "model: no option 'nonexistent'. Use model=<one of: hf, llama3_1b, llama3_405b, "
+        "llama3_70b, llama3_8b, tiny, tiny_moe>",
+    ),
+    (
+        "non_integer_steps",
+        ["train.steps=abc"],
+        "train.steps: Value 'abc' of type 'str' could not be converted to Integer. train.steps "
+        "takes int, e.g. train.steps=100",
+    ),
+    (
+        "not_a_bool",
+        ["parallel.auto=maybe"],
+        "parallel.auto: Value 'maybe' is not a valid bool (type str). parallel.auto takes bool, "
+        "e.g. parallel.auto=false",
+    ),
+    (
+        "override_syntax",
+        ["train.steps=[1,2"],
+        "train.steps=[1,2: not an override Hydra can read (no viable alternative at input "
+        "'[1,2'). Write key=value, quoting a value with spaces or brackets; the grammar: "
+        "https://hydra.cc/docs/advanced/override_grammar/basic/",
+    ),
+    (
+        "plus_on_a_set_key",
+        ["+train.steps=5"],
+        "+train.steps=5: Could not append to config. An item is already at 'train.steps'. "
+        "Without the +, train.steps=5 sets it",
+    ),
+    (
+        "sweep_without_m",
+        ["optim.lr=1e-3,2e-3"],
+        "Ambiguous value for argument 'optim.lr=1e-3,2e-3': a comma-separated value is a sweep. "
+        "Add -m to run it, or quote the value",
+    ),
+    (
+        "swept_value_of_the_wrong_type",
+        ["train.steps=3,abc", "-m"],
+        "train.steps: Value 'abc' of type 'str' could not be converted to Integer. train.steps "
+        "takes int, e.g. train.steps=100",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    "overrides, expected", [c[1:] for c in HYDRA_CASES], ids=[c[0] for c in HYDRA_CASES]
+    "overrides, line", [c[1:] for c in HYDRA_CASES], ids=[c[0] for c in HYDRA_CASES]
 )
-def test_hydra_errors_fail_naming_key(monkeypatch, capfd, tmp_path, overrides, expected):
+def test_hydra_errors_are_one_line_naming_the_key_and_exit_2(
+    monkeypatch, capfd, tmp_path, overrides, line
+):
+    """What Hydra refuses while composing is one line, exit 2, before any worker or run directory:
+    not Hydra's paragraph and its HYDRA_FULL_ERROR hint."""
     code = run_command(
         monkeypatch,
         "composer3d.commands.train",
@@ -215,11 +262,42 @@ def test_hydra_errors_fail_naming_key(monkeypatch, capfd, tmp_path, overrides, e
         f"run.dir={tmp_path / 'run'}",
         *overrides,
     )
-    output = "".join(capfd.readouterr())
-    assert code != 0, output
-    for fragment in expected:
-        assert fragment in output, f"{fragment!r} missing:\n{output}"
+    out, err = capfd.readouterr()
+    assert (code, out, err.splitlines()) == (
+        2,
+        "",
+        [f"composer3d-train: invalid configuration: {line}"],
+    )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_submitit_launcher_without_the_slurm_extra_says_how_to_install_it(
+    monkeypatch, capsys, tmp_path
+):
+    """hydra/launcher=slurm_local extends the submitit plugin's config; with the plugin not
+    installed (its configs absent from Hydra's store), one line naming the extra."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # discovers the plugins, which store their configs
+    launchers = ConfigStore.instance().repo["hydra"]["launcher"]
+    for name in [n for n in launchers if n.startswith("submitit")]:
+        monkeypatch.delitem(launchers, name)
+    code = run_command(
+        monkeypatch,
+        "composer3d.commands.train",
+        f"run.dir={tmp_path / 'sweep'}",
+        "hydra/launcher=slurm_local",
+        "optim.lr=1e-3,2e-3",
+        "-m",
+    )
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "composer3d-train: invalid configuration: hydra/launcher=slurm_local needs the submitit "
+        "launcher (hydra-submitit-launcher), which is not installed here. Install composer3d's "
+        "slurm extra: pip install 'composer3d[slurm]'"
+    ]
+    assert not (tmp_path / "sweep").exists()
 
 
 # ------------------------------------------------------------- validate() in-process, no subprocess
@@ -903,11 +981,12 @@ def test_context_parallel_of_a_sliding_window_model_exits_2_before_any_worker(
 def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_recipes(
     monkeypatch, capsys
 ):
-    """`composer3d-train --help`: every key of the schema with its value in the composed config (a
-    recipe's, when one is chosen) and the schema's comment on it; the config groups and the recipes.
-    Exit 0, nothing trained."""
+    """`composer3d-train --help`: every key of the sections it reads (all but generate.*) with its
+    value in the composed config (a recipe's, when one is chosen) and the schema's comment on it;
+    the config groups and the recipes. Exit 0, nothing trained."""
     import dataclasses
 
+    from composer3d.commands.cli import TRAIN
     from composer3d.config.schema import TrainConfig
 
     def keys(prefix, cls):
@@ -918,8 +997,11 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     code = run_command(monkeypatch, "composer3d.commands.train", "recipe=llama3_1_8b", "--help")
     text = capsys.readouterr().out
     assert code == 0, text[-3000:]
-    missing = [key for key in keys("", TrainConfig) if f"  {key}=" not in text]
-    assert not missing, missing
+    listed = {key: f"  {key}=" in text for key in keys("", TrainConfig)}
+    assert {
+        k for k, shown in listed.items() if shown != (k.split(".")[0] in TRAIN.sections)
+    } == set()
+    assert set(TRAIN.sections) == {f.name for f in dataclasses.fields(TrainConfig)} - {"generate"}
     assert "  model.name=hf " in text and "  train.seq_len=4096 " in text, (
         "the recipe's values, not the defaults"
     )
@@ -982,21 +1064,63 @@ def test_key_added_with_plus_names_the_nearest_real_key(compose_cfg):
 
 
 @pytest.mark.parametrize(
-    "module, command",
+    "module, command, listed, unlisted",
     [
-        ("composer3d.commands.plan", "composer3d-plan"),
-        ("composer3d.commands.generate", "composer3d-generate"),
-        ("composer3d.commands.prepare", "composer3d-prepare"),
-        ("composer3d.commands.evaluate", "composer3d-eval"),
+        ("composer3d.commands.plan", "composer3d-plan", "cluster.nodes", "generate.prompt"),
+        ("composer3d.commands.generate", "composer3d-generate", "generate.prompt", "optim.lr"),
+        ("composer3d.commands.prepare", "composer3d-prepare", "data.prepared", "parallel.tp"),
+        ("composer3d.commands.evaluate", "composer3d-eval", "eval.path", "optim.lr"),
+        ("composer3d.commands.train", "composer3d-train", "optim.lr", "generate.prompt"),
     ],
 )
-def test_each_command_help_opens_with_its_own_banner(monkeypatch, capsys, module, command):
+def test_each_command_help_opens_with_its_own_banner_and_lists_its_own_keys(
+    monkeypatch, capsys, module, command, listed, unlisted
+):
     assert run_command(monkeypatch, module, "--help") == 0
     out = capsys.readouterr().out
     assert out.splitlines()[0].startswith(f"{command}: "), out[:300]
     examples = out[out.index("Examples: ") :]
-    assert command in examples and "composer3d-train -m" not in examples, examples
-    assert "composer3d-train /" not in out  # the train banner is train's alone
+    assert command in examples, examples
+    assert ("composer3d-train -m" in examples) == (command == "composer3d-train"), examples
+    assert (f"  {listed}=" in out, f"  {unlisted}=" in out) == (True, False), out
+    # the sections left out are named, so a key's absence is not taken for its nonexistence
+    assert f" {unlisted.split('.')[0]}" in out[out.index("(this command does not read") :]
+
+
+def test_help_imports_no_torch(tmp_path):
+    """--help (and a refused override) answer before torch's import (3.6 s of CPU), which the
+    commands' own modules need: the console scripts' module imports Hydra and the schema only."""
+    probe = (
+        "import sys\n"
+        "from composer3d.commands.cli import generate\n"
+        "sys.argv = ['composer3d-generate', '--help']\n"
+        "generate()\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("composer3d-generate: ")
+    assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+@pytest.mark.timing
+def test_each_command_help_takes_under_2_s():
+    """The console script a user types, from process start to exit, alone on the machine."""
+    for command in (
+        "composer3d-train",
+        "composer3d-generate",
+        "composer3d-eval",
+        "composer3d-plan",
+    ):
+        start = time.perf_counter()
+        done = subprocess.run(
+            [shutil.which(command), "--help"], capture_output=True, text=True, timeout=60
+        )
+        seconds = time.perf_counter() - start
+        assert done.returncode == 0 and done.stdout.startswith(f"{command}: "), done.stderr
+        assert seconds < 2, f"{command} --help took {seconds:.2f} s"
 
 
 @pytest.mark.parametrize(
@@ -1073,12 +1197,15 @@ def test_max_restarts_in_a_submitit_sweep_is_refused_before_any_job(
         ],  # no -m: Hydra's launcher is not used
     ],
 )
-def test_max_restarts_where_the_local_launcher_runs_is_not_refused(monkeypatch, argv):
+def test_max_restarts_where_the_local_launcher_runs_is_not_refused(argv):
+    from composer3d.config.overrides import compose_overrides
     from composer3d.config.sweep import check_sweep
 
-    monkeypatch.setattr("sys.argv", ["composer3d-train", *argv])
-    overrides = [a for a in argv if not a.startswith("-")]
-    check_sweep("pkg://composer3d.conf", "train", ["run.dir=unused", *overrides])
+    register_configs()  # as importing the command line's glue does
+    multirun = "-m" in argv
+    overrides = ["run.dir=unused", *(a for a in argv if not a.startswith("-"))]
+    with hydra_cleared():  # as the command line starts
+        check_sweep(compose_overrides("composer3d.conf", "train", overrides, multirun), multirun)
 
 
 def _checkpoint(path, peft: dict, **meta):

@@ -1366,6 +1366,46 @@ def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
             validate(trial, 1)
 
 
+def test_what_fits_on_the_defaults_answers_at_a_micro_batch_the_search_would_weigh():
+    """plan.what_fits on 8 GPUs of the defaults (global batch 16, micro-batch 4; 4 × 8 does not
+    divide 16): the micro-batch is the layout's, as the search weighs it (a divisor of the 2
+    sequences a rank gets), so it answers at 2 and says so. A micro-batch the command line gives and
+    a global batch the ranks cannot share are refused in one line naming the key."""
+    from composer3d.config.checks import validate
+    from composer3d.plan.layouts import enumerate_candidates
+
+    cfg = plan_config()
+    assert (cfg.cluster.nodes * cfg.cluster.gpus_per_node, cfg.train.micro_batch_size) == (8, 4)
+    searched = {c.micro_batch_size for c in enumerate_candidates(cfg, 8, 8) if c.dp == 8}
+    assert searched == {1, 2}
+    out = _plan("plan.what_fits=true")
+    assert out.returncode == 0, out.stderr
+    assert "dp8 tp1 z3 mb2 ac:none" in out.stdout.splitlines()[0], out.stdout
+    assert out.stdout.rstrip().endswith(
+        "note: train.micro_batch_size: 4 does not divide the 2 sequences each of the 8 "
+        "data-parallel ranks gets (train.global_batch_size 16): answered at "
+        "train.micro_batch_size=2"
+    ), out.stdout
+    takes = [line.split(" takes: ")[1] for line in out.stdout.splitlines() if " takes: " in line]
+    assert len(takes) == 2
+    for overrides in takes:  # each answer is a configuration training accepts on 8 ranks
+        assert "train.micro_batch_size=2" in overrides.split()
+        trial = copy.deepcopy(cfg)
+        with open_dict(trial):
+            for override in overrides.split():
+                key, value = override.split("=", 1)
+                OmegaConf.update(trial, key, yaml_value(value))
+        validate(trial, 8)
+    for override, key, would in [
+        ("train.micro_batch_size=4", "train.micro_batch_size", "e.g. 2"),
+        ("train.global_batch_size=12", "train.global_batch_size", "a multiple of 8"),
+    ]:
+        refused = _plan("plan.what_fits=true", override)
+        assert refused.returncode == 2 and refused.stdout == "", refused
+        line = refused.stderr.strip()
+        assert "\n" not in line and f": {key}: " in line and would in line, line
+
+
 def _measure(*overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
         [

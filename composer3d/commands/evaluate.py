@@ -36,9 +36,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
-from composer3d.commands.hydra_entry import hydra_entry_point, run_command
+from composer3d.commands.processes import run_command
 from composer3d.config.checks import resolve_model_config, validate
-from composer3d.config.registration import register_configs
 from composer3d.data import eval_windows
 from composer3d.data.tokenizers import build_tokenizer
 from composer3d.errors import ConfigError, require_eval_extra
@@ -178,34 +177,14 @@ def _check(cfg: DictConfig) -> None:
     check_tasks_or_windows(cfg, layout)
 
 
-def _main(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
     run_command(
         "composer3d-eval", "composer3d.commands.evaluate", cfg, run, settle=_settle, check=_check
     )
 
 
-# pkg://, not "conf": the configs are the top-level conf/ mapped into the package (pyproject.toml),
-# and under `python -m` Hydra would look for a relative config_path next to this file, where an
-# editable install has none.
-main = hydra_entry_point(
-    _main,
-    "composer3d-eval",
-    "mean next-token loss and perplexity over a text file (eval.path), or lm-eval tasks "
-    "(eval.tasks)",
-    [
-        "composer3d-eval checkpoint.resume=<run>/checkpoints/step-N eval.path=valid.txt   (the "
-        "checkpoint's own model)",
-        "composer3d-eval model=hf model.path=/models/qwen eval.path=valid.txt train.seq_len=2048",
-        "composer3d-eval model=hf model.path=/models/qwen 'eval.tasks=[hellaswag,arc_easy]' "
-        "eval.num_fewshot=0",
-    ],
-    config_path="pkg://composer3d.conf",
-    config_name="train",
-)
+if __name__ == "__main__":  # the local workers' command line
+    from composer3d.commands.cli import evaluate
 
-
-register_configs()
-
-if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    evaluate()

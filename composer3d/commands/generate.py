@@ -38,9 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
 from composer3d.commands.evaluate import check_weights_source
-from composer3d.commands.hydra_entry import hydra_entry_point, run_command
+from composer3d.commands.processes import run_command
 from composer3d.config.checks import resolve_model_config, validate
-from composer3d.config.registration import register_configs
 from composer3d.data.tokenizers import ByteTokenizer, HFTokenizer, build_tokenizer
 from composer3d.dtypes import DTYPES
 from composer3d.errors import ConfigError
@@ -240,7 +239,7 @@ def _check(cfg: DictConfig) -> None:
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
 
 
-def _main(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
     run_command(
         "composer3d-generate",
         "composer3d.commands.generate",
@@ -251,26 +250,8 @@ def _main(cfg: DictConfig) -> None:
     )
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (see
-# composer3d/commands/train.py).
-main = hydra_entry_point(
-    _main,
-    "composer3d-generate",
-    "continue prompts (generate.prompt, generate.prompts) with a checkpoint's model or a Hugging "
-    "Face model",
-    [
-        'composer3d-generate checkpoint.resume=<run>/checkpoints/step-N generate.prompt="def '
-        'main("',
-        'composer3d-generate model=hf model.path=/models/qwen generate.prompt="The capital of '
-        'France is"',
-    ],
-    config_path="pkg://composer3d.conf",
-    config_name="train",
-)
+if __name__ == "__main__":  # the local workers' command line
+    from composer3d.commands.cli import generate
 
-
-register_configs()
-
-if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    generate()

@@ -1,13 +1,16 @@
-"""Command-line entry points on Hydra, with the exit codes of docs/troubleshooting.md, and the one
-skeleton a command's processes follow (``run_command``).
+"""The Hydra glue every command shares: a ``Command`` (its name, what it does, its examples, the
+config sections it reads, its module) becomes a console script with the exit codes of
+docs/troubleshooting.md.
 
-Hydra reports a bad override itself (unknown config group or key, a value of the wrong type) and
-exits 1 — the same code as a crash inside the run. A configuration the user typed wrong exits 2
-here, like every other configuration error, so scripts can tell the two apart: Hydra's exit for its
-own error (HydraException) before the task started is the override's. (A submitit job's task runs
-elsewhere: its failures are not Hydra's.) A mistyped key is caught before Hydra composes, with the
-nearest real key: Hydra's own hint would be to add it with ``+``. Each command's ``--help`` opens
-with its own banner and ends with its own examples.
+This module and the commands' table (``cli``) import Hydra and the schema, not torch: ``--help``
+and a refused override answer in about a second. The command's own module, and torch with it, is
+imported when the composed config reaches its ``task``.
+
+Every override is composed once before Hydra runs (``config.overrides``): what Hydra would refuse
+(a value of the wrong type, an option the group lacks, an override it cannot parse, a launcher
+whose plugin is not installed) is one line naming the key, exit 2, like every other configuration
+error, so scripts can tell it from a crash inside the run (exit 1). A mistyped key is caught before
+that, with the nearest real key: Hydra's own hint would be to add it with ``+``.
 
 A sweep (``-m``) runs each job through Hydra's launcher (one after another in this process, or as
 submitit jobs). A job that fails does not end the sweep: it is reported when the sweep ends, which
@@ -17,8 +20,10 @@ a sweep run by this process at once.
 
 from __future__ import annotations
 
-import functools
+import argparse
+import importlib
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import hydra
@@ -26,14 +31,28 @@ from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException, HydraException
 from hydra.types import RunMode
-from omegaconf import DictConfig
 
-from composer3d.config.help import set_command
+from composer3d.config.help import help_text, set_command
 from composer3d.config.keys import check_override_keys
+from composer3d.config.overrides import compose_overrides
+from composer3d.config.registration import register_configs
 from composer3d.config.sweep import check_sweep
 from composer3d.errors import ConfigError, StoppedBySignal
-from composer3d.launch import distributed, launcher
-from composer3d.launch.distributed import in_submitit_job
+
+CONFIG_MODULE, CONFIG_NAME = "composer3d.conf", "train"
+
+
+@dataclass(frozen=True)
+class Command:
+    """A console script: ``name`` does ``about`` (one line); ``examples`` (command lines) end its
+    --help, which lists the keys of ``sections``, the config sections its run reads. Its work is
+    ``module``'s ``task(cfg)``; ``python -m module`` runs the command too (the local workers)."""
+
+    name: str
+    module: str
+    about: str
+    examples: tuple[str, ...]
+    sections: tuple[str, ...]
 
 
 class SweepJobFailed(CompactHydraException):
@@ -49,23 +68,14 @@ class SweepJobFailed(CompactHydraException):
         return f"{self.line or 'composer3d: the job failed'} (exit code {self.code})"
 
 
-def hydra_entry_point(
-    task: Callable[[DictConfig], None],
-    command: str,
-    about: str,
-    examples: list[str],
-    config_path: str,
-    config_name: str,
-) -> Callable[[], None]:
-    """``task`` under ``hydra.main``, as a function of no arguments that exits 2 when Hydra refuses
-    the overrides; ``command`` (its name), ``about`` (what it does, one line) and ``examples``
-    (command lines) make its --help."""
+def hydra_entry_point(command: Command) -> Callable[[], None]:
+    """``command`` under ``hydra.main``, as a function of no arguments (a console script)."""
     started = False
 
-    @functools.wraps(task)
-    def started_task(cfg: DictConfig) -> None:
+    def started_task(cfg) -> None:
         nonlocal started
         started = True
+        task = importlib.import_module(command.module).task
         try:
             task(cfg)
         except SystemExit as exit_:
@@ -77,20 +87,27 @@ def hydra_entry_point(
                 raise
             raise SweepJobFailed(exit_.code, getattr(exit_, "line", None)) from None
 
-    hydra_main = hydra.main(config_path=config_path, config_name=config_name, version_base=None)(
-        started_task
-    )
+    # pkg://, not "conf": the configs are the top-level conf/ mapped into the package
+    # (pyproject.toml), and under `python -m` Hydra would look for a relative config_path next to
+    # the module, where an editable install has none.
+    hydra_main = hydra.main(
+        config_path=f"pkg://{CONFIG_MODULE}", config_name=CONFIG_NAME, version_base=None
+    )(started_task)
 
-    @functools.wraps(task)
     def entry_point() -> None:
-        set_command(command, about, examples)
+        set_command(command.name, command.about, command.examples, command.sections)
+        args = _arguments()
         try:
-            overrides = _typed_overrides()
-            check_override_keys(overrides)
-            check_sweep(config_path, config_name, overrides)
+            check_override_keys(args.overrides)
+            multirun = _multirun(args.overrides)
+            composed = compose_overrides(CONFIG_MODULE, CONFIG_NAME, args.overrides, multirun)
+            check_sweep(composed, multirun)
         except ConfigError as error:
-            print(f"{command}: invalid configuration: {error}", file=sys.stderr)
+            print(f"{command.name}: invalid configuration: {error}", file=sys.stderr)
             raise SystemExit(2) from None
+        if args.help:  # Hydra's own lists every group of its own too: seconds
+            print(help_text(composed))
+            return
         try:
             hydra_main()
         except SystemExit as exit_:
@@ -98,6 +115,7 @@ def hydra_entry_point(
             # handler of it.
             if isinstance(exit_.__context__, SweepJobFailed):
                 raise SystemExit(exit_.__context__.code) from None
+            # a refusal of Hydra's that composing first did not meet is still the override's
             if exit_.code == 1 and not started and isinstance(exit_.__context__, HydraException):
                 raise SystemExit(2) from None
             raise
@@ -105,53 +123,26 @@ def hydra_entry_point(
     return entry_point
 
 
-def _typed_overrides() -> list[str]:
-    """The overrides on the command line, as Hydra's own argument parser reads them."""
+def _multirun(overrides: list[str]) -> bool:
+    return bool({"-m", "--multirun"} & set(sys.argv[1:])) or "hydra.mode=MULTIRUN" in overrides
+
+
+def _arguments() -> argparse.Namespace:
+    """The command line as Hydra's own argument parser reads it (``overrides``, ``help``)."""
     if "--version" in sys.argv[1:]:  # Hydra prints its version and exits; nothing to check
-        return []
-    return get_args_parser().parse_known_args()[0].overrides
+        return argparse.Namespace(overrides=[], help=False)
+    return get_args_parser().parse_known_args()[0]
 
 
 def _ends_a_sweep(code) -> bool:
     """This process was told to stop (a scheduler's SIGTERM, Ctrl-C): not the job's own failure. A
     submitit job's task is one job of the sweep, whose code the sweep's command then exits with (75:
     requeue it)."""
+    # here, not at the top: --help must not import torch
+    from composer3d.launch.distributed import in_submitit_job
+
     stopped = code == StoppedBySignal.EXIT_CODE or (isinstance(code, int) and code >= 128)
     return stopped and not in_submitit_job()
 
 
-def job_overrides() -> list[str]:
-    """This job's overrides as typed, hydra.* too (e.g. hydra.searchpath for the user's own
-    recipes), for the local workers it starts: each of them runs this one job, so not a sweep's
-    ``hydra.mode=MULTIRUN``."""
-    overrides = HydraConfig.get().overrides
-    return list(overrides.task) + [o for o in overrides.hydra if not o.startswith("hydra.mode=")]
-
-
-def run_command(
-    command: str,
-    module: str,
-    cfg: DictConfig,
-    run: Callable[[DictConfig, distributed.Env | None], object],
-    *,
-    settle: Callable[[DictConfig], None] = lambda cfg: None,
-    check: Callable[[DictConfig], None] = lambda cfg: None,
-) -> None:
-    """The skeleton of a command that may run on several processes (composer3d-eval, -generate):
-    every process ``settle``s the config alike (what a checkpoint records, the model's sizes); the
-    command, before any worker starts, ``check``s what can fail in seconds; then it starts
-    ``launch.nproc_per_node`` local workers running ``module``, or (one process, or a worker, or a
-    rank of torchrun/SLURM) ``run``s. A bad config ends in one line and exit 2, a signal in 128 +
-    it (``launcher.exits_as_a_command``). composer3d-train adds restarts, the run directory and
-    its own exit codes around the same steps."""
-    env = distributed.job_env()
-    if launcher.started_by_local_launcher():
-        launcher.die_with_launcher()
-    with launcher.exits_as_a_command(command, env):
-        settle(cfg)
-        if env is None:  # before any worker starts
-            check(cfg)
-        if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, module, job_overrides())
-            return
-        run(cfg, env)
+register_configs()  # before Hydra composes: here, or in a submitit job that unpickles the task

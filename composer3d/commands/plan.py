@@ -22,34 +22,40 @@ import json
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from composer3d.commands.hydra_entry import hydra_entry_point
-from composer3d.config.checks import resolve_model_config, validate
-from composer3d.config.registration import register_configs
+from composer3d.config.checks import resolve_degrees, resolve_model_config, validate
 from composer3d.errors import ConfigError
 from composer3d.launch import launcher
 from composer3d.plan import report
 from composer3d.plan.estimate import Workload, estimate
-from composer3d.plan.fits import what_fits
+from composer3d.plan.fits import micro_batch_size, what_fits
 from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.layouts import candidate_from_config
 from composer3d.plan.search import ranked
 from composer3d.plan.validation import validate_plan
 
 
+def _on_command_line(prefix: str) -> bool:
+    return any(o.lstrip("+~").startswith(prefix) for o in HydraConfig.get().overrides.task)
+
+
 def layout_given(cfg: DictConfig) -> bool:
     """A layout is given when the command line sets a ``parallel.*`` key (and parallel=auto is not
     asked for)."""
-    return not cfg.parallel.auto and any(
-        o.lstrip("+~").startswith("parallel.") for o in HydraConfig.get().overrides.task
-    )
+    return not cfg.parallel.auto and _on_command_line("parallel.")
 
 
-def _main(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
     with launcher.exits_as_a_command("composer3d-plan", None):
         resolve_model_config(cfg.model)
         validate_plan(cfg)
         cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
         if cfg.plan.what_fits:  # for the config's layout: the longest sequence, the largest model
+            dp = resolve_degrees(cfg.parallel, cluster.world_size).dp
+            # the micro-batch is the layout's, as in the search: the defaults' 4 on 8 ranks of a
+            # global batch of 16 answers at 2 (one the command line gives is not replaced)
+            cfg.train.micro_batch_size, note = micro_batch_size(
+                cfg.train, dp, _on_command_line("train.micro_batch_size=")
+            )
             validate(cfg, cluster.world_size)
             candidate = candidate_from_config(cfg, cluster.world_size)
             sequences, models = what_fits(
@@ -64,6 +70,7 @@ def _main(cfg: DictConfig) -> None:
                     cfg.train.seq_len,
                     cfg.model.dim,
                     cfg.model.max_seq_len,
+                    [note] if note else [],
                 ),
                 flush=True,
             )
@@ -108,24 +115,7 @@ def _measure(cfg: DictConfig, e, cluster) -> None:
     print(json.dumps(result) if cfg.plan.format == "json" else report.measured(result), flush=True)
 
 
-main = hydra_entry_point(
-    _main,
-    "composer3d-plan",
-    "memory and step time of parallel layouts on a cluster (cluster.*, plan.*); starts nothing",
-    [
-        "composer3d-plan model=llama3_8b train.seq_len=8192 cluster.nodes=8 cluster.device=h100   "
-        "(the layouts that fit)",
-        "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1   (one layout, in "
-        "detail)",
-        "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
-        "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1 plan.measure=true   "
-        "(rank 0, run here)",
-    ],
-    config_path="pkg://composer3d.conf",
-    config_name="train",
-)
+if __name__ == "__main__":  # the local workers' command line
+    from composer3d.commands.cli import plan
 
-register_configs()
-
-if __name__ == "__main__":
-    main()
+    plan()

@@ -22,16 +22,14 @@ import sys
 
 from omegaconf import DictConfig
 
-from composer3d.commands.hydra_entry import hydra_entry_point
 from composer3d.config.checks import resolve_model_config, validate_data
-from composer3d.config.registration import register_configs
 from composer3d.data import prepare_corpus
 from composer3d.errors import ConfigError
 from composer3d.launch import launcher
 from composer3d.training import console
 
 
-def _main(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
     # each worker is one process: the Rust tokenizer's own threads would only compete with the other
     # workers
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,24 +64,7 @@ def _main(cfg: DictConfig) -> None:
     )
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml), as for
-# composer3d-train.
-main = hydra_entry_point(
-    _main,
-    "composer3d-prepare",
-    "tokenize a corpus once into token shards (data.prepared) that composer3d-train maps",
-    [
-        "composer3d-prepare data=text_files data.paths=[corpus/*.jsonl] data.tokenizer=tok "
-        "data.prepared=corpus.prepared",
-        "composer3d-train data=text_files data.tokenizer=tok data.prepared=corpus.prepared   (then "
-        "train on them)",
-    ],
-    config_path="pkg://composer3d.conf",
-    config_name="train",
-)
+if __name__ == "__main__":  # the local workers' command line
+    from composer3d.commands.cli import prepare
 
-
-register_configs()
-
-if __name__ == "__main__":
-    main()
+    prepare()

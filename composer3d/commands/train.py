@@ -33,9 +33,8 @@ from composer3d.checkpoint import (
     committed_checkpoints,
     resumes_from_a_checkpoint,
 )
-from composer3d.commands.hydra_entry import hydra_entry_point, job_overrides
+from composer3d.commands.processes import job_overrides
 from composer3d.config.checks import resolve_model_config
-from composer3d.config.registration import register_configs
 from composer3d.data import PackedSequences, build_sequences, eval_windows
 from composer3d.errors import ConfigError, Exit, StoppedBySignal, TrainingDiverged
 from composer3d.launch import distributed, launcher
@@ -174,7 +173,7 @@ def _train_in_group(
         sink.close()
 
 
-def _main(cfg: DictConfig) -> None:
+def task(cfg: DictConfig) -> None:
     env = distributed.job_env()
     ours = launcher.started_by_local_launcher()
     if ours:
@@ -340,31 +339,7 @@ def _last_checkpoint(cfg: DictConfig, run_dir: Path) -> str:
     return str(found[0]) if found else "none"
 
 
-# pkg://: the configs are the top-level conf/ mapped into the package (pyproject.toml); under
-# `python -m` (workers, torchrun) Hydra would look for a relative config_path next to this file,
-# where an editable install has none.
-main = hydra_entry_point(
-    _main,
-    "composer3d-train",
-    "train a model under any parallel layout (FSDP2, TP/SP, PP, EP, CP)",
-    [
-        "composer3d-train launch.nproc_per_node=2 train.steps=100",
-        "composer3d-train recipe=llama3_1_8b model.path=/models/Llama-3.1-8B",
-        "composer3d-train -m optim.lr=1e-4,3e-4   (a sweep: job N in <run.dir>/N; "
-        "hydra/launcher=slurm submits)",
-    ],
-    config_path="pkg://composer3d.conf",
-    config_name="train",
-)
+if __name__ == "__main__":  # the local workers' command line (launcher.spawn_local_workers)
+    from composer3d.commands.cli import train
 
-
-register_configs()
-
-if __name__ == "__main__":
-    # `python -m composer3d.commands.train` runs this file as __main__; start the importable
-    # module's main instead, so that a submitit job pickles the task function by reference:
-    # unpickling it then imports composer3d.commands.train, which registers the resolvers the job's
-    # config needs.
-    from composer3d.commands.train import main as imported_main
-
-    imported_main()
+    train()

@@ -18,9 +18,11 @@ import dataclasses
 import inspect
 import json
 import re
+import string
 import sys
 import textwrap
 from importlib.resources import files
+from typing import Sequence
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -35,15 +37,21 @@ KEY_WIDTH = 40
 WIDTH = 118
 
 
-_command = {"banner": "composer3d-train: train a model under any parallel layout", "examples": ""}
+_command = {
+    "banner": "composer3d-train: train a model under any parallel layout",
+    "examples": "",
+    "sections": None,
+}
 
 
-def set_command(name: str, about: str, examples: list[str]) -> None:
-    """The command whose --help Hydra prints: its first line (``name: about``) and its examples."""
+def set_command(name: str, about: str, examples: Sequence[str], sections: Sequence[str]) -> None:
+    """The command whose --help Hydra prints: its first line (``name: about``), the config sections
+    whose keys it lists (those the command reads) and its examples."""
     _command["banner"] = f"{name}: {about}"
     _command["examples"] = "\n".join(
         ["Examples: " + examples[0], *("          " + e for e in examples[1:])]
     )
+    _command["sections"] = tuple(sections)
 
 
 def banner() -> str:
@@ -103,14 +111,37 @@ def _entries(prefix: str, cls, node, comments) -> list[str]:
     return lines
 
 
+def help_text(cfg: DictConfig) -> str:
+    """The running command's --help (``hydra.help.template``) for ``cfg``, composed with
+    ``hydra``."""
+    return string.Template(cfg.hydra.help.template).substitute()
+
+
+def config_groups() -> str:
+    """conf/'s config groups and their options, one group a line."""
+    groups = sorted(p.name for p in files("composer3d.conf").iterdir() if _is_group(p))
+    lines = [f"{g}: {', '.join(_group_files(g))}\n" for g in groups]
+    return "".join(lines).replace("$", "$$")
+
+
+def _is_group(path) -> bool:
+    return path.is_dir() and path.name != "hydra" and any(_group_files(path.name))
+
+
 def key_help(_root_) -> str:
-    """One entry per key: ``section.key=<value in this composed config>`` and the schema's
-    comment."""
+    """One entry per key of the running command's sections: ``section.key=<value in this composed
+    config>`` and the schema's comment; then the sections it does not read."""
     comments = field_comments()
-    lines = []
+    lines, unread = [], []
+    wanted = _command["sections"]
     for section in dataclasses.fields(schema.TrainConfig):
+        if wanted is not None and section.name not in wanted:
+            unread.append(section.name)
+            continue
         lines.append(f"{section.name}:")
         lines += _entries(section.name, section.default_factory, _root_[section.name], comments)
+    if unread:
+        lines.append(f"(this command does not read {', '.join(unread)}: other commands' keys)")
     return "\n".join(lines).replace("$", "$$")  # Hydra fills the template with string.Template
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from composer3d.config.help import banner, examples, key_help, recipes
+from composer3d.config.help import banner, config_groups, examples, key_help, recipes
 from composer3d.config.schema import TrainConfig
 
 
@@ -21,5 +21,6 @@ def register_configs() -> None:
     # --help (hydra.help.template)
     OmegaConf.register_new_resolver("composer3d.key_help", key_help, replace=True)
     OmegaConf.register_new_resolver("composer3d.recipes", recipes, replace=True)
+    OmegaConf.register_new_resolver("composer3d.config_groups", config_groups, replace=True)
     OmegaConf.register_new_resolver("composer3d.banner", banner, replace=True)
     OmegaConf.register_new_resolver("composer3d.examples", examples, replace=True)

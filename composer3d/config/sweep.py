@@ -4,35 +4,16 @@ another machine, hours later."""
 
 from __future__ import annotations
 
-import sys
-
-from hydra import compose, initialize_config_module
-from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from composer3d.errors import ConfigError
 
 
-def check_sweep(config_path: str, config_name: str, overrides: list[str]) -> None:
+def check_sweep(cfg: DictConfig, multirun: bool) -> None:
     """Under ``-m`` with a submitit launcher (hydra/launcher=slurm, slurm_local, submitit_*): the
-    config every job shares (the sweep's fixed overrides) may not ask for what only the local
-    launcher does."""
-    if not {"-m", "--multirun"} & set(sys.argv[1:]) and "hydra.mode=MULTIRUN" not in overrides:
-        return
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        fixed = [
-            text for text, override in zip(overrides, parsed) if not override.is_sweep_override()
-        ]
-        with initialize_config_module(
-            config_module=config_path.removeprefix("pkg://"), version_base=None
-        ):
-            cfg = compose(config_name, overrides=fixed, return_hydra_config=True)
-    except (
-        HydraException,
-        ValueError,
-    ):  # an override Hydra itself refuses: it says so next, in its own words
+    config every job shares (``cfg``, composed with ``hydra``: the sweep's fixed overrides) may not
+    ask for what only the local launcher does."""
+    if not multirun:
         return
     if (
         "submitit" in (OmegaConf.select(cfg, "hydra.launcher._target_") or "")

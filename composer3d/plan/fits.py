@@ -15,13 +15,47 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from itertools import product
 
+from composer3d.config.schema import TrainLoopConfig
+from composer3d.errors import ConfigError
 from composer3d.plan.estimate import Estimate, Workload, estimate
 from composer3d.plan.hardware import Cluster
-from composer3d.plan.layouts import Candidate
+from composer3d.plan.layouts import Candidate, micro_batch_sizes
 
 TILE_TOKENS = 2048  # sequence tiling: the tokens of one tile (ALST's tiles are of this order)
 SEQ_LIMIT = 2**24  # 16M tokens: the longest sequence the search tries
 LAYER_LIMIT = 2048
+
+
+def micro_batch_size(t: TrainLoopConfig, dp: int, given: bool) -> tuple[int, str | None]:
+    """The micro-batch size to answer for on a layout of ``dp`` data-parallel ranks, by the search's
+    rule (``micro_batch_sizes``: the global batch is the run's, the micro-batch the layout's): the
+    config's where the layout runs it, else the largest below it that the layout runs, with why.
+    Refused: a global batch the ranks cannot share, and a micro-batch ``given`` on the command line
+    that does not divide a rank's share (not answered for another)."""
+    if t.global_batch_size < 1 or t.micro_batch_size < 1:
+        return t.micro_batch_size, None  # validate names what is wrong
+    sizes = micro_batch_sizes(t.global_batch_size, dp)
+    if not sizes:
+        raise ConfigError(
+            f"train.global_batch_size: {t.global_batch_size} sequences do not split over the "
+            f"layout's {dp} data-parallel ranks. Use a multiple of {dp}, e.g. "
+            f"{dp * max(1, t.global_batch_size // dp)}, or a layout with fewer data-parallel ranks "
+            "(parallel.tp, parallel.pp or parallel.cp above 1)"
+        )
+    if t.micro_batch_size in sizes:
+        return t.micro_batch_size, None
+    runs = max(m for m in sizes if m <= t.micro_batch_size)  # sizes holds 1
+    local = t.global_batch_size // dp
+    why = (
+        f"train.micro_batch_size: {t.micro_batch_size} does not divide the {local} sequences each "
+        f"of the {dp} data-parallel ranks gets (train.global_batch_size {t.global_batch_size})"
+    )
+    if given:
+        raise ConfigError(
+            f"{why}. Use a divisor of {local}, e.g. {runs}, or a train.global_batch_size that is a "
+            f"multiple of {t.micro_batch_size * dp}"
+        )
+    return runs, f"{why}: answered at train.micro_batch_size={runs}"
 
 
 @dataclass(frozen=True)

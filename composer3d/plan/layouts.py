@@ -210,6 +210,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def micro_batch_sizes(global_batch_size: int, dp: int) -> list[int]:
+    """The micro-batch sizes a layout of ``dp`` data-parallel ranks can run the global batch at: the
+    divisors of each rank's share; none where dp does not divide it. The global batch is the run's,
+    the micro-batch the layout's (the search weighs each)."""
+    return _divisors(global_batch_size // dp) if global_batch_size % dp == 0 else []
+
+
 def _tp_degrees(cfg: TrainConfig, world_size: int, gpus_per_node: int) -> list[int]:
     """Tensor-parallel degrees this model can split, within one node (TP's traffic needs its fastest
     links)."""
@@ -237,7 +244,8 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
             if pp > m.n_layers:
                 continue
             dp = world_size // (tp * pp * cp)
-            if t.global_batch_size % dp:
+            sizes = micro_batch_sizes(t.global_batch_size, dp)
+            if not sizes:
                 continue
             local_batch = t.global_batch_size // dp
             for dp_shard in _divisors(dp):
@@ -256,7 +264,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                     ):
                         if not _tiles_fit(cfg, t.seq_len // cp // (tp if sp else 1), pp):
                             continue
-                        for mbs in _divisors(local_batch):
+                        for mbs in sizes:
                             base = Candidate(
                                 layout,
                                 zero,

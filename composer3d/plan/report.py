@@ -116,10 +116,11 @@ def what_fits(
     seq_len: int,
     width: int,
     max_seq_len: int,
+    notes: list[str],
 ) -> str:
     """``plan.what_fits``: the longest sequence per option set, then the largest model per offload
     and checkpointing, each with its memory (device, host) and speed; what the first row of each
-    needs, as overrides."""
+    needs, as overrides; ``notes`` (what it assumed beyond the config)."""
     where = (
         f"{cluster.nodes} × {cluster.gpus_per_node} {cluster.device} ({_gib(cluster.memory_bytes)} "
         "each"
@@ -151,6 +152,7 @@ def what_fits(
                 [*models[0].estimate.candidate.overrides(), f"model.n_layers={models[0].amount}"]
             )
         )
+    lines += [f"note: {n}" for n in notes]
     return "\n".join(lines)
 
 
