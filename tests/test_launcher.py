@@ -210,6 +210,22 @@ def test_a_busy_run_dir_refuses_a_second_job_then_ctrl_c_stops_the_first_with_on
     assert (tmp_path / LOCK_FILE).read_text() == "", "the stopped launcher's name left with it"
 
 
+def test_ctrl_c_while_the_workers_import_is_one_line_not_their_tracebacks(tmp_path):
+    """Ctrl-C in the first seconds, while the workers still import torch: no worker's
+    KeyboardInterrupt traceback, only the launcher's one line, exit 130."""
+    first = start(tmp_path, *TWO_RANKS, LONG, nproc=2)
+    wait_until(first, lambda: len(_children(first.pid)) == 2, "two workers")
+    os.killpg(first.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the foreground group
+    _, stderr = first.communicate(timeout=120)
+    assert first.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    (line,) = stderr.strip().splitlines()
+    assert line.startswith("composer3d: stopped by SIGINT (Ctrl-C)") and line.endswith(
+        "exit code 130"
+    ), line
+    assert not (tmp_path / "metrics.jsonl").exists(), "stopped before any step"
+
+
 def test_workers_die_with_a_sigkilled_launcher_and_its_lock_goes_with_it(tmp_path):
     launcher = start(tmp_path, *TWO_RANKS, LONG, nproc=2)
     wait_until(launcher, lambda: (tmp_path / "metrics.jsonl").exists(), "a logged step")

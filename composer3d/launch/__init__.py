@@ -7,5 +7,6 @@ rank's Trainer, and what stops them.
   restarts, signals, the run directory's lock, the first failure named);
 - ``distributed``: joining torchrun or SLURM or the local launcher's group, and the one place that
   decides the device and the backend;
-- ``stop_signals``: SIGTERM/SIGUSR1 stop every rank at the same step, after a checkpoint.
+- ``stop_signals``: SIGTERM/SIGUSR1 stop every rank at the same step, after a checkpoint;
+- ``worker``: a local worker's first lines (Ctrl-C while it imports ends it quietly).
 """

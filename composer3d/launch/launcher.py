@@ -119,11 +119,11 @@ def spawn_local_workers(
     log_dir: Path | None = None,
     resume_hint: str | None = None,
 ) -> None:
-    """Run ``python -m module args`` in ``nproc`` local workers. Returns when all succeed; a failure
-    past the restarts exits with the first failure's own code (2 config, 3 divergence; a signal or
-    crash: 1); a signal to the launcher raises Interrupted once the workers are stopped.
-    ``log_dir``: where the agent's own log goes; ``resume_hint``: how the run resumes, said when the
-    workers stopped for a stop signal."""
+    """Run ``python -m module args`` in ``nproc`` local workers (``launch/worker.py`` first).
+    Returns when all succeed; a failure past the restarts exits with the first failure's own code
+    (2 config, 3 divergence; a signal or crash: 1); a signal to the launcher raises Interrupted
+    once the workers are stopped. ``log_dir``: where the agent's own log goes; ``resume_hint``: how
+    the run resumes, said when the workers stopped for a stop signal."""
     _log_to_console_and(log_dir)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = FORWARDED_SIGNALS
     if max_restarts:
@@ -142,7 +142,7 @@ def spawn_local_workers(
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
-    agent = _agent(config, ("-m", module, *args))
+    agent = _agent(config, ("-m", "composer3d.launch.worker", module, *args))
     # The workers inherit the launcher's environment; set for them only (a sweep's next job runs in
     # this process).
     os.environ[LAUNCHER_PID] = str(os.getpid())
@@ -247,7 +247,14 @@ class _Agent(LocalElasticAgent):
     _peer_failed = False  # a worker failed: the group is stopped next
 
     def _start_workers(self, worker_group):
-        pids = super()._start_workers(worker_group)
+        # The workers start with SIGINT blocked (a blocked set passes through fork and exec), so a
+        # Ctrl-C the launcher passes on while one still starts its interpreter waits until
+        # launch/worker.py can end it quietly; the launcher's own, meanwhile, waits a moment.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            pids = super()._start_workers(worker_group)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         self.exits = _ExitClock(pids.values())
         return pids
 
