@@ -6,6 +6,7 @@ in 4 workers or in a hanging collective. The in-process cases check ``validate``
 Hydra's compose API.
 """
 
+import os
 import shutil
 import subprocess
 import sys
@@ -1103,6 +1104,30 @@ def test_help_imports_no_torch(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("composer3d-generate: ")
     assert done.stdout.splitlines()[-1] == "torch imported: False"
+
+
+def test_help_into_a_pipe_its_reader_closed_is_no_traceback(tmp_path):
+    """`composer3d-train --help | head -1`: the reader gone before the help is written."""
+    probe = (
+        "import sys\n"
+        "from composer3d.commands.cli import train\n"
+        "sys.argv = ['composer3d-train', '--help']\n"
+        "train()\n"
+    )
+    read, write = os.pipe()
+    os.close(read)  # nothing will read what the command writes
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=tmp_path,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, "")
 
 
 @pytest.mark.timing

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -106,7 +107,7 @@ def hydra_entry_point(command: Command) -> Callable[[], None]:
             print(f"{command.name}: invalid configuration: {error}", file=sys.stderr)
             raise SystemExit(2) from None
         if args.help:  # Hydra's own lists every group of its own too: seconds
-            print(help_text(composed))
+            _print_help(help_text(composed))
             return
         try:
             hydra_main()
@@ -121,6 +122,16 @@ def hydra_entry_point(command: Command) -> Callable[[], None]:
             raise
 
     return entry_point
+
+
+def _print_help(text: str) -> None:
+    """--help into a pipe whose reader stops early (``| head``, a pager quit): not a BrokenPipeError
+    traceback."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # what is left in stdout's buffer would fail again when Python flushes it at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _multirun(overrides: list[str]) -> bool:
