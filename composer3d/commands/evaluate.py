@@ -36,6 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, check_same_model, load_model_weights, read_meta
+from composer3d.commands.cli import EVALUATE
 from composer3d.commands.processes import run_command
 from composer3d.config.checks import resolve_model_config, validate
 from composer3d.data import eval_windows
@@ -178,9 +179,7 @@ def _check(cfg: DictConfig) -> None:
 
 
 def task(cfg: DictConfig) -> None:
-    run_command(
-        "composer3d-eval", "composer3d.commands.evaluate", cfg, run, settle=_settle, check=_check
-    )
+    run_command(EVALUATE, cfg, run, settle=_settle, check=_check)
 
 
 if __name__ == "__main__":  # the local workers' command line

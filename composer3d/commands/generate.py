@@ -37,6 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from composer3d.checkpoint import META_FILE, load_model_weights, read_meta
+from composer3d.commands.cli import GENERATE
 from composer3d.commands.evaluate import check_weights_source
 from composer3d.commands.processes import run_command
 from composer3d.config.checks import resolve_model_config, validate
@@ -240,14 +241,7 @@ def _check(cfg: DictConfig) -> None:
 
 
 def task(cfg: DictConfig) -> None:
-    run_command(
-        "composer3d-generate",
-        "composer3d.commands.generate",
-        cfg,
-        run,
-        settle=_settle,
-        check=_check,
-    )
+    run_command(GENERATE, cfg, run, settle=_settle, check=_check)
 
 
 if __name__ == "__main__":  # the local workers' command line

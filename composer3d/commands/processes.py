@@ -8,6 +8,7 @@ from typing import Callable
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from composer3d.commands.hydra_entry import Command
 from composer3d.launch import distributed, launcher
 
 
@@ -20,8 +21,7 @@ def job_overrides() -> list[str]:
 
 
 def run_command(
-    command: str,
-    module: str,
+    command: Command,
     cfg: DictConfig,
     run: Callable[[DictConfig, distributed.Env | None], object],
     *,
@@ -31,18 +31,18 @@ def run_command(
     """The skeleton of a command that may run on several processes (composer3d-eval, -generate):
     every process ``settle``s the config alike (what a checkpoint records, the model's sizes); the
     command, before any worker starts, ``check``s what can fail in seconds; then it starts
-    ``launch.nproc_per_node`` local workers running ``module``, or (one process, or a worker, or a
-    rank of torchrun/SLURM) ``run``s. A bad config ends in one line and exit 2, a signal in 128 +
-    it (``launcher.exits_as_a_command``). composer3d-train adds restarts, the run directory and
-    its own exit codes around the same steps."""
+    ``launch.nproc_per_node`` local workers running the command's module, or (one process, or a
+    worker, or a rank of torchrun/SLURM) ``run``s. A bad config ends in one line and exit 2, a
+    signal in 128 + it (``launcher.exits_as_a_command``). composer3d-train adds restarts, the run
+    directory and its own exit codes around the same steps."""
     env = distributed.job_env()
     if launcher.started_by_local_launcher():
         launcher.die_with_launcher()
-    with launcher.exits_as_a_command(command, env):
+    with launcher.exits_as_a_command(command.name, env):
         settle(cfg)
         if env is None:  # before any worker starts
             check(cfg)
         if env is None and cfg.launch.nproc_per_node > 1:
-            launcher.spawn_local_workers(cfg.launch.nproc_per_node, module, job_overrides())
+            launcher.spawn_local_workers(cfg.launch.nproc_per_node, command.module, job_overrides())
             return
         run(cfg, env)

@@ -105,8 +105,10 @@ def _refused(error: HydraException, overrides: list[Override]) -> str:
 def _expected(cause: OmegaConfBaseException) -> str:
     """What the schema takes where a value was refused: its type and the value it had."""
     owner, key = getattr(cause, "object_type", None), getattr(cause, "key", None)
-    field = {f.name: f for f in dataclasses.fields(owner)}.get(key) if owner else None
-    if field is None or not dataclasses.is_dataclass(owner):
+    if not dataclasses.is_dataclass(owner):  # a free-form mapping's value: no schema type to name
+        return ""
+    field = {f.name: f for f in dataclasses.fields(owner)}.get(key)
+    if field is None:
         return ""
     hint = f". {cause.full_key} takes {field.type}"
     node = getattr(cause, "child_node", None)

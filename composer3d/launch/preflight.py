@@ -9,6 +9,7 @@ beyond its first rows).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import tempfile
@@ -122,16 +123,19 @@ def check_wandb(cfg: TrainConfig) -> None:
     from wandb.errors import AuthenticationError
 
     try:
-        # wandb's own lookup, from its SDK's internals (wandb >= 0.31): an older wandb's differ,
-        # and there wandb.init reports a missing login itself, as before this check
+        # wandb's own lookup, from its SDK's internals (wandb >= 0.31)
         from wandb.sdk import wandb_setup
         from wandb.sdk.lib import wbauth
-
-        # the settings wandb.init starts from (environment, settings files): offline or
-        # disabled, it skips its login
-        settings = wandb_setup.singleton().settings
-        if settings._offline or settings._noop:
-            return
+    except ImportError:  # an older wandb: its wandb.init reports a missing login itself
+        return
+    if "update_session" not in inspect.signature(wbauth.authenticate_session).parameters:
+        return  # the same, where the lookup cannot be made without updating the session
+    # the settings wandb.init starts from (environment, settings files): offline or disabled, it
+    # skips its login
+    settings = wandb_setup.singleton().settings
+    if settings._offline or settings._noop:
+        return
+    try:
         # The lookup wandb.init's login makes (WANDB_API_KEY, an identity token file, the netrc
         # file, the api_key setting) without its prompt. Not wandb.login(prompt=False): found
         # credentials, it asks the server whose they are, and rewrites the settings file.
@@ -141,8 +145,6 @@ def check_wandb(cfg: TrainConfig) -> None:
             prompt=False,
             update_session=False,
         )
-    except (ImportError, AttributeError, TypeError):
-        return
     except AuthenticationError as error:  # a key of the wrong form, or two kinds of credentials
         raise ConfigError(
             f"logging.wandb: the Weights & Biases credentials are not usable ({error}). Run "
