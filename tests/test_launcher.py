@@ -309,3 +309,40 @@ def test_cuda_allocator_grows_segments_in_place_unless_the_environment_or_the_co
         "expandable_segments:False",
         "False",
     ]
+
+
+ENDED = """
+import atexit, sys, threading, time
+from composer3d.launch.process_exit import ending_the_process
+
+# left open: the interpreter's teardown would flush and close it; end_process skips the teardown
+left_open = open(sys.argv[1] + ".teardown", "w")
+left_open.write("flushed by the teardown")
+def late_thread():
+    time.sleep(0.3)
+    open(sys.argv[1] + ".thread", "w").close()
+atexit.register(lambda: open(sys.argv[1] + ".atexit", "w").close())
+
+def command():
+    threading.Thread(target=late_thread).start()
+    print("buffered", end="")  # a pipe: block-buffered, flushed only at exit
+    sys.exit(sys.argv[2] if sys.argv[2] == "why" else int(sys.argv[2]))
+
+ending_the_process(command)()
+"""
+
+
+@pytest.mark.parametrize("code", ["0", "3", "why"])
+def test_a_command_ends_with_its_exit_work_done_and_no_teardown(tmp_path, code):
+    """process_exit: the command's exit status (a string: printed, 1), its buffered output, its
+    threads waited for and its atexit handlers run; the interpreter's teardown skipped (a file left
+    open keeps what it had buffered: the teardown would have flushed it)."""
+    mark = str(tmp_path / "mark")
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDED, mark, code], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == {"0": 0, "3": 3, "why": 1}[code], proc.stderr
+    assert proc.stdout == "buffered"
+    assert proc.stderr == ("why\n" if code == "why" else ""), proc.stderr
+    done = {p.suffix: p.read_text() for p in tmp_path.iterdir()}
+    assert done == {".thread": "", ".atexit": "", ".teardown": ""}, done

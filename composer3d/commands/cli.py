@@ -8,6 +8,7 @@ from dataclasses import fields
 
 from composer3d.commands.hydra_entry import Command, hydra_entry_point
 from composer3d.config.schema import TrainConfig
+from composer3d.launch.process_exit import ending_the_process
 
 # the model, its data and its layout: what a command that builds (or plans) the model reads
 _MODEL_AND_LAYOUT = ("model", "data", "parallel", "precision", "memory", "compile", "peft")
@@ -88,6 +89,9 @@ PREPARE = Command(
 
 COMMANDS = (TRAIN, EVALUATE, GENERATE, PLAN, PREPARE)
 
-# each command's console script by its module (`python -m <module>` runs the same one)
+# each command's entry point by its module (what `python -m <module>` runs; the tests call it in
+# their own process)
 SCRIPTS = {command.module: hydra_entry_point(command) for command in COMMANDS}
-train, evaluate, generate, plan, prepare = SCRIPTS.values()
+# the console scripts, and each module's `__main__`: the entry point, then the process ends without
+# the interpreter's teardown (launch/process_exit.py)
+train, evaluate, generate, plan, prepare = map(ending_the_process, SCRIPTS.values())

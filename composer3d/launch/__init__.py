@@ -8,5 +8,7 @@ rank's Trainer, and what stops them.
 - ``distributed``: joining torchrun or SLURM or the local launcher's group, and the one place that
   decides the device and the backend;
 - ``stop_signals``: SIGTERM/SIGUSR1 stop every rank at the same step, after a checkpoint;
-- ``worker``: a local worker's first lines (Ctrl-C while it imports ends it quietly).
+- ``worker``: a local worker's first lines (Ctrl-C while it imports ends it quietly);
+- ``process_exit``: a command's and each worker's last: its exit work done, the interpreter's
+  teardown skipped.
 """
