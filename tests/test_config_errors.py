@@ -1008,7 +1008,10 @@ def test_help_documents_every_key_with_its_composed_value_and_lists_groups_and_r
     )
     # data.max_tokens's, schema.py
     assert "cap on tokens read from the corpus into memory (0 = no cap)" in text
-    assert "model: hf, llama3_1b," in text and "data: chat, stdlib, synthetic, text_files" in text
+    assert (
+        "model: hf, llama3_1b," in text
+        and "data: chat, preference, stdlib, synthetic, text_files" in text
+    )
     assert "recipe: gemma2_9b, gemma2_9b_8x8, llama3_1_70b," in text
     assert "train:\n" in text and "Override any key as key=value" in text
     # each key's own comment, not one run on from the class above it; data.name names the data=chat

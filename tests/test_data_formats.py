@@ -398,7 +398,7 @@ def compose_cfg():
 @pytest.mark.parametrize(
     "overrides, key, hint",
     [
-        (["data.format=sft"], "data.format", "Choose one of ('text', 'chat')"),
+        (["data.format=sft"], "data.format", "Choose one of ('text', 'chat', 'preference')"),
         (["data.format=chat"], "data.format", "Use data=text_files"),
         (["data=chat", "data.paths=[c.jsonl]"], "data.tokenizer", "or use model=hf"),
         (

@@ -87,7 +87,9 @@ class DataConfig:
     # text_files: .txt (one document per file), .jsonl or .parquet (one document per row) files,
     # directories or globs; one kind per run
     paths: list[str] = field(default_factory=list)
-    # text: documents | chat: conversations, trained on the assistant replies only (SFT)
+    # text: documents | chat: conversations, trained on the assistant replies only (SFT) |
+    # preference: .jsonl/.parquet rows of prompt, chosen and rejected text (TRL's standard format;
+    # train.objective=dpo): each pair packed whole into one row, the completions' tokens the targets
     format: str = "text"
     text_field: str = "text"  # format=text, .jsonl/.parquet: the field holding the document text
     # format=chat: the field holding the list of {role, content} messages
@@ -261,6 +263,28 @@ class TrainLoopConfig:
     # weight's per chunk of the vocab: no full logits; needs a bias-free head without logit scaling,
     # parallel.tp=1, parallel.pp=1, memory.tile_loss=0)
     loss_impl: str = "chunked"
+    # sft: next-token cross-entropy on the targets | dpo: preference tuning on chosen/rejected pairs
+    # (data.format=preference; the loss and its reference: the preference section)
+    objective: str = "sft"
+
+
+@dataclass
+class PreferenceConfig:
+    """Preference tuning (train.objective=dpo): the loss, as TRL names it, and its reference."""
+
+    # sigmoid: DPO, -log σ(β·Δ) (Δ: chosen's log-ratio to the reference minus rejected's) | ipo:
+    # (Δ per completion token - 1/(2β))² | hinge: relu(1 - β·Δ) | simpo: SimPO, the policy's
+    # log-probabilities averaged per completion token, margin simpo_gamma, no reference model
+    loss_type: str = "sigmoid"
+    beta: float = 0.1  # β: the scale of the implicit reward β·log(π/π_ref) (IPO's τ)
+    # sigmoid, simpo: the probability that a pair's labels are flipped (conservative DPO:
+    # (1-ε)·(-log σ(β·Δ)) + ε·(-log σ(-β·Δ))); in [0, 0.5)
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5  # simpo: the target reward margin γ (the loss uses Δ - γ/β)
+    # copy: a frozen copy of the initial policy, parallelized like it (no gradients, no optimizer
+    # state) | adapters_off: under peft=lora|qlora the policy itself with its adapters switched off
+    # (the base: no second copy). simpo builds none
+    reference: str = "copy"
 
 
 @dataclass
@@ -396,6 +420,7 @@ class TrainConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     train: TrainLoopConfig = field(default_factory=TrainLoopConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)

@@ -13,12 +13,14 @@ One concern per module, each importing only those listed after it (no cycles):
   packed windows served from read-only memory maps of its shards (:class:`PreparedSequences`).
 - :mod:`~composer3d.data.windows`: an evaluation file cut into fixed token windows, dealt to
   data-parallel ranks.
+- :mod:`~composer3d.data.preference`: preference pairs tokenized and packed whole into rows, each
+  target marked with its pair and side (:class:`PreferenceSequences`).
 - :mod:`~composer3d.data.packing`: a token stream cut into windows, and windows into :class:`Batch`
   rows (targets, loss masks, document positions).
 - :mod:`~composer3d.data.streams`: documents or conversations tokenized into one
   :class:`TokenStream` with per-token document-start and trainable flags.
 - :mod:`~composer3d.data.sources`: the corpora: file discovery and reading (.txt/.jsonl/.parquet,
-  chat rows), whole or in pieces.
+  chat and preference rows), whole or in pieces.
 - :mod:`~composer3d.data.tokenizers`: the byte-level and Hugging Face tokenizers (chat template
   spans).
 
@@ -34,6 +36,11 @@ from composer3d.data.packing import (
     document_positions,
     packed_sequences,
 )
+from composer3d.data.preference import (
+    PreferenceSequences,
+    max_pairs_per_row,
+    tokenize_pairs,
+)
 from composer3d.data.preparation import prepare_corpus
 from composer3d.data.shards import (
     MANIFEST,
@@ -48,6 +55,7 @@ from composer3d.data.sources import (
     KIND_NAMES,
     chat_conversations,
     file_kind,
+    preference_rows,
     stdlib_documents,
     text_file_documents,
 )
@@ -66,6 +74,7 @@ __all__ = [
     "GlobalBatchLoader",
     "HFTokenizer",
     "PackedSequences",
+    "PreferenceSequences",
     "PreparedSequences",
     "TokenStream",
     "build_sequences",
@@ -81,13 +90,16 @@ __all__ = [
     "eval_result",
     "eval_windows",
     "file_kind",
+    "max_pairs_per_row",
     "packed_sequences",
+    "preference_rows",
     "prepare_corpus",
     "read_manifest",
     "stdlib_documents",
     "text_file_documents",
     "token_dtype",
     "token_stream",
+    "tokenize_pairs",
     "tokenizer_source",
     "window_batches",
 ]

@@ -3,7 +3,7 @@ packed.
 
 Synthetic data is seeded random windows; the other corpora go documents → token stream → packed
 sequences, in memory on every rank; a corpus prepared once (``data.prepared``) is served from its
-token shards instead.
+token shards instead; preference pairs are packed whole into rows (``preference``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 
 from composer3d.config.schema import DataConfig, ModelConfig
 from composer3d.data.packing import PackedSequences
+from composer3d.data.preference import PreferenceSequences, tokenize_pairs
 from composer3d.data.shards import (
     PreparedSequences,
     corpus_settings,
@@ -23,7 +24,9 @@ from composer3d.data.shards import (
 from composer3d.data.sources import (
     chat_conversations,
     check_files,
+    check_preference_files,
     expand,
+    preference_rows,
     stdlib_documents,
     text_file_documents,
 )
@@ -48,7 +51,9 @@ def check_sources(
     if data_cfg.name == "synthetic":
         return None
     if data_cfg.name == "text_files":
-        if getattr(data_cfg, "format", "text") == "chat":
+        if getattr(data_cfg, "format", "text") == "preference":
+            check_preference_files(list(data_cfg.paths))
+        elif getattr(data_cfg, "format", "text") == "chat":
             check_files(
                 list(data_cfg.paths),
                 getattr(data_cfg, "messages_field", "messages"),
@@ -127,7 +132,7 @@ def build_sequences(
     seq_len: int,
     seed: int,
     model_cfg: ModelConfig | None = None,
-) -> PackedSequences | PreparedSequences:
+) -> PackedSequences | PreparedSequences | PreferenceSequences:
     """All packed training sequences, (num_sequences, seq_len + 1) windows, identical on every rank.
 
     ``model_cfg``: the run's model config; a ``model=hf`` run without ``data.tokenizer`` uses its
@@ -155,6 +160,8 @@ def build_sequences(
         )
         return PackedSequences(tokens, document_masking=document_masking)
     tokenizer = check_sources(data_cfg, model_vocab_size, model_cfg)
+    if getattr(data_cfg, "format", "text") == "preference":
+        return _preference_sequences(data_cfg, tokenizer, seq_len, model_cfg)
     if getattr(data_cfg, "format", "text") == "chat":
         conversations = chat_conversations(
             list(data_cfg.paths), getattr(data_cfg, "messages_field", "messages")
@@ -174,6 +181,24 @@ def build_sequences(
         len(sequences),
         seq_len,
         int(stream.starts.sum()),
+        describe_tokenizer(tokenizer, data_cfg, model_cfg),
+    )
+    return sequences
+
+
+def _preference_sequences(
+    data_cfg: DataConfig, tokenizer, seq_len: int, model_cfg: ModelConfig | None
+) -> PreferenceSequences:
+    """data.format=preference: the pairs packed whole into rows (``preference``)."""
+    pairs = tokenize_pairs(preference_rows(list(data_cfg.paths)), tokenizer, data_cfg.max_tokens)
+    sequences = PreferenceSequences.pack(pairs, seq_len, tokenizer.eos_id)
+    log.info(
+        "data: %d preference pairs packed into %d rows of %d tokens (%.0f%% of their tokens "
+        "filled); %s",
+        len(pairs),
+        len(sequences),
+        seq_len,
+        100 * sum(pair.tokens for pair in pairs) / sequences.tokens.numel(),
         describe_tokenizer(tokenizer, data_cfg, model_cfg),
     )
     return sequences

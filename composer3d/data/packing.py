@@ -46,30 +46,31 @@ class Batch:
     ``position_ids`` restart at 0 at each document start when document masking is on (the model then
     attends within documents only, native Llama and HF models alike), else they count 0..seq_len-1
     along each row. ``global_targets``: targets that take a loss in the whole global batch (every
-    data-parallel rank's rows), when the loader filled it in.
+    data-parallel rank's rows), when the loader filled it in (preference data: pairs). ``segment``
+    (preference data, ``data.preference``): per target, which side of which pair of its row it
+    belongs to (pair slot × 2 + 0 chosen / 1 rejected), -1 where no loss is taken.
     """
 
     inputs: torch.Tensor
     targets: torch.Tensor
     position_ids: torch.Tensor
     global_targets: int | None = None
+    segment: torch.Tensor | None = None
+
+    def _tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.inputs, self.targets, self.position_ids, self.segment
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(
-            *(
-                t.to(device, non_blocking=non_blocking)
-                for t in (self.inputs, self.targets, self.position_ids)
-            ),
-            self.global_targets,
+        inputs, targets, positions, segment = (
+            None if t is None else t.to(device, non_blocking=non_blocking) for t in self._tensors()
         )
+        return Batch(inputs, targets, positions, self.global_targets, segment)
 
     def pin_memory(self) -> Batch:
-        return Batch(
-            self.inputs.pin_memory(),
-            self.targets.pin_memory(),
-            self.position_ids.pin_memory(),
-            self.global_targets,
+        inputs, targets, positions, segment = (
+            None if t is None else t.pin_memory() for t in self._tensors()
         )
+        return Batch(inputs, targets, positions, self.global_targets, segment)
 
 
 def document_positions(starts: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@
 ``text_files`` (local .txt/.jsonl/.parquet through Hugging Face datasets); ``synthetic`` (seeded
 random tokens) needs no source (see :mod:`composer3d.data.corpus`). ``data.format=chat`` reads
 conversations (a ``messages`` list of {role, content}) from .jsonl/.parquet rows and trains only on
-the assistant replies (supervised fine-tuning).
+the assistant replies (supervised fine-tuning); ``data.format=preference`` reads prompt, chosen
+and rejected text from each row (preference tuning, packed in :mod:`composer3d.data.preference`).
 """
 
 from __future__ import annotations
@@ -279,6 +280,81 @@ def chat_conversations(paths: list[str], messages_field: str) -> Iterator[list[d
         )
     for row, messages in enumerate(_load_rows(files, messages_field, "data.messages_field")):
         yield conversation(messages, f"row {row} of {paths}")
+
+
+PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
+_CONVERSATIONAL = (
+    "this version reads TRL's standard text form only (the conversational form, lists of "
+    "messages, is not supported yet). Render the conversations to text first"
+)
+
+
+def check_preference_files(paths: list[str]) -> None:
+    """Refuse, before any worker starts, files that are not .jsonl/.parquet or whose first rows lack
+    a text ``prompt``, ``chosen`` or ``rejected`` (conversations: refused, ``_CONVERSATIONAL``)."""
+    files = expand(paths)
+    kind = file_kind(files)
+    if kind == "text":
+        raise ConfigError(
+            "data.format: preference reads prompt, chosen and rejected from each .jsonl or "
+            f".parquet row, and data.paths gives .txt files ({files[0]}). Give .jsonl/.parquet "
+            "files"
+        )
+    for file in files:
+        if kind == "json":
+            for number, row in _json_lines(file, SNIFF_ROWS):
+                _check_preference_row(row, f"{file} line {number}")
+        else:
+            _check_preference_columns(file)
+
+
+def _check_preference_row(row: dict, where: str) -> None:
+    for column in PREFERENCE_COLUMNS:
+        value = row.get(column)
+        if isinstance(value, list):
+            raise ConfigError(
+                f"data.format: {where} holds a conversation in {column!r}: {_CONVERSATIONAL}"
+            )
+        if not isinstance(value, str):
+            raise ConfigError(
+                f"data.format: {where} has no text {column!r} (fields: {sorted(row)}): preference "
+                f"rows hold text in {PREFERENCE_COLUMNS}. Give rows in TRL's preference format"
+            )
+
+
+def _check_preference_columns(file: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        schema = pq.read_schema(file)
+    except (OSError, pa.ArrowException) as error:
+        raise ConfigError(
+            f"data.paths: {file} is not a readable parquet file ({_first_line(error)}). Give "
+            "intact .parquet files"
+        ) from None
+    for column in PREFERENCE_COLUMNS:
+        kind = schema.field(column).type if column in schema.names else None
+        if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+            raise ConfigError(
+                f"data.format: the column {column!r} of {file} holds conversations: "
+                f"{_CONVERSATIONAL}"
+            )
+        if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(
+                f"data.format: {file} has no text column {column!r} (columns: {schema.names}): "
+                f"preference rows hold text in {PREFERENCE_COLUMNS}. Give rows in TRL's preference "
+                "format"
+            )
+
+
+def preference_rows(paths: list[str]) -> Iterator[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) of every row of ``paths``, in file order (each value checked)."""
+    files = expand(paths)
+    columns = [_load_rows(files, column, "data.format") for column in PREFERENCE_COLUMNS]
+    for number, row in enumerate(zip(*columns)):
+        _check_preference_row(dict(zip(PREFERENCE_COLUMNS, row)), f"row {number} of {paths}")
+        yield row
 
 
 def conversation(messages, where: str) -> list[dict]:

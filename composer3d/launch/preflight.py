@@ -38,6 +38,7 @@ from composer3d.peft.base import (
     build_with_adapters,
     check_base_from,
     check_same_base,
+    describe,
 )
 
 log = logging.getLogger("composer3d")
@@ -241,6 +242,7 @@ def check_resumable(cfg: TrainConfig, directory: Path) -> Path | None:
                 f"with peft.base_from={path} (checkpoint.resume continues a run of the same kind)"
             )
         check_same_base(path, meta, cfg)
+    check_same_reference(path, meta, cfg)
     try:
         check_same_model(path, build_with_adapters(cfg.model, cfg.peft))
     except ConfigError:
@@ -260,6 +262,34 @@ def check_resumable(cfg: TrainConfig, directory: Path) -> Path | None:
                 ).identity,
             )
     return path
+
+
+def check_same_reference(path: Path, meta: dict, cfg: TrainConfig) -> None:
+    """A DPO run's reference is rebuilt from this config's initial weights, never from a checkpoint:
+    resuming one is right only where it trained from those weights, as a DPO run from its start."""
+    if cfg.train.objective != "dpo" or cfg.preference.loss_type == "simpo":
+        return
+    before = meta["config"]
+    objective = (before.get("train") or {}).get("objective", "sft")
+    now = base_source(cfg)
+    if objective != "dpo":
+        raise ConfigError(
+            f"checkpoint.resume: {path} was saved by a train.objective={objective} run, and "
+            f"train.objective=dpo takes its reference from this run's initial weights "
+            f"({describe(now)}), not from the checkpoint it continues. To tune its weights, "
+            "export them (composer3d-convert export) and start a new run from them with model=hf "
+            "model.path=<the export>"
+        )
+    start, init_from = base_source(before), (before.get("peft") or {}).get("init_from")
+    # (model.path may name another directory: the weights may have moved)
+    same = start.keys() == now.keys() and ("pretrained" in now or start == now)
+    if not same or init_from != cfg.peft.init_from:
+        raise ConfigError(
+            f"checkpoint.resume: {path} trained against the reference of {describe(start)}"
+            + (f" with the adapters of peft.init_from={init_from}" if init_from else "")
+            + ", and this run's config would build its reference from another start. Resume with "
+            "the settings it was saved with (its composer3d.json has them)"
+        )
 
 
 def metrics_records(path: Path) -> list[tuple[str, int]]:

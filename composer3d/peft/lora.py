@@ -9,8 +9,10 @@ the same base weights as a full fine-tune of that seed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -24,7 +26,8 @@ ADAPTERS = ("lora_A", "lora_B")
 
 class LoRALinear(nn.Module):
     """``base_layer(x) + lora_B(lora_A(dropout(x))) · alpha / rank``; ``lora_B`` starts at zero, so
-    the wrapped layer first computes exactly what the base did."""
+    the wrapped layer first computes exactly what the base did. With ``adapters_on`` false (inside
+    ``adapters_off``) it computes the base alone."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -33,9 +36,27 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.Linear(rank, base.out_features, bias=False, device=base.weight.device)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.scaling = alpha / rank
+        # an attribute of the module, not a global: a compiled block guards on it
+        self.adapters_on = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.adapters_on:
+            return self.base_layer(x)
         return self.base_layer(x) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """``model``'s LoRA layers compute their base alone inside the block: the model before its
+    adapters trained (preference tuning's reference, ``preference.reference=adapters_off``)."""
+    layers = [module for module in model.modules() if isinstance(module, LoRALinear)]
+    for layer in layers:
+        layer.adapters_on = False
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.adapters_on = True
 
 
 class NF4Linear(nn.Linear):

@@ -12,6 +12,8 @@ exponentials and target logit are then completed with one all-reduce each over t
 group, as ``loss_parallel`` does, and no rank ever holds the full vocabulary. With
 ``compile.enabled``, and on an accelerator always, the per-chunk math runs as torch.compile'd
 kernels, fused so that each reads the chunk once instead of passing fp32 temporaries through memory.
+The same kernel gives each token's log-probability and its gradient (``target_log_probs``), for a
+loss that is not a sum over tokens (preference tuning).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         group,
         kernels: ChunkKernels,
         in_place: bool,
+        per_token: bool,
     ) -> torch.Tensor:
         rows, vocab = logits.shape
         local = targets - vocab_start
@@ -114,7 +117,8 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         trained = targets != IGNORE_INDEX
         ctx.save_for_backward(logits, lse, index, here, trained)
         ctx.step, ctx.kernels, ctx.in_place = step, kernels, in_place
-        return ((lse - target_logit) * trained).sum()
+        losses = (lse - target_logit) * trained
+        return losses if per_token else losses.sum()
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
@@ -124,11 +128,12 @@ class _ShardedCrossEntropy(torch.autograd.Function):
         # second backward (retain_graph) fails the same way.
         logits, lse, index, here, trained = ctx.saved_tensors
         grad = logits if ctx.in_place else logits.clone()
+        # grad_loss: a scalar (the sum), or one per row (per_token)
         weight = (trained * grad_loss).float().unsqueeze(1)
         for start in range(0, logits.shape[0], ctx.step):
             rows = slice(start, start + ctx.step)
             ctx.kernels.grad_in_place(grad[rows], lse[rows], index[rows], here[rows], weight[rows])
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def cross_entropy_sum(
@@ -145,6 +150,22 @@ def cross_entropy_sum(
     reference to them (the trainer); logits that are a leaf, the caller's own data, are never
     overwritten.
     """
+    return _sharded(logits, targets, compiled, in_place, per_token=False)
+
+
+def target_log_probs(
+    logits: torch.Tensor, targets: torch.Tensor, compiled: bool = False, in_place: bool = False
+) -> torch.Tensor:
+    """log softmax(logits)[target] per token, (batch, seq) fp32, 0 where the target is
+    IGNORE_INDEX: ``cross_entropy_sum``'s terms, negated and not summed, with the same chunks,
+    vocabulary sharding and gradient (each token's scaled by its own output gradient)."""
+    batch, seq = targets.shape
+    return -_sharded(logits, targets, compiled, in_place, per_token=True).view(batch, seq)
+
+
+def _sharded(
+    logits: torch.Tensor, targets: torch.Tensor, compiled: bool, in_place: bool, per_token: bool
+) -> torch.Tensor:
     in_place = in_place and logits.grad_fn is not None
     group, vocab_start = None, 0
     if isinstance(logits, DTensor) and all(p.is_replicate() for p in logits.placements):
@@ -165,5 +186,11 @@ def cross_entropy_sum(
         logits = logits.to_local()
     kernels = compiled_kernels() if compiled else EAGER_KERNELS
     return _ShardedCrossEntropy.apply(
-        logits.flatten(0, 1), targets.flatten(0, 1), vocab_start, group, kernels, in_place
+        logits.flatten(0, 1),
+        targets.flatten(0, 1),
+        vocab_start,
+        group,
+        kernels,
+        in_place,
+        per_token,
     )

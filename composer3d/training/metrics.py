@@ -248,6 +248,12 @@ class MetricsSink:
                 else ""
             )
             + (f" eval_loss {record['eval_loss']:.4f}" if "eval_loss" in record else "")
+            + (
+                f" reward accuracy {record['rewards/accuracies']:.3f} margin "
+                f"{record['rewards/margins']:.4f}"
+                if "rewards/margins" in record
+                else ""
+            )
         )
         if self.progress is not None:
             self.progress.update(self.task, completed=record["step"], status=bar_status(record))

@@ -1,6 +1,6 @@
-"""Reading a logging window's metrics back from the device: the steps' losses summed over the mesh
-in one collective, then read back with the gradient norms and peak memory in one host sync, as
-metrics.jsonl records."""
+"""Reading a logging window's metrics back from the device: the steps' losses (and a DPO run's
+metric sums) summed over the mesh in one collective, then read back with the gradient norms and peak
+memory in one host sync, as metrics.jsonl records."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch.distributed as dist
 from composer3d.parallel.mesh import ParallelMesh
 from composer3d.training.expert_load import ExpertLoad
 from composer3d.training.metrics import Throughput, peak_memory_bytes
+from composer3d.training.preference import METRICS
 
 
 def window_records(
@@ -27,17 +28,21 @@ def window_records(
     """The logging window's records: the steps' losses summed over the mesh in one collective, then
     read back with the gradient norms and peak memory in one host sync; times are the window's
     average."""
-    losses = torch.stack([metrics["loss"] for _, metrics in pending])
+    # the preference metrics' sums (train.objective=dpo) ride in the losses' collective
+    preference = [metrics["preference"] for _, metrics in pending if "preference" in metrics]
+    losses = torch.cat([torch.stack([metrics["loss"] for _, metrics in pending]), *preference])
     dist.all_reduce(losses, group=mesh.loss.get_group())
     if pipelined:  # only the last stage's ranks hold it; the others add zero
         dist.all_reduce(losses, group=mesh["pp"].get_group())
+    losses, preference_sums = losses[: len(pending)], losses[len(pending) :]
     peaks = peak_memory_bytes(device)
     peak = torch.tensor(list(peaks.values()), dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
     norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
-    values = torch.cat([losses.double(), norms.double(), peak]).tolist()
-    peaks = dict(zip(peaks, map(int, values[2 * len(pending) :])))
+    values = torch.cat([losses.double(), norms.double(), peak, preference_sums.double()]).tolist()
+    peaks = dict(zip(peaks, map(int, values[2 * len(pending) : 2 * len(pending) + len(peaks)])))
+    sums = iter(values[2 * len(pending) + len(peaks) :])
     experts = expert_load.read(len(pending)) if expert_load is not None else {}
     step_time = (time.perf_counter() - window_start) / len(pending)
     records = []
@@ -60,6 +65,12 @@ def window_records(
                     if k in metrics
                 },
                 **({"update_skipped": True} if metrics["update_skipped"] else {}),
+                # per pair of the global batch (its target count), as TRL averages them
+                **(
+                    {k: next(sums) / metrics["target_tokens"] for k in METRICS}
+                    if "preference" in metrics
+                    else {}
+                ),
             }
         )
     return records

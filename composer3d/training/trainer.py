@@ -5,7 +5,8 @@ One step: the global batch is fixed by the seed; this data-parallel rank takes i
 as micro-batches (gradient accumulation). Each micro-batch's summed token loss is divided by the
 count of targets that take a loss (not -100: document boundaries, chat prompts) in the whole global
 batch, so the gradient — and the logged loss — are the same under every layout. The batch's
-position_ids go to the model with the inputs.
+position_ids go to the model with the inputs. With train.objective=dpo the summed loss is the
+pairs' preference loss (``preference``), divided by the pairs of the global batch.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from composer3d.training.optim import (
     restore_configured_settings,
     with_configured_kernels,
 )
+from composer3d.training.preference import PreferenceObjective
 from composer3d.training.readback import window_records
 
 log = logging.getLogger("composer3d")
@@ -165,6 +167,12 @@ class Trainer:
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg.train, self.model, mesh, device)
+        # train.objective=dpo: the pairs' loss and its reference model
+        self.preference = (
+            PreferenceObjective(cfg, mesh, device, self.model, self._compiled_loss)
+            if t.objective == "dpo"
+            else None
+        )
         # Context parallel: each cp rank takes its share of every sequence (the model attends over
         # all of it), by the ContextParallel parallelize gave the model: the batch's placement
         # (parallel.cp_balance) is set once for both.
@@ -258,21 +266,24 @@ class Trainer:
             for loss in losses if self.runs_last_stage else []:
                 total += loss.detach()
             return total
-        position_chunks = (
-            [None] * self.accumulation_steps
-            if positions is None
-            else positions.chunk(self.accumulation_steps)
+        position_chunks, segment_chunks = (
+            [None] * self.accumulation_steps if t is None else t.chunk(self.accumulation_steps)
+            for t in (positions, batch.segment)
         )
-        for i, (inp, tgt, pos) in enumerate(
+        for i, (inp, tgt, pos, seg) in enumerate(
             zip(
                 inputs.chunk(self.accumulation_steps),
                 targets.chunk(self.accumulation_steps),
                 position_chunks,
+                segment_chunks,
             )
         ):
             if i and self.memory_tracker is not None:
                 self.memory_tracker.reset_mod_stats()
-            loss = self._model_loss(inp, tgt, pos)
+            if self.preference is None:
+                loss = self._model_loss(inp, tgt, pos)
+            else:
+                loss = self._normalized(self.preference.loss(self.model, inp, tgt, pos, seg))
             loss.backward()
             total += loss.detach()
         return total
@@ -372,6 +383,8 @@ class Trainer:
         }
         if self.scaler:
             metrics.update(loss_scale=scale, skipped_steps=self.scaler.skipped_steps)
+        if self.preference is not None:  # summed over this rank's pairs (read back per window)
+            metrics["preference"] = self.preference.step_sums()
         if self.cfg.train.on_nonfinite == "skip":
             metrics["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
         return metrics

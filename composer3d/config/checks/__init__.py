@@ -8,9 +8,10 @@ hanging in a collective.
 
 The areas: ``layout`` (parallel degrees, sharding, tensor/sequence, expert and pipeline parallel),
 ``model`` (the architecture and its MoE layers), ``peft`` (LoRA, QLoRA), ``training`` (batch, loop,
-optimizer, precision, memory, generation), ``data`` and ``runtime`` (checkpoints, launch, logging);
-``common`` holds ``_require``, through which every check fails. This module holds the entry points
-and the checks no area owns: unknown keys, and what only fails on some devices.
+optimizer, precision, memory, generation), ``data``, ``preference`` (the objective: DPO and its
+kin) and ``runtime`` (checkpoints, launch, logging); ``common`` holds ``_require``, through which
+every check fails. This module holds the entry points and the checks no area owns: unknown keys, and
+what only fails on some devices.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from composer3d.config.checks.layout import (
 )
 from composer3d.config.checks.model import _check_model, resolve_model_config
 from composer3d.config.checks.peft import _check_peft
+from composer3d.config.checks.preference import _check_objective
 from composer3d.config.checks.runtime import _check_checkpoint, _check_launch_and_logging
 from composer3d.config.checks.training import (
     _check_batch,
@@ -75,6 +77,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     _check_memory(cfg, layout)
     _check_peft(cfg, layout)
     _check_data(cfg.data, cfg.model)
+    _check_objective(cfg, layout)
     _check_checkpoint(cfg.checkpoint)
     _check_launch_and_logging(cfg.launch, cfg.logging, cfg.checkpoint)
     return layout

@@ -1,5 +1,6 @@
 """The data: a known dataset and format, files where the dataset reads files, and what chat data
-needs (a tokenizer with a chat template, the messages field)."""
+needs (a tokenizer with a chat template, the messages field) and preference data (packed documents,
+read in memory)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 from composer3d.config.checks.common import _require
 
 DATASETS = ("stdlib", "synthetic", "text_files")
-DATA_FORMATS = ("text", "chat")
+DATA_FORMATS = ("text", "chat", "preference")
 
 
 def _check_data(d: Any, m: Any) -> None:
@@ -64,6 +65,8 @@ def _check_data(d: Any, m: Any) -> None:
             "Set data.tokenizer=<tokenizer directory>, or use model=hf (its own tokenizer)",
         )
         _require(bool(d.messages_field), "data.messages_field", "is empty", "Use e.g. messages")
+    elif d.format == "preference":
+        _check_preference_data(d)
     else:
         _require(bool(d.text_field), "data.text_field", "is empty", "Use e.g. text")
     _require(
@@ -79,3 +82,28 @@ def _check_data(d: Any, m: Any) -> None:
             f"must be >= 1, got {d.synthetic_sequences}",
             "Use e.g. 4096",
         )
+
+
+def _check_preference_data(d: Any) -> None:
+    """data.format=preference: pairs read from files and packed whole, each side a document."""
+    _require(
+        d.name == "text_files",
+        "data.format",
+        f"preference reads prompt/chosen/rejected rows from .jsonl/.parquet files, and "
+        f"data.name={d.name} has none",
+        "Use data=preference data.paths=[pairs.jsonl]",
+    )
+    _require(
+        not d.prepared,
+        "data.prepared",
+        "composer3d-prepare does not prepare preference pairs yet (they are packed whole, in "
+        "memory)",
+        "Leave data.prepared out with data.format=preference",
+    )
+    _require(
+        d.document_masking,
+        "data.document_masking",
+        "false would let a pair's rejected completion attend to its chosen one (both sides are "
+        "documents of one row)",
+        "Use data.document_masking=true with data.format=preference",
+    )

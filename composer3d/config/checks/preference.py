@@ -1,0 +1,145 @@
+"""The training objective: preference tuning (``train.objective=dpo``) on preference data, its loss
+and reference settings, and the layouts and switches this first version does not run yet (each
+refused with what would work)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from composer3d.config.checks.common import _require
+from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.mesh import Layout
+
+OBJECTIVES = ("sft", "dpo")
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
+REFERENCES = ("copy", "adapters_off")
+
+
+def _check_objective(cfg: Any, layout: Layout) -> None:
+    t, d = cfg.train, cfg.data
+    _require(
+        t.objective in OBJECTIVES,
+        "train.objective",
+        f"unknown objective {t.objective!r}",
+        f"Choose one of {OBJECTIVES}",
+    )
+    dpo = t.objective == "dpo"
+    _require(
+        not dpo or d.format == "preference",
+        "train.objective",
+        f"dpo trains on chosen/rejected pairs, and data.format={d.format} holds none",
+        "Add data=preference data.paths=[pairs.jsonl] (prompt, chosen, rejected per row)",
+    )
+    _require(
+        dpo or d.format != "preference",
+        "data.format",
+        f"preference pairs train only a preference objective, and train.objective={t.objective}",
+        "Add train.objective=dpo (or train on the chosen replies as chat data)",
+    )
+    if dpo:
+        _check_preference(cfg.preference, cfg.peft)
+        _check_dpo_layout(cfg, layout)
+
+
+def _check_preference(pref: Any, peft: Any) -> None:
+    _require(
+        pref.loss_type in LOSS_TYPES,
+        "preference.loss_type",
+        f"unknown loss {pref.loss_type!r}",
+        f"Choose one of {LOSS_TYPES}",
+    )
+    _require(pref.beta > 0, "preference.beta", f"must be > 0, got {pref.beta}", "Use e.g. 0.1")
+    _require(
+        0 <= pref.label_smoothing < 0.5,
+        "preference.label_smoothing",
+        f"must be in [0, 0.5), got {pref.label_smoothing}",
+        "Use 0, or e.g. 0.1",
+    )
+    _require(
+        pref.label_smoothing == 0 or pref.loss_type in ("sigmoid", "simpo"),
+        "preference.label_smoothing",
+        f"{pref.label_smoothing} smooths the sigmoid and simpo losses, and loss_type is "
+        f"{pref.loss_type}",
+        "Use preference.label_smoothing=0, or preference.loss_type=sigmoid",
+    )
+    _require(
+        pref.simpo_gamma >= 0,
+        "preference.simpo_gamma",
+        f"must be >= 0, got {pref.simpo_gamma}",
+        "Use e.g. 0.5",
+    )
+    _require(
+        pref.reference in REFERENCES,
+        "preference.reference",
+        f"unknown reference {pref.reference!r}",
+        f"Choose one of {REFERENCES}",
+    )
+    if pref.reference != "adapters_off" or pref.loss_type == "simpo":
+        return
+    _require(
+        peft.method != "none",
+        "preference.reference",
+        "adapters_off is the policy with its LoRA adapters switched off, and peft.method is none",
+        "Add peft=lora (or peft=qlora), or use preference.reference=copy",
+    )
+    # With these the policy minus its adapters is no longer the initial policy
+    _require(
+        not peft.modules_to_save,
+        "preference.reference",
+        f"adapters_off would run peft.modules_to_save={list(peft.modules_to_save)} as they train, "
+        "not as they started",
+        "Use preference.reference=copy, or peft.modules_to_save=[]",
+    )
+    _require(
+        not peft.init_from,
+        "preference.reference",
+        f"adapters_off would be the base without the adapters of peft.init_from={peft.init_from}, "
+        "not the policy training starts from",
+        "Use preference.reference=copy (a frozen copy with those adapters)",
+    )
+
+
+def _check_dpo_layout(cfg: Any, layout: Layout) -> None:
+    """What train.objective=dpo does not run yet, each with a reason."""
+    _require(
+        layout.pp == 1,
+        "parallel.pp",
+        "train.objective=dpo does not run under pipeline parallel yet (a pair's per-token "
+        "metadata would ride in the schedule's target)",
+        "Use parallel.pp=1 (FSDP/HSDP, DDP, TP+SP)",
+    )
+    _require(
+        layout.cp == 1,
+        "parallel.cp",
+        "train.objective=dpo does not run under context parallel yet (a pair's sums would be "
+        "completed over the cp ranks)",
+        "Use parallel.cp=1 (FSDP/HSDP, DDP, TP+SP)",
+    )
+    _require(
+        cfg.train.loss_impl == "chunked",
+        "train.loss_impl",
+        "fused computes the gradients in the forward from a known output gradient, and DPO's is "
+        "known only once every token's log-probability is",
+        "Use train.loss_impl=chunked with train.objective=dpo",
+    )
+    _require(
+        cfg.memory.tile_loss <= 1,
+        "memory.tile_loss",
+        "train.objective=dpo does not run the head in sequence tiles yet",
+        "Use memory.tile_loss=0 with train.objective=dpo",
+    )
+    _require(
+        not cfg.compile.enabled,
+        "compile.enabled",
+        "train.objective=dpo is not checked compiled yet (the reference's no-grad forwards, and "
+        "the adapters' switch, add compiled graphs no test has measured)",
+        "Use compile.enabled=false with train.objective=dpo",
+    )
+    experts, _ = MODEL_REGISTRY[cfg.model.name].expert_parallel(cfg.model)
+    _require(
+        experts == 0,
+        "train.objective",
+        "dpo does not train mixture-of-experts models yet (their auxiliary loss and routing "
+        "statistics are scaled for the token loss)",
+        "Use a dense model with train.objective=dpo",
+    )

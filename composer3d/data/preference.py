@@ -1,0 +1,156 @@
+"""Preference pairs (``data.format=preference``, ``train.objective=dpo``): tokenized and packed
+whole into training rows.
+
+The rows (``sources.preference_rows``) are TRL's standard (non-conversational) preference format:
+.jsonl or .parquet rows with ``prompt``, ``chosen`` and ``rejected`` text. Each piece is tokenized
+on its own (no special tokens added), and each completion gets the end-of-sequence token, as TRL
+appends to text completions; the completions' tokens are the targets, the prompt's are not.
+
+A pair is two documents, prompt + chosen and prompt + rejected, and both go into the same row of
+train.seq_len + 1 tokens (inputs and shifted targets), several pairs to a row where they fit
+(best fit, in the data's order). So every split of a batch along its rows (data-parallel slices,
+micro-batches) keeps each pair whole, and the document mask (positions restarting per document)
+keeps its two sides apart. The packing is a function of the data alone, done identically on every
+rank before the loader's seeded order deals rows to data-parallel ranks. Per target, ``segment``
+says which pair of its row and which side it belongs to; the loader's ``target_count`` counts pairs,
+the global normalizer of the preference loss.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from composer3d.data.packing import Batch, rows_batch
+from composer3d.errors import ConfigError
+
+CHOSEN, REJECTED = 0, 1  # a target's side: segment = pair slot × 2 + side
+NO_SEGMENT = -1
+# the fewest tokens a pair takes: each of its documents a prompt token and a completion token
+PAIR_MIN_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A pair's token ids: the prompt, and each completion with its end-of-sequence token."""
+
+    prompt: torch.Tensor
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        """What the pair takes of a row: both documents, prompt + chosen and prompt + rejected."""
+        return 2 * self.prompt.numel() + self.chosen.numel() + self.rejected.numel()
+
+
+def max_pairs_per_row(seq_len: int) -> int:
+    """The most pairs a row of seq_len + 1 tokens can hold."""
+    return max(1, (seq_len + 1) // PAIR_MIN_TOKENS)
+
+
+def tokenize_pairs(rows: Iterator[tuple[str, str, str]], tokenizer, max_tokens: int) -> list[Pair]:
+    """Each row's pieces tokenized apart, the completions ending in the end-of-sequence token, until
+    the pairs take ``max_tokens`` in rows (0: all). A prompt of no tokens is refused: its
+    completion's first token would have nothing to be predicted from."""
+    eos = torch.tensor([tokenizer.eos_id], dtype=torch.int64)
+    pairs, total = [], 0
+    for number, (prompt, chosen, rejected) in enumerate(rows):
+        if max_tokens and total >= max_tokens:
+            break
+        pair = Pair(
+            tokenizer.encode(prompt),
+            torch.cat([tokenizer.encode(chosen), eos]),
+            torch.cat([tokenizer.encode(rejected), eos]),
+        )
+        if pair.prompt.numel() == 0:
+            raise ConfigError(
+                f"data.paths: the prompt of preference row {number} is empty. Give every row a "
+                "prompt (its completions are predicted from it)"
+            )
+        pairs.append(pair)
+        total += pair.tokens
+    return pairs
+
+
+@dataclass
+class PreferenceSequences:
+    """Pairs packed whole into rows, identical on every rank; the loader's sequences.
+
+    ``tokens``, ``starts`` (a document's first token), ``trainable`` (a completion token): (rows,
+    seq_len + 1). ``segment`` (rows, seq_len): per target (tokens[1:]), pair slot × 2 + side, or -1.
+    ``pairs``: (rows,) pairs in each row.
+    """
+
+    tokens: torch.Tensor
+    starts: torch.Tensor
+    trainable: torch.Tensor
+    segment: torch.Tensor
+    pairs: torch.Tensor
+
+    @classmethod
+    def pack(cls, pairs: list[Pair], seq_len: int, pad_id: int) -> PreferenceSequences:
+        """Best fit in the pairs' order: each pair goes to the open row it fills most tightly (ties:
+        the earliest row), else to a new row; the rest of a row is one padding document."""
+        width = seq_len + 1
+        if not pairs:
+            raise ConfigError("data.paths: the files hold no preference pair. Give some rows")
+        longest = max(range(len(pairs)), key=lambda i: pairs[i].tokens)
+        if pairs[longest].tokens > width:
+            raise ConfigError(
+                f"train.seq_len: preference row {longest} takes {pairs[longest].tokens} tokens as "
+                f"two documents (prompt + chosen, prompt + rejected), more than a row of "
+                f"train.seq_len + 1 = {width}. Use train.seq_len>={pairs[longest].tokens - 1}, or "
+                "shorten the longest pairs"
+            )
+        rows: list[list[Pair]] = []
+        free: list[tuple[int, int]] = []  # (room left, row), sorted: the tightest fit first
+        for pair in pairs:
+            at = bisect.bisect_left(free, (pair.tokens, -1))
+            if at == len(free):
+                rows.append([])
+                room, row = width, len(rows) - 1
+            else:
+                room, row = free.pop(at)
+            rows[row].append(pair)
+            if room - pair.tokens >= PAIR_MIN_TOKENS:  # room for another pair
+                bisect.insort(free, (room - pair.tokens, row))
+        return cls._rows(rows, width, pad_id)
+
+    @classmethod
+    def _rows(cls, rows: list[list[Pair]], width: int, pad_id: int) -> PreferenceSequences:
+        shape = (len(rows), width)
+        tokens = torch.full(shape, pad_id, dtype=torch.int64)
+        starts = torch.zeros(shape, dtype=torch.bool)
+        segment = torch.full(shape, NO_SEGMENT, dtype=torch.int64)
+        for r, row in enumerate(rows):
+            at = 0
+            for slot, pair in enumerate(row):
+                for side, completion in ((CHOSEN, pair.chosen), (REJECTED, pair.rejected)):
+                    length = pair.prompt.numel() + completion.numel()
+                    tokens[r, at : at + length] = torch.cat([pair.prompt, completion])
+                    starts[r, at] = True
+                    segment[r, at + pair.prompt.numel() : at + length] = 2 * slot + side
+                    at += length
+            if at < width:  # padding: a document of its own, no target
+                starts[r, at] = True
+        pairs = torch.tensor([len(row) for row in rows], dtype=torch.int64)
+        # a token's segment becomes its target's: the target at i is token i + 1
+        return cls(tokens, starts, segment >= 0, segment[:, 1:].contiguous(), pairs)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def target_count(self, rows: list[int]) -> int:
+        """The pairs in ``rows``: what the preference loss is averaged over."""
+        return int(self.pairs[rows].sum())
+
+    def batch(self, rows: list[int]) -> Batch:
+        """The rows as a Batch: inputs, targets (-100 but on the completions), positions restarting
+        per document, and each target's segment."""
+        batch = rows_batch(self.tokens[rows], self.starts[rows], self.trainable[rows], True)
+        batch.segment = self.segment[rows]
+        return batch

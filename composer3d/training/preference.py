@@ -1,0 +1,185 @@
+"""Preference tuning (``train.objective=dpo``): DPO and its kin on packed chosen/rejected pairs, as
+TRL computes them.
+
+Each row of a batch holds whole pairs (``data.preference``); ``segment`` marks each target with its
+pair slot and side. A micro-batch's loss is computed from per-token log-probabilities of the targets
+(``loss.target_log_probs``: the chunked, vocabulary-sharded cross-entropy kernel, per token, no
+full-vocabulary fp32 log-softmax), summed per pair and side, for the policy with gradients and for
+the reference without. The losses are TRL's (``DPOTrainer``: sigmoid, ipo, hinge; ``CPOTrainer``:
+label smoothing, simpo). Like the token loss, the pairs' summed loss is divided by the pairs of the
+whole global batch (the loader's count), so the gradient does not depend on the layout. The metrics
+(TRL's names, ``METRICS``) are per-step sums on the device, reduced with the loss once per logging
+window (``readback``) and divided by the pairs there.
+
+The reference: a frozen copy of the initial policy, built and parallelized as the policy is (no
+gradients, no optimizer state; a resumed run rebuilds it from the initial weights, never from the
+checkpoint), or under LoRA the policy with its adapters switched off (``peft.lora.adapters_off``).
+SimPO has none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from composer3d.config.schema import PreferenceConfig, TrainConfig
+from composer3d.data import max_pairs_per_row
+from composer3d.data.preference import CHOSEN, REJECTED
+from composer3d.parallel.mesh import ParallelMesh
+from composer3d.peft.lora import adapters_off
+from composer3d.training.assemble import build_parallel_model
+from composer3d.training.console import human_bytes
+from composer3d.training.loss import target_log_probs
+from composer3d.training.metrics import local_bytes
+
+log = logging.getLogger("composer3d")
+
+# TRL's metric names, in the order of ``preference_loss``'s sums
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def pair_sums(values: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """``values`` (rows, seq) summed per pair and side by ``segment``: (rows, slots, 2), a slot that
+    holds no pair 0. Its size is fixed by seq alone (``max_pairs_per_row``), not read from the
+    batch, which would cost a host sync."""
+    rows, seq = segment.shape
+    slots = max_pairs_per_row(seq)
+    index = torch.where(segment >= 0, segment, 2 * slots)  # elsewhere: a column dropped after
+    sums = values.new_zeros(rows, 2 * slots + 1).scatter_add(1, index, values)
+    return sums[:, :-1].view(rows, slots, 2)
+
+
+def preference_loss(
+    policy: torch.Tensor,
+    reference: torch.Tensor | None,
+    segment: torch.Tensor,
+    pref: PreferenceConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss summed over the pairs of these rows, and the metrics' sums over them (METRICS's
+    order, detached). ``policy``, ``reference``: per-token log-probabilities of the targets (rows,
+    seq), 0 where no loss is taken; ``reference`` None for simpo."""
+    counts = pair_sums((segment >= 0).to(policy.dtype), segment)
+    held = counts[..., CHOSEN] > 0  # a pair's completions have a token each at least
+    logps = pair_sums(policy, segment)
+    if pref.loss_type == "simpo":  # length-averaged, against no reference (CPOTrainer's)
+        scores = logps / counts.clamp(min=1)
+    else:  # the log-ratios to the reference
+        scores = logps - pair_sums(reference, segment)
+    chosen, rejected = scores[..., CHOSEN], scores[..., REJECTED]
+    loss = torch.where(held, _pair_losses(chosen, rejected, counts, pref), 0.0).sum()
+    with torch.no_grad():
+        rewards = pref.beta * scores
+        # logps/*: what the loss compares, as TRL logs it (simpo: CPOTrainer's averages)
+        shown = scores if pref.loss_type == "simpo" else logps
+        per_pair = torch.stack(
+            [
+                rewards[..., CHOSEN],
+                rewards[..., REJECTED],
+                (rewards[..., CHOSEN] > rewards[..., REJECTED]).to(policy.dtype),
+                rewards[..., CHOSEN] - rewards[..., REJECTED],
+                shown[..., CHOSEN],
+                shown[..., REJECTED],
+            ]
+        )
+        sums = torch.where(held, per_pair, 0.0).sum(dim=(1, 2))
+    return loss, sums
+
+
+def _pair_losses(
+    chosen: torch.Tensor, rejected: torch.Tensor, counts: torch.Tensor, pref: PreferenceConfig
+) -> torch.Tensor:
+    """Each pair's loss from its chosen and rejected scores (log-ratios; simpo: averaged
+    log-probabilities)."""
+    beta, smoothing = pref.beta, pref.label_smoothing
+    delta = chosen - rejected
+    if pref.loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    if pref.loss_type == "ipo":  # per completion token, as TRL normalizes it
+        tokens = counts.clamp(min=1)
+        per_token = chosen / tokens[..., CHOSEN] - rejected / tokens[..., REJECTED]
+        return (per_token - 1 / (2 * beta)) ** 2
+    if pref.loss_type == "simpo":
+        delta = delta - pref.simpo_gamma / beta
+    # sigmoid (and simpo): conservative DPO, the labels flipped with probability label_smoothing
+    return -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+
+
+class PreferenceObjective:
+    """A DPO run's loss per micro-batch, its reference model, and the step's metric sums."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        mesh: ParallelMesh,
+        device: torch.device,
+        policy: torch.nn.Module,
+        compiled: bool,
+    ):
+        self.pref, self.compiled = cfg.preference, compiled
+        self.sums = torch.zeros(len(METRICS), device=device)
+        # the model giving the reference log-probabilities, and how to run it
+        self.reference: torch.nn.Module | None = None
+        self.reference_mode = contextlib.nullcontext
+        if self.pref.loss_type == "simpo":  # reference-free
+            return
+        if self.pref.reference == "adapters_off":
+            self.reference, self.reference_mode = policy, partial(adapters_off, policy)
+        else:
+            self.reference = _frozen_copy(cfg, mesh, device)
+
+    def loss(
+        self,
+        model: torch.nn.Module,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor,
+        segment: torch.Tensor,
+    ) -> torch.Tensor:
+        """The micro-batch's loss summed over its pairs (not yet normalized); its metric sums are
+        added to the step's."""
+        reference = self._reference_log_probs(inputs, targets, positions)
+        logits = model(inputs, position_ids=positions)
+        # the logits' gradient written over them: nothing else holds them
+        policy = target_log_probs(logits, targets, compiled=self.compiled, in_place=True)
+        loss, sums = preference_loss(policy, reference, segment, self.pref)
+        self.sums += sums
+        return loss
+
+    @torch.no_grad()
+    def _reference_log_probs(
+        self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with self.reference_mode():
+            logits = self.reference(inputs, position_ids=positions)
+        return target_log_probs(logits, targets, compiled=self.compiled)
+
+    def step_sums(self) -> torch.Tensor:
+        """The metric sums of the step that ends (this rank's pairs), and a fresh start."""
+        sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        return sums
+
+
+def _frozen_copy(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> torch.nn.Module:
+    """The initial policy again, through the same assembly (the same sharding), frozen: from its
+    initial weights whether or not the policy resumes from a checkpoint."""
+    copy = build_parallel_model(cfg, mesh, device).model
+    copy.requires_grad_(False)
+    copy.eval()
+    log.info(
+        "preference.reference=copy: a frozen copy of the initial policy, %s on this rank",
+        human_bytes(sum(local_bytes(p) for p in copy.parameters())),
+    )
+    return copy
