@@ -39,6 +39,7 @@ from composer3d.data import (
 )
 from composer3d.data.preference import Pair
 from composer3d.errors import ConfigError
+from composer3d.training.flops import embedding_params
 from composer3d.training.loss import target_log_probs
 from composer3d.training.preference import METRICS, pair_sums, preference_loss
 
@@ -489,6 +490,43 @@ def test_a_resumed_runs_reference_is_the_initial_policy(
         assert all(torch.equal(p, initial[n]) for n, p in reference.items())
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "share"),
+    [([], 4 / 3), (["peft=lora"], None), (["preference.loss_type=simpo"], 1)],
+    ids=["copy", "adapters_off", "simpo"],
+)
+def test_the_flops_count_the_references_forward(compose_cfg, one_process_group, extra, share):
+    """TFLOP/s and MFU count what runs: a full DPO step is a training step of the policy and a
+    forward of its copy, 4/3 of SFT's FLOPs (a forward is a third of forward and backward); under
+    LoRA the base's forward (2·N + the attention's) on top of LoRA's step; SimPO runs no
+    reference."""
+    from composer3d.launch.rank import resolve_precision
+    from composer3d.parallel.mesh import ParallelMesh
+    from composer3d.training.assemble import build_parallel_model
+
+    native = ["model=tiny", "train.seq_len=64", *extra]
+    sft, dpo = (
+        compose_cfg(*native, *more)
+        for more in ([], ["data=preference", "data.paths=[unused]", "train.objective=dpo"])
+    )
+    cpu = torch.device("cpu")
+    for c in (sft, dpo):  # each settled as a rank settles it
+        resolve_precision(c, cpu, 1)
+    mesh = ParallelMesh(validate(dpo, 1), "cpu")
+    trained, preferred = (build_parallel_model(c, mesh, cpu) for c in (sft, dpo))
+    if share is not None:
+        assert dpo_flops(preferred) == round(share * dpo_flops(trained)), (preferred, trained)
+    else:  # the reference is the base alone: its matmuls (no adapter) and its attention
+        m = sft.model
+        attention = 2 * m.n_layers * m.n_heads * (m.head_dim or m.dim // m.n_heads) * 64
+        base = preferred.active_params - embedding_params(preferred.model)
+        assert dpo_flops(preferred) - dpo_flops(trained) == 2 * base + attention
+
+
+def dpo_flops(built) -> int:
+    return built.flops_per_token
 
 
 def test_lora_adapters_off_is_the_base_model(compose_cfg, models, pairs_file, one_process_group):

@@ -22,7 +22,12 @@ from composer3d.parallel.tensor import keep_grads_in_param_layout
 from composer3d.peft.adapter_files import load_adapters
 from composer3d.peft.apply import adapter_params, saved_params, trainable_params
 from composer3d.peft.base import base_source, fill_base
-from composer3d.training.flops import attention_layers, embedding_params, flops_per_token
+from composer3d.training.flops import (
+    attention_layers,
+    embedding_params,
+    flops_per_token,
+    forward_flops_per_token,
+)
 
 
 @dataclass
@@ -36,7 +41,8 @@ class ParallelModel:
     trainable_params: int
     # that one token goes through (mixture of experts: only top_k routed experts a layer)
     active_params: int
-    flops_per_token: int  # training FLOPs per token of the whole model (``flops``)
+    # training FLOPs per token of the whole model (``flops``; with DPO, the reference's forward too)
+    flops_per_token: int
 
 
 def build_parallel_model(
@@ -56,14 +62,14 @@ def build_parallel_model(
     active_params = num_params - model.inactive_params()
     m = cfg.model
     matmul, embedding, trained = _matmul_params(model, active_params, cfg.peft)
-    flops = flops_per_token(
-        matmul,
-        embedding,
-        attention_layers(spec.attention_windows(m), cfg.train.seq_len),
-        m.n_heads * (m.head_dim or m.dim // m.n_heads),
-        cfg.train.seq_len,
-        trained,
-    )
+    layers = attention_layers(spec.attention_windows(m), cfg.train.seq_len)
+    width = m.n_heads * (m.head_dim or m.dim // m.n_heads)
+    flops = flops_per_token(matmul, embedding, layers, width, cfg.train.seq_len, trained)
+    if cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo":
+        # the reference's forward on every token: the base's matmuls (a frozen copy, or the policy
+        # with LoRA's adapters off) and its attention, counted as they run (TFLOP/s, MFU)
+        base_matmul = active_params - embedding
+        flops += forward_flops_per_token(base_matmul, layers, width, cfg.train.seq_len)
     trainable = num_params if cfg.peft.method == "none" else trainable_params(model, cfg.peft)
     parallelized = parallelize(
         model,

@@ -80,6 +80,14 @@ def flops_per_token(
     return round(4 * matmul + 2 * trained + 6 * n_layers * attention_width * seq_len)
 
 
+def forward_flops_per_token(
+    num_matmul_params: int, n_layers: float, attention_width: int, seq_len: int
+) -> int:
+    """A forward pass's share of ``flops_per_token``, 2·N + 2·L·H·Q·T: what a model computes per
+    token where no gradient is taken (the reference model of train.objective=dpo)."""
+    return round(2 * num_matmul_params + 2 * n_layers * attention_width * seq_len)
+
+
 def compute_dtype_key(param_dtype: str) -> str:
     """The peak table's column for a run's compute dtype: fp32 matmuls use TF32 tensor cores when
     torch allows."""
