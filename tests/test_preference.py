@@ -501,9 +501,12 @@ def test_the_flops_count_the_references_forward(compose_cfg, one_process_group, 
     """TFLOP/s and MFU count what runs: a full DPO step is a training step of the policy and a
     forward of its copy, 4/3 of SFT's FLOPs (a forward is a third of forward and backward); under
     LoRA the base's forward (2·N + the attention's) on top of LoRA's step; SimPO runs no
-    reference."""
+    reference. The planner's TFLOP/s count the same FLOPs a token (full weights: its LoRA count
+    leaves out that frozen weights get no weight gradient)."""
     from composer3d.launch.rank import resolve_precision
     from composer3d.parallel.mesh import ParallelMesh
+    from composer3d.plan import Workload, candidate_from_config, estimate
+    from composer3d.plan.hardware import cluster_from_config
     from composer3d.training.assemble import build_parallel_model
 
     native = ["model=tiny", "train.seq_len=64", *extra]
@@ -518,6 +521,10 @@ def test_the_flops_count_the_references_forward(compose_cfg, one_process_group, 
     trained, preferred = (build_parallel_model(c, mesh, cpu) for c in (sft, dpo))
     if share is not None:
         assert dpo_flops(preferred) == round(share * dpo_flops(trained)), (preferred, trained)
+        cluster = cluster_from_config(dpo.cluster, dpo.precision.param_dtype)
+        planned = estimate(Workload.from_config(dpo), candidate_from_config(dpo, 1), cluster)
+        planned_flops = planned.tflops_per_gpu * 1e12 / planned.tokens_per_s_per_gpu
+        assert planned_flops == pytest.approx(dpo_flops(preferred), rel=1e-12)
     else:  # the reference is the base alone: its matmuls (no adapter) and its attention
         m = sft.model
         attention = 2 * m.n_layers * m.n_heads * (m.head_dim or m.dim // m.n_heads) * 64

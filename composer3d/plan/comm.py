@@ -32,6 +32,9 @@ micro-batch M:
   PP: each stage sends its activations forward and its input gradients back, per micro-batch. CP
   (plan/context.py): FSDP's group is dp_shard × cp; TP, EP and PP move the seq_len / cp tokens a
   rank holds.
+  The DPO reference model (train.objective=dpo): its forward, every micro-batch, gathers each block
+  once more where blocks reshard after forward (ZeRO-3) and runs TP's forward collectives again;
+  what it leaves gathered (its root; under ZeRO-2 its blocks) is gathered once a run.
 An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an
 all-reduce, a send and an all-to-all by their tensor. Gathered parameters travel in the compute
 dtype, gradients in precision.reduce_dtype.
@@ -81,7 +84,11 @@ def _gathered(unit: Unit, n: int) -> int:
 
 
 def data_parallel(
-    units: list[Unit], c: Candidate, compute_bytes: int, reduce_bytes: int
+    units: list[Unit],
+    c: Candidate,
+    compute_bytes: int,
+    reduce_bytes: int,
+    reference_forward: bool = False,
 ) -> list[Collective]:
     m = 1 if c.pp > 1 else c.microbatches  # the pipeline syncs gradients once a step
     # ... during its last micro-batch's backward
@@ -91,6 +98,12 @@ def data_parallel(
         reshard = c.zero_stage == 3 and c.pp == 1
         if c.reshard_after_forward != "default":
             reshard = c.reshard_after_forward == "always"
+        # A block resharded after forward is gathered for each forward and for backward, and once
+        # more for the DPO reference's forward (the frozen copy's blocks, or under adapters_off the
+        # policy's own). Roots (and ZeRO-2's blocks) are resharded in backward only: the copy's
+        # stay gathered from its first forward on (memory.py), the policy's from its no-grad
+        # forward to its backward (one gather a micro-batch, as without a reference).
+        block_gathers = (3 if reference_forward else 2) if reshard else 1
         # Routed experts are an FSDP group of their own under ep (over what it leaves of dp_shard).
         groups = (
             (("dp_shard", ("block", "root", "experts")),)
@@ -106,7 +119,7 @@ def data_parallel(
             gathers = sum(
                 u.count
                 * _gathered(u, shard_degree(c, u))
-                * (2 if reshard and u.kind != "root" else 1)
+                * (block_gathers if u.kind != "root" else 1)
                 for u in mine
             )
             # experts held by one rank of dp_shard (ep = dp_shard): nothing to gather or scatter
@@ -166,7 +179,12 @@ def regathers(c: Candidate) -> bool:
 
 
 def tensor_parallel(
-    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    compute_bytes: int,
+    reference_forward: bool = False,
 ) -> list[Collective]:
     if c.tp == 1:
         return []
@@ -190,6 +208,10 @@ def tensor_parallel(
     rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(
         c.activation_checkpointing, 0
     )
+    # The DPO reference's forward runs the forward's collectives once more: two reductions a layer
+    # (attention's output and the MLP's), the embedding's, the loss's (its log-probabilities: the
+    # same vocab-parallel kernel); under SP each layer's two gathers and the head's input's.
+    ref = 1 if reference_forward else 0
     if c.sequence_parallel:
         # The norms' weight gradients are partial sums over the sequence shards: all-reduced per
         # micro-batch.
@@ -201,24 +223,29 @@ def tensor_parallel(
                 "tp",
                 "all_gather",
                 c.tp,
-                (4 * layers + 2 * (rerun + regathered) + first + last) * act,
+                (4 * layers + 2 * (rerun + regathered) + first + last + ref * (2 * layers + last))
+                * act,
                 False,
             ),
             Collective(
                 "tp",
                 "reduce_scatter",
                 c.tp,
-                (4 * dense + 3 * moe + rerun + first + last) * act,
+                (4 * dense + 3 * moe + rerun + first + last + ref * (2 * layers + first)) * act,
                 False,
             ),
-            Collective("tp", "all_reduce", c.tp, moe * act + mixing + norms + loss, False),
+            Collective(
+                "tp", "all_reduce", c.tp, moe * act + mixing + norms + (1 + ref) * loss, False
+            ),
         ]
     return [
         Collective(
             "tp",
             "all_reduce",
             c.tp,
-            (7 * dense + 6 * moe + rerun + first + last) * act + mixing + loss,
+            (7 * dense + 6 * moe + rerun + first + last + ref * (2 * layers + first)) * act
+            + mixing
+            + (1 + ref) * loss,
             False,
         )
     ]
@@ -287,13 +314,17 @@ def collectives(
     compute_bytes: int,
     reduce_bytes: int,
     ep_dispatch: str = "all_to_all",
+    reference_forward: bool = False,
 ) -> list[Collective]:
     """Every collective of one step on a rank of this pipeline stage set but context parallel's
-    (plan/context.py); ``ep_dispatch``: plan.ep_dispatch."""
+    (plan/context.py); ``ep_dispatch``: plan.ep_dispatch; ``reference_forward``:
+    train.objective=dpo's reference model runs a forward every micro-batch (its gathers and TP's
+    forward collectives; dpo refuses pp, cp and mixtures of experts)."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
+    units = stages.units(shape, c.tp, c.ep)
     return (
-        data_parallel(stages.units(shape, c.tp, c.ep), c, compute_bytes, reduce_bytes)
-        + tensor_parallel(shape, c, stages, held, compute_bytes)
+        data_parallel(units, c, compute_bytes, reduce_bytes, reference_forward)
+        + tensor_parallel(shape, c, stages, held, compute_bytes, reference_forward)
         + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch)
         + pipeline(shape, c, stages, held, compute_bytes)
     )

@@ -11,7 +11,9 @@ behind the last micro-batch's backward only; ``plan.published_overlap`` prices t
 stacks publish; context parallel's traffic as plan/context.py says (the ring's K/V passes hide
 behind the attention of the block held); the memory options' host step and copies (``host``) as
 plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory
-hold it.
+hold it. train.objective=dpo's reference model is charged where it runs: a frozen copy's parameters
+in memory, its forward in compute, its gathers and TP's forward collectives in communication, its
+forward's FLOPs in TFLOP/s (as training counts them).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ class Workload:
     ep_dispatch: str = "all_to_all"  # plan.ep_dispatch
     peft: Peft | None = None  # LoRA / QLoRA: what trains (peft/planning.py)
     cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
+    objective: str = "sft"  # train.objective
+    # train.objective=dpo's reference model, a no-grad forward every micro-batch
+    # (preference.reference): copy | adapters_off; None where none runs (sft, simpo)
+    reference: str | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Workload:
@@ -71,6 +77,10 @@ class Workload:
             cfg.plan.ep_dispatch,
             Peft.from_config(cfg.peft),
             cfg.precision.cast,
+            cfg.train.objective,
+            cfg.preference.reference
+            if cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
+            else None,
         )
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
@@ -219,18 +229,22 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
             work.peft,
             work.casts_once(c, cluster),
             work.work.compiled,
+            work.reference,
         )
         for s in sets
     ]
+    reference = work.reference is not None
     cols = [
-        comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch)
+        comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch, reference)
         + context.collectives(shape, c, s, seq, cb)
         for s in sets
     ]
     tokens_per_step = work.global_batch_size * seq
     state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
     compute = [
-        step_compute(shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work).total
+        step_compute(
+            shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work, reference
+        ).total
         for s, m in zip(sets, mems)
     ]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
@@ -251,7 +265,7 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
                 shape, c, sets[i], seq, cluster, work.work.attention
             )
         host_exposed, host_overlapped = host_seconds(
-            shape, c, sets[i], work.optimizer, cluster, mems[i]
+            shape, c, sets[i], work.optimizer, cluster, mems[i], reference
         )
         # the copies over the host link hide behind compute, not the host step
         if host_exposed or host_overlapped:
@@ -259,7 +273,10 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)
     step = compute[busiest] + bubble + sum(exposed.values())
-    flops_per_token = shape.flops_per_token(seq)
+    # as training counts them (training/assemble.py): the reference's forward too
+    flops_per_token = shape.flops_per_token(seq) + (
+        shape.forward_flops_per_token(seq) if reference else 0
+    )
     world = c.world_size
     tflops = flops_per_token * tokens_per_step / world / step / 1e12
     worst = max(range(len(sets)), key=lambda i: mems[i].total)

@@ -5,9 +5,9 @@ which options it takes.
 
 The options: activation checkpointing (none, op-level selective, full), sequence tiling of the MLP
 and the loss (one tile per ``TILE_TOKENS`` tokens a rank holds), activation offload, and
-ZeRO-Offload (optimizer, cpu). A combination that training refuses is left out (tiled loss under PP,
-eager op-level selective with activation offload, ZeRO-1 with offload). Device and host memory both
-bound what fits (``estimate``'s ``fits``).
+ZeRO-Offload (optimizer, cpu). A combination that training refuses is left out (tiled loss under PP
+or with train.objective=dpo, eager op-level selective with activation offload, ZeRO-1 with
+offload). Device and host memory both bound what fits (``estimate``'s ``fits``).
 """
 
 from __future__ import annotations
@@ -94,16 +94,19 @@ def option_sets(
     return found
 
 
-def with_options(c: Candidate, o: Options, seq_len: int) -> Candidate | None:
-    """``c`` with the options applied at ``seq_len``; None where tiling cannot cut the tokens a rank
-    holds."""
+def with_options(
+    c: Candidate, o: Options, seq_len: int, objective: str = "sft"
+) -> Candidate | None:
+    """``c`` with the options applied at ``seq_len`` for ``objective`` (train.objective); None where
+    tiling cannot cut the tokens a rank holds."""
     tiles = 0
     if o.tiled:
         held = seq_len // c.cp // (c.tp if c.sequence_parallel else 1)
         tiles = held // TILE_TOKENS
         if tiles < 2 or held % tiles:
             return None
-    loss_tiles = tiles if c.pp == 1 else 0  # the tiled loss is refused under PP; the MLP's is not
+    # the tiled loss is refused under PP and with train.objective=dpo; the MLP's is not
+    loss_tiles = tiles if c.pp == 1 and objective != "dpo" else 0
     return replace(
         c,
         activation_checkpointing=o.activation_checkpointing,
@@ -146,7 +149,7 @@ def longest_sequence(
     batch = c.dp * c.micro_batch_size * c.microbatches
 
     def fitting(seq: int) -> Estimate | None:
-        candidate = with_options(c, o, seq)
+        candidate = with_options(c, o, seq, work.objective)
         if candidate is None:
             return None
         e = estimate(replace(work, seq_len=seq, global_batch_size=batch), candidate, cluster)
@@ -162,7 +165,7 @@ def largest_model(
     with ``o``."""
 
     def fitting(layers: int) -> Estimate | None:
-        candidate = with_options(c, o, work.seq_len)
+        candidate = with_options(c, o, work.seq_len, work.objective)
         if candidate is None:
             return None
         e = estimate(replace(work, shape=replace(work.shape, n_layers=layers)), candidate, cluster)

@@ -29,11 +29,12 @@ def host_seconds(
     optimizer: str,
     cluster: Cluster,
     memory: Memory,
+    reference_forward: bool = False,
 ) -> tuple[float, float]:
     """(exposed, overlapped with compute) seconds of a step that the memory options add on this
-    pipeline rank."""
+    pipeline rank; ``reference_forward``: train.objective=dpo's reference model runs a forward."""
     activations = 2 * memory.host_activations * c.microbatches / cluster.host_link_bw
-    exposed, overlapped = _offload_seconds(shape, c, stages, optimizer, cluster)
+    exposed, overlapped = _offload_seconds(shape, c, stages, optimizer, cluster, reference_forward)
     # the host step reads and writes back its files' every byte
     files = 2 * memory.disk / cluster.disk_bw
     return exposed + files, overlapped + activations
@@ -49,7 +50,12 @@ def host_fits(memories: list[Memory], cluster: Cluster, headroom: float) -> bool
 
 
 def _offload_seconds(
-    shape: ModelShape, c: Candidate, stages: StageSet, optimizer: str, cluster: Cluster
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    optimizer: str,
+    cluster: Cluster,
+    reference_forward: bool = False,
 ) -> tuple[float, float]:
     if c.offload == "none":
         return 0.0, 0.0
@@ -58,5 +64,6 @@ def _offload_seconds(
     host_step = param_bytes / cluster.host_optimizer_bw
     if c.offload == "optimizer":
         return (param_bytes + grad_bytes) / cluster.host_link_bw + host_step, 0.0
-    gathers = 2 if c.zero_stage == 3 and c.pp == 1 else 1
+    # the DPO reference's forward copies the shards again where blocks reshard after forward
+    gathers = (3 if reference_forward else 2) if c.zero_stage == 3 and c.pp == 1 else 1
     return host_step, (gathers * param_bytes + grad_bytes) / cluster.host_link_bw

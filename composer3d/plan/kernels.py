@@ -25,7 +25,10 @@ Recomputation by checkpointing mode: full reruns the forward (GEMMs, attention, 
 op-level selective (``all_matmuls``) reruns the forward's elementwise work, torchtitan's
 ``alternate_matmuls`` also every other forward GEMM; and in eager mode op-level selective
 checkpointing routes every op of a block through a Python dispatch mode, a fixed host cost per block
-and micro-batch that the device waits for (``EAGER_SAC_S``).
+and micro-batch that the device waits for (``EAGER_SAC_S``). train.objective=dpo's reference model
+(a frozen copy, or the policy with LoRA's adapters off) runs one forward more per micro-batch: its
+GEMMs and head, attention's forward, a forward's share of the elementwise work; no recomputation and
+no dispatch (torch's checkpoint does nothing without gradients).
 
 The free constants (four, each measured, each the same for every layout and model):
   ATTENTION_FRACTION's sdpa rate and the compiled ELEMENTWISE_PASSES from composer3d's own
@@ -183,7 +186,8 @@ def _norm_extra_bytes(
     shape: ModelShape, stages: StageSet, rows: int, rerun: float, work: Work
 ) -> float:
     """What an eager step's norms (two a block, the final one on the last stage) move beyond fused
-    RMSNorms, their forward once more where checkpointing reruns the elementwise work."""
+    RMSNorms, their forward once more for each ``rerun`` (checkpointing's of the elementwise work,
+    the DPO reference's forward)."""
     if work.compiled or work.norm == "fused":
         return 0.0
     (forward, backward), (fused_forward, fused_backward) = (
@@ -222,10 +226,13 @@ def step_compute(
     local_params: float,
     cluster: Cluster,
     work: Work,
+    reference_forward: bool = False,
 ) -> StepCompute:
     """One step of this pipeline rank: every micro-batch's forward and backward, recomputation, the
     optimizer step. ``seq_len``: the tokens of a sequence this rank holds (seq_len / cp);
-    ``local_params``: the parameters its optimizer steps (after FSDP's or ZeRO-1's sharding)."""
+    ``local_params``: the parameters its optimizer steps (after FSDP's or ZeRO-1's sharding);
+    ``reference_forward``: train.objective=dpo's reference model runs a forward (no gradients)
+    every micro-batch: its GEMMs, head, attention and elementwise work once more, as a forward."""
     # a GEMM's m: SP gathers the sequence back before each matmul
     rows = c.micro_batch_size * seq_len
     full = c.activation_checkpointing == "full"
@@ -238,6 +245,7 @@ def step_compute(
     # attention's forward and the whole block's
     rerun_fwd = 1.0 if full else 1 / every if every else 0.0
     rerun_elementwise = 1.0 if (full or op_level) else 1 / every if every else 0.0
+    reference = 1.0 if reference_forward else 0.0
 
     def block_gemms(linears, float8: bool) -> float:
         return sum(g * _gemm_s(rows * r / g, o, i, cluster, float8) for o, i, r, g in linears)
@@ -263,7 +271,7 @@ def step_compute(
     # the output head stays in the compute dtype under float8 (precision/float8.py, as torchtitan's
     # and Megatron's)
     head = block_gemms([(shape.vocab // c.tp, shape.dim, 1.0, 1)], False) if stages.last else 0.0
-    gemm = (3 + rerun_gemm) * forward_gemm + rerun_alternate + 3 * head
+    gemm = (3 + rerun_gemm + reference) * forward_gemm + rerun_alternate + (3 + reference) * head
 
     # causal flash attention: forward 2·s·H·Q per token and layer, backward 2.5× that; cp: a rank's
     # queries against the whole sequence's keys, half of them masked on average
@@ -271,7 +279,7 @@ def step_compute(
     attention = (
         layers
         * attention_fwd
-        * (3.5 + rerun_fwd)
+        * (3.5 + rerun_fwd + reference)
         / (cluster.peak_flops * ATTENTION_FRACTION[work.attention])
     )
 
@@ -286,11 +294,12 @@ def step_compute(
         )
     )
     logits_bytes = rows * 4 * shape.vocab / c.tp if stages.last else 0.0  # the loss works in fp32
-    # forward is about a third of the elementwise traffic: what recomputation repeats
+    # forward is about a third of the elementwise traffic: what recomputation repeats, and the
+    # reference's forward (its log-probabilities too: the loss's forward)
     elementwise = (
         passes * (block_bytes + logits_bytes)
-        + passes / 3 * rerun_elementwise * block_bytes
-        + _norm_extra_bytes(shape, stages, rows, rerun_elementwise, work)
+        + passes / 3 * (rerun_elementwise * block_bytes + reference * (block_bytes + logits_bytes))
+        + _norm_extra_bytes(shape, stages, rows, rerun_elementwise + reference, work)
     ) / cluster.hbm_bw
 
     host = layers * EAGER_SAC_S if op_level and not work.compiled else 0.0

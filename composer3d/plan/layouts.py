@@ -4,9 +4,10 @@ world size.
 The knobs: degrees (pp, dp_replicate, dp_shard, cp and its style, tp; ep for mixture-of-experts
 models), ZeRO stage, sequence parallel, pipeline schedule and stages per rank, micro-batch size
 (hence micro-batches per step), activation checkpointing. The global batch and sequence length are
-the run's (training hyperparameters, not layout). Validity follows config/checks/ (layout.py, and
-training.py for batches and activation checkpointing); the chosen layouts are run through
-``validate`` itself before they are used (``apply_to_config``).
+the run's (training hyperparameters, not layout). Validity follows config/checks/ (layout.py,
+training.py for batches and activation checkpointing, preference.py for the degrees
+train.objective=dpo runs under); the chosen layouts are run through ``validate`` itself before they
+are used (``apply_to_config``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from itertools import product
 
 from composer3d.config.checks import pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
+from composer3d.config.checks.preference import check_objective_degrees
 from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
 from composer3d.memory.activation_checkpointing import blocks_all_gather
@@ -241,7 +243,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
             for pp in _divisors(world_size // tp)
             for cp in _divisors(world_size // tp // pp)
         ):
-            if pp > m.n_layers:
+            if pp > m.n_layers or not _objective_runs(cfg, pp, cp):
                 continue
             dp = world_size // (tp * pp * cp)
             sizes = micro_batch_sizes(t.global_batch_size, dp)
@@ -287,6 +289,16 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                                 base, m.n_layers, cfg.compile.enabled, m.tie_embeddings
                             )
     return found
+
+
+def _objective_runs(cfg: TrainConfig, pp: int, cp: int) -> bool:
+    """Whether train.objective runs under these pipeline and context degrees (its own check:
+    dpo runs under neither yet)."""
+    try:
+        check_objective_degrees(cfg.train, Layout(pp=pp, cp=cp))
+    except ConfigError:
+        return False
+    return True
 
 
 def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:

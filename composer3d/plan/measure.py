@@ -15,7 +15,8 @@ on the cluster. Its numbers sit beside the planner's for the same rank:
   - peak memory: the most bytes of tensors alive at once during a step (torch's MemTracker, which
     counts tensors as the planner models them, on any device), against the planner's total for the
     rank's pipeline stage;
-  - model state: parameters, gradients and optimizer state, against the planner's;
+  - model state: parameters, gradients and optimizer state (and train.objective=dpo's frozen
+    reference copy's parameters), against the planner's;
   - compute time: the step's wall time (communication free), against the planner's compute time —
     comparable only where this device is ``cluster.device``.
 
@@ -44,6 +45,7 @@ from composer3d.data import build_sequences
 from composer3d.launch.distributed import Env
 from composer3d.launch.rank import prepare_rank
 from composer3d.parallel.mesh import ParallelMesh
+from composer3d.training.metrics import local_bytes
 from composer3d.training.trainer import Trainer
 
 
@@ -124,14 +126,19 @@ def measure_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int) -> Ra
         )
         mesh = ParallelMesh(layout, device.type)
         trainer = Trainer(cfg, mesh, device, sequences, static_pipeline=True)
+        tracker = PeakTracker()
+        # DPO's frozen copy, tracked now (its shards, before its forward leaves part of it gathered
+        # in their place) and after the warm-up (what it left gathered)
+        copies = _frozen_copies(trainer)
+        copy_bytes = sum(local_bytes(p) for m in copies for p in m.parameters())
+        tracker.track_external(*copies)
         trainer.train_step()
         trainer.zero_grad()
-        tracker = PeakTracker()
-        tracker.track_external(trainer.model, trainer.optimizer)
+        tracker.track_external(trainer.model, trainer.optimizer, *copies)
         with tracker:
             trainer.train_step()
         peak = int(max(stats["Total"] for stats in tracker.get_tracker_snapshot("peak").values()))
-        state = trainer.model_state_bytes()
+        state = trainer.model_state_bytes() + copy_bytes
         trainer.zero_grad()
         times = []
         for _ in range(max(steps - 1, 1)):
@@ -145,6 +152,13 @@ def measure_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int) -> Ra
         return RankMeasurement(rank, world_size, pp_rank, str(device), peak, state, times)
     finally:
         dist.destroy_process_group()
+
+
+def _frozen_copies(trainer: Trainer) -> list[torch.nn.Module]:
+    """train.objective=dpo's reference model where it is a model of its own
+    (preference.reference=copy)."""
+    reference = trainer.preference.reference if trainer.preference else None
+    return [] if reference is None or reference is trainer.model else [reference]
 
 
 def _synchronize(device: torch.device) -> None:

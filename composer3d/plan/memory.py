@@ -13,6 +13,15 @@ in flight. Activation offload keeps on the device the saved tensors of two block
 backward and the one prefetched; memory/activation_offload.py), the others in host memory. Logits:
 the head's output and its gradient in the compute dtype, plus the loss's fp32 chunks (loss.py);
 under ``memory.tile_loss`` one tile's, recomputed in backward.
+
+The DPO reference model (train.objective=dpo; training/preference.py): ``preference.reference=copy``
+is a frozen copy of the initial policy, its parameters stored and sharded as the policy's, with no
+gradients and no optimizer state. FSDP reshards what it gathered in backward, which the copy never
+runs, and after forward only blocks (ZeRO-3): the copy's root (embedding, norm, head) stays gathered
+from its first forward on, under ZeRO-2 its blocks too, under DDP (FSDP2's replicate) all of it. Its
+no-grad forward's transients (a block's working set, its logits) are freed before the policy's
+forward, below whose peak they stay (its log-probabilities, 4 bytes a token, are left out).
+``adapters_off`` (the policy with LoRA's adapters off) and SimPO (no reference) add nothing.
 """
 
 from __future__ import annotations
@@ -232,15 +241,20 @@ def memory(
     peft: Peft | None = None,
     casts_once: bool = False,
     compiled: bool = False,
+    reference: str | None = None,
 ) -> Memory:
     """One pipeline rank's peak device memory (and host and disk bytes). ``casts_once``: one device
     with precision.cast=params (``parallel.cast_once``; ``parallel.autocast.auto_cast``); else,
-    without a data-parallel dim that shards, autocast."""
+    without a data-parallel dim that shards, autocast. ``reference``: train.objective=dpo's
+    reference model (preference.reference), None where none runs."""
     units = stages.units(shape, c.tp, c.ep)
     params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes)
+    # the frozen copy's parameters: the policy's, as stored and sharded
+    copy = params if reference == "copy" else 0.0
     host = 0.0
-    if c.offload == "cpu":
-        host, params, grads, opt = params + grads + opt, 0.0, 0.0, 0.0
+    if c.offload == "cpu":  # FSDP's CPU offload keeps the copy's shards there too
+        host, params, grads, opt = params + copy + grads + opt, 0.0, 0.0, 0.0
+        copy = 0.0
     # the host keeps fp32 masters, moments and a gradient buffer (or files do)
     elif c.offload == "optimizer":
         host, opt = params + grads + opt, 0.0
@@ -248,6 +262,7 @@ def memory(
     # masters and moments in files; the gradient buffer stays
     if c.offload == "optimizer" and c.offload_dir:
         disk, host = host - grads, grads
+    params += copy
     cb = cluster.compute_bytes
     held = seq_len // c.cp  # this rank's tokens of each sequence
     tokens = c.micro_batch_size * held
@@ -308,6 +323,9 @@ def memory(
         )
         all_layers = sum(u.count * u.numel for u in layers) * cb
         buffers = root + (all_layers if keeps_gathered else 2 * layer)
+        # what the copy's forward left gathered: its root, and its blocks where they stay
+        if reference == "copy":
+            buffers += root + (all_layers if keeps_gathered else 0.0)
         # the pipeline syncs gradients at its last micro-batch: until then they are whole
         if c.pp > 1:
             buffers += all_layers + root
@@ -318,5 +336,8 @@ def memory(
         # replicas' all-reduce copies the whole gradients into a buffer
         if c.dp > 1 and c.zero_stage != 1:
             buffers += whole(trained) * 4
+            # the copy's parameters in the compute dtype, as its forward left them (replicate)
+            if reference == "copy":
+                buffers += whole(units) * cb
         buffers += casts + (0.0 if in_backward else forward_casts)
     return Memory(params, grads, opt, acts, logits, buffers, host, grads_at_peak, host_acts, disk)

@@ -214,23 +214,39 @@ class ModelShape:
     def embedding_numel(self) -> int:
         return self.vocab * self.dim
 
+    def _attention_layers(self, seq_len: int) -> float:
+        """Layers' worth of causal attention (training.flops.attention_layers)."""
+        from composer3d.training.flops import attention_layers
+
+        if not self.windows:
+            return self.n_layers
+        # (plan.what_fits grows n_layers: the windows' pattern repeats over the added layers)
+        windows = [self.windows[i % len(self.windows)] for i in range(self.n_layers)]
+        return attention_layers(windows, seq_len)
+
     @cache  # noqa: B019 (every estimate asks it)
     def flops_per_token(self, seq_len: int) -> float:
         """6·N + 6·L·H·Q·T (composer3d.training.flops' convention: causal attention, N the active
         parameters without the embedding table, L less what sliding windows leave out)."""
-        from composer3d.training.flops import attention_layers, flops_per_token
+        from composer3d.training.flops import flops_per_token
 
-        # (plan.what_fits grows n_layers: the windows' pattern repeats over the added layers)
-        windows = (
-            [self.windows[i % len(self.windows)] for i in range(self.n_layers)]
-            if self.windows
-            else []
-        )
-        layers = attention_layers(windows, seq_len) if windows else self.n_layers
         return flops_per_token(
             self.num_active_params,
             self.embedding_numel,
-            layers,
+            self._attention_layers(seq_len),
+            self.n_heads * self.head_dim,
+            seq_len,
+        )
+
+    @cache  # noqa: B019
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """A no-grad forward's, 2·N + 2·L·H·Q·T: what train.objective=dpo's reference model adds per
+        token (training.flops.forward_flops_per_token, as the runtime counts it)."""
+        from composer3d.training.flops import forward_flops_per_token
+
+        return forward_flops_per_token(
+            self.num_active_params - self.embedding_numel,
+            self._attention_layers(seq_len),
             self.n_heads * self.head_dim,
             seq_len,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer3d.config.checks import _check_known_keys, _check_model, _require
+from composer3d.config.checks import _check_known_keys, _check_model, _check_objective, _require
 from composer3d.plan.comm import EP_DISPATCH
 from composer3d.plan.hardware import DEVICES
 from composer3d.plan.kernels import ATTENTION_FRACTION, NORM_BYTES
@@ -14,9 +14,11 @@ from composer3d.plan.layouts import ZERO_BUBBLE
 
 def validate_plan(cfg: Any) -> None:
     """The keys composer3d-plan and parallel=auto read beyond a training config's: the cluster and
-    the output."""
+    the output; and what training refuses under every layout the search could give (the objective's
+    model and switches: the degrees it refuses, the search leaves out)."""
     _check_known_keys(cfg)
     _check_model(cfg.model)
+    _check_objective(cfg, None)
     c, p = cfg.cluster, cfg.plan
     _require(
         c.device in DEVICES,

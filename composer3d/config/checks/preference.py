@@ -15,7 +15,9 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCES = ("copy", "adapters_off")
 
 
-def _check_objective(cfg: Any, layout: Layout) -> None:
+def _check_objective(cfg: Any, layout: Layout | None) -> None:
+    """``layout`` None: what refuses a config under every layout (the planner's search, which
+    leaves out the degrees ``check_objective_degrees`` refuses)."""
     t, d = cfg.train, cfg.data
     _require(
         t.objective in OBJECTIVES,
@@ -38,7 +40,9 @@ def _check_objective(cfg: Any, layout: Layout) -> None:
     )
     if dpo:
         _check_preference(cfg.preference, cfg.peft)
-        _check_dpo_layout(cfg, layout)
+        if layout is not None:
+            check_objective_degrees(t, layout)
+        _check_dpo_switches(cfg)
 
 
 def _check_preference(pref: Any, peft: Any) -> None:
@@ -99,8 +103,10 @@ def _check_preference(pref: Any, peft: Any) -> None:
     )
 
 
-def _check_dpo_layout(cfg: Any, layout: Layout) -> None:
-    """What train.objective=dpo does not run yet, each with a reason."""
+def check_objective_degrees(train: Any, layout: Layout) -> None:
+    """The parallel degrees train.objective does not run under yet, each with a reason."""
+    if train.objective != "dpo":
+        return
     _require(
         layout.pp == 1,
         "parallel.pp",
@@ -115,6 +121,10 @@ def _check_dpo_layout(cfg: Any, layout: Layout) -> None:
         "completed over the cp ranks)",
         "Use parallel.cp=1 (FSDP/HSDP, DDP, TP+SP)",
     )
+
+
+def _check_dpo_switches(cfg: Any) -> None:
+    """What train.objective=dpo does not run yet under any layout, each with a reason."""
     _require(
         cfg.train.loss_impl == "chunked",
         "train.loss_impl",
