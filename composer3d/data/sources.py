@@ -170,17 +170,24 @@ def _check_json_rows(file: str, field: str, key: str, wanted: str) -> None:
         _check_value_type(row[field], file, f"line {number}", key, wanted)
 
 
-def _check_parquet_schema(file: str, field: str, key: str, wanted: str) -> None:
+def _parquet_schema(file: str):
+    """The file's parquet schema, or one line saying it cannot be read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(file)
+        return pq.read_schema(file)
     except (OSError, pa.ArrowException) as error:
         raise ConfigError(
             f"data.paths: {file} is not a readable parquet file ({_first_line(error)}). Give "
             "intact .parquet files"
         ) from None
+
+
+def _check_parquet_schema(file: str, field: str, key: str, wanted: str) -> None:
+    import pyarrow as pa
+
+    schema = _parquet_schema(file)
     if field not in schema.names:
         raise ConfigError(
             f"{key}: {field!r} is not a field of {file} (fields: {schema.names}). Set {key} to the "
@@ -324,15 +331,8 @@ def _check_preference_row(row: dict, where: str) -> None:
 
 def _check_preference_columns(file: str) -> None:
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    try:
-        schema = pq.read_schema(file)
-    except (OSError, pa.ArrowException) as error:
-        raise ConfigError(
-            f"data.paths: {file} is not a readable parquet file ({_first_line(error)}). Give "
-            "intact .parquet files"
-        ) from None
+    schema = _parquet_schema(file)
     for column in PREFERENCE_COLUMNS:
         kind = schema.field(column).type if column in schema.names else None
         if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
