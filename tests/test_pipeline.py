@@ -7,7 +7,7 @@ import random
 import pytest
 from harness import FAST, RunResult, train_command, train_in_one_group, train_job
 
-from composer3d.parallel.pipeline.stages import (
+from composer3d.parallel.pipeline.schedules import (
     SCHEDULES,
     schedule_problem,
     split_layers,

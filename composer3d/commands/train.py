@@ -45,7 +45,6 @@ from composer3d.peft.base import base_meta, build_with_adapters
 from composer3d.plan.auto import choose_layout
 from composer3d.training import console
 from composer3d.training.metrics import MetricsSink, local_bytes
-from composer3d.training.trainer import Trainer
 
 log = logging.getLogger("composer3d")
 # signals the workers stop for after saving (StopSignals), which the local launcher passes on to
@@ -139,6 +138,10 @@ def _train_in_group(
         run_dir,
         _resume_hint(cfg, run_dir),
     )
+    # imported here, not at the top: the launcher, which starts the workers, builds no trainer, and
+    # the trainer's parallelisms import dynamo (torch.compile's, and pipelining's)
+    from composer3d.training.trainer import Trainer
+
     from_checkpoint = cfg.checkpoint.enabled and resumes_from_a_checkpoint(cfg.checkpoint, run_dir)
     trainer = Trainer(cfg, mesh, device, sequences, windows, from_checkpoint)
     trainer.run_info_extra = {"parallel_auto": plan} if plan else {}

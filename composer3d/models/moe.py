@@ -107,23 +107,10 @@ class GroupedExperts(nn.Module):
                 x, w3.transpose(-2, -1), offs=offsets
             )
             return F.grouped_mm(hidden, w2.transpose(-2, -1), offs=offsets)
-        return _one_by_one(x, counts, w1, w2, w3)
+        # imported here, not at the top: see moe_eager
+        from composer3d.models.moe_eager import experts_one_by_one
 
-
-# Eager inside a compiled block: dynamo would compile the loop again for every batch's counts
-@torch.compiler.disable(
-    reason="experts one by one: a loop over counts read back per batch, run eagerly"
-)
-def _one_by_one(
-    x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor
-) -> torch.Tensor:
-    """The experts' SwiGLUs over their rows, expert by expert, where the grouped GEMM does not
-    run."""
-    outputs = []
-    # a host sync: the loop needs the counts
-    for e, rows in enumerate(torch.split(x, counts.tolist())):
-        outputs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
-    return torch.cat(outputs) if outputs else x.new_zeros(0, w2.shape[1])
+        return experts_one_by_one(x, counts, w1, w2, w3)
 
 
 class MoE(nn.Module):
@@ -292,7 +279,7 @@ def mix_routed(
 
     ``experts(rows, counts)`` runs rows sorted by (local) expert, ``counts[e]`` for expert e; under
     expert parallel (``ep_group``) the rows travel to the ranks holding their experts and back
-    (``_through_expert_parallel``)."""
+    (``moe_eager.through_expert_parallel``)."""
     k = chosen.shape[-1]
     flat = chosen.flatten()
     source = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(k)
@@ -303,11 +290,13 @@ def mix_routed(
     order = flat.argsort(stable=True)
     counts = per_expert(flat, num_experts)
     rows = tokens[source[order]]
-    out_rows = (
-        experts(rows, counts)
-        if ep_group is None
-        else _through_expert_parallel(experts, rows, counts, ep_group)
-    )
+    if ep_group is None:
+        out_rows = experts(rows, counts)
+    else:
+        # imported here, not at the top: see moe_eager
+        from composer3d.models.moe_eager import through_expert_parallel
+
+        out_rows = through_expert_parallel(experts, rows, counts, ep_group)
     out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
     out.index_add_(0, source[order], out_rows.float() * mix[order].unsqueeze(-1))
     return out.to(tokens.dtype)
@@ -319,44 +308,6 @@ def _sum_grad_over(tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     return DTensor.from_local(tensor, mesh, (Replicate(),), run_check=False).to_local(
         grad_placements=(Partial(),)
     )
-
-
-# Eager inside a compiled block: the all-to-alls' splits are read back each batch, and dynamo would
-# compile the rest of the exchange again for every new split (the routing changes them every step)
-@torch.compiler.disable(
-    reason="expert parallel all-to-all: splits read back per batch, run eagerly"
-)
-def _through_expert_parallel(
-    experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    rows: torch.Tensor,
-    counts: torch.Tensor,
-    group: dist.ProcessGroup,
-) -> torch.Tensor:
-    """Send ``rows`` (sorted by global expert, ``counts`` per expert) to the ranks holding their
-    experts, run them there and bring the outputs back in the same order. Rank r of the ep group
-    holds experts [r·E/ep, (r+1)·E/ep). One all-to-all of counts (read back to the host: the
-    splits), one of rows each way."""
-    ep = dist.get_world_size(group)
-    local_experts = counts.numel() // ep
-    received = funcol.all_to_all_single(counts, None, None, group)  # [source rank, local expert]
-    received = (
-        funcol.wait_tensor(received)
-        if isinstance(received, funcol.AsyncCollectiveTensor)
-        else received
-    )
-    splits = torch.stack(
-        [counts.view(ep, local_experts).sum(1), received.view(ep, local_experts).sum(1)]
-    ).tolist()
-    send, recv = splits
-    arrived = funcol.all_to_all_single_autograd(rows, recv, send, group)
-    # Arrived rows are grouped by source rank, then by local expert: regroup them by local expert.
-    expert_of_row = (
-        torch.arange(local_experts, device=rows.device).repeat(ep).repeat_interleave(received)
-    )
-    by_expert = expert_of_row.argsort(stable=True)
-    computed = experts(arrived[by_expert], received.view(ep, local_experts).sum(0))
-    unsorted = torch.empty_like(computed).index_copy(0, by_expert, computed)
-    return funcol.all_to_all_single_autograd(unsorted, send, recv, group)
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:

@@ -33,12 +33,8 @@ from composer3d.parallel.context.context_parallel import ContextParallel
 from composer3d.parallel.data_parallel.fsdp import apply_data_parallel, mixed_precision, runs_fsdp
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.mesh import ParallelMesh
-from composer3d.parallel.pipeline.stages import (
-    StageModule,
-    default_stages_per_rank,
-    plan_stages,
-    prune_to_stages,
-)
+from composer3d.parallel.pipeline.schedules import default_stages_per_rank
+from composer3d.parallel.pipeline.stages import StageModule, plan_stages, prune_to_stages
 from composer3d.parallel.pipeline.tied import split_tied_embedding
 from composer3d.parallel.tensor import apply_tensor_parallel
 from composer3d.peft.apply import apply_peft

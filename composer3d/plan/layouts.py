@@ -22,9 +22,9 @@ from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
 from composer3d.memory.activation_checkpointing import blocks_all_gather
 from composer3d.models import MODEL_REGISTRY
-from composer3d.parallel.context.context_parallel import STYLES as CP_STYLES
+from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.mesh import Layout
-from composer3d.parallel.pipeline.stages import (
+from composer3d.parallel.pipeline.schedules import (
     SCHEDULES,
     V_SHAPED,
     default_stages_per_rank,

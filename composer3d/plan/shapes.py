@@ -1,6 +1,6 @@
 """The model's parameters as the planner needs them: each one's shape on a tensor-parallel rank,
 grouped by block, and the pipeline split composer3d itself makes
-(``parallel.pipeline.split_layers``, the same cost function).
+(``parallel.pipeline.schedules.split_layers``, the same cost function).
 
 Llama-shaped decoders (the native model and Hugging Face models laid out like Llama): q/k/v and
 gate/up projections split by output rows over tp (column-parallel), o and down projections by input
@@ -24,7 +24,7 @@ from functools import cache, cached_property
 from composer3d.errors import ConfigError
 from composer3d.models import MODEL_REGISTRY
 from composer3d.models.llama import ffn_hidden_dim
-from composer3d.parallel.pipeline.stages import split_layers, stage_ids_of_rank
+from composer3d.parallel.pipeline.schedules import split_layers, stage_ids_of_rank
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,15 @@ from typing import Any
 from composer3d.config.checks.common import _divisors, _require
 from composer3d.config.schema import ModelConfig, ParallelConfig
 from composer3d.models import MODEL_REGISTRY
+from composer3d.parallel.context import STYLES as CP_STYLES
 from composer3d.parallel.context.balance import BALANCES as CP_BALANCES
-from composer3d.parallel.context.context_parallel import STYLES as CP_STYLES
 from composer3d.parallel.mesh import Layout
-from composer3d.parallel.pipeline.stages import SCHEDULES as PP_SCHEDULES
-from composer3d.parallel.pipeline.stages import V_SHAPED, default_stages_per_rank, schedule_problem
+from composer3d.parallel.pipeline.schedules import SCHEDULES as PP_SCHEDULES
+from composer3d.parallel.pipeline.schedules import (
+    V_SHAPED,
+    default_stages_per_rank,
+    schedule_problem,
+)
 
 
 def resolve_degrees(p: ParallelConfig, world_size: int) -> Layout:

@@ -30,6 +30,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
 
+from composer3d.parallel.context import STYLES
 from composer3d.parallel.context.balance import (
     BALANCES,
     Placement,
@@ -38,8 +39,6 @@ from composer3d.parallel.context.balance import (
     plan_placement,
 )
 from composer3d.parallel.context.ring_attention import ring_attention, ring_blocks
-
-STYLES = ("ring", "allgather", "ulysses")
 
 # torch 2.13 names it all_gather_single_autograd (the older all_gather_tensor_autograd warns there);
 # older only so.
