@@ -296,7 +296,7 @@ def train_in_one_group(
         _train_jobs,
         nproc,
         nproc,
-        [(str(d), list(o)) for d, o in jobs],
+        composed_jobs(jobs, nproc),
         [s.port for s in stores],
         probe_effects,
     )
@@ -318,37 +318,51 @@ def train_job(
     )
 
 
-def _train_jobs(
-    rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], probe_effects: bool
-) -> None:
+def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[str, object]]:
+    """Each job's (run directory, overrides) composed into the config its ``nproc`` ranks train,
+    here, once: composing in every rank cost each rank about half a second a job."""
     from hydra import compose, initialize_config_module
+
+    from composer3d.config.registration import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+        return [
+            (
+                str(run_dir),
+                compose(
+                    "train",
+                    overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides],
+                ),
+            )
+            for run_dir, overrides in jobs
+        ]
+
+
+def _train_jobs(
+    rank: int, nproc: int, jobs: list[tuple[str, object]], ports: list[int], probe_effects: bool
+) -> None:
+    """Each of ``composed_jobs``'s jobs, one after another, on this rank."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     from composer3d.commands.train import run
     from composer3d.config.checks import resolve_model_config
-    from composer3d.config.registration import register_configs
     from composer3d.launch import distributed
 
-    register_configs()
-    with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        for (run_dir, overrides), port in zip(jobs, ports):
-            _rank_env(rank, nproc, port)
-            # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the
-            # same ranks and names compares equal to this job's: its cached outputs would carry that
-            # mesh, whose process groups are gone ("Could not resolve the process group") unless
-            # they happened to get the same names.
-            _clear_sharding_prop_cache()  # the Python cache and the C++ dispatch's
-            if probe_effects:
-                os.environ["COMPOSER3D_TEST_EFFECTS"] = str(Path(run_dir) / "effects")
-                if str(FAULT_INJECTION) not in sys.path:
-                    sys.path.insert(0, str(FAULT_INJECTION))
-                import effects_probe  # noqa: F401  (patches the Trainer of this process, once)
-            cfg = compose(
-                "train",
-                overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides],
-            )
-            resolve_model_config(cfg.model)
-            run(cfg, distributed.job_env(), Path(run_dir))
+    for (run_dir, cfg), port in zip(jobs, ports):
+        _rank_env(rank, nproc, port)
+        # DTensor caches its sharding decisions by op and mesh, and an earlier job's mesh of the
+        # same ranks and names compares equal to this job's: its cached outputs would carry that
+        # mesh, whose process groups are gone ("Could not resolve the process group") unless
+        # they happened to get the same names.
+        _clear_sharding_prop_cache()  # the Python cache and the C++ dispatch's
+        if probe_effects:
+            os.environ["COMPOSER3D_TEST_EFFECTS"] = str(Path(run_dir) / "effects")
+            if str(FAULT_INJECTION) not in sys.path:
+                sys.path.insert(0, str(FAULT_INJECTION))
+            import effects_probe  # noqa: F401  (patches the Trainer of this process, once)
+        resolve_model_config(cfg.model)
+        run(cfg, distributed.job_env(), Path(run_dir))
 
 
 def _rank_env(rank: int, nproc: int, port: int) -> None:
@@ -411,7 +425,7 @@ def _command_rank(
 
 
 def compiled_jobs(
-    rank: int, nproc: int, jobs: list[tuple[str, list[str]]], ports: list[int], report: str
+    rank: int, nproc: int, jobs: list[tuple[str, object]], ports: list[int], report: str
 ) -> None:
     """``_train_jobs`` with compiled blocks, failing on any recompile, and each rank's dynamo counts
     written to ``report``/rank{rank}.json: the reasons its graphs broke and how many graphs it

@@ -25,28 +25,28 @@ def _steps(run):
 
 
 def test_crash_during_save_keeps_previous_and_resume_is_bit_identical(tmp_path):
-    args = [*FAST, "train.steps=20", "checkpoint.interval=10", "parallel.dp_shard=2"]
+    args = [*FAST, "train.steps=8", "checkpoint.interval=4", "parallel.dp_shard=2"]
     straight = train_job(tmp_path / "straight", *args, nproc=2)
 
-    crashed = train(tmp_path / "crash", *args, nproc=2, check=False, faults={KILL: "20:1"})
-    assert crashed.returncode != 0, "rank 1 was killed during the step-20 save"
+    crashed = train(tmp_path / "crash", *args, nproc=2, check=False, faults={KILL: "8:1"})
+    assert crashed.returncode != 0, "rank 1 was killed during the step-8 save"
     ckpts = tmp_path / "crash" / "checkpoints"
-    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000010"]
-    assert (ckpts / "step-00000020.partial").exists(), (
+    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000004"]
+    assert (ckpts / "step-00000008.partial").exists(), (
         "the interrupted save stays partial, never committed"
     )
 
     resumed = train(tmp_path / "crash", *args, nproc=2)  # the same command again: resume=auto
-    assert "resumed from" in resumed.output and "step-00000010" in resumed.output
-    assert _steps(resumed) == list(range(1, 21)), (
+    assert "resumed from" in resumed.output and "step-00000004" in resumed.output
+    assert _steps(resumed) == list(range(1, 9)), (
         "metrics.jsonl continues from the checkpoint, no duplicates"
     )
     assert resumed.losses == straight.losses, (
-        "10 steps + resume must be bit-identical to 20 straight steps"
+        "4 steps + resume must be bit-identical to 8 straight steps"
     )
     assert [m["grad_norm"] for m in resumed.metrics] == [m["grad_norm"] for m in straight.metrics]
-    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000020", "step-00000010"]
-    assert not (ckpts / "step-00000020.partial").exists()
+    assert [p.name for p in committed_checkpoints(ckpts)] == ["step-00000008", "step-00000004"]
+    assert not (ckpts / "step-00000008.partial").exists()
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from harness import (
     RunResult,
     assert_follows,
     compiled_jobs,
+    composed_jobs,
     processes,
     spawn,
     train_in_one_group,
@@ -326,7 +327,7 @@ def test_compiled_blocks_under_cp_follow_one_process(name, runs, documents, tmp_
         compiled_jobs,
         4,
         4,
-        [(str(run_dir), [*trained, *layout, "compile.enabled=true"])],
+        composed_jobs([(run_dir, [*trained, *layout, "compile.enabled=true"])], 4),
         [store.port],
         str(report),
     )

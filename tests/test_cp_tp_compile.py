@@ -24,6 +24,7 @@ from harness import (
     RunResult,
     assert_follows,
     compiled_jobs,
+    composed_jobs,
     processes,
     spawn,
     train_in_one_group,
@@ -324,7 +325,9 @@ def test_compiled_cp_at_the_issues_size_matches_single_process(
         compiled_jobs,
         world,
         world,
-        [(str(run_dir), [*BASE, *SIZES["issue"], *layout, *documents["documents"]])],
+        composed_jobs(
+            [(run_dir, [*BASE, *SIZES["issue"], *layout, *documents["documents"]])], world
+        ),
         [store.port],
         str(report),
     )

@@ -35,9 +35,16 @@ HF_FAST = [o for o in FAST if not o.startswith("model=")] + [
 LAYOUTS = {  # name: (processes, overrides)
     # FSDP alone: slow, as each architecture trains under FSDP in the two layouts below
     "fsdp2": (2, ["parallel.dp_shard=2"]),
+    # a rank's 4 sequences as one micro-batch: a tensor-parallel step costs DTensor's dispatch per
+    # micro-batch (accumulation under FSDP × TP is test_parity's)
     "fsdp2_tp2_sp": (
         4,
-        ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        [
+            "parallel.dp_shard=2",
+            "parallel.tp=2",
+            "parallel.sequence_parallel=true",
+            "train.micro_batch_size=4",
+        ],
     ),
     "pp2_fsdp2": (4, ["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_schedule=1f1b"]),
     # 8 processes on CI's 2 cores take ~6 s a step (DTensor dispatch in every process): marked slow.

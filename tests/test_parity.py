@@ -6,12 +6,17 @@ import pytest
 from harness import FAST, train_in_one_group, train_job
 
 STEPS = ["train.steps=10"]
+# A tensor-parallel step costs DTensor's dispatch per op and micro-batch (about 0.12 s a micro-batch
+# of the tiny model on 2 cores): the layouts without data parallelism take the global batch as one
+# micro-batch. Accumulation under TP is fsdp2_tp2_sp's (2 micro-batches a rank) and the reference's
+# (4).
+ONE_MICRO_BATCH = "train.micro_batch_size=8"
 LAYOUTS = {
     "fsdp4": ["parallel.dp_shard=4"],
     "hsdp2x2": ["parallel.dp_replicate=2", "parallel.dp_shard=2"],
     "fsdp2_tp2_sp": ["parallel.dp_shard=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-    "tp2": ["parallel.tp=2", "parallel.dp_shard=1"],
-    "tp4": ["parallel.tp=4", "parallel.dp_shard=1"],
+    "tp2": ["parallel.tp=2", "parallel.dp_shard=1", ONE_MICRO_BATCH],
+    "tp4": ["parallel.tp=4", "parallel.dp_shard=1", ONE_MICRO_BATCH],
     "zero1_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
     # ZeRO-1 over DTensor (TP) parameters: slices of their local shards, sequence parallel's norm
     # gradients summed
@@ -20,6 +25,7 @@ LAYOUTS = {
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
         "parallel.zero_stage=1",
+        "train.micro_batch_size=4",
     ],
     "zero2_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=2"],
     "ddp4": ["parallel.dp_replicate=4", "parallel.dp_shard=1"],
@@ -30,6 +36,7 @@ LAYOUTS = {
         "parallel.dp_shard=1",
         "parallel.sequence_parallel=true",
         "checkpoint.enabled=false",
+        ONE_MICRO_BATCH,
     ],
     "tp2_sp_ac_regather": [
         "parallel.tp=2",
@@ -38,6 +45,7 @@ LAYOUTS = {
         "memory.activation_checkpointing=selective",
         "memory.ac_every=0",
         "checkpoint.enabled=false",
+        ONE_MICRO_BATCH,
     ],
     "tp2_sp_ac_keep_gathers": [
         "parallel.tp=2",
@@ -47,6 +55,7 @@ LAYOUTS = {
         "memory.ac_every=0",
         "memory.ac_save_gathers=true",
         "checkpoint.enabled=false",
+        ONE_MICRO_BATCH,
     ],
 }
 WORLD = {"tp2": 2, "tp2_sp": 2, "tp2_sp_ac_regather": 2, "tp2_sp_ac_keep_gathers": 2}

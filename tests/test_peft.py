@@ -92,6 +92,9 @@ def runs(tmp_path_factory, qwen3):
     root = tmp_path_factory.mktemp("lora_layouts")
     (root / "valid.txt").write_text("def f(x):\n    return x + 1\n" * 60)
     jobs = {name: [*FAST, *LORA, *overrides] for name, overrides in LAYOUTS.items()}
+    # the global batch as one micro-batch: a tensor-parallel step costs DTensor's dispatch per
+    # micro-batch (LoRA's accumulation is the other layouts')
+    jobs["tp2_sp"].append("train.micro_batch_size=8")
     jobs["resumed_tp2_sp"] = [
         *FAST,
         *LORA,
