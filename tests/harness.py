@@ -320,13 +320,20 @@ def train_job(
 
 def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[str, object]]:
     """Each job's (run directory, overrides) composed into the config its ``nproc`` ranks train,
-    here, once: composing in every rank cost each rank about half a second a job."""
+    here, once: composing in every rank cost each rank about half a second a job. Within a caller's
+    Hydra (a fixture's ``initialize_config_module``: Hydra does not nest), in that one."""
     from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
 
     from composer3d.config.registration import register_configs
 
     register_configs()
-    with initialize_config_module(config_module="composer3d.conf", version_base=None):
+    within = (
+        contextlib.nullcontext()
+        if GlobalHydra.instance().is_initialized()
+        else initialize_config_module(config_module="composer3d.conf", version_base=None)
+    )
+    with within:
         return [
             (
                 str(run_dir),
