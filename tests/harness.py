@@ -320,30 +320,36 @@ def train_job(
 
 def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[str, object]]:
     """Each job's (run directory, overrides) composed into the config its ``nproc`` ranks train,
-    here, once: composing in every rank cost each rank about half a second a job. Within a caller's
-    Hydra (a fixture's ``initialize_config_module``: Hydra does not nest), in that one."""
+    here, once: composing in every rank cost each rank about half a second a job. Hydra does not
+    nest: a Hydra the caller holds (a fixture's ``initialize_config_module``, or one an earlier
+    test left) is set aside meanwhile and put back."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from composer3d.config.registration import register_configs
 
     register_configs()
-    within = (
-        contextlib.nullcontext()
-        if GlobalHydra.instance().is_initialized()
-        else initialize_config_module(config_module="composer3d.conf", version_base=None)
-    )
-    with within:
-        return [
-            (
-                str(run_dir),
-                compose(
-                    "train",
-                    overrides=[f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides],
-                ),
-            )
-            for run_dir, overrides in jobs
-        ]
+    held = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module="composer3d.conf", version_base=None):
+            return [
+                (
+                    str(run_dir),
+                    compose(
+                        "train",
+                        overrides=[
+                            f"launch.nproc_per_node={nproc}",
+                            f"run.dir={run_dir}",
+                            *overrides,
+                        ],
+                    ),
+                )
+                for run_dir, overrides in jobs
+            ]
+    finally:
+        if held is not None:
+            GlobalHydra.instance().initialize(held)
 
 
 def _train_jobs(
