@@ -368,13 +368,15 @@ def test_more_cpu_ranks_than_cores_are_said_before_any_worker(compose_cfg, monke
 
 
 def test_preflight_passes_what_can_run(compose_cfg, files, checkpoint):
-    """The checks are not simply refusing: good files, a matching checkpoint and writable dirs
-    pass."""
+    """The checks are not simply refusing: good files, a matching checkpoint, writable dirs and an
+    evaluation during training on a file that holds its windows pass."""
     cfg = compose_cfg(
         "data=text_files",
         f"data.paths=[{files}/good.txt]",
         f"checkpoint.resume={checkpoint}",
         "train.steps=4",
+        "train.eval_every=2",
+        f"eval.path={files}/good.txt",
     )
     assert preflight(cfg, 1).dp_shard == 1
 
