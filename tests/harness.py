@@ -318,11 +318,10 @@ def train_job(
     )
 
 
-def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[str, object]]:
-    """Each job's (run directory, overrides) composed into the config its ``nproc`` ranks train,
-    here, once: composing in every rank cost each rank about half a second a job. Hydra does not
-    nest: a Hydra the caller holds (a fixture's ``initialize_config_module``, or one an earlier
-    test left) is set aside meanwhile and put back."""
+def train_config(*overrides: str):
+    """composer3d-train's config of ``overrides``, composed by Hydra in this process. Hydra does not
+    nest: a Hydra the caller holds (a fixture's ``initialize_config_module``, or one an earlier test
+    left) is set aside meanwhile and put back."""
     from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
@@ -333,23 +332,22 @@ def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module="composer3d.conf", version_base=None):
-            return [
-                (
-                    str(run_dir),
-                    compose(
-                        "train",
-                        overrides=[
-                            f"launch.nproc_per_node={nproc}",
-                            f"run.dir={run_dir}",
-                            *overrides,
-                        ],
-                    ),
-                )
-                for run_dir, overrides in jobs
-            ]
+            return compose("train", overrides=list(overrides))
     finally:
         if held is not None:
             GlobalHydra.instance().initialize(held)
+
+
+def composed_jobs(jobs: list[tuple[Path, list[str]]], nproc: int) -> list[tuple[str, object]]:
+    """Each job's (run directory, overrides) composed into the config its ``nproc`` ranks train,
+    here, once: composing in every rank cost each rank about half a second a job."""
+    return [
+        (
+            str(run_dir),
+            train_config(f"launch.nproc_per_node={nproc}", f"run.dir={run_dir}", *overrides),
+        )
+        for run_dir, overrides in jobs
+    ]
 
 
 def _train_jobs(

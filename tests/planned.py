@@ -4,17 +4,10 @@ prints, without the subprocess)."""
 
 from __future__ import annotations
 
-from hydra import compose, initialize_config_module
+from harness import train_config as plan_config
 
-from composer3d.config.registration import register_configs
 from composer3d.plan import Workload, candidate_from_config, estimate
 from composer3d.plan.hardware import cluster_from_config
-
-
-def plan_config(*overrides: str):
-    register_configs()
-    with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        return compose("train", overrides=list(overrides))
 
 
 def planned(*overrides: str):
