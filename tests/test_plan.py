@@ -25,6 +25,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -1130,6 +1131,28 @@ def test_plan_refuses_bad_input_in_one_line(override, key):
     proc = _plan("model=llama3_8b", override)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and key in proc.stderr, proc.stderr
+
+
+def test_a_cluster_no_layout_fits_is_refused_with_what_the_smallest_needs():
+    """The search prices only the layouts that fit in full; where none does, the refusal names the
+    least memory any layout needs, and a device that size (its headroom added) plans."""
+    small = _plan("model=llama3_8b", "cluster.gpus_per_node=2", "cluster.memory_gib=10")
+    assert small.returncode == 2 and small.stderr.strip().count("\n") == 0, small.stderr
+    found = re.search(r"(\d+) valid layouts tried; the smallest needs ([\d.]+) GiB", small.stderr)
+    assert "cluster.nodes" in small.stderr and found, small.stderr
+    need = float(found[2])
+    headroom = plan_config().plan.memory_headroom
+    large = _plan(
+        "model=llama3_8b",
+        "cluster.gpus_per_node=2",
+        f"cluster.memory_gib={(need + 0.1) / headroom:.2f}",
+        "plan.format=json",
+        "plan.top=1000",
+    )
+    assert large.returncode == 0, large.stderr
+    rows = [json.loads(line) for line in large.stdout.splitlines()]
+    assert 0 < len(rows) < int(found[1])
+    assert min(r["memory_bytes_per_gpu"] for r in rows) / 2**30 == pytest.approx(need, abs=0.05)
 
 
 def test_parallel_auto_trains_and_records_its_choice(tmp_path):

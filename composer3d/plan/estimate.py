@@ -30,7 +30,7 @@ from composer3d.plan.host import host_fits, host_seconds
 from composer3d.plan.kernels import Work, step_compute
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import OPTIMIZER_STATE_BYTES, Memory, memory
-from composer3d.plan.shapes import ModelShape, stage_sets
+from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
 from composer3d.precision.autocast import auto_cast
 
 
@@ -212,18 +212,28 @@ def _exposed_comm(
     return out
 
 
-def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
-    """Predict ``c`` for the workload's model, batch and optimizer on ``cluster``."""
-    shape, seq = work.shape, work.seq_len
-    cb = cluster.compute_bytes
-    reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
-    sets = stage_sets(shape, c.pp, c.stages_per_rank, c.pp_schedule)
+@dataclass(frozen=True)
+class RankMemories:
+    """Each pipeline rank's stages and memory for one candidate: what decides whether it fits,
+    priced before the rest of its step (a search prices the step of only those that fit)."""
+
+    sets: list[StageSet]
+    mems: list[Memory]
+    fits: bool
+
+    @property
+    def worst(self) -> Memory:
+        return max(self.mems, key=lambda m: m.total)
+
+
+def rank_memories(work: Workload, c: Candidate, cluster: Cluster) -> RankMemories:
+    sets = stage_sets(work.shape, c.pp, c.stages_per_rank, c.pp_schedule)
     mems = [
         memory(
-            shape,
+            work.shape,
             c,
             s,
-            seq,
+            work.seq_len,
             cluster,
             work.optimizer,
             work.peft,
@@ -233,6 +243,23 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         )
         for s in sets
     ]
+    worst = max(m.total for m in mems)
+    fits = worst <= cluster.memory_bytes * work.memory_headroom and host_fits(
+        mems, cluster, work.memory_headroom
+    )
+    return RankMemories(sets, mems, fits)
+
+
+def estimate(
+    work: Workload, c: Candidate, cluster: Cluster, priced: RankMemories | None = None
+) -> Estimate:
+    """Predict ``c`` for the workload's model, batch and optimizer on ``cluster`` (``priced``: its
+    memories, where the caller has them already)."""
+    shape, seq = work.shape, work.seq_len
+    cb = cluster.compute_bytes
+    reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
+    priced = priced or rank_memories(work, c, cluster)
+    sets, mems = priced.sets, priced.mems
     reference = work.reference is not None
     cols = [
         comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch, reference)
@@ -279,10 +306,9 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
     )
     world = c.world_size
     tflops = flops_per_token * tokens_per_step / world / step / 1e12
-    worst = max(range(len(sets)), key=lambda i: mems[i].total)
     return Estimate(
         candidate=c,
-        memory=mems[worst],
+        memory=priced.worst,
         memory_per_pp_rank=mems,
         collectives=cols[busiest],
         collectives_per_pp_rank=cols,
@@ -294,8 +320,7 @@ def estimate(work: Workload, c: Candidate, cluster: Cluster) -> Estimate:
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
         bubble_fraction=bubble_fraction(c),
-        fits=mems[worst].total <= cluster.memory_bytes * work.memory_headroom
-        and host_fits(mems, cluster, work.memory_headroom),
+        fits=priced.fits,
         notes=_notes(shape, c),
     )
 

@@ -236,6 +236,19 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
     arithmetic form)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     experts = m.moe.experts if m.name == "llama" else 0
+    n_layers, global_batch, seq_len = m.n_layers, t.global_batch_size, t.seq_len
+    # the config's keys every candidate carries, read once: a config's attribute costs about as
+    # much as the rest of a candidate's enumeration, and a search enumerates tens of thousands
+    carried = dict(
+        ac_policy=cfg.memory.ac_policy,
+        ac_save_gathers=cfg.memory.ac_save_gathers,
+        tile_mlp=cfg.memory.tile_mlp,
+        tile_loss=cfg.memory.tile_loss,
+        offload=p.offload,
+        offload_dir=bool(p.offload_dir),
+        activation_offload=cfg.memory.activation_offload,
+    )
+    compiled, tied = cfg.compile.enabled, m.tie_embeddings
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
         for pp, cp in (
@@ -243,17 +256,17 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
             for pp in _divisors(world_size // tp)
             for cp in _divisors(world_size // tp // pp)
         ):
-            if pp > m.n_layers or not _objective_runs(cfg, pp, cp):
+            if pp > n_layers or not _objective_runs(cfg, pp, cp):
                 continue
             dp = world_size // (tp * pp * cp)
-            sizes = micro_batch_sizes(t.global_batch_size, dp)
+            sizes = micro_batch_sizes(global_batch, dp)
             if not sizes:
                 continue
-            local_batch = t.global_batch_size // dp
+            local_batch = global_batch // dp
             for dp_shard in _divisors(dp):
                 dp_replicate = dp // dp_shard
                 for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard * cp, experts):
-                    if zero == 1 and p.offload != "none":
+                    if zero == 1 and carried["offload"] != "none":
                         continue  # refused by checks: offload takes the shards FSDP owns
                     if not _ep_fits(ep, cp, dp_shard):
                         continue
@@ -262,9 +275,9 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                     )
                     styles = _cp_styles(cfg, layout, zero)
                     for sp, style in product(
-                        (False, True) if tp > 1 and t.seq_len % tp == 0 else (False,), styles
+                        (False, True) if tp > 1 and seq_len % tp == 0 else (False,), styles
                     ):
-                        if not _tiles_fit(cfg, t.seq_len // cp // (tp if sp else 1), pp):
+                        if not _tiles_fit(cfg, seq_len // cp // (tp if sp else 1), pp):
                             continue
                         for mbs in sizes:
                             base = Candidate(
@@ -277,17 +290,9 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                                 local_batch // mbs,
                                 "none",
                                 cp_style=style,
-                                ac_policy=cfg.memory.ac_policy,
-                                ac_save_gathers=cfg.memory.ac_save_gathers,
-                                tile_mlp=cfg.memory.tile_mlp,
-                                tile_loss=cfg.memory.tile_loss,
-                                offload=p.offload,
-                                offload_dir=bool(p.offload_dir),
-                                activation_offload=cfg.memory.activation_offload,
+                                **carried,
                             )
-                            found += _with_schedules_and_ac(
-                                base, m.n_layers, cfg.compile.enabled, m.tie_embeddings
-                            )
+                            found += _with_schedules_and_ac(base, n_layers, compiled, tied)
     return found
 
 

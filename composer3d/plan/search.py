@@ -9,7 +9,7 @@ import copy
 from composer3d.config.checks import validate
 from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
-from composer3d.plan.estimate import Estimate, Workload, estimate
+from composer3d.plan.estimate import Estimate, Workload, estimate, rank_memories
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate, apply_to_config, enumerate_candidates
 
@@ -18,22 +18,20 @@ def ranked(cfg: TrainConfig, cluster: Cluster) -> tuple[list[Estimate], int]:
     """(layouts that fit, best first; how many valid layouts there were)."""
     candidates = enumerate_candidates(cfg, cluster.world_size, cluster.gpus_per_node)
     work = Workload.from_config(cfg)
-    estimates = [estimate(work, c, cluster) for c in candidates]
-    fitting = [e for e in estimates if e.fits]
+    # memory first: the rest of a step is priced only for the layouts that fit (at 16 GPUs of a
+    # mixture of experts, one in thirteen)
+    priced = [(c, rank_memories(work, c, cluster)) for c in candidates]
+    fitting = [estimate(work, c, cluster, p) for c, p in priced if p.fits]
     if not fitting:
-        smallest = min(estimates, key=lambda e: e.memory.total, default=None)
-        need = (
-            f"; the smallest needs {smallest.memory.total / 2**30:.1f} GiB per device"
-            if smallest
-            else ""
-        )
+        smallest = min((p.worst.total for _, p in priced), default=None)
+        need = f"; the smallest needs {smallest / 2**30:.1f} GiB per device" if smallest is not None else ""
         raise ConfigError(
             f"cluster.nodes: no layout of {cluster.world_size} devices fits in "
             f"{cluster.memory_bytes * cfg.plan.memory_headroom / 2**30:.1f} GiB per device "
-            f"({len(estimates)} valid layouts tried{need}). Add nodes, lower train.seq_len or "
+            f"({len(candidates)} valid layouts tried{need}). Add nodes, lower train.seq_len or "
             "train.global_batch_size, or use a larger cluster.device"
         )
-    return _faster_then_smaller(fitting), len(estimates)
+    return _faster_then_smaller(fitting), len(candidates)
 
 
 SAME_SPEED = 0.001  # throughputs this close are one to the planner: its terms are not that exact

@@ -8,6 +8,7 @@ dynamo, which only a pipeline's schedule (``is_multi_stage``) and the workers ne
 
 from __future__ import annotations
 
+import functools
 import math
 
 # composer3d name → torch's schedule name
@@ -26,6 +27,7 @@ V_SHAPED = (
 )  # rank r runs stages r and 2·pp−1−r, so the first and last stage share rank 0
 
 
+@functools.cache  # the planner asks for each of tens of thousands of candidates
 def is_multi_stage(schedule: str) -> bool:
     # here, not at the top: torch.distributed.pipelining imports dynamo (a second), which the
     # launcher's config checks need only for a pipeline (parallel.pp > 1)
