@@ -18,6 +18,7 @@ Float8Linear modules (the design card's order had it after TP).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -29,7 +30,6 @@ from composer3d.memory.activation_checkpointing import apply_activation_checkpoi
 from composer3d.memory.activation_offload import apply_activation_offload
 from composer3d.memory.tiling import tile_feed_forwards
 from composer3d.models import ModelSpec
-from composer3d.parallel.context.context_parallel import ContextParallel
 from composer3d.parallel.data_parallel.fsdp import apply_data_parallel, mixed_precision, runs_fsdp
 from composer3d.parallel.experts import shard_experts
 from composer3d.parallel.mesh import ParallelMesh
@@ -39,6 +39,9 @@ from composer3d.parallel.pipeline.tied import split_tied_embedding
 from composer3d.parallel.tensor import apply_tensor_parallel
 from composer3d.peft.apply import apply_peft
 from composer3d.precision.autocast import autocast_forward
+
+if TYPE_CHECKING:  # built under cp > 1 only (below)
+    from composer3d.parallel.context.context_parallel import ContextParallel
 from composer3d.precision.cast_once import CastOnce, casts_once
 from composer3d.precision.float8 import convert_to_float8
 
@@ -107,6 +110,10 @@ def parallelize(
         )
     shard_experts(model, mesh, parallel.sequence_parallel)
     if mesh.layout.cp > 1:  # attention over the whole sequence from each rank's share of it
+        # here: its compile boundary (torch.compiler.disable) imports dynamo, a second of each
+        # worker's start that a run without cp or compile has no use for
+        from composer3d.parallel.context.context_parallel import ContextParallel
+
         context = ContextParallel(mesh["cp"], parallel.cp_style, parallel.cp_balance)
         model.use_context_parallel(context)
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks

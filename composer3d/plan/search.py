@@ -24,7 +24,11 @@ def ranked(cfg: TrainConfig, cluster: Cluster) -> tuple[list[Estimate], int]:
     fitting = [estimate(work, c, cluster, p) for c, p in priced if p.fits]
     if not fitting:
         smallest = min((p.worst.total for _, p in priced), default=None)
-        need = f"; the smallest needs {smallest / 2**30:.1f} GiB per device" if smallest is not None else ""
+        need = (
+            f"; the smallest needs {smallest / 2**30:.1f} GiB per device"
+            if smallest is not None
+            else ""
+        )
         raise ConfigError(
             f"cluster.nodes: no layout of {cluster.world_size} devices fits in "
             f"{cluster.memory_bytes * cfg.plan.memory_headroom / 2**30:.1f} GiB per device "

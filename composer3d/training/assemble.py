@@ -4,6 +4,7 @@ its shards."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -13,7 +14,6 @@ from composer3d.config.schema import TrainConfig
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
 from composer3d.models.init import materialize
 from composer3d.parallel.compose import parallelize
-from composer3d.parallel.context.context_parallel import ContextParallel
 from composer3d.parallel.data_parallel.fsdp import runs_fsdp
 from composer3d.parallel.mesh import ParallelMesh
 from composer3d.parallel.pipeline.stages import StageModule
@@ -28,6 +28,9 @@ from composer3d.training.flops import (
     flops_per_token,
     forward_flops_per_token,
 )
+
+if TYPE_CHECKING:  # built under cp > 1 only (parallel/compose.py)
+    from composer3d.parallel.context.context_parallel import ContextParallel
 
 
 @dataclass

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,10 +38,9 @@ from composer3d.dtypes import DTYPES
 from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.memory.tiling import tiled_head_loss
-from composer3d.parallel.context.context_parallel import ContextParallel
 from composer3d.parallel.data_parallel.zero import replica_mesh
 from composer3d.parallel.mesh import ParallelMesh
-from composer3d.parallel.pipeline.stages import build_schedule, stage_boundary
+from composer3d.parallel.pipeline.stages import stage_boundary
 from composer3d.parallel.pipeline.tied import (
     optimizer_from_checkpoint_names,
     optimizer_to_checkpoint_names,
@@ -65,6 +65,9 @@ from composer3d.training.optim import (
 )
 from composer3d.training.preference import PreferenceObjective
 from composer3d.training.readback import window_records
+
+if TYPE_CHECKING:  # built under cp > 1 only (parallel/compose.py)
+    from composer3d.parallel.context.context_parallel import ContextParallel
 
 log = logging.getLogger("composer3d")
 
@@ -152,6 +155,9 @@ class Trainer:
             )
         self.pipeline = None
         if stages:
+            # here: torch's pipelining imports dynamo, which a run without a pipeline never needs
+            from composer3d.parallel.pipeline.schedule import build_schedule
+
             boundary = (
                 stage_boundary(cfg, mesh, self.accumulation_steps) if static_pipeline else None
             )
