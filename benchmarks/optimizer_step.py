@@ -8,7 +8,7 @@ What ``training/grad.clip_grad_norm_`` saves by handing the clip to the optimize
 (``divides_in_step``): apart, the clip reads and writes every fp32 gradient once (a foreach
 multiply) before AdamW reads them again; handed over, the fused kernel divides each gradient as it
 reads it and stores the quotient back, 4 bytes a parameter less. The compiled step
-(``training/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again,
+(``optim/compiled_adamw.py``) divides as it reads and stores nothing back: 4 bytes fewer again,
 in kernels Inductor writes (its first step compiles them: printed too), in one graph or, as training
 steps it, one call a block, blocks of one shape sharing a graph. Each row prints the bytes a
 parameter that way moves and the rate that makes. Over one model's parameters (Llama 3.2 1B's shapes
@@ -29,10 +29,10 @@ from functools import partial
 import torch
 
 from composer3d.launch.distributed import is_accelerator, resolve_device
+from composer3d.optim.build import numbered_blocks
+from composer3d.optim.compiled_adamw import CompiledAdamW
 from composer3d.parallel.mesh import Layout
-from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.grad import clip_grad_norm_
-from composer3d.training.optim import numbered_blocks
 
 
 def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:

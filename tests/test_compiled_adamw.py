@@ -8,10 +8,10 @@ import torch.nn as nn
 from harness import FAST, train_in_one_group
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-from composer3d.training import compiled_adamw
-from composer3d.training.compiled_adamw import MAX_GRAPHS, CompiledAdamW
+from composer3d.optim import compiled_adamw
+from composer3d.optim.build import numbered_block, numbered_blocks, with_configured_kernels
+from composer3d.optim.compiled_adamw import MAX_GRAPHS, CompiledAdamW
 from composer3d.training.grad import divides_in_step
-from composer3d.training.optim import numbered_block, numbered_blocks, with_configured_kernels
 
 CPU = torch.device("cpu")
 SHAPES = [(48, 16), (16, 16), (16,), (40, 16), (16,)]

@@ -334,8 +334,8 @@ def test_lora_math_matches_plain_pytorch_for_a_step():
     step and the updated adapters agree."""
     from composer3d.models import build_model
     from composer3d.models.init import materialize
+    from composer3d.optim.build import build_optimizer
     from composer3d.peft.apply import apply_peft
-    from composer3d.training.optim import build_optimizer
 
     cfg = _compose(
         ["model=tiny", "peft=lora", "peft.rank=4", "peft.alpha=8", "optim.warmup_steps=1"]
@@ -404,9 +404,9 @@ def _count_collectives(rank, world_size):
     shard size), the all-gathers the whole model (the frozen base is gathered for the forward, as it
     must be)."""
     from composer3d.config.checks import validate
+    from composer3d.optim.build import build_optimizer
     from composer3d.parallel.mesh import ParallelMesh
     from composer3d.training.assemble import build_parallel_model
-    from composer3d.training.optim import build_optimizer
 
     cfg = _compose([*FAST, "peft=lora", "launch.nproc_per_node=2", "precision.param_dtype=float32"])
     mesh = ParallelMesh(validate(cfg, world_size), "cpu")
@@ -502,8 +502,8 @@ def test_compiled_lora_blocks_have_no_graph_break_and_train_as_eager():
 
     from composer3d.models import build_model
     from composer3d.models.init import materialize
+    from composer3d.optim.build import build_optimizer
     from composer3d.peft.apply import apply_peft
-    from composer3d.training.optim import build_optimizer
 
     cfg = _compose(
         ["model=tiny", "model.n_layers=1", "peft=lora", "optim.warmup_steps=1", "optim.lr=1e-2"]

@@ -14,12 +14,12 @@ from composer3d.config.checks import validate
 from composer3d.config.registration import register_configs
 from composer3d.data import IGNORE_INDEX
 from composer3d.errors import ConfigError
+from composer3d.optim import build as optim
+from composer3d.optim.build import adamw_implementation, build_optimizer
+from composer3d.optim.compiled_adamw import CompiledAdamW
 from composer3d.training import loss as loss_module
-from composer3d.training import optim
-from composer3d.training.compiled_adamw import CompiledAdamW
 from composer3d.training.flops import flops_per_token, peak_flops
 from composer3d.training.loss import cross_entropy_sum
-from composer3d.training.optim import adamw_implementation, build_optimizer
 
 CPU = torch.device("cpu")
 
@@ -217,7 +217,7 @@ def test_a_low_bit_optimizer_says_its_first_step_compiles():
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    from composer3d.training.optim import optimizer_class
+    from composer3d.optim.build import optimizer_class
 
     # what optimizer_class turns off for the process, restored for the tests after this one by the
     # config modules' own patch (monkeypatch's undo deletes their entries: every later compile

@@ -12,9 +12,9 @@ from composer3d.config.schema import TrainConfig
 from composer3d.launch import distributed
 from composer3d.models import MODEL_REGISTRY, build_model
 from composer3d.models.init import materialize
+from composer3d.optim.schedule import lr_multiplier
 from composer3d.parallel.compose import parallelize
 from composer3d.parallel.mesh import Layout, ParallelMesh
-from composer3d.training.optim import lr_multiplier
 
 # Uneven on purpose: vocab 514 and ffn 90 leave FSDP shards of different sizes (and empty-free but
 # short last ranks).

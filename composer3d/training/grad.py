@@ -20,8 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from composer3d.memory.optimizer_offload import HostOffloadOptimizer
+from composer3d.optim.compiled_adamw import CompiledAdamW
 from composer3d.parallel.mesh import Layout
-from composer3d.training.compiled_adamw import CompiledAdamW
 
 
 def replicas(t: torch.Tensor, layout: Layout) -> int:

@@ -38,6 +38,13 @@ from composer3d.dtypes import DTYPES
 from composer3d.errors import TrainingDiverged
 from composer3d.launch import distributed
 from composer3d.memory.tiling import tiled_head_loss
+from composer3d.optim.build import (
+    build_optimizer,
+    configured_settings,
+    restore_configured_settings,
+    with_configured_kernels,
+)
+from composer3d.optim.schedule import build_scheduler
 from composer3d.parallel.data_parallel.zero import replica_mesh
 from composer3d.parallel.mesh import ParallelMesh
 from composer3d.parallel.pipeline.stages import stage_boundary
@@ -56,13 +63,6 @@ from composer3d.training.grad import clip_grad_norm_, replicas
 from composer3d.training.loop import train_loop
 from composer3d.training.loss import cross_entropy_sum
 from composer3d.training.metrics import MetricsSink, Throughput, model_state_bytes
-from composer3d.training.optim import (
-    build_optimizer,
-    build_scheduler,
-    configured_settings,
-    restore_configured_settings,
-    with_configured_kernels,
-)
 from composer3d.training.preference import PreferenceObjective
 from composer3d.training.readback import window_records
 

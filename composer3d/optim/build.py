@@ -1,9 +1,9 @@
-"""Optimizer and learning-rate schedule."""
+"""The optimizer a run steps (AdamW's kernels, torchao's low-bit AdamW, Muon), and its
+hyperparameters across a resume."""
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 
 import torch
@@ -14,8 +14,8 @@ from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from composer3d.config.schema import OptimConfig
 from composer3d.launch.distributed import is_accelerator
 from composer3d.memory.optimizer_offload import HostOffloadOptimizer
+from composer3d.optim.compiled_adamw import CompiledAdamW
 from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
-from composer3d.training.compiled_adamw import CompiledAdamW
 
 log = logging.getLogger("composer3d")
 
@@ -220,29 +220,3 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return tuple(float(v) for v in value)
     return float(value)
-
-
-def lr_multiplier(
-    step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float
-) -> float:
-    """Linear warmup to 1, then decay to ``min_ratio`` at ``total_steps`` (cosine or linear), or
-    stay (constant)."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1 - (1 - min_ratio) * progress
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_steps: int
-) -> torch.optim.lr_scheduler.LRScheduler:
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda step: lr_multiplier(
-            step, optim.warmup_steps, total_steps, optim.schedule, optim.min_lr_ratio
-        ),
-    )
