@@ -335,7 +335,9 @@ class GenerateConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state)
+    # adamw | adamw_8bit | adamw_4bit | adamw_fp8 (torchao: low-bit optimizer state) | muon (Muon
+    # for the hidden matrices, AdamW with betas/eps for the rest: embeddings, head, norms, biases,
+    # router; lr and weight_decay apply to both)
     name: str = "adamw"
     lr: float = 3e-4  # peak learning rate, reached after warmup_steps
     weight_decay: float = 0.1  # decoupled weight decay on matrices (not on norms or biases)
@@ -348,6 +350,23 @@ class OptimConfig:
     # else foreach) | fused | foreach | for_loop | compiled (torch.compile'd update, a call a block
     # and a graph per shape of block: no gradient stored back)
     implementation: str = "auto"
+    muon_momentum: float = 0.95  # muon: the momentum's decay rate μ (m ← μ·m + g)
+    # muon: orthogonalize Nesterov's form g + μ·m (true) or the momentum m itself (false)
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # muon: Newton–Schulz iterations (the quintic coefficients)
+    # muon: what Newton–Schulz computes in: auto (bfloat16 on accelerators, as Muon's authors run
+    # it; float32 on the CPU) | float32 | bfloat16
+    muon_ns_dtype: str = "auto"
+    # muon: the orthogonalized update's scale: match_adamw (0.2·√max(rows, cols), Moonlight's: the
+    # RMS of AdamW's update, so AdamW's lr and weight_decay carry over) | shape (√max(1, out/in),
+    # Keller Jordan's: wants a larger lr)
+    muon_scale: str = "match_adamw"
+    # muon: parameters AdamW steps though Muon's rule (≥ 2-D, inside a numbered block) takes them,
+    # as name patterns (fnmatch); the default: the MoE router (native and Hugging Face)
+    muon_adamw_params: list[str] = field(default_factory=lambda: ["*.gate.weight", "*router*"])
+    # muon: the matrices orthogonalized per all-to-all, in MiB of the Newton–Schulz dtype (each
+    # bucket's gather to the owners runs while the bucket before it is orthogonalized)
+    muon_bucket_mb: float = 64.0
 
 
 @dataclass

@@ -3,5 +3,7 @@
 - ``build``: the optimizer ``optim.*`` names (AdamW and its kernels, torchao's low-bit AdamW,
   Muon), ZeRO-1's or the host's step around it, and the hyperparameters a resume keeps;
 - ``compiled_adamw``: AdamW's update compiled, a graph per shape of block;
+- ``muon``: Muon — momentum orthogonalized by Newton–Schulz for the hidden matrices, AdamW for
+  the rest; ``orthogonalize``: Newton–Schulz, each matrix on one rank of those holding its shards;
 - ``schedule``: the learning-rate schedule.
 """

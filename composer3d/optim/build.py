@@ -12,9 +12,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from composer3d.config.schema import OptimConfig
+from composer3d.dtypes import DTYPES
 from composer3d.launch.distributed import is_accelerator
 from composer3d.memory.optimizer_offload import HostOffloadOptimizer
 from composer3d.optim.compiled_adamw import CompiledAdamW
+from composer3d.optim.muon import Muon, muon_parameter
 from composer3d.parallel.data_parallel.zero import OptimizerStateSharder
 
 log = logging.getLogger("composer3d")
@@ -29,7 +31,8 @@ def build_optimizer(
     device: torch.device | None = None,
     zero1: dict | None = None,
 ) -> tuple[torch.optim.Optimizer, OptimizerStateSharder | None]:
-    """AdamW with weight decay on matrices only (not norms). With ``zero1_mesh`` its state is
+    """AdamW with weight decay on matrices only (not norms), or Muon (``optim.name=muon``: see
+    ``optim.muon``) with AdamW for what Muon does not step. With ``zero1_mesh`` its state is
     sharded (ZeRO-1) and the sharder (``zero1``: its reduce dtype, bucket bytes and backwards a
     step), which also reduces the gradients and saves and loads that state, is returned with it
     (``zero1_mesh``: each parameter's replicas, as ``parallel.zero.replica_mesh`` gives them).
@@ -37,6 +40,8 @@ def build_optimizer(
     parameters and gradients on ``device``. Frozen parameters (``peft``: the base model) get no
     state."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    if optim.name == "muon":
+        return _muon(named, optim, device), None
     params = [p for _, p in named]
     decays = [p.ndim >= 2 for p in params]
     sharder = (
@@ -69,6 +74,51 @@ def build_optimizer(
     if sharder:
         sharder.attach(optimizer)
     return optimizer, sharder
+
+
+def _muon(named: list[tuple[str, nn.Parameter]], optim: OptimConfig, device) -> Muon:
+    """Muon for the parameters ``muon_parameter`` picks, AdamW for the rest (decayed where ≥ 2-D,
+    as under optim.name=adamw)."""
+    muon = [muon_parameter(name, p, list(optim.muon_adamw_params)) for name, p in named]
+    decay = optim.weight_decay
+    groups = [
+        {"params": [p for (_, p), m in zip(named, muon) if m], "weight_decay": decay, "muon": True},
+        *(
+            {
+                "params": [p for (_, p), m in zip(named, muon) if not m and (p.ndim >= 2) == d],
+                "weight_decay": decay if d else 0.0,
+                "muon": False,
+            }
+            for d in (True, False)
+        ),
+    ]
+    ns_dtype = optim.muon_ns_dtype
+    if ns_dtype == "auto":
+        ns_dtype = "bfloat16" if device is not None and is_accelerator(device) else "float32"
+    optimizer = Muon(
+        [g for g in groups if g["params"]],
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        eps=optim.eps,
+        momentum=optim.muon_momentum,
+        nesterov=optim.muon_nesterov,
+        ns_steps=optim.muon_ns_steps,
+        ns_dtype=DTYPES[ns_dtype],
+        scale=optim.muon_scale,
+        bucket_bytes=int(optim.muon_bucket_mb * 2**20),
+    )
+    work = optimizer.orthogonalizer.work()
+    log.info(
+        "muon: this rank orthogonalizes %d of the %d matrices its meshes hold (%.3g GFLOP a step; "
+        "an even share %.3g) and sends %d elements a step, receives %d",
+        work["owned"],
+        work["matrices"],
+        work["flops"] / 1e9,
+        work["even_flops"] / 1e9,
+        work["sent"],
+        work["received"],
+    )
+    return optimizer
 
 
 def adamw_implementation(implementation: str, params: list[torch.Tensor]) -> str:

@@ -393,8 +393,8 @@ def _check_offload(cfg: Any) -> None:
     _require(
         p.offload != "optimizer" or cfg.optim.name == "adamw",
         "parallel.offload",
-        f"the host optimizer step is torch's AdamW; optim.name={cfg.optim.name} keeps its low-bit "
-        "state on the device",
+        f"the host optimizer step is torch's AdamW; optim.name={cfg.optim.name} "
+        + ("steps on the device" if cfg.optim.name == "muon" else "keeps its low-bit state there"),
         "Use optim.name=adamw with parallel.offload=optimizer, or parallel.offload=none",
     )
     _require(

@@ -15,7 +15,9 @@ from composer3d.parallel.mesh import Layout
 PARAM_DTYPES = ("auto", *DTYPE_NAMES)
 PRECISION_CASTS = ("auto", "params", "autocast")
 SCHEDULES = ("cosine", "linear", "constant")
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8")
+OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit", "adamw_fp8", "muon")
+MUON_SCALES = ("match_adamw", "shape")
+MUON_NS_DTYPES = ("auto", "float32", "bfloat16")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop", "compiled")
 
 
@@ -201,12 +203,21 @@ def _check_optimizer(o: Any, p: Any) -> None:
         f"Choose one of {OPTIMIZER_IMPLEMENTATIONS}",
     )
     _require(
-        o.name == "adamw" or o.implementation == "auto",
+        o.name in ("adamw", "muon") or o.implementation == "auto",
         "optim.implementation",
         f"{o.name} is torchao's compiled low-bit AdamW, which has no "
         "fused/foreach/for_loop/compiled variants",
         "Use optim.implementation=auto",
     )
+    _require(
+        o.name != "muon" or o.implementation == "auto",
+        "optim.implementation",
+        "muon steps its AdamW parameters with the fused kernel where the device has one, else "
+        "foreach; it has no other variants",
+        "Use optim.implementation=auto",
+    )
+    if o.name == "muon":
+        _check_muon(o, p)
     _require(
         o.implementation != "compiled" or p.offload != "optimizer",
         "optim.implementation",
@@ -221,10 +232,50 @@ def _check_optimizer(o: Any, p: Any) -> None:
         "Use 0 for none",
     )
     _require(
-        o.name == "adamw" or p.zero_stage != 1,
+        o.name in ("adamw", "muon") or p.zero_stage != 1,
         "optim.name",
         f"{o.name} keeps quantized state that ZeRO-1's slicing cannot cut",
         "Use optim.name=adamw with zero_stage=1, or zero_stage 2/3 (state sharded by FSDP)",
+    )
+
+
+def _check_muon(o: Any, p: Any) -> None:
+    _require(
+        0 <= o.muon_momentum < 1,
+        "optim.muon_momentum",
+        f"must be in [0, 1), got {o.muon_momentum}",
+        "Use e.g. 0.95",
+    )
+    _require(
+        o.muon_ns_steps >= 1,
+        "optim.muon_ns_steps",
+        f"must be >= 1, got {o.muon_ns_steps}",
+        "Use 5 (the quintic coefficients are tuned for it)",
+    )
+    _require(
+        o.muon_ns_dtype in MUON_NS_DTYPES,
+        "optim.muon_ns_dtype",
+        f"unknown dtype {o.muon_ns_dtype!r}",
+        f"Choose one of {MUON_NS_DTYPES}",
+    )
+    _require(
+        o.muon_scale in MUON_SCALES,
+        "optim.muon_scale",
+        f"unknown scale {o.muon_scale!r}",
+        f"Choose one of {MUON_SCALES}",
+    )
+    _require(
+        o.muon_bucket_mb > 0,
+        "optim.muon_bucket_mb",
+        f"must be > 0, got {o.muon_bucket_mb}",
+        "Use e.g. 64",
+    )
+    _require(
+        p.zero_stage != 1,
+        "parallel.zero_stage",
+        "optim.name=muon orthogonalizes whole matrices, and ZeRO-1's state is cut in slices "
+        "across them (whole-matrix ownership under ZeRO-1 is not built yet)",
+        "Use parallel.zero_stage=2 or 3 (FSDP: each matrix gathered to one owner rank)",
     )
 
 
