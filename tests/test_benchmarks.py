@@ -683,3 +683,32 @@ def test_memory_peak_replays_the_allocator_trace_to_its_peak_and_refuses_without
         timeout=120,
     )
     assert proc.returncode == 2 and "keeps no trace" in proc.stderr, proc.stderr
+
+
+def test_muon_benchmark_moves_the_minimum_and_deals_even_shares():
+    """The elements Muon's all-to-alls actually send (counted at torch.distributed) equal the
+    minimum for each matrix gathered once and scattered once, under HSDP's replicas and EP's
+    stacked experts; each rank's Newton–Schulz work within one matrix of the even share; both
+    optimizers train."""
+    stdout = _run(
+        "muon.py",
+        "--steps",
+        "3",
+        "--lrs",
+        "0.01",
+        "--traffic-steps",
+        "1",
+        "--layouts",
+        "hsdp2x2",
+        "ep2_fsdp4_moe",
+        "--json",
+    )
+    result = json.loads(stdout.splitlines()[-1])  # after the runs' logs
+    assert [r["run"] for r in result["convergence"]] == ["adamw lr 0.01", "muon lr 0.01"]
+    assert all(r["steps"] == 3 and r["last_loss"] < 6.0 for r in result["convergence"]), result
+    assert [r["layout"] for r in result["traffic"]] == ["hsdp2x2", "ep2_fsdp4_moe"]
+    for r in result["traffic"]:
+        assert r["moved_per_step"] == r["minimum_per_step"] > 0, r
+        # the largest matrix of either model: 192 × 64 (tiny's MLP), 5 steps
+        largest = 5 * (4 * 64 * 64 * 192 + 2 * 64**3) / 1e9
+        assert all(f <= e + largest for f, e in zip(r["gflop_per_rank"], r["even_gflop"])), r
