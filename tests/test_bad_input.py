@@ -174,6 +174,12 @@ PREFLIGHT_CASES = [
         "past train.steps=1",
     ),
     (
+        "resume_adamw_state_with_muon",
+        ["checkpoint.resume={checkpoint}", "train.steps=4", "optim.name=muon"],
+        "optim.name",
+        "holds the state of optim.name=adamw, which optim.name=muon cannot continue",
+    ),
+    (
         "async_pinned_on_cpu",
         ["checkpoint.async_mode=async_pinned"],
         "checkpoint.async_mode",

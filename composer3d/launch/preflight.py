@@ -253,6 +253,7 @@ def check_resumable(cfg: TrainConfig, directory: Path) -> Path | None:
             raise
     if not meta["model_only"]:
         check_steps_left(meta, cfg.train.steps, path)
+        check_same_optimizer(path, meta, cfg)
         # its data position points into the windows of the corpus it was saved with
         if cfg.data.prepared:
             check_same_corpus(
@@ -262,6 +263,20 @@ def check_resumable(cfg: TrainConfig, directory: Path) -> Path | None:
                 ).identity,
             )
     return path
+
+
+def check_same_optimizer(path: Path, meta: dict, cfg: TrainConfig) -> None:
+    """Muon's state (a momentum per hidden matrix) and AdamW's (two moments per parameter) do not
+    continue each other: a checkpoint resumes under the optimizer kind that saved it."""
+    before = (meta["config"].get("optim") or {}).get("name", "adamw")
+    now = cfg.optim.name
+    if before != now and "muon" in (before, now):
+        raise ConfigError(
+            f"optim.name: {path} holds the state of optim.name={before}, which optim.name={now} "
+            f"cannot continue. Resume with optim.name={before}, or start a new run.dir from its "
+            "weights: export them (composer3d-convert export) and train the export with model=hf "
+            "model.path=<the export>"
+        )
 
 
 def check_same_reference(path: Path, meta: dict, cfg: TrainConfig) -> None:
