@@ -4,9 +4,9 @@ In one process: which parameters each steps; two steps against an independent re
 here in plain PyTorch (Newton–Schulz per matrix and per expert, torch's own AdamW for the rest) to
 1e-6 in fp32; Newton–Schulz against the SVD's orthogonal factor; the refusals. On 4 gloo ranks, one
 process group: every layout that cuts the matrices (FSDP, HSDP's replicas, FSDP × TP + SP, PP ×
-FSDP, EP's stacked experts, cp × FSDP) follows the one-process curve within 1e-4 over 10 steps, each
-matrix orthogonalized on one rank; a resumed run continues the curve exactly (its momentum saved
-and loaded by DCP).
+FSDP, EP's stacked experts, cp × FSDP, ZeRO-1's slices, alone and under EP) follows the
+one-process curve within 1e-4 over 10 steps, each matrix orthogonalized on one rank; a resumed run
+continues the curve exactly (its momentum saved and loaded by DCP), and on it under another layout.
 """
 
 import math
@@ -183,7 +183,7 @@ def test_newton_schulz_approaches_the_svds_orthogonal_factor():
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["parallel.zero_stage=1", "parallel.dp_shard=2"], "parallel.zero_stage"),
+        (["parallel.zero_stage=1", "parallel.dp_shard=1", "parallel.tp=2"], "parallel.zero_stage"),
         (["parallel.offload=optimizer"], "parallel.offload"),
         (["optim.muon_scale=spectral"], "optim.muon_scale"),
         (["optim.muon_ns_dtype=float16"], "optim.muon_ns_dtype"),
@@ -194,7 +194,7 @@ def test_newton_schulz_approaches_the_svds_orthogonal_factor():
 def test_what_muon_refuses_names_the_key(overrides, key):
     cfg = train_config(*FAST, *MUON, *overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(cfg, 2 if "parallel.dp_shard=2" in overrides else 1)
+        validate(cfg, 2 if "parallel.tp=2" in overrides else 1)
 
 
 # -- on 4 ranks ----------------------------------------------------------------------------------
@@ -211,6 +211,10 @@ LAYOUTS = {
     "cp2_fsdp2": ["parallel.cp=2", "parallel.dp_shard=2"],
     # stacked experts split by expert over ep and by FSDP: each expert's matrices on their own
     "ep2_fsdp2": [*MOE, "parallel.dp_shard=4", "parallel.ep=2"],
+    # ZeRO-1's slices of the flattened parameters (cut across matrices): each matrix gathered
+    # from them; under ep the experts' slices over the two ranks holding the same experts
+    "zero1_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
+    "zero1_ep2_moe": [*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=1"],
 }
 
 
@@ -218,6 +222,8 @@ LAYOUTS = {
 RESUMED = {
     "resumed_fsdp4": ("fsdp4", LAYOUTS["fsdp4"]),
     "resumed_as_fsdp2_tp2_sp": ("fsdp4", LAYOUTS["fsdp2_tp2_sp"]),
+    # ZeRO-1's slices of the momentum saved whole, as FSDP's are
+    "resumed_zero1_as_fsdp4": ("zero1_dp4", LAYOUTS["fsdp4"]),
 }
 
 
@@ -259,6 +265,10 @@ def test_a_resumed_run_continues_with_its_momentum(runs):
     assert sorted(same) == sorted(other) == [6, 7, 8, 9, 10], (same, other)
     assert all(same[s] == saved[s] for s in same), (same, saved)
     assert max(abs(other[s] - saved[s]) for s in other) < 1e-4, (other, saved)
+    saved = {m["step"]: m["loss"] for m in runs["zero1_dp4"].metrics}
+    resharded = {m["step"]: m["loss"] for m in runs["resumed_zero1_as_fsdp4"].metrics}
+    assert sorted(resharded) == [6, 7, 8, 9, 10], resharded
+    assert max(abs(resharded[s] - saved[s]) for s in resharded) < 1e-4, (resharded, saved)
 
 
 @pytest.mark.timeout(1200)

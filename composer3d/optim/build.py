@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from composer3d.config.schema import OptimConfig
@@ -40,8 +41,6 @@ def build_optimizer(
     parameters and gradients on ``device``. Frozen parameters (``peft``: the base model) get no
     state."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    if optim.name == "muon":
-        return _muon(named, optim, device), None
     params = [p for _, p in named]
     decays = [p.ndim >= 2 for p in params]
     sharder = (
@@ -50,6 +49,11 @@ def build_optimizer(
         else None
     )
     targets = sharder.shards if sharder else params
+    if optim.name == "muon":
+        optimizer = _muon(named, targets, sharder, optim, device)
+        if sharder:
+            sharder.attach(optimizer)
+        return optimizer, sharder
     groups = [
         {"params": [t for t, d in zip(targets, decays) if d], "weight_decay": optim.weight_decay},
         {"params": [t for t, d in zip(targets, decays) if not d], "weight_decay": 0.0},
@@ -76,22 +80,40 @@ def build_optimizer(
     return optimizer, sharder
 
 
-def _muon(named: list[tuple[str, nn.Parameter]], optim: OptimConfig, device) -> Muon:
+def _muon(
+    named: list[tuple[str, nn.Parameter]],
+    targets: list[torch.Tensor],
+    sharder: OptimizerStateSharder | None,
+    optim: OptimConfig,
+    device,
+) -> Muon:
     """Muon for the parameters ``muon_parameter`` picks, AdamW for the rest (decayed where ≥ 2-D,
-    as under optim.name=adamw)."""
+    as under optim.name=adamw); ``targets``: what it steps of each (ZeRO-1: this rank's slices)."""
     muon = [muon_parameter(name, p, list(optim.muon_adamw_params)) for name, p in named]
     decay = optim.weight_decay
     groups = [
-        {"params": [p for (_, p), m in zip(named, muon) if m], "weight_decay": decay, "muon": True},
+        {"params": [t for t, m in zip(targets, muon) if m], "weight_decay": decay, "muon": True},
         *(
             {
-                "params": [p for (_, p), m in zip(named, muon) if not m and (p.ndim >= 2) == d],
+                "params": [
+                    t for t, (_, p), m in zip(targets, named, muon) if not m and (p.ndim >= 2) == d
+                ],
                 "weight_decay": decay if d else 0.0,
                 "muon": False,
             }
             for d in (True, False)
         ),
     ]
+    # ZeRO-1: each Muon slice's group, every rank's range of its parameter, the parameter's shape
+    slices = (
+        [
+            (*sharder.slices(i), tuple(_local(p).shape))
+            for i, ((_, p), m) in enumerate(zip(named, muon))
+            if m
+        ]
+        if sharder
+        else None
+    )
     ns_dtype = optim.muon_ns_dtype
     if ns_dtype == "auto":
         ns_dtype = "bfloat16" if device is not None and is_accelerator(device) else "float32"
@@ -106,6 +128,7 @@ def _muon(named: list[tuple[str, nn.Parameter]], optim: OptimConfig, device) -> 
         ns_dtype=DTYPES[ns_dtype],
         scale=optim.muon_scale,
         bucket_bytes=int(optim.muon_bucket_mb * 2**20),
+        slices=slices,
     )
     work = optimizer.orthogonalizer.work()
     log.info(
@@ -270,3 +293,7 @@ def _plain(value):
     if isinstance(value, (list, tuple)):
         return tuple(float(v) for v in value)
     return float(value)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -69,18 +69,38 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: torch.dtype,
         scale: str,
         bucket_bytes: int,
+        slices: list[tuple] | None = None,
     ):
+        """``slices``: under ZeRO-1, where the Muon groups' parameters are each rank's slices of
+        the model's, each one's group, ranges and parameter shape
+        (``orthogonalize.Orthogonalizer``)."""
         super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=0.0))
         self.momentum, self.nesterov, self.scale = momentum, nesterov, scale
         self.muon_params = [p for g in self.param_groups if g["muon"] for p in g["params"]]
-        self.orthogonalizer = Orthogonalizer(self.muon_params, ns_steps, ns_dtype, bucket_bytes)
-        self._scales = [update_scale(*p.shape[-2:], scale) for p in self.muon_params]
+        self.orthogonalizer = Orthogonalizer(
+            self.muon_params, ns_steps, ns_dtype, bucket_bytes, slices
+        )
+        shapes = [s[2] for s in slices] if slices else [p.shape for p in self.muon_params]
+        self._scales = [update_scale(*shape[-2:], scale) for shape in shapes]
         adamw_params = [p for g in self.param_groups if not g["muon"] for p in g["params"]]
         # fused where every device has the kernels (as optim.implementation=auto picks for AdamW
         # off the accelerator), else foreach
         self._fused = bool(adamw_params) and {p.device.type for p in adamw_params} <= set(
             _get_fused_kernels_supported_devices()
         )
+
+    def initial_state(self, param: torch.Tensor) -> dict:
+        """A parameter's state before its first step (what a checkpoint loads into)."""
+        if any(param is p for p in self.muon_params):
+            return {"momentum_buffer": torch.zeros_like(param)}
+        # as torch.optim.AdamW keeps it: the step count on the parameter's device for fused
+        return {
+            "step": torch.zeros(
+                (), dtype=torch.float32, device=param.device if self._fused else "cpu"
+            ),
+            "exp_avg": torch.zeros_like(param),
+            "exp_avg_sq": torch.zeros_like(param),
+        }
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -101,8 +121,8 @@ class Muon(torch.optim.Optimizer):
         updates = []
         for param in self.muon_params:
             state = self.state[param]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(param)
+            if not state:
+                state.update(self.initial_state(param))
             grad = _local(param.grad) if param.grad is not None else None
             buffer = _local(state["momentum_buffer"])
             if grad is None:
@@ -129,12 +149,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             state = self.state[param]
             if not state:
-                # as torch.optim.AdamW keeps it: the step on the parameter's device for fused
-                state["step"] = torch.zeros(
-                    (), dtype=torch.float32, device=param.device if self._fused else "cpu"
-                )
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
+                state.update(self.initial_state(param))
             params.append(param)
             grads.append(param.grad)
             exp_avgs.append(state["exp_avg"])

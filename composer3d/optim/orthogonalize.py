@@ -53,16 +53,19 @@ def newton_schulz_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * n * n * m + 2 * n**3)
 
 
-Key = tuple[tuple[int, int], tuple[int, int]]  # a piece's rows and columns in its matrix
+# A piece's place in its matrix: ("rect", r0, r1, c0, c1), a block of rows and columns (a DTensor's
+# shard), or ("flat", start, end), a range of the row-major matrix (ZeRO-1's slice of it)
+Key = tuple
 
 
 @dataclass
 class _Piece:
-    """What one rank holds of one matrix."""
+    """What one rank holds of one matrix, and where in that rank's local tensor: the whole of it
+    (None), one matrix of a local stack (an index), or a range of a flat slice ((a, b))."""
 
     rank: int  # in the plan's group
     key: Key
-    local: int | None  # its index in the local stack of experts (None: a 2-D parameter)
+    at: int | tuple[int, int] | None
 
     @property
     def numel(self) -> int:
@@ -85,19 +88,42 @@ class Orthogonalizer:
     orthogonalized on its own. Every rank of the parameters' meshes calls it together."""
 
     def __init__(
-        self, params: list[torch.Tensor], steps: int, dtype: torch.dtype, bucket_bytes: int
+        self,
+        params: list[torch.Tensor],
+        steps: int,
+        dtype: torch.dtype,
+        bucket_bytes: int,
+        slices: list[tuple] | None = None,
     ):
+        """``slices`` (ZeRO-1): each parameter's process group, the (lo, hi) of its flat local
+        tensor each rank of the group holds, and that local tensor's shape; ``params`` are then
+        the slices. Otherwise where each shard lies is read from the DTensors' placements."""
         self.steps, self.dtype = steps, dtype
+        elements = bucket_bytes // torch.empty((), dtype=dtype).element_size()
+        self.plans = []
+        if slices is not None:
+            by_group: dict[object, list[int]] = {}
+            for index, (group, _, _) in enumerate(slices):
+                by_group.setdefault(group, []).append(index)
+            for group, indices in by_group.items():
+                matrices = [m for i in indices for m in _sliced(i, slices[i][2], slices[i][1])]
+                self.plans.append(_GroupPlan(group, matrices, steps, elements))
+            return
         by_mesh: dict[object, list[int]] = {}
         for index, param in enumerate(params):
             mesh = param.device_mesh if isinstance(param, DTensor) else None
             by_mesh.setdefault(mesh, []).append(index)
         groups = _flat_groups([mesh for mesh in by_mesh if mesh is not None])
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.plans = [
-            _GroupPlan(groups.get(mesh), mesh, indices, params, steps, bucket_bytes // itemsize)
-            for mesh, indices in by_mesh.items()
-        ]
+        for mesh, indices in by_mesh.items():
+            group = groups.get(mesh)
+            if group is None:  # a plain tensor, or a mesh of one rank: this rank holds it whole
+                coordinates, ranks = [()], [0]
+            else:
+                flat = mesh.mesh.flatten().tolist()
+                coordinates = list(product(*(range(n) for n in mesh.mesh.shape)))
+                ranks = [dist.get_group_rank(group, r) for r in flat]
+            matrices = [m for i in indices for m in _placed(i, params[i], mesh, coordinates, ranks)]
+            self.plans.append(_GroupPlan(group, matrices, steps, elements))
 
     def __call__(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
         results = [torch.empty_like(u, dtype=self.dtype) for u in updates]
@@ -116,22 +142,15 @@ class Orthogonalizer:
 
 
 class _GroupPlan:
-    """The matrices of the parameters on one device mesh: their pieces, owners, senders and
-    buckets, computed alike on every rank of the mesh."""
+    """The matrices of the parameters on one group of ranks (a device mesh's, or ZeRO-1's): their
+    pieces, owners, senders and buckets, computed alike on every rank of the group."""
 
-    def __init__(self, group, mesh, indices, params, steps: int, bucket_elements: int):
-        self.group = group
-        if group is None:  # a plain tensor, or a mesh of one rank: this rank holds it whole
+    def __init__(self, group, matrices: list[_Matrix], steps: int, bucket_elements: int):
+        self.group, self.matrices = group, matrices
+        if group is None:
             self.size, self.rank = 1, 0
-            coordinates, ranks = [()], [0]
         else:
             self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-            flat = mesh.mesh.flatten().tolist()
-            coordinates = list(product(*(range(n) for n in mesh.mesh.shape)))
-            ranks = [dist.get_group_rank(group, r) for r in flat]
-        self.matrices: list[_Matrix] = []
-        for index in indices:
-            self.matrices.extend(_matrices(index, params[index], mesh, coordinates, ranks))
         self._deal(steps)
         self.buckets: list[list[_Matrix]] = [[]]
         size = 0
@@ -226,14 +245,12 @@ class _GroupPlan:
                         block = _cut(updates[matrix.param], _piece_of(matrix, self.rank))
                     else:
                         block = received[(id(matrix), key)]
-                    (r0, r1), (c0, c1) = key
-                    slot[r0:r1, c0:c1] = block.reshape(r1 - r0, c1 - c0)
+                    _region(slot, key).copy_(block.reshape(_region(slot, key).shape))
             for result, matrix in zip(newton_schulz(whole, steps, dtype), matrices):
                 orthogonal[id(matrix)] = result
                 piece = _piece_of(matrix, self.rank)
                 if piece is not None:
-                    (r0, r1), (c0, c1) = piece.key
-                    _store(results, matrix.param, piece, result[r0:r1, c0:c1])
+                    _store(results, matrix.param, piece, _region(result, piece.key))
         return orthogonal
 
     def _scatter(self, bucket, orthogonal, dtype, device) -> _AllToAll:
@@ -244,8 +261,7 @@ class _GroupPlan:
             if matrix.owner == self.rank:
                 for piece in matrix.pieces:
                     if piece.rank != self.rank:
-                        (r0, r1), (c0, c1) = piece.key
-                        exchange.send(piece.rank, orthogonal[id(matrix)][r0:r1, c0:c1])
+                        exchange.send(piece.rank, _region(orthogonal[id(matrix)], piece.key))
             else:
                 piece = _piece_of(matrix, self.rank)
                 if piece is not None:
@@ -317,15 +333,13 @@ class _AllToAll:
         return pieces
 
 
-def _matrices(index, param, mesh, coordinates, ranks) -> list[_Matrix]:
-    """``param``'s matrices and every rank's piece of each; refused where the distinct pieces do
-    not tile a matrix exactly."""
+def _placed(index, param, mesh, coordinates, ranks) -> list[_Matrix]:
+    """``param``'s matrices and every rank's block of each, where its DTensor placements put them;
+    refused where the distinct blocks do not tile a matrix exactly."""
     shape = tuple(param.shape)
-    if len(shape) not in (2, 3):
-        raise ValueError(f"Muon orthogonalizes 2-D matrices and stacks of them, not {shape}")
+    _check_dims(shape)
     stacked = len(shape) == 3
-    count = shape[0] if stacked else 1
-    pieces: list[list[_Piece]] = [[] for _ in range(count)]
+    pieces: list[list[_Piece]] = [[] for _ in range(shape[0] if stacked else 1)]
     for coordinate, rank in zip(coordinates, ranks):
         if mesh is None:
             local_shape, offset = shape, (0,) * len(shape)
@@ -335,28 +349,57 @@ def _matrices(index, param, mesh, coordinates, ranks) -> list[_Matrix]:
             )
         if 0 in local_shape:
             continue
-        rows = (offset[-2], offset[-2] + local_shape[-2])
-        cols = (offset[-1], offset[-1] + local_shape[-1])
+        key = (
+            "rect",
+            offset[-2],
+            offset[-2] + local_shape[-2],
+            offset[-1],
+            offset[-1] + local_shape[-1],
+        )
         if stacked:
             for local in range(local_shape[0]):
-                pieces[offset[0] + local].append(_Piece(rank, (rows, cols), local))
+                pieces[offset[0] + local].append(_Piece(rank, key, local))
         else:
-            pieces[0].append(_Piece(rank, (rows, cols), None))
+            pieces[0].append(_Piece(rank, key, None))
     matrices = []
     for slot, held in enumerate(pieces):
-        matrix = _Matrix(index, shape[-2:], held)
-        distinct = {p.key for p in held}
-        area = sum(_numel(k) for k in distinct)
         cover = torch.zeros(shape[-2:], dtype=torch.int32)
-        for (r0, r1), (c0, c1) in distinct:
-            cover[r0:r1, c0:c1] += 1
-        if area != shape[-2] * shape[-1] or not bool((cover == 1).all()):
+        for key in {p.key for p in held}:
+            _region(cover, key).add_(1)
+        if not bool((cover == 1).all()):
             raise ValueError(
                 f"Muon cannot place the shards of a {list(shape)} parameter laid out as "
                 f"{getattr(param, 'placements', None)}: they do not tile matrix {slot} exactly"
             )
-        matrices.append(matrix)
+        matrices.append(_Matrix(index, shape[-2:], held))
     return matrices
+
+
+def _sliced(index: int, shape: tuple, ranges: list[tuple[int, int]]) -> list[_Matrix]:
+    """The matrices of a parameter whose flat local tensor (of ``shape``: every rank of the group
+    holds the same) is cut in ranges, one per rank of the group (ZeRO-1's), and each rank's range
+    of each."""
+    shape = tuple(shape)
+    _check_dims(shape)
+    rows, cols = shape[-2:]
+    size = rows * cols
+    matrices = []
+    for slot in range(shape[0] if len(shape) == 3 else 1):
+        start, end = slot * size, (slot + 1) * size
+        held = []
+        for rank, (lo, hi) in enumerate(ranges):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                held.append(_Piece(rank, ("flat", a - start, b - start), (a - lo, b - lo)))
+        if sum(p.numel for p in held) != size:
+            raise ValueError(f"the ranges {ranges} do not cover matrix {slot} of {list(shape)}")
+        matrices.append(_Matrix(index, (rows, cols), held))
+    return matrices
+
+
+def _check_dims(shape: tuple) -> None:
+    if len(shape) not in (2, 3):
+        raise ValueError(f"Muon orthogonalizes 2-D matrices and stacks of them, not {list(shape)}")
 
 
 def _flat_groups(meshes) -> dict:
@@ -380,19 +423,34 @@ def _piece_of(matrix: _Matrix, rank: int) -> _Piece | None:
     return next((p for p in matrix.pieces if p.rank == rank), None)
 
 
-def _cut(update: torch.Tensor, piece: _Piece) -> torch.Tensor:
-    return update if piece.local is None else update[piece.local]
+def _cut(local: torch.Tensor, piece: _Piece) -> torch.Tensor:
+    """This rank's piece in its local tensor (or ZeRO-1's slice)."""
+    if piece.at is None:
+        return local
+    if isinstance(piece.at, int):
+        return local[piece.at]
+    return local[piece.at[0] : piece.at[1]]
 
 
 def _store(results, param: int, piece: _Piece, block: torch.Tensor) -> None:
-    (r0, r1), (c0, c1) = piece.key
-    target = results[param] if piece.local is None else results[param][piece.local]
-    target.copy_(block.reshape(r1 - r0, c1 - c0))
+    target = _cut(results[param], piece)
+    target.copy_(block.reshape(target.shape))
+
+
+def _region(matrix: torch.Tensor, key: Key) -> torch.Tensor:
+    """The view of ``matrix`` (contiguous, rows × cols) that ``key`` places."""
+    if key[0] == "rect":
+        _, r0, r1, c0, c1 = key
+        return matrix[r0:r1, c0:c1]
+    _, start, end = key
+    return matrix.reshape(-1)[start:end]  # a view where the matrix is contiguous (assembly)
 
 
 def _numel(key: Key) -> int:
-    (r0, r1), (c0, c1) = key
-    return (r1 - r0) * (c1 - c0)
+    if key[0] == "rect":
+        _, r0, r1, c0, c1 = key
+        return (r1 - r0) * (c1 - c0)
+    return key[2] - key[1]
 
 
 def _device(updates):

@@ -271,11 +271,12 @@ def _check_muon(o: Any, p: Any) -> None:
         "Use e.g. 64",
     )
     _require(
-        p.zero_stage != 1,
+        p.zero_stage != 1 or p.tp == 1,
         "parallel.zero_stage",
-        "optim.name=muon orthogonalizes whole matrices, and ZeRO-1's state is cut in slices "
-        "across them (whole-matrix ownership under ZeRO-1 is not built yet)",
-        "Use parallel.zero_stage=2 or 3 (FSDP: each matrix gathered to one owner rank)",
+        "optim.name=muon under ZeRO-1 gathers each matrix from the ranks' slices of it, and under "
+        "parallel.tp a rank's slice is of its tensor-parallel shard (not built yet)",
+        "Use parallel.zero_stage=2 or 3 with parallel.tp > 1 (FSDP: each matrix gathered from "
+        "its shards)",
     )
 
 

@@ -89,6 +89,7 @@ class OptimizerStateSharder:
             for buckets, indices in self.parts
             for position, index in enumerate(indices)
         }
+        self._place = place
         self.groups = [place[i][0].group for i in range(len(params))]
         self.group_sizes = [place[i][0].ranks for i in range(len(params))]
         self.owned = [place[i][0].owned(place[i][1]) for i in range(len(params))]
@@ -102,6 +103,12 @@ class OptimizerStateSharder:
         views = [_local(p).detach().view(-1)[lo:hi] for p, (lo, hi) in zip(params, self.bounds)]
         self.shards = [(v.clone() if self.keeps_masters else v).requires_grad_(True) for v in views]
         self._round_params()
+
+    def slices(self, index: int) -> tuple[dist.ProcessGroup, list[tuple[int, int]]]:
+        """Parameter ``index``'s group, and the (lo, hi) of its flat local tensor each rank of the
+        group owns (in group rank order): what an optimizer that needs whole matrices gathers."""
+        buckets, position = self._place[index]
+        return buckets.group, [buckets.owned_by(position, r) for r in range(buckets.ranks)]
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.register_step_post_hook(lambda *_: self._all_gather_params())
@@ -217,8 +224,12 @@ class OptimizerStateSharder:
         # the step count where torch's AdamW keeps it: on the device for its fused and capturable
         # kernels
         on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+        # an optimizer whose state is not AdamW's (Muon) says what its state starts as
+        initial = getattr(optimizer, "initial_state", None)
         for shard in self.shards:
-            if shard not in optimizer.state or not optimizer.state[shard]:
+            if initial is not None and (shard not in optimizer.state or not optimizer.state[shard]):
+                optimizer.state[shard] = initial(shard)
+            elif shard not in optimizer.state or not optimizer.state[shard]:
                 optimizer.state[shard] = {
                     "step": torch.zeros((), device=shard.device if on_device else None),
                     "exp_avg": torch.zeros_like(shard),

@@ -117,10 +117,16 @@ class GradientBuckets:
         """This rank's part of parameter ``index``: (lo, hi) of its flat local tensor, its bucket,
         and where that part starts in the bucket's reduced slice (lo == hi: none of it)."""
         bucket, offset = self.place[index]
+        lo, hi = self.owned_by(index, self.rank)
+        return lo, hi, bucket, offset + lo - self.rank * (bucket.length // self.ranks)
+
+    def owned_by(self, index: int, rank: int) -> tuple[int, int]:
+        """(lo, hi) of parameter ``index``'s flat local tensor that ``rank`` of the group owns."""
+        bucket, offset = self.place[index]
         width, numel = bucket.length // self.ranks, local(self.params[index]).numel()
-        lo = min(max(self.rank * width - offset, 0), numel)
-        hi = min(max((self.rank + 1) * width - offset, 0), numel)
-        return lo, hi, bucket, offset + lo - self.rank * width
+        lo = min(max(rank * width - offset, 0), numel)
+        hi = min(max((rank + 1) * width - offset, 0), numel)
+        return lo, hi
 
     @torch.no_grad()
     def _take_gradient(self, index: int, accumulate: bool) -> None:
