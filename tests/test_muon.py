@@ -4,9 +4,10 @@ In one process: which parameters each steps; two steps against an independent re
 here in plain PyTorch (Newton–Schulz per matrix and per expert, torch's own AdamW for the rest) to
 1e-6 in fp32; Newton–Schulz against the SVD's orthogonal factor; the refusals. On 4 gloo ranks, one
 process group: every layout that cuts the matrices (FSDP, HSDP's replicas, FSDP × TP + SP, PP ×
-FSDP, EP's stacked experts, cp × FSDP, ZeRO-1's slices, alone and under EP) follows the
-one-process curve within 1e-4 over 10 steps, each matrix orthogonalized on one rank; a resumed run
-continues the curve exactly (its momentum saved and loaded by DCP), and on it under another layout.
+FSDP, EP's stacked experts, cp × FSDP, ZeRO-1's slices, alone and under EP, LoRA's adapters)
+follows the one-process curve within 1e-4 over 10 steps, each matrix orthogonalized on one rank; a
+resumed run continues the curve exactly (its momentum saved and loaded by DCP), and on it under
+another layout.
 """
 
 import math
@@ -215,7 +216,16 @@ LAYOUTS = {
     # from them; under ep the experts' slices over the two ranks holding the same experts
     "zero1_dp4": ["parallel.dp_shard=4", "parallel.zero_stage=1"],
     "zero1_ep2_moe": [*MOE, "parallel.dp_shard=4", "parallel.ep=2", "parallel.zero_stage=1"],
+    # LoRA's adapters, split with their base by TP (A or B whole on every tp rank)
+    "lora_fsdp2_tp2_sp": [
+        "peft=lora",
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ],
 }
+# the one-process run each layout follows
+REFERENCE = {"model=tiny_moe": "single_moe", "peft=lora": "single_lora"}
 
 
 # name: the layout whose step-5 checkpoint it resumes, its own layout's overrides
@@ -231,7 +241,12 @@ RESUMED = {
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
     single = train_in_one_group(
-        [(root / "single", [*FAST, *STEPS]), (root / "single_moe", [*FAST, *STEPS, *MOE])], nproc=1
+        [
+            (root / "single", [*FAST, *STEPS]),
+            (root / "single_moe", [*FAST, *STEPS, *MOE]),
+            (root / "single_lora", [*FAST, *STEPS, "peft=lora"]),
+        ],
+        nproc=1,
     )
     saves = ["checkpoint.interval=5", "checkpoint.keep_last=0"]
     jobs = [
@@ -249,7 +264,7 @@ def runs(tmp_path_factory):
         )
         for name, (source, overrides) in RESUMED.items()
     ]
-    return dict(zip(["single", "single_moe"], single)) | dict(
+    return dict(zip(["single", "single_moe", "single_lora"], single)) | dict(
         zip([*LAYOUTS, *RESUMED], train_in_one_group(jobs, nproc=4))
     )
 
@@ -274,10 +289,10 @@ def test_a_resumed_run_continues_with_its_momentum(runs):
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_follows_one_process(layout, runs):
-    reference = runs["single_moe" if "model=tiny_moe" in LAYOUTS[layout] else "single"]
+    reference = runs[next((r for o, r in REFERENCE.items() if o in LAYOUTS[layout]), "single")]
     losses = runs[layout].losses
     assert len(losses) == len(reference.losses) == 10
-    assert reference.losses[-1] < reference.losses[0] - 0.5, reference.losses
+    assert reference.losses[-1] < reference.losses[0] - 0.2, reference.losses  # it learns
     worst = max(abs(a - b) for a, b in zip(losses, reference.losses))
     assert worst < 1e-4, f"{layout}: max |Δloss| {worst:.3g}\n{losses}\n{reference.losses}"
 
