@@ -22,9 +22,11 @@ from composer3d.config.checks import validate
 from composer3d.errors import ConfigError
 from composer3d.models import build_model
 from composer3d.models.init import materialize
+from composer3d.models.llama.attention import apply_rope
 from composer3d.optim.build import build_optimizer
 from composer3d.optim.muon import Muon, muon_parameter
 from composer3d.optim.orthogonalize import newton_schulz, newton_schulz_flops
+from composer3d.optim.qk_clip import QKClip
 
 CPU = torch.device("cpu")
 MUON = ["optim.name=muon", "optim.warmup_steps=0", "optim.lr=0.02", "optim.weight_decay=0.1"]
@@ -181,6 +183,61 @@ def test_newton_schulz_approaches_the_svds_orthogonal_factor():
         assert torch.allclose(batched[i], reference_newton_schulz(stack[i]), atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads", [4, 8])  # grouped-query (tiny's), and multi-head
+def test_qk_clip_scales_the_heads_over_the_threshold_as_k2(kv_heads):
+    """After the update, each head whose largest logit of the step (computed here in plain PyTorch
+    from the step's inputs and weights) exceeded τ has its query rows scaled by τ/S where its key
+    head is shared, its query and key rows by √(τ/S) where not; every other row is the unclipped
+    run's."""
+    tau = 0.1  # between the tiny model's heads' first logits
+    overrides = [f"model.n_kv_heads={kv_heads}", f"optim.muon_clip_threshold={tau}"]
+    cfg, clipped = _model(*overrides)
+    _, plain = _model(*overrides)
+    validate(cfg, 1)
+    heads, head_dim = cfg.model.n_heads, cfg.model.dim // cfg.model.n_heads
+    optimizer, _ = build_optimizer(clipped, cfg.optim, device=CPU)
+    reference, _ = build_optimizer(plain, cfg.optim, device=CPU)
+    clip = QKClip(clipped.attention_logits(), tau, CPU, None, None)
+    inputs = {}
+    for name, block in clipped.layers.items():
+        block.attention.register_forward_pre_hook(
+            lambda module, args, name=name: inputs.setdefault(name, args[:3]) and None
+        )
+    weights = {
+        n: (b.attention.wq.weight.detach().clone(), b.attention.wk.weight.detach().clone())
+        for n, b in clipped.layers.items()
+    }
+    for model in (clipped, plain):
+        _loss(model, 1).backward()
+    optimizer.step()
+    clip.apply()
+    reference.step()
+    largest, kinds = [], set()
+    for name, block in clipped.layers.items():
+        x, cos, sin = (v.detach() for v in inputs[name])
+        wq, wk = weights[name]
+        q = apply_rope((x @ wq.T).view(*x.shape[:2], heads, head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope((x @ wk.T).view(*x.shape[:2], kv_heads, head_dim), cos, sin).transpose(1, 2)
+        k = k.repeat_interleave(heads // kv_heads, dim=1)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        per_head = scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+        largest.append(per_head.max())
+        kinds.update((per_head > tau).tolist())
+        factor = torch.where(per_head > tau, tau / per_head, torch.ones_like(per_head))
+        rows = lambda f: f.repeat_interleave(head_dim)[:, None]  # noqa: E731
+        ours = plain.layers[name].attention
+        if kv_heads < heads:
+            expected_q, expected_k = ours.wq.weight * rows(factor), ours.wk.weight
+        else:
+            expected_q = ours.wq.weight * rows(factor.sqrt())
+            expected_k = ours.wk.weight * rows(factor.sqrt())
+        torch.testing.assert_close(block.attention.wq.weight, expected_q, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(block.attention.wk.weight, expected_k, rtol=1e-5, atol=1e-6)
+    assert kinds == {True, False}  # heads clipped and heads left alike
+    assert abs(float(clip.largest) - float(max(largest))) < 1e-5
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -190,17 +247,22 @@ def test_newton_schulz_approaches_the_svds_orthogonal_factor():
         (["optim.muon_ns_dtype=float16"], "optim.muon_ns_dtype"),
         (["optim.muon_momentum=1.0"], "optim.muon_momentum"),
         (["optim.implementation=fused"], "optim.implementation"),
+        (["optim.muon_clip_threshold=100", "parallel.cp=2"], "optim.muon_clip_threshold"),
+        (["optim.muon_clip_threshold=100", "peft=lora"], "optim.muon_clip_threshold"),
+        (["optim.muon_clip_threshold=100", "optim.name=adamw"], "optim.muon_clip_threshold"),
+        (["optim.muon_clip_threshold=100", "compile.enabled=true"], "optim.muon_clip_threshold"),
     ],
 )
 def test_what_muon_refuses_names_the_key(overrides, key):
     cfg = train_config(*FAST, *MUON, *overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
-        validate(cfg, 2 if "parallel.tp=2" in overrides else 1)
+        validate(cfg, 2 if {"parallel.tp=2", "parallel.cp=2"} & set(overrides) else 1)
 
 
 # -- on 4 ranks ----------------------------------------------------------------------------------
 
 STEPS = ["train.steps=10", *MUON]
+CLIP = "optim.muon_clip_threshold=0.1"  # between the tiny model's heads' logits: some clipped
 MOE = ["model=tiny_moe"]
 LAYOUTS = {
     "fsdp4": ["parallel.dp_shard=4"],
@@ -223,9 +285,17 @@ LAYOUTS = {
         "parallel.tp=2",
         "parallel.sequence_parallel=true",
     ],
+    # QK-Clip: the heads' maxima over the data-parallel ranks, gathered over tp's heads, each
+    # rank scaling the rows FSDP left it
+    "clip_fsdp2_tp2_sp": [
+        CLIP,
+        "parallel.dp_shard=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+    ],
 }
 # the one-process run each layout follows
-REFERENCE = {"model=tiny_moe": "single_moe", "peft=lora": "single_lora"}
+REFERENCE = {"model=tiny_moe": "single_moe", "peft=lora": "single_lora", CLIP: "single_clip"}
 
 
 # name: the layout whose step-5 checkpoint it resumes, its own layout's overrides
@@ -245,6 +315,7 @@ def runs(tmp_path_factory):
             (root / "single", [*FAST, *STEPS]),
             (root / "single_moe", [*FAST, *STEPS, *MOE]),
             (root / "single_lora", [*FAST, *STEPS, "peft=lora"]),
+            (root / "single_clip", [*FAST, *STEPS, CLIP]),
         ],
         nproc=1,
     )
@@ -264,7 +335,7 @@ def runs(tmp_path_factory):
         )
         for name, (source, overrides) in RESUMED.items()
     ]
-    return dict(zip(["single", "single_moe", "single_lora"], single)) | dict(
+    return dict(zip(["single", "single_moe", "single_lora", "single_clip"], single)) | dict(
         zip([*LAYOUTS, *RESUMED], train_in_one_group(jobs, nproc=4))
     )
 
@@ -295,6 +366,13 @@ def test_every_layout_follows_one_process(layout, runs):
     assert reference.losses[-1] < reference.losses[0] - 0.2, reference.losses  # it learns
     worst = max(abs(a - b) for a, b in zip(losses, reference.losses))
     assert worst < 1e-4, f"{layout}: max |Δloss| {worst:.3g}\n{losses}\n{reference.losses}"
+    if CLIP in LAYOUTS[layout]:  # the logits it clipped by, as one process saw them
+        seen = [m["attention_logit_max"] for m in runs[layout].metrics]
+        alone = [m["attention_logit_max"] for m in reference.metrics]
+        assert max(abs(a - b) for a, b in zip(seen, alone)) < 1e-5, (seen, alone)
+        assert max(alone) > 0.1, alone  # it clipped
+        # and the clipping changed the curve
+        assert max(abs(a - b) for a, b in zip(losses, runs["single"].losses)) > 1e-4
 
 
 def _work(run) -> list[dict]:

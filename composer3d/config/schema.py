@@ -367,6 +367,10 @@ class OptimConfig:
     # muon: the matrices orthogonalized per all-to-all, in MiB of the Newton–Schulz dtype (each
     # bucket's gather to the owners runs while the bucket before it is orthogonalized)
     muon_bucket_mb: float = 64.0
+    # muon: QK-Clip (Kimi K2's MuonClip) threshold τ: after each update, a head whose largest
+    # attention logit of the step exceeded τ has its query and key projections scaled so it would
+    # have been τ (0: off; K2 used 100). The native model (model=llama), without cp or compile
+    muon_clip_threshold: float = 0.0
 
 
 @dataclass

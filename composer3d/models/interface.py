@@ -131,6 +131,13 @@ class ComposerModel(Protocol):
         """Share the head with the embedding where the config asks; re-run after parallelisms
         replaced either."""
 
+    def attention_logits(self) -> list[nn.Module] | None:
+        """Each block's attention module able to record its heads' largest logit
+        (``optim.muon_clip_threshold``): a ``max_logits`` attribute (None: not recording; a tensor
+        of this rank's heads: recording), its query and key projections ``wq`` and ``wk`` (heads
+        of ``head_dim`` rows), in this stage's blocks. None where the family's attention cannot
+        report it."""
+
     def routed_experts(self) -> list[nn.Module]:
         """Each MoE layer's routed-experts module: its own parameters are stacked by expert on dim
         0, which expert parallel shards; a ``tp_dims`` attribute (weight name → dim) says how tensor

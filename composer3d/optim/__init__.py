@@ -5,5 +5,6 @@
 - ``compiled_adamw``: AdamW's update compiled, a graph per shape of block;
 - ``muon``: Muon — momentum orthogonalized by Newton–Schulz for the hidden matrices, AdamW for
   the rest; ``orthogonalize``: Newton–Schulz, each matrix on one rank of those holding its shards;
+  ``qk_clip``: Kimi K2's QK-Clip, the attention heads' logits held to a threshold;
 - ``schedule``: the learning-rate schedule.
 """

@@ -37,12 +37,19 @@ def window_records(
     losses, preference_sums = losses[: len(pending)], losses[len(pending) :]
     peaks = peak_memory_bytes(device)
     peak = torch.tensor(list(peaks.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    # optim.muon_clip_threshold: each step's largest attention logit (a pipeline stage's own
+    # layers), in the same maximum
+    logits = [
+        metrics["attention_logit_max"] for _, metrics in pending if "attention_logit_max" in metrics
+    ]
+    maxima = torch.cat([peak, *(torch.stack(logits).double()[None] if logits else [])])
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
     norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
-    values = torch.cat([losses.double(), norms.double(), peak, preference_sums.double()]).tolist()
+    values = torch.cat([losses.double(), norms.double(), maxima, preference_sums.double()]).tolist()
     peaks = dict(zip(peaks, map(int, values[2 * len(pending) : 2 * len(pending) + len(peaks)])))
-    sums = iter(values[2 * len(pending) + len(peaks) :])
+    logit_max = iter(values[2 * len(pending) + len(peaks) : 2 * len(pending) + len(maxima)])
+    sums = iter(values[2 * len(pending) + len(maxima) :])
     experts = expert_load.read(len(pending)) if expert_load is not None else {}
     step_time = (time.perf_counter() - window_start) / len(pending)
     records = []
@@ -65,6 +72,11 @@ def window_records(
                     if k in metrics
                 },
                 **({"update_skipped": True} if metrics["update_skipped"] else {}),
+                **(
+                    {"attention_logit_max": next(logit_max)}
+                    if "attention_logit_max" in metrics
+                    else {}
+                ),
                 # per pair of the global batch (its target count), as TRL averages them
                 **(
                     {k: next(sums) / metrics["target_tokens"] for k in METRICS}

@@ -44,6 +44,7 @@ from composer3d.optim.build import (
     restore_configured_settings,
     with_configured_kernels,
 )
+from composer3d.optim.qk_clip import QKClip
 from composer3d.optim.schedule import build_scheduler
 from composer3d.parallel.data_parallel.zero import replica_mesh
 from composer3d.parallel.mesh import ParallelMesh
@@ -119,6 +120,19 @@ class Trainer:
             offload_dir=p.offload_dir,
             device=device,
             zero1=zero1,
+        )
+        # optim.muon_clip_threshold: the attention heads' largest logits recorded, and clipped
+        # after each update
+        self.qk_clip = (
+            QKClip(
+                self.model.attention_logits(),
+                cfg.optim.muon_clip_threshold,
+                device,
+                mesh.loss.get_group() if mesh.layout.dp * mesh.layout.cp > 1 else None,
+                mesh["tp"].get_group() if mesh.layout.tp > 1 else None,
+            )
+            if cfg.optim.muon_clip_threshold > 0
+            else None
         )
         # ZeRO-1's slices of the gradients: each element on one rank of the ranks its parameter is
         # replicated over
@@ -365,6 +379,8 @@ class Trainer:
         # a dropped update is dropped on every rank alike (the LR schedule still advances)
         if stepped:
             self.optimizer.step()
+            if self.qk_clip is not None:
+                self.qk_clip.apply()
             self.dropped_in_a_row = 0
         else:
             self.dropped_in_a_row += 1
@@ -393,6 +409,8 @@ class Trainer:
             metrics["preference"] = self.preference.step_sums()
         if self.cfg.train.on_nonfinite == "skip":
             metrics["nonfinite_skipped_steps"] = self.nonfinite_skipped_steps
+        if self.qk_clip is not None:
+            metrics["attention_logit_max"] = self.qk_clip.largest
         return metrics
 
     def read_back(self, pending: list[tuple[int, dict]], window_start: float) -> list[dict]:

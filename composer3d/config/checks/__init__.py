@@ -40,6 +40,7 @@ from composer3d.config.checks.training import (
     _check_memory,
     _check_optimizer,
     _check_precision,
+    _check_qk_clip,
 )
 from composer3d.config.keys import did_you_mean
 from composer3d.config.schema import TrainConfig
@@ -73,6 +74,7 @@ def validate(cfg: Any, world_size: int) -> Layout:
     _check_loop(cfg.train, cfg.eval)
     _check_generate(cfg.generate, cfg.model.name)
     _check_optimizer(cfg.optim, cfg.parallel)
+    _check_qk_clip(cfg)
     _check_precision(cfg.precision, layout.tp, world_size, cfg.parallel.zero_stage, cfg.peft.method)
     _check_memory(cfg, layout)
     _check_peft(cfg, layout)

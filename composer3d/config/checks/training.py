@@ -239,6 +239,57 @@ def _check_optimizer(o: Any, p: Any) -> None:
     )
 
 
+def _check_qk_clip(cfg: Any) -> None:
+    o = cfg.optim
+    if o.muon_clip_threshold == 0:
+        return
+    _require(
+        o.muon_clip_threshold > 0,
+        "optim.muon_clip_threshold",
+        f"must be >= 0, got {o.muon_clip_threshold}",
+        "Use 0 (off) or e.g. 100",
+    )
+    _require(
+        o.name == "muon",
+        "optim.muon_clip_threshold",
+        f"QK-Clip is MuonClip's, for Muon's updates; optim.name={o.name}",
+        "Use optim.name=muon, or optim.muon_clip_threshold=0",
+    )
+    _require(
+        cfg.model.name != "hf",
+        "optim.muon_clip_threshold",
+        "transformers' attention modules do not report their logits",
+        "Use the native model (model=llama and its sizes), or optim.muon_clip_threshold=0",
+    )
+    _require(
+        cfg.parallel.cp == 1,
+        "optim.muon_clip_threshold",
+        "context parallel's ring and all-to-all attention do not record the heads' largest logit "
+        "(not built)",
+        "Use parallel.cp=1 with optim.muon_clip_threshold, or optim.muon_clip_threshold=0",
+    )
+    _require(
+        cfg.peft.method == "none",
+        "optim.muon_clip_threshold",
+        f"peft={cfg.peft.method} freezes the query and key projections QK-Clip would scale",
+        "Use optim.muon_clip_threshold=0 with peft",
+    )
+    _require(
+        cfg.parallel.zero_stage != 1 or cfg.precision.param_dtype == "float32",
+        "optim.muon_clip_threshold",
+        "ZeRO-1 with a narrower precision.param_dtype steps fp32 masters of its slices, which "
+        "QK-Clip does not scale (not built)",
+        "Use parallel.zero_stage=2 or 3, or precision.param_dtype=float32, with QK-Clip",
+    )
+    _require(
+        not cfg.compile.enabled,
+        "optim.muon_clip_threshold",
+        "the heads' largest logits are recorded beside the attention kernels, eagerly (under "
+        "torch.compile not built)",
+        "Use compile.enabled=false with optim.muon_clip_threshold, or optim.muon_clip_threshold=0",
+    )
+
+
 def _check_muon(o: Any, p: Any) -> None:
     _require(
         0 <= o.muon_momentum < 1,

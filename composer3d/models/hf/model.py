@@ -210,6 +210,9 @@ class HFCausalLM(nn.Module):
 
     # Mixture of experts (``models.interface.ComposerModel``): transformers' experts modules, by
     # expert only.
+    def attention_logits(self) -> None:
+        return None  # transformers' attention modules do not report their logits
+
     def routed_experts(self) -> list[nn.Module]:
         return hf_expert_modules(self)
 

@@ -108,6 +108,37 @@ def document_mask(documents: torch.Tensor, head_dim: int) -> BlockMask | torch.T
     return (causal & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)
 
 
+def head_max_logits(
+    q: torch.Tensor, k: torch.Tensor, mask: BlockMask | torch.Tensor | None
+) -> torch.Tensor:
+    """Each of ``q``'s heads' largest logit q·k/√d over the batch, where the mask lets a query
+    attend (causal where None; ``document_mask``'s boolean mask or BlockMask), in fp32: what
+    MuonClip compares with its threshold. Computed apart from the attention kernels (which do not
+    report it), a chunk of queries at a time."""
+    with torch.no_grad():
+        batch, heads, seq, head_dim = q.shape
+        if k.shape[1] != heads:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        keys = k.float().transpose(-2, -1)
+        best = torch.full((heads,), float("-inf"), device=q.device)
+        kv = torch.arange(seq, device=q.device)
+        rows = max(1, 2**24 // (batch * heads * seq))
+        for start in range(0, seq, rows):
+            end = min(seq, start + rows)
+            scores = (q[:, :, start:end].float() @ keys) * head_dim**-0.5
+            queries = kv[start:end]
+            if mask is None:
+                allowed = kv[None, None, None, :] <= queries[None, None, :, None]
+            elif isinstance(mask, BlockMask):
+                b = torch.arange(batch, device=q.device)[:, None, None, None]
+                allowed = mask.mask_mod(b, 0, queries[None, None, :, None], kv[None, None, None, :])
+            else:
+                allowed = mask[:, :, start:end]
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+        return best
+
+
 class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
         super().__init__()
@@ -119,6 +150,9 @@ class Attention(nn.Module):
         # Under context parallel (``parallel.context``): attention over the keys and values of the
         # whole sequence.
         self.context_parallel = None
+        # optim.muon_clip_threshold: this rank's heads' largest logit since the last step (set to
+        # a tensor by the optimizer's QK-Clip, which reads and resets it), else None
+        self.max_logits: torch.Tensor | None = None
 
     def forward(
         self,
@@ -139,6 +173,8 @@ class Attention(nn.Module):
             1, 2
         )
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        if self.max_logits is not None:
+            self.max_logits.copy_(torch.maximum(self.max_logits, head_max_logits(q, k, mask)))
         if self.context_parallel is not None:
             out = self.context_parallel.attend(q, k, v, mask)
             return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -158,6 +158,9 @@ class Llama(nn.Module):
             return normal(std / math.sqrt(2 * self.cfg.n_layers))
         return normal(std)
 
+    def attention_logits(self) -> list[nn.Module]:
+        return [block.attention for block in self.layers.values()]
+
     # Mixture of experts (``models.interface.ComposerModel``): composer3d's MoE layers, split by
     # expert and width.
     def routed_experts(self) -> list[nn.Module]:
