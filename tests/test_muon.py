@@ -22,7 +22,7 @@ from composer3d.config.checks import validate
 from composer3d.errors import ConfigError
 from composer3d.models import build_model
 from composer3d.models.init import materialize
-from composer3d.models.llama.attention import apply_rope
+from composer3d.models.llama.attention import apply_rope, document_mask, head_max_logits
 from composer3d.optim.build import build_optimizer
 from composer3d.optim.muon import Muon, muon_parameter
 from composer3d.optim.orthogonalize import newton_schulz, newton_schulz_flops
@@ -420,3 +420,36 @@ def test_each_matrix_is_orthogonalized_once_and_each_piece_moves_once(runs):
         # matrix's
         largest = newton_schulz_flops(192, 64, 5) / 1e9
         assert max(w["flops"] for w in work) <= work[0]["even"] + largest, work
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "documents", "block_mask"])
+def test_each_heads_largest_logit_under_the_mask(mask_kind):
+    """``head_max_logits`` against every score written out: the largest q·k/√d of each head where
+    the mask lets the query attend (causal; within its document, as SDPA's boolean mask or as a
+    flex BlockMask's rule), grouped-query keys shared."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, kv_heads, seq, head_dim = 2, 4, 2, 24, 8
+    q = torch.randn(batch, heads, seq, head_dim, generator=generator)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=generator)
+    documents = torch.tensor([[0] * 10 + [1] * 14, [0] * 5 + [1] * 5 + [2] * 14])
+    same = documents[:, :, None] == documents[:, None, :]
+    causal = torch.ones(seq, seq, dtype=torch.bool).tril()[None]
+    allowed = causal & same if mask_kind != "causal" else causal.expand(batch, -1, -1)
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-2, -1)) / math.sqrt(head_dim)
+    expected = scores.masked_fill(~allowed[:, None], float("-inf")).amax(dim=(0, 2, 3))
+    if mask_kind == "causal":
+        mask = None
+    elif mask_kind == "documents":
+        mask = document_mask(documents, head_dim)
+    else:
+        mask = create_block_mask(
+            lambda b, h, i, j: (j <= i) & (documents[b, i] == documents[b, j]),
+            batch,
+            None,
+            seq,
+            seq,
+            device="cpu",
+        )
+    torch.testing.assert_close(head_max_logits(q, k, mask), expected)
