@@ -243,6 +243,7 @@ def test_qk_clip_scales_the_heads_over_the_threshold_as_k2(kv_heads):
     [
         (["parallel.zero_stage=1", "parallel.dp_shard=1", "parallel.tp=2"], "parallel.zero_stage"),
         (["parallel.offload=optimizer"], "parallel.offload"),
+        (["parallel.offload=cpu"], "parallel.offload"),
         (["optim.muon_scale=spectral"], "optim.muon_scale"),
         (["optim.muon_ns_dtype=float16"], "optim.muon_ns_dtype"),
         (["optim.muon_momentum=1.0"], "optim.muon_momentum"),

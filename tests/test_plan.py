@@ -1596,6 +1596,222 @@ def test_offload_moves_model_state_to_the_host_and_costs_its_copies_and_host_ste
     )
 
 
+# -- optim.name=muon ------------------------------------------------------------------------------
+
+MUON = ["optim.name=muon"]
+MUON_LAYOUTS = {
+    "one_device": (MODEL, [], 1, 1),
+    "fsdp4": (MODEL, ["parallel.dp_shard=4"], 4, 1),
+    # each rank's flat slices (a quarter of every parameter), and their fp32 masters (bf16 gathers)
+    "zero1": (MODEL, ["parallel.dp_shard=4", "parallel.zero_stage=1"], 4, 1),
+    "ep2_fsdp4_moe": (MOE, ["parallel.dp_shard=4", "parallel.ep=2"], 4, 2),
+    # the router left to Muon too (by default optim.muon_adamw_params names it)
+    "ep2_fsdp4_moe_router": (
+        MOE,
+        ["parallel.dp_shard=4", "parallel.ep=2", "optim.muon_adamw_params=[]"],
+        4,
+        2,
+    ),
+}
+
+
+def _muon_split(overrides: list[str], ranks: int, ep: int = 1) -> tuple[int, int]:
+    """(elements Muon steps, elements AdamW steps) of a rank's FSDP shards over ``ranks`` (the
+    routed experts cut by ``ep`` first, then FSDP over what it leaves), from the model's own
+    parameters and Muon's own rule (optim/muon.py's ``muon_parameter``)."""
+    from composer3d.models import build_model
+    from composer3d.optim.muon import muon_parameter
+
+    cfg = plan_config(*overrides)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    split = [0, 0]
+    for name, p in model.named_parameters():
+        rows, rest = p.shape[0], math.prod(p.shape[1:])
+        if p.ndim == 3:  # [experts, out, in]
+            local = math.ceil(rows // ep / (ranks // ep)) * rest
+        else:
+            local = math.ceil(rows / ranks) * rest
+        split[not muon_parameter(name, p, list(cfg.optim.muon_adamw_params))] += local
+    return split[0], split[1]
+
+
+@pytest.mark.parametrize("layout", list(MUON_LAYOUTS))
+def test_muon_keeps_one_momentum_for_its_matrices_and_adams_two_moments_for_the_rest(layout):
+    """optim.name=muon's state: one fp32 momentum (4 bytes) for each element of the block matrices
+    and the stacked experts (the router too where optim.muon_adamw_params leaves it), AdamW's two
+    fp32 moments (8) for the embedding, head and norms (and the router by default), as FSDP shards
+    each parameter (and ep the experts): the model's parameters counted by hand. It differs from
+    AdamW's by 4 bytes for each of Muon's elements, and in nothing else."""
+    model, parallel, ranks, ep = MUON_LAYOUTS[layout]
+    overrides = [*model, *BATCH, f"cluster.gpus_per_node={ranks}", *parallel]
+    muon, rest = _muon_split([*overrides, *MUON], ranks, ep)
+    assert muon and rest
+    with_muon, with_adamw = planned(*overrides, *MUON)[0].memory, planned(*overrides)[0].memory
+    masters = 4 * (muon + rest) if layout == "zero1" else 0
+    assert with_muon.optimizer == 4 * muon + 8 * rest + masters
+    assert with_adamw.optimizer - with_muon.optimizer == 4 * muon
+    assert dataclasses.replace(with_muon, optimizer=with_adamw.optimizer) == with_adamw
+
+
+MUON_STEP = [
+    *MODEL,
+    "train.seq_len=2048",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "cluster.device=h100",
+    "cluster.gpus_per_node=4",
+]
+
+
+def _newton_schulz_s(rows: int, cols: int, cluster) -> float:
+    """One matrix's 5 Newton–Schulz steps in bf16 on an H100, by hand: the runtime's FLOPs
+    (orthogonalize.newton_schulz_flops) at the GEMMs' fraction of peak, and HBM bytes: per step the
+    three GEMMs' operands and outputs (2nm + n², 3n², n² + 2nm) and the elementwise kernels between
+    them (7n² + 5nm), and one normalization (3nm); n the smaller side."""
+    from composer3d.optim.orthogonalize import newton_schulz_flops
+
+    n, m = sorted((rows, cols))
+    moved = 5 * (9 * n * m + 12 * n * n) + 3 * n * m
+    rate = cluster.peak_flops * cluster.achievable_fraction
+    return newton_schulz_flops(rows, cols, 5) / rate + moved * 2 / cluster.hbm_bw
+
+
+@pytest.mark.parametrize("parallel", ["fsdp4", "hsdp2x2"])
+def test_a_muon_step_adds_newton_schulz_on_an_even_share_its_kernels_and_two_all_to_alls(parallel):
+    """Muon's step on FSDP 4 (and HSDP 2 × 2) of the 4-layer model on one H100 node: the optimizer
+    step takes longer than AdamW's by Newton–Schulz on the whole (unsharded) matrices, this rank's
+    even share of the 28 (more than the largest one), plus Muon's eager kernels' bytes in place of
+    AdamW's for each of its local elements (80 a bf16 element against 28); and the step waits, on
+    the critical path, for its two all-to-alls over the 4 ranks in bf16: a rank sends 3/4 of its
+    Muon elements in the gather (HSDP: each piece held twice is sent once, 1/2 − 1/4) and receives
+    3/4 in the scatter (each result to every holder). Nothing else changes."""
+    from composer3d.models import build_model
+    from composer3d.optim.muon import muon_parameter
+
+    layouts = {
+        "fsdp4": (["parallel.dp_shard=4"], 4, 1 - 1 / 4),
+        "hsdp2x2": (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 2, 1 / 2 - 1 / 4),
+    }
+    layout, shards, gathered = layouts[parallel]
+    adamw, cluster = planned(*MUON_STEP, *layout)
+    muon = planned(*MUON_STEP, *layout, *MUON)[0]
+    cfg = plan_config(*MUON_STEP, *MUON)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    matrices = [
+        p.shape
+        for name, p in model.named_parameters()
+        if muon_parameter(name, p, list(cfg.optim.muon_adamw_params))
+    ]
+    assert len(matrices) == 28 and all(len(s) == 2 for s in matrices)
+    times = [_newton_schulz_s(*s, cluster) for s in matrices]
+    share = sum(times) / 4
+    assert share > max(times)  # the even share, not one matrix, is the rank's
+    local = _muon_split([*MUON_STEP, *MUON], shards)[0]
+    kernels = local * (80 - 28) / cluster.hbm_bw
+    assert muon.compute_s - adamw.compute_s == pytest.approx(share + kernels, rel=1e-9)
+
+    (col,) = [x for x in muon.collectives if x.dim == "muon"]
+    assert (col.kind, col.group_size, col.overlapped) == ("all_to_all", 4, False)
+    assert col.bytes == pytest.approx(local * (gathered + 3 / 4) * 2, rel=1e-12)
+    # all on one node: each rank's tensor goes to the 3 others over NVLink
+    assert muon.exposed_comm_s["muon"] == pytest.approx(col.bytes / cluster.intra_node_bw)
+    assert {d: t for d, t in muon.exposed_comm_s.items() if d != "muon"} == adamw.exposed_comm_s
+    assert [x for x in muon.collectives if x.dim != "muon"] == adamw.collectives
+    assert muon.step_time_s - adamw.step_time_s == pytest.approx(
+        share + kernels + col.bytes / cluster.intra_node_bw, rel=1e-9
+    )
+
+
+def test_muon_under_zero1_moves_each_ranks_slices_to_their_owners_and_back():
+    """ZeRO-1 (FSDP off, every parameter cut in 4 flat slices): each rank sends 3/4 of its slices'
+    Muon elements in the gather and receives 3/4 in the scatter, as FSDP's 4 shards do; its
+    optimizer steps only its slices (this model's rows split evenly: as many elements as FSDP's
+    shards, so the same compute)."""
+    overrides = [*MUON_STEP, "parallel.dp_shard=4"]
+    fsdp, cluster = planned(*overrides, *MUON)
+    zero1 = planned(*overrides, "parallel.zero_stage=1", *MUON)[0]
+    local = _muon_split([*overrides, *MUON], 4)[0]
+    (col,) = [x for x in zero1.collectives if x.dim == "muon"]
+    assert (col.kind, col.group_size) == ("all_to_all", 4)
+    assert col.bytes == pytest.approx(local * 2 * (1 - 1 / 4) * 2, rel=1e-12)
+    assert zero1.exposed_comm_s["muon"] == fsdp.exposed_comm_s["muon"]
+    assert zero1.compute_s == pytest.approx(fsdp.compute_s, rel=1e-12)
+    assert zero1.compute_s > planned(*overrides, "parallel.zero_stage=1")[0].compute_s
+
+
+def test_muons_routed_experts_stay_with_a_rank_holding_two_of_each():
+    """tiny_moe's 8 experts under ep 2 × FSDP 2 (4 ranks): the experts are a mesh of their own,
+    each rank holds two experts of each stacked parameter, and optim/orthogonalize.py's dealing
+    leaves them with it (a rank takes two before its load is a matrix ahead), so only the attention
+    and shared-expert matrices travel: 3/4 of each rank's shards there and back, in bf16."""
+    from composer3d.models import build_model
+    from composer3d.optim.muon import muon_parameter
+
+    overrides = [*MOE, *BATCH, "cluster.device=h100", "parallel.ep=2", *MUON]
+    cfg = plan_config(*overrides)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    muon = [
+        p.shape
+        for name, p in model.named_parameters()
+        if muon_parameter(name, p, list(cfg.optim.muon_adamw_params))
+    ]
+    dense = sum(math.prod(s) for s in muon if len(s) == 2)
+    experts = sum(math.prod(s) for s in muon if len(s) == 3)
+    assert dense and experts
+
+    e = planned(*overrides, "cluster.gpus_per_node=4", "parallel.dp_shard=4")[0]
+    (col,) = [x for x in e.collectives if x.dim == "muon"]
+    assert col.bytes == pytest.approx(dense / 4 * 2 * (3 / 4) * 2, rel=1e-12)
+
+
+def test_the_planner_offers_muon_only_what_training_runs_it_under():
+    """ZeRO-1 cuts each parameter in flat slices and parallel.offload=optimizer steps torch's AdamW
+    on the host: the search leaves out exactly the ZeRO-1 layouts training refuses with
+    optim.name=muon (and every ZeRO-1 layout with a low-bit AdamW), what fits offers Muon no
+    offload (its all-to-alls run on the device) and a low-bit AdamW no offload=optimizer, and a
+    config asking for them is refused by composer3d-plan in one line naming the key."""
+    from composer3d.errors import ConfigError
+    from composer3d.plan.fits import option_sets
+    from composer3d.plan.layouts import enumerate_candidates
+    from composer3d.plan.search import checked
+    from composer3d.plan.validation import validate_plan
+
+    base = [*MODEL, *BATCH]
+    adamw = enumerate_candidates(plan_config(*base), 4, 4)
+    muon_cfg = plan_config(*base, *MUON)
+    muon = set(enumerate_candidates(muon_cfg, 4, 4))
+    zero1 = [c for c in adamw if c.zero_stage == 1]
+    assert zero1 and any(c.tp > 1 for c in zero1)
+
+    def refused(c) -> bool:
+        try:
+            checked(muon_cfg, c, 4)
+        except ConfigError:
+            return True
+        return False
+
+    refused_zero1 = {c for c in zero1 if refused(c)}
+    assert refused_zero1
+    assert muon == set(adamw) - refused_zero1
+    assert not any(
+        c.zero_stage == 1
+        for c in enumerate_candidates(plan_config(*base, "optim.name=adamw_8bit"), 4, 4)
+    )
+
+    c = next(c for c in adamw if c.zero_stage == 3)
+    assert {o.offload for o in option_sets(c, False)} == {"none", "optimizer", "cpu"}
+    assert {o.offload for o in option_sets(c, False, optimizer="muon")} == {"none"}
+    assert {o.offload for o in option_sets(c, False, optimizer="adamw_8bit")} == {"none", "cpu"}
+    for name, offload in (("muon", "optimizer"), ("adamw_8bit", "optimizer"), ("muon", "cpu")):
+        with pytest.raises(ConfigError) as refused_plan:
+            validate_plan(plan_config(*base, f"optim.name={name}", f"parallel.offload={offload}"))
+        assert str(refused_plan.value).startswith("parallel.offload: "), refused_plan.value
+    validate_plan(plan_config(*base, "parallel.offload=optimizer"))
+
+
 def test_what_fits_answers_the_longest_sequence_and_the_largest_model():
     """plan.what_fits: every memory option lengthens the sequence that fits, or leaves it;
     offloading the model state holds a larger model; what the longest sequence takes is a

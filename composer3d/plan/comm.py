@@ -35,6 +35,9 @@ micro-batch M:
   The DPO reference model (train.objective=dpo): its forward, every micro-batch, gathers each block
   once more where blocks reshard after forward (ZeRO-3) and runs TP's forward collectives again;
   what it leaves gathered (its root; under ZeRO-2 its blocks) is gathered once a run.
+  Muon (optim.name=muon, plan/muon.py): after the backward, once a step, each matrix's distinct
+  pieces gathered to its owner and each holder's piece of the result sent back, two all-to-alls
+  over a pipeline stage's dp × cp × tp ranks (``muon_step``).
 An all-gather is counted by the tensor it produces, a reduce-scatter by the one it consumes, an
 all-reduce, a send and an all-to-all by their tensor. Gathered parameters travel in the compute
 dtype, gradients in precision.reduce_dtype.
@@ -48,7 +51,14 @@ from functools import cache
 
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import Candidate
-from composer3d.plan.memory import fsdp_shards, shard_degree, shard_numel, whole, zero1_degree
+from composer3d.plan.memory import (
+    fsdp_shards,
+    muon_steps,
+    shard_degree,
+    shard_numel,
+    whole,
+    zero1_degree,
+)
 from composer3d.plan.shapes import ModelShape, StageSet, Unit
 
 # plan.ep_dispatch: every routed copy sent to its expert's rank (composer3d-train), or a token once
@@ -59,7 +69,8 @@ EP_DISPATCH = ("all_to_all", "per_node")
 @dataclass(frozen=True)
 class Collective:
     # mesh dimension: dp_shard (FSDP: dp_shard × cp), dp_replicate, dp (ZeRO-1 and DDP over all
-    # data-parallel ranks), expert_dp (routed experts' FSDP), tp, pp, ep, cp
+    # data-parallel ranks), expert_dp (routed experts' FSDP), tp, pp, ep, cp; muon
+    # (optim.name=muon's all-to-alls over a pipeline stage's dp × cp × tp ranks)
     dim: str
     kind: str  # all_gather, reduce_scatter, all_reduce, send, all_to_all
     group_size: int
@@ -74,6 +85,9 @@ class Collective:
     # (plan.ep_dispatch=per_node): the routing (experts, top_k) that sets how many nodes a token's
     # copies reach
     per_node: tuple[int, int] | None = None
+    # an all-to-all whose tensor holds the rank's own share too (1/n of it stays: EP's), or only
+    # what it sends the others (Muon's)
+    own_share: bool = True
 
 
 @cache  # the search prices the same units at the same degrees over and over
@@ -170,6 +184,63 @@ def data_parallel(
             )
         )
     return out
+
+
+def muon_step(
+    units: tuple[Unit, ...],
+    whole_units: tuple[Unit, ...],
+    c: Candidate,
+    router: bool,
+    ns_bytes: int,
+) -> list[Collective]:
+    """optim.name=muon's two all-to-alls (optim/orthogonalize.py), in the Newton–Schulz dtype, over
+    the n = dp × cp × tp ranks of a pipeline stage's meshes (``units``: the rank's trainable ones,
+    ``whole_units`` the same before tp cuts them). Each matrix has one owner (owners dealt evenly by
+    work): its distinct pieces (each held by ``r`` replicas: dp_replicate, times tp for a parameter
+    TP does not split, the router and some of LoRA's adapters) gather to it, each sent once, by one
+    holder, the owner's own not at all; then every other holder receives its piece of the result.
+    Counted by the tensor each rank sends (its own share not in it), gather and scatter together,
+    on the critical path (the optimizer step, after the backward).
+
+    Where every rank holds a piece of each matrix (the blocks' matrices under FSDP, HSDP, DDP, TP),
+    a rank sends, for each of its local elements Muon steps, 1/r − 1/n in the gather and 1 − 1/n in
+    the scatter, whichever rank owns it — as optim/orthogonalize.py's dealing does exactly. A routed
+    expert is whole on the ranks of its ep slot (FSDP cuts the stack by expert), and the dealing
+    gives it to one of them unless its load is a matrix ahead: a rank keeps two of each run of a
+    parameter's experts it holds (ties go to the holder; after two it is ahead) and the rest,
+    1−2/run of them, go elsewhere, whole, and come back whole; at most what an owner anywhere would
+    send. Against the dealing itself on synthetic expert meshes (ep > 1, a rank's mean): exact for
+    runs of one or two; for longer runs on 4 to 32 ranks from 0.63× (runs of 3 on 32 ranks) to 1.33×
+    what it sends, within 10% from runs of 6 on 8 ranks or more; on 2 ranks, where the other rank
+    holds the rest, an overstatement (up to the whole). Under ep = 1 the experts share the blocks'
+    mesh and dealing, and some travel even in runs of two (tiny_moe on 4 ranks: 8% of them). Under
+    ZeRO-1 each rank holds a flat slice of each parameter, none replicated, among the ranks its
+    slices are cut over."""
+    n = c.dp * c.cp * c.tp
+    if n == 1:
+        return []
+    zero1 = c.zero_stage == 1 and c.dp * c.cp > 1
+    elements = 0.0
+    for u, whole_unit in zip(units, whole_units):
+        degree = shard_degree(c, u) if fsdp_shards(c) else 1
+        for i, (s, s_whole) in enumerate(zip(u.params, whole_unit.params)):
+            if not muon_steps(u, i, router):
+                continue
+            if zero1:
+                slices = zero1_degree(c, u)
+                elements += 2 * u.count * math.prod(s) / slices * (1 - 1 / slices)
+                continue
+            local = u.count * shard_numel(s, degree)
+            replicas = c.dp_replicate * (c.tp if s[-2:] == s_whole[-2:] else 1)
+            anywhere = local * (1 / replicas - 1 / n) + local * (1 - 1 / n)
+            if u.kind != "experts":
+                elements += anywhere
+                continue
+            holders = c.tp * c.dp_replicate  # of each expert: its tp pieces' replicas
+            kept = local * (1 / replicas - 1 / holders) + local * (1 - 1 / holders)
+            away = max(0.0, 1 - 2 / math.ceil(s[0] / degree))
+            elements += min(anywhere, (1 - away) * kept + away * (local / replicas + local))
+    return [Collective("muon", "all_to_all", n, elements * ns_bytes, False, own_share=False)]
 
 
 def regathers(c: Candidate) -> bool:
@@ -336,7 +407,7 @@ def _stride(c: Candidate, dim: str) -> int:
     product is computed: the search calls this some 20 times for each of tens of thousands of
     layouts."""
     layout = c.layout
-    if dim == "tp":
+    if dim in ("tp", "muon"):  # muon: a stage's dp × cp × tp ranks, consecutive
         return 1
     if dim in ("cp", "dp_shard"):
         return layout.tp
@@ -380,14 +451,16 @@ def node_crossings(experts: int, top_k: int, nodes: int) -> float:
 
 
 def _all_to_all_seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
-    """Each member sends every other its own share, 1/n of its tensor: the members on its node over
-    NVLink, the others through its own NIC, both at once. No ring crosses a node once for the group:
+    """Each member sends every other its own share, 1/n of its tensor (1/(n − 1) of one that holds
+    no share of its own, Muon's): the members on its node over NVLink, the others through its own
+    NIC, both at once. No ring crosses a node once for the group:
     what leaves a node is what its GPUs send to other nodes (a per-node dispatch, fewer of the same
     tokens)."""
     n = col.group_size
     k = members_on_node(c, col.dim, n, cluster)
-    local = col.bytes * (k - 1) / n / cluster.intra_node_bw
-    remote = col.bytes * (n - k) / n
+    others = n if col.own_share else n - 1  # the shares the tensor is cut in
+    local = col.bytes * (k - 1) / others / cluster.intra_node_bw
+    remote = col.bytes * (n - k) / others
     if col.per_node and k < n:
         remote *= node_crossings(*col.per_node, n // k)
     return max(local, remote / cluster.inter_node_bw)

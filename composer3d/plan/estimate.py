@@ -4,16 +4,17 @@ together.
 Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is
 the rank's kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or
 compiled, recomputation, the optimizer step), from physical constants shared by every layout and
-model, nothing per row. Exposed communication: TP/SP, pipeline sends and ZeRO-1's gather are on the
-critical path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus the first
-block's gather, which nothing precedes; gradients reduced once a step (ZeRO-1, FSDP under PP) hide
-behind the last micro-batch's backward only; ``plan.published_overlap`` prices the overlaps other
-stacks publish; context parallel's traffic as plan/context.py says (the ring's K/V passes hide
-behind the attention of the block held); the memory options' host step and copies (``host``) as
-plan/host.py says. A layout fits when the busiest rank's device memory and its node's host memory
-hold it. train.objective=dpo's reference model is charged where it runs: a frozen copy's parameters
-in memory, its forward in compute, its gathers and TP's forward collectives in communication, its
-forward's FLOPs in TFLOP/s (as training counts them).
+model, nothing per row. Exposed communication: TP/SP, pipeline sends, ZeRO-1's gather and
+optim.name=muon's all-to-alls (plan/muon.py) are on the critical path; FSDP/HSDP/DDP traffic hides
+behind compute except what exceeds it, plus the first block's gather, which nothing precedes;
+gradients reduced once a step (ZeRO-1, FSDP under PP) hide behind the last micro-batch's backward
+only; ``plan.published_overlap`` prices the overlaps other stacks publish; context parallel's
+traffic as plan/context.py says (the ring's K/V passes hide behind the attention of the block held);
+the memory options' host step and copies (``host``) as plan/host.py says. A layout fits when the
+busiest rank's device memory and its node's host memory hold it. train.objective=dpo's reference
+model is charged where it runs: a frozen copy's parameters in memory, its forward in compute, its
+gathers and TP's forward collectives in communication, its forward's FLOPs in TFLOP/s (as training
+counts them).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from composer3d.plan.host import host_fits, host_seconds
 from composer3d.plan.kernels import Work, step_compute
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.memory import OPTIMIZER_STATE_BYTES, Memory, memory
+from composer3d.plan.muon import MuonWork
+from composer3d.plan.muon import collectives as muon_collectives
+from composer3d.plan.muon import optimizer_step as muon_optimizer_step
 from composer3d.plan.shapes import ModelShape, StageSet, stage_sets
 from composer3d.precision.autocast import auto_cast
 
@@ -55,6 +59,8 @@ class Workload:
     # train.objective=dpo's reference model, a no-grad forward every micro-batch
     # (preference.reference): copy | adapters_off; None where none runs (sft, simpo)
     reference: str | None = None
+    # optim.name=muon's settings (plan/muon.py); None under AdamW
+    muon: MuonWork | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Workload:
@@ -81,6 +87,7 @@ class Workload:
             cfg.preference.reference
             if cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
             else None,
+            MuonWork.from_config(cfg.optim, cfg.model),
         )
 
     def casts_once(self, c: Candidate, cluster: Cluster) -> bool:
@@ -117,6 +124,12 @@ CP_MASKED_UNMEASURED = (
     "cp_style={style} attends with SDPA under a dense mask of global token indices, not the causal "
     "kernel the ring's blocks run: that rate is not measured yet (benchmarks/attention_rate.py "
     "prints it as masked) and is priced as plan.attention_kernel's"
+)
+
+MUON_UNMEASURED = (
+    "optim.name=muon's step is priced from its parts (Newton-Schulz's GEMMs at the GEMM rate over "
+    "an even share of the matrices, its kernels' bytes counted from the code, its two "
+    "all-to-alls), not from a measured step yet"
 )
 
 
@@ -177,15 +190,15 @@ def _exposed_comm(
     ep_overlap: bool,
 ) -> dict[str, float]:
     """Seconds a rank waits for each dimension's collectives (cp's apart: plan/context.py). On the
-    critical path (TP, pipeline sends, ZeRO-1's gather) in full; those FSDP/DDP overlap share the
-    step's compute, their excess waited for (attributed to their dimensions by share) plus the first
-    block's gather, which nothing precedes; those reduced once a step hide behind their window only
-    (the last micro-batch's backward). ``published_overlap`` (plan.published_overlap): TP and
-    pipeline traffic hide behind compute as async TP and Megatron's overlapped sends do, and
-    ZeRO-1's gather (bf16 parameters, as ours) hides behind the first forward; ``ep_overlap``
-    (plan.published_ep_overlap): expert parallel's all-to-alls hide behind compute, as Megatron's
-    overlap of one micro-batch's dispatch with another's compute does (without it they wait, as
-    composer3d-train's)."""
+    critical path (TP, pipeline sends, ZeRO-1's gather, Muon's all-to-alls) in full; those FSDP/DDP
+    overlap share the step's compute, their excess waited for (attributed to their dimensions by
+    share) plus the first block's gather, which nothing precedes; those reduced once a step hide
+    behind their window only (the last micro-batch's backward). ``published_overlap``
+    (plan.published_overlap): TP and pipeline traffic hide behind compute as async TP and Megatron's
+    overlapped sends do, and ZeRO-1's gather (bf16 parameters, as ours) hides behind the first
+    forward; ``ep_overlap`` (plan.published_ep_overlap): expert parallel's all-to-alls hide behind
+    compute, as Megatron's overlap of one micro-batch's dispatch with another's compute does
+    (without it they wait, as composer3d-train's)."""
     out: dict[str, float] = {}
     pool: dict[str, float] = {}
     for col in cols:
@@ -194,7 +207,7 @@ def _exposed_comm(
         t, window, overlapped = comm.seconds(col, c, cluster), col.window, col.overlapped
         if col.dim == "ep":
             overlapped = ep_overlap
-        elif published_overlap and not overlapped:
+        elif published_overlap and not overlapped and col.dim != "muon":
             overlapped = True
             if col.dim == "dp" and col.kind == "all_gather":
                 window = 1 / 3 / c.microbatches
@@ -240,6 +253,7 @@ def rank_memories(work: Workload, c: Candidate, cluster: Cluster) -> RankMemorie
             work.casts_once(c, cluster),
             work.work.compiled,
             work.reference,
+            work.muon is not None and work.muon.router,
         )
         for s in sets
     ]
@@ -264,15 +278,19 @@ def estimate(
     cols = [
         comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch, reference)
         + context.collectives(shape, c, s, seq, cb)
+        + (muon_collectives(work.muon, shape, c, s, work.peft, cluster) if work.muon else [])
         for s in sets
     ]
     tokens_per_step = work.global_batch_size * seq
-    state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
+    # (what AdamW steps on the device, the seconds Muon's part of the step adds)
+    if work.muon is None:
+        state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
+        steps = [(m.optimizer / state_bytes, 0.0) for m in mems]
+    else:  # AdamW's 8 bytes and Muon's 4 a parameter: counted apart
+        steps = [muon_optimizer_step(work.muon, shape, c, s, work.peft, cluster) for s in sets]
     compute = [
-        step_compute(
-            shape, c, s, seq // c.cp, m.optimizer / state_bytes, cluster, work.work, reference
-        ).total
-        for s, m in zip(sets, mems)
+        step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, reference, muon_s).total
+        for s, (adamw, muon_s) in zip(sets, steps)
     ]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
     bubble = compute[busiest] * bubble_ratio(c)
@@ -321,13 +339,15 @@ def estimate(
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
         bubble_fraction=bubble_fraction(c),
         fits=priced.fits,
-        notes=_notes(shape, c),
+        notes=_notes(shape, c, work.muon is not None),
     )
 
 
-def _notes(shape: ModelShape, c: Candidate) -> list[str]:
+def _notes(shape: ModelShape, c: Candidate, muon_step: bool = False) -> list[str]:
     """What no measurement backs yet in this estimate."""
     notes = [MOE_UNCALIBRATED] if shape.moe else []
     if c.cp > 1 and c.cp_style != "ring":
         notes.append(CP_MASKED_UNMEASURED.format(style=c.cp_style))
+    if muon_step:
+        notes.append(MUON_UNMEASURED)
     return notes

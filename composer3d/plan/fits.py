@@ -7,7 +7,8 @@ The options: activation checkpointing (none, op-level selective, full), sequence
 and the loss (one tile per ``TILE_TOKENS`` tokens a rank holds), activation offload, and
 ZeRO-Offload (optimizer, cpu). A combination that training refuses is left out (tiled loss under PP
 or with train.objective=dpo, eager op-level selective with activation offload, ZeRO-1 with
-offload). Device and host memory both bound what fits (``estimate``'s ``fits``).
+offload, offload=optimizer with an optimizer other than AdamW, any offload with Muon). Device and
+host memory both bound what fits (``estimate``'s ``fits``).
 """
 
 from __future__ import annotations
@@ -77,9 +78,21 @@ class Options:
 
 
 def option_sets(
-    c: Candidate, compiled: bool, tiling: bool = True, activation_offload: bool = True
+    c: Candidate,
+    compiled: bool,
+    tiling: bool = True,
+    activation_offload: bool = True,
+    optimizer: str = "adamw",
 ) -> list[Options]:
-    offloads = ("none",) if c.zero_stage == 1 else ("none", "optimizer", "cpu")
+    """The memory options training accepts on ``c`` with ``optimizer`` (optim.name): no offload
+    under ZeRO-1 or Muon, offload=optimizer (the host's AdamW) only for AdamW."""
+    offloads = (
+        ("none",)
+        if c.zero_stage == 1 or optimizer == "muon"
+        else ("none", "optimizer", "cpu")
+        if optimizer == "adamw"
+        else ("none", "cpu")
+    )
     found = []
     for ac, tiled, act_off, offload in product(
         ("none", "selective", "full"),
@@ -200,9 +213,14 @@ def what_fits(
     def order(f: Fit) -> tuple[float, float]:
         return (-f.amount, -f.estimate.tokens_per_s_per_gpu) if f.estimate else (0, 0)
 
-    sequences = [fit(o, longest_sequence(work, c, o, cluster)) for o in option_sets(c, compiled)]
+    sequences = [
+        fit(o, longest_sequence(work, c, o, cluster))
+        for o in option_sets(c, compiled, optimizer=work.optimizer)
+    ]
     models = [
         fit(o, largest_model(work, c, o, cluster), layers=True)
-        for o in option_sets(c, compiled, tiling=False, activation_offload=False)
+        for o in option_sets(
+            c, compiled, tiling=False, activation_offload=False, optimizer=work.optimizer
+        )
     ]
     return sorted(sequences, key=order), sorted(models, key=order)

@@ -20,7 +20,10 @@ a kernel this size overlaps little of its loads with its math):
     (one kernel per op, each reading its inputs and writing its output), few when torch.compile
     fuses them.
   The optimizer step: AdamW reads every local fp32 parameter, gradient and moment once and writes
-    back the parameters and moments.
+    back the parameters and moments. optim.name=muon (plan/muon.py): its eager kernels' bytes for
+    each local parameter Muon steps (``muon_bytes``), and this rank's share of the Newton–Schulz
+    iterations (``newton_schulz_s``: three GEMMs a step, by shape, at the GEMMs' fraction of peak,
+    and the elementwise kernels between them).
 Recomputation by checkpointing mode: full reruns the forward (GEMMs, attention, elementwise);
 op-level selective (``all_matmuls``) reruns the forward's elementwise work, torchtitan's
 ``alternate_matmuls`` also every other forward GEMM; and in eager mode op-level selective
@@ -100,6 +103,39 @@ EAGER_SAC_S = 0.6e-3
 # norm included, moves 32 B a parameter at 79% of the memory bandwidth
 # (benchmarks/optimizer_step.py: 12.6 ms); fused AdamW stores the clipped gradient too.
 OPTIMIZER_BYTES = 28
+
+
+def muon_bytes(ns_bytes: int, nesterov: bool) -> int:
+    """HBM bytes of optim.name=muon's eager kernels per element of a parameter Muon steps on this
+    rank (optim/muon.py, optim/orthogonalize.py: fp32 weights, gradient and momentum; ``ns_bytes``
+    the Newton–Schulz dtype's), its Newton–Schulz itself apart (``newton_schulz_s``): the momentum
+    m·μ (read 4, write 4) and m + g (8, 4); Nesterov's g + μ·m (8, 4); the update cast to the
+    Newton–Schulz dtype on its way out (4, b) and concatenated into the gather's buffer or copied
+    into its matrix on the owner (b, b); the result's pieces copied and concatenated into the
+    scatter's buffer (≈ 2b, 2b: nearly every piece goes to another holder) and stored where they
+    land (b, b); the update cast back (b, 4) and the weights decayed (4, 4) and moved (8, 4).
+    Counted from the code, not measured: 60 + 10b bytes with Nesterov, 48 + 10b without."""
+    return (60 if nesterov else 48) + 10 * ns_bytes
+
+
+def newton_schulz_s(
+    rows: int, cols: int, steps: int, ns_bytes: int, flops_rate: float, hbm_bw: float
+) -> float:
+    """One rows × cols matrix orthogonalized on its owner (orthogonalize.newton_schulz, n the
+    smaller side, m the larger): per step the GEMMs X·Xᵀ [n, m]×[m, n], its square and the product
+    with X [n, n]×[n, m] at ``flops_rate`` (``orthogonalize.newton_schulz_flops`` in all), each with
+    its operands and output over HBM, as ``_gemm_s``; and the eager kernels between them (b·A and
+    c·A and their sum over n², a·X and its sum over n·m: 7 passes of n² and 5 of n·m); before them
+    one normalization (a norm's read, a division's read and write)."""
+    n, m = min(rows, cols), max(rows, cols)
+
+    def gemm(a: int, b: int, k: int) -> float:
+        return 2 * a * b * k / flops_rate + (a * k + b * k + a * b) * ns_bytes / hbm_bw
+
+    step = (
+        gemm(n, n, m) + gemm(n, n, n) + gemm(n, m, n) + (7 * n * n + 5 * n * m) * ns_bytes / hbm_bw
+    )
+    return steps * step + 3 * n * m * ns_bytes / hbm_bw
 
 
 @dataclass(frozen=True)
@@ -227,12 +263,15 @@ def step_compute(
     cluster: Cluster,
     work: Work,
     reference_forward: bool = False,
+    muon_s: float = 0.0,
 ) -> StepCompute:
     """One step of this pipeline rank: every micro-batch's forward and backward, recomputation, the
     optimizer step. ``seq_len``: the tokens of a sequence this rank holds (seq_len / cp);
-    ``local_params``: the parameters its optimizer steps (after FSDP's or ZeRO-1's sharding);
+    ``local_params``: the parameters its AdamW steps (after FSDP's or ZeRO-1's sharding);
     ``reference_forward``: train.objective=dpo's reference model runs a forward (no gradients)
-    every micro-batch: its GEMMs, head, attention and elementwise work once more, as a forward."""
+    every micro-batch: its GEMMs, head, attention and elementwise work once more, as a forward;
+    ``muon_s``: optim.name=muon's seconds for the parameters Muon steps (plan/muon.py), in the
+    optimizer step."""
     # a GEMM's m: SP gathers the sequence back before each matmul
     rows = c.micro_batch_size * seq_len
     full = c.activation_checkpointing == "full"
@@ -304,5 +343,5 @@ def step_compute(
 
     host = layers * EAGER_SAC_S if op_level and not work.compiled else 0.0
     m = c.microbatches
-    optimizer = local_params * OPTIMIZER_BYTES / cluster.hbm_bw
+    optimizer = local_params * OPTIMIZER_BYTES / cluster.hbm_bw + muon_s
     return StepCompute(m * gemm, m * attention, m * elementwise, optimizer, m * host)

@@ -7,15 +7,18 @@ models), ZeRO stage, sequence parallel, pipeline schedule and stages per rank, m
 the run's (training hyperparameters, not layout). Validity follows config/checks/ (layout.py,
 training.py for batches and activation checkpointing, preference.py for the degrees
 train.objective=dpo runs under); the chosen layouts are run through ``validate`` itself before they
-are used (``apply_to_config``).
+are used (``apply_to_config``). The optimizer's own check (config/checks/training.py) is asked of
+each ZeRO stage and tp: a low-bit AdamW refuses ZeRO-1, optim.name=muon ZeRO-1 under TP.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 from itertools import product
+from typing import Any
 
-from composer3d.config.checks import pipeline_microbatches, resolve_degrees
+from composer3d.config.checks import _check_optimizer, pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
 from composer3d.config.checks.preference import check_objective_degrees
 from composer3d.config.schema import TrainConfig
@@ -249,6 +252,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
         activation_offload=cfg.memory.activation_offload,
     )
     compiled, tied = cfg.compile.enabled, m.tie_embeddings
+    optimizer_runs = cache(lambda zero, tp: _optimizer_runs(cfg, zero, tp))
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
         for pp, cp in (
@@ -268,6 +272,8 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                 for zero, ep in _zero_stages_and_ep(dp_replicate, dp_shard * cp, experts):
                     if zero == 1 and carried["offload"] != "none":
                         continue  # refused by checks: offload takes the shards FSDP owns
+                    if not optimizer_runs(zero, tp):
+                        continue
                     if not _ep_fits(ep, cp, dp_shard):
                         continue
                     layout = Layout(
@@ -294,6 +300,28 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                             )
                             found += _with_schedules_and_ac(base, n_layers, compiled, tied)
     return found
+
+
+class WithKeys:
+    """A config section with some keys replaced: what a check reads of a candidate."""
+
+    def __init__(self, section: Any, **keys: Any):
+        self._section, self._keys = section, keys
+
+    def __getattr__(self, name: str) -> Any:
+        keys = self.__dict__["_keys"]
+        return keys[name] if name in keys else getattr(self.__dict__["_section"], name)
+
+
+def _optimizer_runs(cfg: TrainConfig, zero_stage: int, tp: int) -> bool:
+    """Whether training's optimizer check accepts this ZeRO stage and tp (a low-bit AdamW keeps
+    quantized state ZeRO-1 cannot slice; optim.name=muon gathers its matrices from ZeRO-1's slices
+    only without TP)."""
+    try:
+        _check_optimizer(cfg.optim, WithKeys(cfg.parallel, zero_stage=zero_stage, tp=tp))
+    except ConfigError:
+        return False
+    return True
 
 
 def _objective_runs(cfg: TrainConfig, pp: int, cp: int) -> bool:

@@ -43,7 +43,10 @@ OPTIMIZER_STATE_BYTES = {
     "adamw_8bit": 2,
     "adamw_4bit": 1,
     "adamw_fp8": 2,
+    "muon": 8,  # AdamW's moments, for what Muon leaves to it; Muon's own: MUON_STATE_BYTES
 }  # per parameter
+# optim.name=muon: one fp32 momentum buffer per parameter Muon steps (``muon_numel``)
+MUON_STATE_BYTES = 4
 LOSS_CHUNK_ELEMENTS = 2**25  # composer3d.training.loss.CHUNK_ELEMENTS
 
 
@@ -128,22 +131,66 @@ def whole(units: list[Unit]) -> float:
     return sum(u.count * u.numel for u in units)
 
 
+def muon_steps(unit: Unit, index: int, router: bool) -> bool:
+    """Whether optim.name=muon's Muon steps ``unit``'s parameter ``index`` (optim/muon.py's
+    ``muon_parameter``): two or more dims inside a block (attention and MLP matrices, shared and
+    stacked routed experts, LoRA's adapters), the router only where ``router`` (by default
+    optim.muon_adamw_params leaves it to AdamW); the root (embedding, head, final norm) and every
+    1-D parameter (norms) are AdamW's."""
+    return unit.kind != "root" and len(unit.params[index]) >= 2 and (router or index != unit.router)
+
+
+@cache  # the search prices the same units at the same degrees over and over
+def muon_numel(unit: Unit, n: int, router: bool) -> int:
+    """Elements of one copy of ``unit`` that Muon steps, as the largest rank's FSDP shards over
+    ``n`` ranks hold them (1: whole)."""
+    return sum(shard_numel(s, n) for i, s in enumerate(unit.params) if muon_steps(unit, i, router))
+
+
+def stepped(
+    units: list[Unit], c: Candidate, peft: Peft | None = None, muon_router: bool = False
+) -> tuple[float, float]:
+    """(elements, of them Muon's) that this rank's optimizer steps: its FSDP shards, ZeRO-1's owned
+    slices, or whole (replicas); the trainable ones under ``peft``."""
+    trainable = units if peft is None else _peft_units(units, c, peft)[0]
+    if fsdp_shards(c):
+        return (
+            sum(u.count * sharded_numel(u, shard_degree(c, u)) for u in trainable),
+            sum(u.count * muon_numel(u, shard_degree(c, u), muon_router) for u in trainable),
+        )
+    if c.zero_stage == 1 and c.dp * c.cp > 1:
+        return (
+            sum(u.count * u.numel / zero1_degree(c, u) for u in trainable),
+            sum(u.count * muon_numel(u, 1, muon_router) / zero1_degree(c, u) for u in trainable),
+        )
+    return whole(trainable), sum(u.count * muon_numel(u, 1, muon_router) for u in trainable)
+
+
 def model_state(
     units: list[Unit],
     c: Candidate,
     optimizer: str,
     peft: Peft | None = None,
     compute_bytes: int = 4,
+    muon_router: bool = False,
 ) -> tuple[float, float, float]:
     """(parameter, gradient, optimizer-state) bytes on this rank: fp32 weights and gradients, Adam's
     state (and ZeRO-1's fp32 masters of its slices when its gather carries a narrower
     ``compute_bytes``). Under ``peft`` (peft/planning.py) only the adapters and modules_to_save have
-    gradients and state; the frozen weights are their bytes, QLoRA's NF4 ones theirs."""
+    gradients and state; the frozen weights are their bytes, QLoRA's NF4 ones theirs. Under
+    optim.name=muon the parameters Muon steps (``muon_steps``; the router too where
+    ``muon_router``) keep one fp32 momentum (4 bytes) where AdamW keeps two moments (8)."""
     opt = OPTIMIZER_STATE_BYTES[optimizer]
     trainable, frozen = (units, 0.0) if peft is None else _peft_units(units, c, peft)
+    # what Muon's parameters keep less than AdamW's 8 bytes (its 4), on this rank
+    saved = (
+        (opt - MUON_STATE_BYTES) * stepped(trainable, c, None, muon_router)[1]
+        if optimizer == "muon"
+        else 0
+    )
     if fsdp_shards(c):
         local = sum(u.count * sharded_numel(u, shard_degree(c, u)) for u in trainable)
-        return frozen + 4 * local, 4 * local, opt * local
+        return frozen + 4 * local, 4 * local, opt * local - saved
     n = whole(trainable)
     # gradients: the whole buckets, and the reduced slices this rank owns
     if c.zero_stage == 1 and c.dp * c.cp > 1:
@@ -154,8 +201,8 @@ def model_state(
             u.count * u.numel / zero1_degree(c, u) for u in trainable if zero1_degree(c, u) > 1
         )
         masters = 4 * owned if compute_bytes < 4 else 0.0
-        return frozen + 4 * n, 4 * n + 4 * slices, opt * owned + masters
-    return frozen + 4 * n, 4 * n, opt * n
+        return frozen + 4 * n, 4 * n + 4 * slices, opt * owned + masters - saved
+    return frozen + 4 * n, 4 * n, opt * n - saved
 
 
 def _peft_units(units: list[Unit], c: Candidate, peft: Peft) -> tuple[list[Unit], float]:
@@ -242,13 +289,15 @@ def memory(
     casts_once: bool = False,
     compiled: bool = False,
     reference: str | None = None,
+    muon_router: bool = False,
 ) -> Memory:
     """One pipeline rank's peak device memory (and host and disk bytes). ``casts_once``: one device
     with precision.cast=params (``parallel.cast_once``; ``parallel.autocast.auto_cast``); else,
     without a data-parallel dim that shards, autocast. ``reference``: train.objective=dpo's
-    reference model (preference.reference), None where none runs."""
+    reference model (preference.reference), None where none runs. ``muon_router``: under
+    optim.name=muon, Muon steps the MoE router (``model_state``)."""
     units = stages.units(shape, c.tp, c.ep)
-    params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes)
+    params, grads, opt = model_state(units, c, optimizer, peft, cluster.compute_bytes, muon_router)
     # the frozen copy's parameters: the policy's, as stored and sharded
     copy = params if reference == "copy" else 0.0
     host = 0.0

@@ -86,6 +86,8 @@ class Unit:
     count: int
     kind: str  # block | experts | root
     names: tuple[str, ...] = ()  # the root's: embedding, norm, head (peft/planning.py matches them)
+    # a MoE block's router: its index in ``params`` (optim.name=muon leaves it to AdamW by default)
+    router: int | None = None
 
     @cached_property  # the search asks for it of the same units tens of thousands of times
     def numel(self) -> int:
@@ -276,8 +278,9 @@ class StageSet:
         """This rank's parameters as FSDP units (those it has: a count of 0 is left out)."""
         units = [Unit(tuple(shape.block_params(tp)), self.dense_layers, "block")]
         if self.moe_layers:
+            router = len(shape._attention_params(tp))  # moe_block_params' order
             units += [
-                Unit(tuple(shape.moe_block_params(tp)), self.moe_layers, "block"),
+                Unit(tuple(shape.moe_block_params(tp)), self.moe_layers, "block", router=router),
                 Unit(tuple(shape.expert_params(tp, ep)), self.moe_layers, "experts"),
             ]
         root = (shape.embedding_params(tp) if self.first else []) + (

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from composer3d.config.checks import _check_known_keys, _check_model, _check_objective, _require
+from composer3d.config.checks import (
+    _check_known_keys,
+    _check_model,
+    _check_objective,
+    _check_optimizer,
+    _require,
+)
 from composer3d.plan.comm import EP_DISPATCH
 from composer3d.plan.hardware import DEVICES
 from composer3d.plan.kernels import ATTENTION_FRACTION, NORM_BYTES
-from composer3d.plan.layouts import ZERO_BUBBLE
+from composer3d.plan.layouts import ZERO_BUBBLE, WithKeys
 
 
 def validate_plan(cfg: Any) -> None:
@@ -19,6 +25,16 @@ def validate_plan(cfg: Any) -> None:
     _check_known_keys(cfg)
     _check_model(cfg.model)
     _check_objective(cfg, None)
+    # the optimizer's settings, on a layout every optimizer runs under (the search asks its ZeRO
+    # stages of it: layouts.py)
+    _check_optimizer(cfg.optim, WithKeys(cfg.parallel, zero_stage=3, tp=1))
+    _require(
+        cfg.parallel.offload != "optimizer" or cfg.optim.name == "adamw",
+        "parallel.offload",
+        f"the host optimizer step is torch's AdamW; optim.name={cfg.optim.name} "
+        + ("steps on the device" if cfg.optim.name == "muon" else "keeps its low-bit state there"),
+        "Use optim.name=adamw with parallel.offload=optimizer, or parallel.offload=none",
+    )
     c, p = cfg.cluster, cfg.plan
     _require(
         c.device in DEVICES,

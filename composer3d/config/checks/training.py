@@ -322,6 +322,13 @@ def _check_muon(o: Any, p: Any) -> None:
         "Use e.g. 64",
     )
     _require(
+        p.offload != "cpu",
+        "parallel.offload",
+        "offload=cpu keeps the parameters and gradients on the host, and Muon's all-to-alls of "
+        "them run on the device's collectives (not built)",
+        "Use parallel.offload=none with optim.name=muon",
+    )
+    _require(
         p.zero_stage != 1 or p.tp == 1,
         "parallel.zero_stage",
         "optim.name=muon under ZeRO-1 gathers each matrix from the ranks' slices of it, and under "
