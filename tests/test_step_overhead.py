@@ -450,9 +450,12 @@ def test_training_freezes_its_setup_and_leaves_a_callers_freeze_frozen():
         assert gc.get_freeze_count() == 0
         gc.freeze()
         frozen = gc.get_freeze_count()
+        # neither thawed (0) nor frozen again (which would take in the objects made since, this
+        # context manager among them); a frozen object another thread lets go of leaves the
+        # permanent generation, so the count may drop by a few
         with StepGarbageCollection(every=1):
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
+            assert frozen - 100 < gc.get_freeze_count() <= frozen
+        assert frozen - 100 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
