@@ -139,6 +139,30 @@ def runs(tmp_path_factory, qwen3):
         f"peft.base_from={full}",
         f"checkpoint.resume={_step(root / 'lora_on_full', 2)}",
     ]
+    # LoRA on them under PP (each stage reads its blocks of the base from the checkpoint)
+    jobs["lora_on_full_pp2"] = [
+        *FAST,
+        *LORA,
+        *LAYOUTS["pp2"],
+        "train.steps=4",
+        f"peft.base_from={full}",
+    ]
+    # QLoRA on a full run's weights (of QLoRA's model: whole NF4 blocks), quantized to NF4 as they
+    # load, beside a full run started from them
+    full_qlora_model = [*FAST, *QLORA_MODEL, *fsdp2]
+    jobs["full_qlora_model"] = [
+        *full_qlora_model,
+        "optim.lr=3e-3",
+        "checkpoint.model_only_final=true",
+        "checkpoint.export_dtype=float32",
+    ]
+    weights = _step(root / "full_qlora_model", 4)
+    jobs["full_qlora_model_from_its_weights"] = [
+        *full_qlora_model,
+        "train.steps=1",
+        f"checkpoint.resume={weights}",
+    ]
+    jobs["qlora_on_full"] = [*FAST, *QLORA, "parallel.dp_shard=2", f"peft.base_from={weights}"]
     return dict(
         zip(jobs, train_in_one_group([(root / name, o) for name, o in jobs.items()], nproc=2))
     )
@@ -243,6 +267,27 @@ def test_lora_on_a_full_checkpoints_weights_starts_at_its_loss_and_resumes_from_
     assert [m["step"] for m in resumed] == [3, 4]
     diffs = [abs(m["loss"] - ref) for m, ref in zip(resumed, lora.losses[2:])]
     assert max(diffs) < 1e-4, diffs
+
+
+def test_peft_base_from_under_pp_and_under_qlora(runs):
+    """``peft.base_from`` under PP 2: each stage's blocks of the base come from the full checkpoint,
+    so its curve is FSDP's (``lora_on_full``) within 1e-4; under QLoRA the base is that checkpoint
+    quantized to NF4: its first loss is the full weights' to within NF4's rounding, far from the
+    seed's, and its checkpoints record the base's source."""
+    lora = runs["lora_on_full"].losses
+    pp = runs["lora_on_full_pp2"].losses
+    assert len(pp) == len(lora) == 4 and max(abs(a - b) for a, b in zip(pp, lora)) < 1e-4, (
+        pp,
+        lora,
+    )
+    qlora, full = runs["qlora_on_full"], runs["full_qlora_model_from_its_weights"]
+    assert abs(qlora.losses[0] - full.losses[0]) < 0.01, (qlora.losses[0], full.losses[0])
+    # not the seed's base: QLoRA's from the seed starts elsewhere
+    assert abs(qlora.losses[0] - runs["qlora_fsdp2"].losses[0]) > 0.1
+    assert qlora.losses[-1] < qlora.losses[0], qlora.losses
+    assert read_meta(_step(qlora.run_dir, 4))["peft_base"] == {
+        "checkpoint": str(_step(runs["full_qlora_model"].run_dir, 4))
+    }
 
 
 def test_qlora_stores_the_base_in_nf4_and_follows_one_process_under_fsdp(tmp_path, runs):
