@@ -141,6 +141,9 @@ PEFT_RECIPES = {
     "llama3_1_8b_lora": ("llama3_1_8b", 80e9),
     "llama3_1_8b_qlora": ("llama3_1_8b", 24e9),
 }
+# DPO recipes: recipe -> (model, the GPUs of the node it is laid out for); their comments quote the
+# planner's peak memory and step time for their layout
+DPO_RECIPES = {"llama3_1_8b_dpo_lora": ("llama3_1_8b", 1), "llama3_1_8b_dpo": ("llama3_1_8b", 8)}
 # 4 bits, an int8 scale per 64 values, an fp32 scale per 256 scales
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
 
@@ -190,13 +193,13 @@ def test_every_recipe_is_tested():
     shipped = sorted(
         p.name.removesuffix(".yaml") for p in RECIPE_DIR.iterdir() if p.name.endswith(".yaml")
     )
-    assert shipped == sorted([*RECIPES, *PLANNED, *PEFT_RECIPES])
+    assert shipped == sorted([*RECIPES, *PLANNED, *PEFT_RECIPES, *DPO_RECIPES])
 
 
 def test_every_recipe_has_a_row_in_the_recipes_readme():
     readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
     rows = set(re.findall(r"^\| `(\w+)` \|", readme, re.M))
-    assert rows == {*RECIPES, *PLANNED, *PEFT_RECIPES}
+    assert rows == {*RECIPES, *PLANNED, *PEFT_RECIPES, *DPO_RECIPES}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -322,6 +325,43 @@ def test_peft_recipe_validates_on_one_gpu_and_its_state_fits_by_its_arithmetic(n
     assert state < 0.5 * gpu and 16 * params > gpu, (state / 2**30, gpu)
     if cfg.peft.method == "lora":  # the recipe's comment: on 24 GB its fp32 base alone does not fit
         assert base > 24e9
+
+
+@pytest.mark.parametrize("name", sorted(DPO_RECIPES))
+def test_dpo_recipe_validates_and_quotes_the_planner(name, tmp_path):
+    """A DPO recipe validates on its GPUs with the published sizes, and the peak memory and step
+    time its comment (and recipes/README.md) give are composer3d-plan's for its layout on H100s,
+    which fits."""
+    needs_hf_model()
+    from composer3d.plan import Workload, candidate_from_config, estimate
+    from composer3d.plan.hardware import cluster_from_config
+
+    model, gpus = DPO_RECIPES[name]
+    cfg = compose_recipe(
+        name,
+        "data.paths=[/data/pairs/*.jsonl]",
+        "cluster.device=h100",
+        f"cluster.gpus_per_node={gpus}",
+    )
+    fill_published_sizes(cfg, model, write_config_json(tmp_path, model))
+    assert cfg.train.objective == "dpo" and cfg.data.format == "preference"
+    assert cfg.preference.reference == ("adapters_off" if cfg.peft.method == "lora" else "copy")
+    validate(cfg, gpus)
+    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+    planned = estimate(
+        Workload.from_config(cfg), candidate_from_config(cfg, cluster.world_size), cluster
+    )
+    assert planned.fits
+    comment = (RECIPE_DIR / f"{name}.yaml").read_text()
+    quoted = re.search(r"([\d.]+) GiB of 80 at its peak, ([\d.]+) s a step", comment)
+    assert quoted.groups() == (
+        f"{planned.memory.total / 2**30:.1f}",
+        f"{planned.step_time_s:.1f}",
+    ), (name, planned.memory.total / 2**30, planned.step_time_s)
+    readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
+    row = re.search(rf"^\| `{name}` \|.*$", readme, re.M).group(0)
+    assert f"| {planned.memory.total / 2**30:.1f} GiB |" in row, row
+    assert f"| {planned.step_time_s:.1f} s (" in row, row
 
 
 def test_70b_pipeline_alternative_in_its_comments_validates(tmp_path):

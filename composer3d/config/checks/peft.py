@@ -79,7 +79,8 @@ def _check_peft(cfg: Any, layout: Layout) -> None:
         layout.tp == 1,
         "parallel.tp",
         "QLoRA's NF4 weights split only by rows (torchao's NF4Tensor), and row-parallel layers "
-        "split columns",
+        "split columns; quantizing each rank's columns on its own would group NF4's "
+        "double-quantized scales otherwise than one process does, so the base would differ",
         "Use parallel.tp=1 with peft=qlora (FSDP and PP shard it), or peft=lora",
     )
     _require(
