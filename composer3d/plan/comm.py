@@ -390,7 +390,8 @@ def collectives(
     """Every collective of one step on a rank of this pipeline stage set but context parallel's
     (plan/context.py); ``ep_dispatch``: plan.ep_dispatch; ``reference_forward``:
     train.objective=dpo's reference model runs a forward every micro-batch (its gathers and TP's
-    forward collectives; dpo refuses pp, cp and mixtures of experts)."""
+    forward collectives; dpo refuses pp and mixtures of experts, and its reference's cp passes are
+    not counted: the search offers dpo no cp)."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
     units = stages.units(shape, c.tp, c.ep)
     return (

@@ -126,6 +126,10 @@ CP_MASKED_UNMEASURED = (
     "prints it as masked) and is priced as plan.attention_kernel's"
 )
 
+DPO_CP_UNPRICED = (
+    "train.objective=dpo's reference forward under cp: its compute is priced, its ring's passes "
+    "are not (the search offers DPO no cp)"
+)
 MUON_UNMEASURED = (
     "optim.name=muon's step is priced from its parts (Newton-Schulz's GEMMs at the GEMM rate over "
     "an even share of the matrices, its kernels' bytes counted from the code, its two "
@@ -339,15 +343,19 @@ def estimate(
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
         bubble_fraction=bubble_fraction(c),
         fits=priced.fits,
-        notes=_notes(shape, c, work.muon is not None),
+        notes=_notes(shape, c, work.muon is not None, reference),
     )
 
 
-def _notes(shape: ModelShape, c: Candidate, muon_step: bool = False) -> list[str]:
-    """What no measurement backs yet in this estimate."""
+def _notes(
+    shape: ModelShape, c: Candidate, muon_step: bool = False, reference: bool = False
+) -> list[str]:
+    """What no measurement backs yet in this estimate, and what it leaves out."""
     notes = [MOE_UNCALIBRATED] if shape.moe else []
     if c.cp > 1 and c.cp_style != "ring":
         notes.append(CP_MASKED_UNMEASURED.format(style=c.cp_style))
     if muon_step:
         notes.append(MUON_UNMEASURED)
+    if reference and c.cp > 1:
+        notes.append(DPO_CP_UNPRICED)
     return notes

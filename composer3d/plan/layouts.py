@@ -325,13 +325,15 @@ def _optimizer_runs(cfg: TrainConfig, zero_stage: int, tp: int) -> bool:
 
 
 def _objective_runs(cfg: TrainConfig, pp: int, cp: int) -> bool:
-    """Whether train.objective runs under these pipeline and context degrees (its own check:
-    dpo runs under neither yet)."""
+    """Whether train.objective runs under these pipeline and context degrees (its own check: dpo
+    not under pp yet), and is priced there: dpo's reference forward under cp (its ring passes) is
+    not, so the search offers DPO no cp."""
     try:
         check_objective_degrees(cfg.train, Layout(pp=pp, cp=cp))
     except ConfigError:
         return False
-    return True
+    runs_reference = cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
+    return not (cp > 1 and runs_reference)
 
 
 def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:

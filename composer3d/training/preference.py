@@ -24,7 +24,9 @@ import logging
 from functools import partial
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import all_reduce as differentiable_all_reduce
 
 from composer3d.config.schema import PreferenceConfig, TrainConfig
 from composer3d.data import max_pairs_per_row
@@ -49,12 +51,12 @@ METRICS = (
 )
 
 
-def pair_sums(values: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+def pair_sums(values: torch.Tensor, segment: torch.Tensor, cp: int = 1) -> torch.Tensor:
     """``values`` (rows, seq) summed per pair and side by ``segment``: (rows, slots, 2), a slot that
-    holds no pair 0. Its size is fixed by seq alone (``max_pairs_per_row``), not read from the
-    batch, which would cost a host sync."""
+    holds no pair 0. Its size is fixed by the whole row's length alone (``max_pairs_per_row``; a cp
+    rank holds 1/``cp`` of it), not read from the batch, which would cost a host sync."""
     rows, seq = segment.shape
-    slots = max_pairs_per_row(seq)
+    slots = max_pairs_per_row(seq * cp)
     index = torch.where(segment >= 0, segment, 2 * slots)  # elsewhere: a column dropped after
     sums = values.new_zeros(rows, 2 * slots + 1).scatter_add(1, index, values)
     return sums[:, :-1].view(rows, slots, 2)
@@ -65,19 +67,34 @@ def preference_loss(
     reference: torch.Tensor | None,
     segment: torch.Tensor,
     pref: PreferenceConfig,
+    cp_group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss summed over the pairs of these rows, and the metrics' sums over them (METRICS's
     order, detached). ``policy``, ``reference``: per-token log-probabilities of the targets (rows,
-    seq), 0 where no loss is taken; ``reference`` None for simpo."""
-    counts = pair_sums((segment >= 0).to(policy.dtype), segment)
+    seq), 0 where no loss is taken; ``reference`` None for simpo. Under context parallel
+    (``cp_group``) each rank holds a share of every row's tokens: the pairs' sums are completed over
+    the cp ranks (the policy's through autograd), every rank then has the whole pairs' losses, and
+    each returns 1/cp of the loss and the metrics, which the data-parallel reductions add up."""
+    cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+
+    def sums(values: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        local = pair_sums(values, segment, cp)
+        if cp == 1:
+            return local
+        if grad:  # its backward sums the ranks' gradients: each rank's share is then 1/cp
+            return differentiable_all_reduce(local, "sum", cp_group)
+        dist.all_reduce(local, group=cp_group)
+        return local
+
+    counts = sums((segment >= 0).to(policy.dtype))
     held = counts[..., CHOSEN] > 0  # a pair's completions have a token each at least
-    logps = pair_sums(policy, segment)
+    logps = sums(policy, grad=True)
     if pref.loss_type == "simpo":  # length-averaged, against no reference (CPOTrainer's)
         scores = logps / counts.clamp(min=1)
     else:  # the log-ratios to the reference
-        scores = logps - pair_sums(reference, segment)
+        scores = logps - sums(reference)
     chosen, rejected = scores[..., CHOSEN], scores[..., REJECTED]
-    loss = torch.where(held, _pair_losses(chosen, rejected, counts, pref), 0.0).sum()
+    loss = torch.where(held, _pair_losses(chosen, rejected, counts, pref), 0.0).sum() / cp
     with torch.no_grad():
         rewards = pref.beta * scores
         # logps/*: what the loss compares, as TRL logs it (simpo: CPOTrainer's averages)
@@ -92,8 +109,8 @@ def preference_loss(
                 shown[..., REJECTED],
             ]
         )
-        sums = torch.where(held, per_pair, 0.0).sum(dim=(1, 2))
-    return loss, sums
+        metrics = torch.where(held, per_pair, 0.0).sum(dim=(1, 2)) / cp
+    return loss, metrics
 
 
 def _pair_losses(
@@ -125,8 +142,12 @@ class PreferenceObjective:
         device: torch.device,
         policy: torch.nn.Module,
         compiled: bool,
+        context=None,
     ):
+        """``context``: the policy's ContextParallel under cp (the frozen copy attends by its
+        placement of the batch too)."""
         self.pref, self.compiled = cfg.preference, compiled
+        self.cp_group = mesh["cp"].get_group() if mesh.layout.cp > 1 else None
         self.sums = torch.zeros(len(METRICS), device=device)
         # the model giving the reference log-probabilities, and how to run it
         self.reference: torch.nn.Module | None = None
@@ -136,7 +157,7 @@ class PreferenceObjective:
         if self.pref.reference == "adapters_off":
             self.reference, self.reference_mode = policy, partial(adapters_off, policy)
         else:
-            self.reference = _frozen_copy(cfg, mesh, device)
+            self.reference = _frozen_copy(cfg, mesh, device, context)
 
     def loss(
         self,
@@ -152,7 +173,7 @@ class PreferenceObjective:
         logits = model(inputs, position_ids=positions)
         # the logits' gradient written over them: nothing else holds them
         policy = target_log_probs(logits, targets, compiled=self.compiled, in_place=True)
-        loss, sums = preference_loss(policy, reference, segment, self.pref)
+        loss, sums = preference_loss(policy, reference, segment, self.pref, self.cp_group)
         self.sums += sums
         return loss
 
@@ -172,10 +193,15 @@ class PreferenceObjective:
         return sums
 
 
-def _frozen_copy(cfg: TrainConfig, mesh: ParallelMesh, device: torch.device) -> torch.nn.Module:
+def _frozen_copy(
+    cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, context=None
+) -> torch.nn.Module:
     """The initial policy again, through the same assembly (the same sharding), frozen: from its
-    initial weights whether or not the policy resumes from a checkpoint."""
+    initial weights whether or not the policy resumes from a checkpoint. Under cp it attends by the
+    policy's ``context``, whose placement of each batch the trainer sets."""
     copy = build_parallel_model(cfg, mesh, device).model
+    if context is not None:
+        copy.use_context_parallel(context)
     copy.requires_grad_(False)
     copy.eval()
     log.info(

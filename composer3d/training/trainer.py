@@ -189,7 +189,7 @@ class Trainer:
         self.expert_load = _expert_load(cfg.train, self.model, mesh, device)
         # train.objective=dpo: the pairs' loss and its reference model
         self.preference = (
-            PreferenceObjective(cfg, mesh, device, self.model, self._compiled_loss)
+            PreferenceObjective(cfg, mesh, device, self.model, self._compiled_loss, built.context)
             if t.objective == "dpo"
             else None
         )
@@ -264,11 +264,12 @@ class Trainer:
         inputs, targets = batch.inputs, batch.targets
         documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
         positions = batch.position_ids if documents else None
+        segment = batch.segment
         if self.context is not None:
-            # one placement for the batch, every microbatch of it
+            # one placement for the batch, every microbatch of it (DPO's segments with its targets)
             self.context.place(positions, inputs.shape[1])
-            inputs, targets, positions = (
-                self.context.shard(t) for t in (inputs, targets, positions)
+            inputs, targets, positions, segment = (
+                self.context.shard(t) for t in (inputs, targets, positions, segment)
             )
         total = torch.zeros((), device=self.device)
         if self.pipeline is not None:
@@ -288,7 +289,7 @@ class Trainer:
             return total
         position_chunks, segment_chunks = (
             [None] * self.accumulation_steps if t is None else t.chunk(self.accumulation_steps)
-            for t in (positions, batch.segment)
+            for t in (positions, segment)
         )
         for i, (inp, tgt, pos, seg) in enumerate(
             zip(

@@ -112,14 +112,7 @@ def check_objective_degrees(train: Any, layout: Layout) -> None:
         "parallel.pp",
         "train.objective=dpo does not run under pipeline parallel yet (a pair's per-token "
         "metadata would ride in the schedule's target)",
-        "Use parallel.pp=1 (FSDP/HSDP, DDP, TP+SP)",
-    )
-    _require(
-        layout.cp == 1,
-        "parallel.cp",
-        "train.objective=dpo does not run under context parallel yet (a pair's sums would be "
-        "completed over the cp ranks)",
-        "Use parallel.cp=1 (FSDP/HSDP, DDP, TP+SP)",
+        "Use parallel.pp=1 (FSDP/HSDP, DDP, TP+SP, cp)",
     )
 
 
