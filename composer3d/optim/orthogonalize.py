@@ -79,6 +79,7 @@ class _Matrix:
     pieces: list[_Piece]  # every rank's, replicas included
     owner: int = -1
     senders: dict[Key, int] = field(default_factory=dict)  # each distinct piece's sending rank
+    mine: _Piece | None = None  # this rank's piece (None: it holds none)
 
 
 class Orthogonalizer:
@@ -151,6 +152,8 @@ class _GroupPlan:
             self.size, self.rank = 1, 0
         else:
             self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        for matrix in matrices:  # a rank holds one block of each parameter: one piece at most
+            matrix.mine = next((p for p in matrix.pieces if p.rank == self.rank), None)
         self._deal(steps)
         self.buckets: list[list[_Matrix]] = [[]]
         size = 0
@@ -211,7 +214,7 @@ class _GroupPlan:
         for bucket, scatter in zip(self.buckets, scatters):
             received = scatter.wait()
             for matrix in bucket:
-                piece = _piece_of(matrix, self.rank)
+                piece = matrix.mine
                 if piece is not None and matrix.owner != self.rank:
                     _store(results, matrix.param, piece, received[(id(matrix), piece.key)])
 
@@ -223,7 +226,7 @@ class _GroupPlan:
                 if sender == matrix.owner:
                     continue
                 if sender == self.rank:
-                    piece = _piece_of(matrix, self.rank)
+                    piece = matrix.mine
                     exchange.send(matrix.owner, _cut(updates[matrix.param], piece))
                 if matrix.owner == self.rank:
                     exchange.expect(sender, (id(matrix), key), _numel(key))
@@ -242,13 +245,13 @@ class _GroupPlan:
             for slot, matrix in zip(whole, matrices):
                 for key, sender in matrix.senders.items():
                     if sender == self.rank:
-                        block = _cut(updates[matrix.param], _piece_of(matrix, self.rank))
+                        block = _cut(updates[matrix.param], matrix.mine)
                     else:
                         block = received[(id(matrix), key)]
                     _region(slot, key).copy_(block.reshape(_region(slot, key).shape))
             for result, matrix in zip(newton_schulz(whole, steps, dtype), matrices):
                 orthogonal[id(matrix)] = result
-                piece = _piece_of(matrix, self.rank)
+                piece = matrix.mine
                 if piece is not None:
                     _store(results, matrix.param, piece, _region(result, piece.key))
         return orthogonal
@@ -263,7 +266,7 @@ class _GroupPlan:
                     if piece.rank != self.rank:
                         exchange.send(piece.rank, _region(orthogonal[id(matrix)], piece.key))
             else:
-                piece = _piece_of(matrix, self.rank)
+                piece = matrix.mine
                 if piece is not None:
                     exchange.expect(matrix.owner, (id(matrix), piece.key), piece.numel)
         return exchange.start(self.group)
@@ -417,10 +420,6 @@ def _flat_groups(meshes) -> dict:
         if ranks in mine:
             groups[ranks] = group
     return {mesh: groups[tuple(mesh.mesh.flatten().tolist())] for mesh in meshes}
-
-
-def _piece_of(matrix: _Matrix, rank: int) -> _Piece | None:
-    return next((p for p in matrix.pieces if p.rank == rank), None)
 
 
 def _cut(local: torch.Tensor, piece: _Piece) -> torch.Tensor:

@@ -166,10 +166,8 @@ def optimizer_step(
     peft: Peft | None,
     cluster: Cluster,
 ) -> tuple[float, float]:
-    """(elements this rank's AdamW steps, seconds of Muon's part of the step) on the device: none
-    under offload (the host steps; parallel.offload=cpu's Newton–Schulz there is not priced)."""
-    if c.offload != "none":
-        return 0.0, 0.0
+    """(elements this rank's AdamW steps, seconds of Muon's part of the step) on the device (Muon
+    runs with no offload: training refuses it)."""
     local, mine = stepped(stages.units(shape, c.tp, c.ep), c, peft, work.router)
     ns_bytes = work.ns_bytes(cluster)
     orthogonalize = orthogonalize_s(

@@ -42,7 +42,7 @@ def window_records(
     logits = [
         metrics["attention_logit_max"] for _, metrics in pending if "attention_logit_max" in metrics
     ]
-    maxima = torch.cat([peak, *(torch.stack(logits).double()[None] if logits else [])])
+    maxima = torch.cat([peak, torch.stack(logits).double()]) if logits else peak
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
     # on the host where the gradients are (parallel.offload=cpu): brought over for the one read-back
     norms = torch.stack([metrics["grad_norm"].float() for _, metrics in pending]).to(device)
