@@ -1615,24 +1615,30 @@ MUON_LAYOUTS = {
 }
 
 
-def _muon_split(overrides: list[str], ranks: int, ep: int = 1) -> tuple[int, int]:
-    """(elements Muon steps, elements AdamW steps) of a rank's FSDP shards over ``ranks`` (the
-    routed experts cut by ``ep`` first, then FSDP over what it leaves), from the model's own
-    parameters and Muon's own rule (optim/muon.py's ``muon_parameter``)."""
+def _muon_shapes(overrides: list[str]) -> list[tuple[torch.Size, bool]]:
+    """Each of the model's parameters' shape (built on meta) and whether Muon steps it, by Muon's
+    own rule (optim/muon.py's ``muon_parameter``) and the config's patterns."""
     from composer3d.models import build_model
     from composer3d.optim.muon import muon_parameter
 
     cfg = plan_config(*overrides)
     with torch.device("meta"):
         model = build_model(cfg.model)
+    patterns = list(cfg.optim.muon_adamw_params)
+    return [(p.shape, muon_parameter(n, p, patterns)) for n, p in model.named_parameters()]
+
+
+def _muon_split(overrides: list[str], ranks: int, ep: int = 1) -> tuple[int, int]:
+    """(elements Muon steps, elements AdamW steps) of a rank's FSDP shards over ``ranks`` (the
+    routed experts cut by ``ep`` first, then FSDP over what it leaves)."""
     split = [0, 0]
-    for name, p in model.named_parameters():
-        rows, rest = p.shape[0], math.prod(p.shape[1:])
-        if p.ndim == 3:  # [experts, out, in]
+    for shape, muon in _muon_shapes(overrides):
+        rows, rest = shape[0], math.prod(shape[1:])
+        if len(shape) == 3:  # [experts, out, in]
             local = math.ceil(rows // ep / (ranks // ep)) * rest
         else:
             local = math.ceil(rows / ranks) * rest
-        split[not muon_parameter(name, p, list(cfg.optim.muon_adamw_params))] += local
+        split[not muon] += local
     return split[0], split[1]
 
 
@@ -1686,9 +1692,6 @@ def test_a_muon_step_adds_newton_schulz_on_an_even_share_its_kernels_and_two_all
     the critical path, for its two all-to-alls over the 4 ranks in bf16: a rank sends 3/4 of its
     Muon elements in the gather (HSDP: each piece held twice is sent once, 1/2 − 1/4) and receives
     3/4 in the scatter (each result to every holder). Nothing else changes."""
-    from composer3d.models import build_model
-    from composer3d.optim.muon import muon_parameter
-
     layouts = {
         "fsdp4": (["parallel.dp_shard=4"], 4, 1 - 1 / 4),
         "hsdp2x2": (["parallel.dp_replicate=2", "parallel.dp_shard=2"], 2, 1 / 2 - 1 / 4),
@@ -1696,14 +1699,7 @@ def test_a_muon_step_adds_newton_schulz_on_an_even_share_its_kernels_and_two_all
     layout, shards, gathered = layouts[parallel]
     adamw, cluster = planned(*MUON_STEP, *layout)
     muon = planned(*MUON_STEP, *layout, *MUON)[0]
-    cfg = plan_config(*MUON_STEP, *MUON)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    matrices = [
-        p.shape
-        for name, p in model.named_parameters()
-        if muon_parameter(name, p, list(cfg.optim.muon_adamw_params))
-    ]
+    matrices = [shape for shape, muon in _muon_shapes([*MUON_STEP, *MUON]) if muon]
     assert len(matrices) == 28 and all(len(s) == 2 for s in matrices)
     times = [_newton_schulz_s(*s, cluster) for s in matrices]
     share = sum(times) / 4
@@ -1746,18 +1742,8 @@ def test_muons_routed_experts_stay_with_a_rank_holding_two_of_each():
     each rank holds two experts of each stacked parameter, and optim/orthogonalize.py's dealing
     leaves them with it (a rank takes two before its load is a matrix ahead), so only the attention
     and shared-expert matrices travel: 3/4 of each rank's shards there and back, in bf16."""
-    from composer3d.models import build_model
-    from composer3d.optim.muon import muon_parameter
-
     overrides = [*MOE, *BATCH, "cluster.device=h100", "parallel.ep=2", *MUON]
-    cfg = plan_config(*overrides)
-    with torch.device("meta"):
-        model = build_model(cfg.model)
-    muon = [
-        p.shape
-        for name, p in model.named_parameters()
-        if muon_parameter(name, p, list(cfg.optim.muon_adamw_params))
-    ]
+    muon = [shape for shape, stepped in _muon_shapes(overrides) if stepped]
     dense = sum(math.prod(s) for s in muon if len(s) == 2)
     experts = sum(math.prod(s) for s in muon if len(s) == 3)
     assert dense and experts
