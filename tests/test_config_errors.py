@@ -667,6 +667,18 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
             "parallel.zero_stage",
             "Use parallel.zero_stage=2 or 3 for a tied model under parallel.pp",
         ),
+        (
+            2,
+            [
+                "parallel.pp=2",
+                "parallel.pp_schedule=zbv",
+                "model.n_layers=4",
+                "train.eval_every=5",
+                "eval.path=held_out.txt",
+            ],
+            "train.eval_every",
+            "forward only, which torch's zbv cannot",
+        ),
         (1, ["eval.num_fewshot=-2"], "eval.num_fewshot", "Use -1 for each task's own default"),
         (1, ["eval.limit=-1"], "eval.limit", "Use 0 for every document"),
         # composer3d-generate's decoding keys

@@ -786,25 +786,26 @@ def test_a_dpo_reference_gathers_its_blocks_again_under_zero3_and_reruns_tps_for
 
 
 def test_the_search_leaves_out_the_layouts_dpo_refuses():
-    """train.objective=dpo does not run under pipeline or context parallel yet (its checks): the
-    search (composer3d-plan, parallel=auto) weighs none of those layouts, as it leaves out others
-    training refuses; what dpo refuses under every layout (a mixture of experts) refuses the plan,
-    in one line naming the key; what fits tiles no loss (refused with dpo), only the MLP."""
-    from composer3d.errors import ConfigError
+    """For train.objective=dpo the search (composer3d-plan, parallel=auto) weighs pipeline layouts
+    but no V-shaped schedule (torch runs none forward only, as the reference runs: training refuses
+    them; SimPO has no reference and gets them), and no cp (the reference's ring passes are not
+    priced); a mixture of experts plans; what fits tiles no loss (refused with dpo), only the
+    MLP."""
+    from composer3d.parallel.pipeline.schedules import V_SHAPED
     from composer3d.plan.fits import Options, with_options
     from composer3d.plan.layouts import enumerate_candidates
     from composer3d.plan.validation import validate_plan
 
-    def degrees(*overrides: str) -> set[tuple[int, int]]:
-        found = enumerate_candidates(plan_config(*DPO_LAYOUT, *overrides), 8, 8)
-        return {(c.pp, c.cp) for c in found}
+    def found(*overrides: str) -> list:
+        return enumerate_candidates(plan_config(*DPO_LAYOUT, *overrides), 8, 8)
 
-    assert degrees(*DPO) == {(1, 1)}
-    assert {(2, 1), (1, 2)} <= degrees()  # SFT's search weighs them
-    with pytest.raises(ConfigError) as refused:
-        validate_plan(plan_config(*DPO, "model=tiny_moe"))
-    assert str(refused.value).startswith("train.objective: ") and "mixture" in str(refused.value)
-    validate_plan(plan_config(*DPO))  # a dense model plans
+    dpo, sft, simpo = found(*DPO), found(), found(*DPO, "preference.loss_type=simpo")
+    assert {c.cp for c in dpo} == {1} and {2, 4, 8} <= {c.pp for c in dpo}
+    assert {(2, 1), (1, 2)} <= {(c.pp, c.cp) for c in sft}
+    schedules = [{c.pp_schedule for c in run if c.pp > 1} for run in (dpo, sft, simpo)]
+    assert not schedules[0] & set(V_SHAPED)
+    assert set(V_SHAPED) <= schedules[1] and set(V_SHAPED) <= schedules[2]
+    validate_plan(plan_config(*DPO, "model=tiny_moe"))
     c = planned(*DPO_LAYOUT, *DPO)[0].candidate
     tiled = Options("full", True, False, "none")
     assert (
@@ -812,6 +813,39 @@ def test_the_search_leaves_out_the_layouts_dpo_refuses():
         with_options(c, tiled, 8192).tile_loss,
     ) == (4, 4)
     assert with_options(c, tiled, 8192, "dpo").tile_loss == 0
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_zero_bubble"])
+def test_a_dpo_reference_under_pp_sends_its_forward_and_idles_its_own_ramps(schedule):
+    """Under PP the reference runs every micro-batch forward before the policy's step: each stage
+    but the last sends its outputs once more a micro-batch (gradients as without);
+    that pass's ramps hold no backward to fill them, so its compute idles the whole (P−1)/(v·M)
+    where a zero-bubble schedule leaves a third of it to the policy's."""
+    layout = [
+        *DPO_LAYOUT[:-1],
+        "parallel.pp=2",
+        "parallel.dp_shard=4",
+        f"parallel.pp_schedule={schedule}",
+    ]
+    (sft, _), (dpo, _) = planned(*layout), planned(*layout, *DPO)
+
+    def sends(e) -> list[float]:
+        return [sum(x.bytes for x in cols if x.dim == "pp") for cols in e.collectives_per_pp_rank]
+
+    c = dpo.candidate
+    act = 4096 * 4096 * 2  # a micro-batch's hidden states: one sequence of 4096 × 4096 in bf16
+    # each of a rank's v stages sends forward but the last stage (on the last rank)
+    forward = [c.stages_per_rank, c.stages_per_rank - 1]
+    more = [d - s for d, s in zip(sends(dpo), sends(sft))]
+    assert more == [c.microbatches * act * f for f in forward] and min(sends(sft)) > 0
+    ramp = (c.pp - 1) / (c.stages_per_rank * c.microbatches)
+    policy_share = ramp / 3 if schedule == "interleaved_zero_bubble" else ramp
+    assert sft.bubble_s == pytest.approx(sft.compute_s * policy_share, rel=1e-12)
+    reference = dpo.compute_s - sft.compute_s  # its forward-only pass
+    assert reference > 0.2 * sft.compute_s
+    expected = sft.compute_s * policy_share + reference * ramp
+    assert dpo.bubble_s == pytest.approx(expected, rel=1e-9)
+    assert dpo.bubble_fraction == pytest.approx(expected / (dpo.compute_s + expected), rel=1e-9)
 
 
 def _dpo_rank(tmp_path: Path, *layout: str):
@@ -872,14 +906,18 @@ def test_a_dpo_rank_measured_here_meets_the_planner_with_its_reference_copy(tmp_
     [
         ["parallel.dp_shard=2"],
         ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
+        ["parallel.dp_shard=1", "parallel.pp=2"],
     ],
-    ids=["fsdp", "tp2_sp"],
+    ids=["fsdp", "tp2_sp", "pp2"],
 )
 def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
-    """A DPO step's all-gathers and reduce-scatters on rank 0 of 2 (in this process, torch's fake
-    backend: every collective dispatched is counted, as the measurements above count them) are the
-    planner's within 2%: under ZeRO-3 the copy's blocks gathered once more a micro-batch, its root
-    not again; under TP + SP its forward's gathers and reduce-scatters (measured to the byte)."""
+    """A DPO step's all-gathers, reduce-scatters and pipeline sends on rank 0 of 2 (in this
+    process, torch's fake backend: every collective dispatched is counted, as the measurements above
+    count them) are the planner's within 2%: under ZeRO-3 the copy's blocks gathered once more a
+    micro-batch, its root not again; under TP + SP its forward's gathers and reduce-scatters
+    (measured to the byte); under PP the first stage's outputs sent for the reference's pass and the
+    policy's (its stages built with their boundary's shapes, as plan.measure builds them: no other
+    stage answers here)."""
     import torch.distributed as dist
     from plan_measure import CollectiveBytes
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -896,7 +934,8 @@ def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
     try:
         t = cfg.train
         sequences = build_sequences(cfg.data, cfg.model.vocab_size, t.seq_len, t.seed, cfg.model)
-        trainer = Trainer(cfg, ParallelMesh(resolved, device.type), device, sequences)
+        mesh = ParallelMesh(resolved, device.type)
+        trainer = Trainer(cfg, mesh, device, sequences, static_pipeline=resolved.pp > 1)
         trainer.train_step()  # the first: what the copy's forward keeps gathered is gathered here
         trainer.zero_grad()
         comms = CollectiveBytes()
@@ -906,11 +945,12 @@ def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
     finally:
         dist.destroy_process_group()
     want: dict[str, float] = {}
-    for col in e.collectives:
+    for col in e.collectives_per_pp_rank[0]:  # rank 0's: the first stage
         key = f"{col.kind}/{col.group_size}"
         want[key] = want.get(key, 0.0) + col.bytes
-    for key in ("all_gather/2", "reduce_scatter/2"):
+    for key in [k for k in ("all_gather/2", "reduce_scatter/2", "send/2") if k in want]:
         assert _rel(comms.bytes[key], want[key]) < 0.02, (key, comms.bytes, want)
+    assert ("send/2" in want) == ("parallel.pp=2" in layout), want
 
 
 def _plan(*overrides: str, cli: bool = False) -> subprocess.CompletedProcess:

@@ -39,6 +39,7 @@ from composer3d.data import (
 )
 from composer3d.data.preference import Pair
 from composer3d.errors import ConfigError
+from composer3d.models.moe import routing_counters
 from composer3d.training.flops import embedding_params
 from composer3d.training.loss import target_log_probs
 from composer3d.training.preference import METRICS, pair_sums, preference_loss
@@ -79,13 +80,12 @@ def trl():
     return pytest.importorskip("trl")
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    """A tiny Llama (the reference) and the same perturbed (the policy), each with the tokenizer."""
+def _policy_and_reference(root: Path, model_type: str) -> dict[str, Path]:
+    """A tiny ``model_type`` (the reference) and the same perturbed (the policy), each with the
+    tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    root = tmp_path_factory.mktemp("dpo_models")
-    reference = make_model(root / "reference", "llama", num_hidden_layers=2)
+    reference = make_model(root / "reference", model_type, num_hidden_layers=2)
     policy = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -94,6 +94,17 @@ def models(tmp_path_factory) -> dict[str, Path]:
     policy.save_pretrained(root / "policy", safe_serialization=True)
     AutoTokenizer.from_pretrained(reference).save_pretrained(root / "policy")
     return {"reference": reference, "policy": root / "policy"}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    return _policy_and_reference(tmp_path_factory.mktemp("dpo_models"), "llama")
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, Path]:
+    """Qwen3-MoE: transformers' routed experts (its router loss off, as config.json has it)."""
+    return _policy_and_reference(tmp_path_factory.mktemp("dpo_moe_models"), "qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -345,6 +356,16 @@ def _assert_same(ours, theirs, what: str) -> None:
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_loss_gradients_and_metrics_equal_trls_dpo(trl, compose_cfg, models, pairs_file, loss_type):
+    _assert_equals_trls_dpo(compose_cfg, models, pairs_file, loss_type)
+
+
+def test_a_mixture_of_experts_equals_trls_dpo(trl, compose_cfg, moe_models, pairs_file):
+    """transformers' routed experts (Qwen3-MoE) through composer3d's DPO, experts' gradients
+    included."""
+    _assert_equals_trls_dpo(compose_cfg, moe_models, pairs_file, "sigmoid")
+
+
+def _assert_equals_trls_dpo(compose_cfg, models, pairs_file, loss_type: str) -> None:
     beta = 0.5
     *ours, pairs = _composer3d_dpo(
         compose_cfg,
@@ -423,7 +444,9 @@ def _trainer(cfg, from_checkpoint: bool = False):
     from composer3d.training.trainer import Trainer
 
     layout = validate(cfg, 1)
-    sequences = build_sequences(cfg.data, cfg.model.vocab_size, SEQ, cfg.train.seed, cfg.model)
+    sequences = build_sequences(
+        cfg.data, cfg.model.vocab_size, cfg.train.seq_len, cfg.train.seed, cfg.model
+    )
     mesh, cpu = ParallelMesh(layout, "cpu"), torch.device("cpu")
     return Trainer(cfg, mesh, cpu, sequences, from_checkpoint=from_checkpoint), sequences
 
@@ -575,6 +598,46 @@ def test_lora_adapters_off_is_the_base_model(compose_cfg, models, pairs_file, on
     assert (policy[held].flatten() - theirs).abs().max() > 1e-3, "the adapters changed nothing"
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["peft=lora", "preference.reference=adapters_off", "model.moe.bias_update_rate=0"]],
+    ids=["copy", "adapters_off"],
+)
+def test_a_mixture_of_experts_counts_and_balances_by_the_policys_routing(
+    compose_cfg, pairs_file, one_process_group, extra
+):
+    """The reference's forwards route tokens too, but only the policy's count: the step's load is
+    every token's top_k choices once per MoE layer, the auxiliary loss trains the policy's router
+    (a full run) and the balancing bias moves; the frozen copy's stays as it started."""
+    cfg = compose_cfg(
+        "model=tiny_moe",
+        "data=preference",
+        f"data.paths=[{pairs_file}]",
+        "train.objective=dpo",
+        "train.seq_len=192",  # the tiny model's tokenizer spends more tokens a pair
+        "precision.param_dtype=float32",
+        "launch.device=cpu",
+        *STEPS,
+        *extra,
+    )
+    trainer, _ = _trainer(cfg)
+    try:
+        trainer.train_step()
+        load = trainer.expert_load
+        routed = load.window.sum(-1)
+        assert routed.tolist() == [4 * 192 * cfg.model.moe.top_k] * len(load.layers)
+        if trainer.preference.reference is trainer.model:  # LoRA: the router is frozen
+            return
+        routers = [layer.gate.weight for layer in load.layers]
+        assert all(r.grad is not None and r.grad.abs().max() > 0 for r in routers)
+        bias = [layer.expert_bias for layer in load.layers]
+        assert all(b.abs().max() > 0 for b in bias), "the balancing bias moved"
+        copy = [m.expert_bias for m in routing_counters(trainer.preference.reference)]
+        assert len(copy) == len(bias) and all(not b.any() for b in copy)
+    finally:
+        trainer.close()
+
+
 # ------------------------------------------------------------------------------- refusals
 
 
@@ -603,11 +666,23 @@ REFUSALS = [
         "modules_to_save",
     ),
     ("off_init", [*LORA_OFF, "peft.init_from={adapter}"], 1, "preference.reference", "init_from"),
-    ("pp", [*DPO, "parallel.pp=2", "parallel.dp_shard=1"], 2, "parallel.pp", "pipeline"),
+    (
+        "pp_v_shaped",
+        [*DPO, "parallel.pp=2", "parallel.pp_schedule=dualpipev", "model.n_layers=4"],
+        2,
+        "parallel.pp_schedule",
+        "forward only, which torch's dualpipev cannot",
+    ),
     ("fused", [*DPO, "train.loss_impl=fused"], 1, "train.loss_impl", "fused"),
     ("tile_loss", [*DPO, "memory.tile_loss=2"], 1, "memory.tile_loss", "tiles"),
     ("compile", [*DPO, "compile.enabled=true"], 1, "compile.enabled", "compiled"),
-    ("moe", [*DPO, "model=tiny_moe"], 1, "train.objective", "mixture-of-experts"),
+    (
+        "off_moe_bias",
+        [*DPO[:3], "model=tiny_moe", *LORA_OFF[4:]],
+        1,
+        "preference.reference",
+        "model.moe.bias_update_rate=0",
+    ),
     ("unmasked", [*DPO, "data.document_masking=false"], 1, "data.document_masking", "attend"),
     ("prepared", [*DPO, "data.prepared=/corpus"], 1, "data.prepared", "composer3d-prepare"),
 ]
@@ -684,13 +759,13 @@ def test_resuming_a_checkpoint_of_another_objective_is_refused(compose_cfg):
 # ------------------------------------------------------------------------------- the layouts
 
 
-def test_dpo_follows_one_process_under_fsdp_tp_and_with_lora_adapters_off(tmp_path):
-    """Full DPO (a frozen copy as the reference) under FSDP, TP + SP and cp, and LoRA DPO against
-    its base (adapters off) under FSDP, each on the one-process curve over 10 steps; the metrics
-    too."""
+def test_dpo_follows_one_process_under_every_layout(tmp_path):
+    """Full DPO (a frozen copy as the reference) under FSDP, TP + SP, cp and PP, LoRA DPO against
+    its base (adapters off) under FSDP and PP, and a mixture of experts under EP × FSDP, each on the
+    one-process curve over 10 steps; the metrics too."""
     pairs = _write_pairs(tmp_path / "pairs.jsonl", 80)
     common = [
-        *(o for o in FAST if not o.startswith("train.seq_len")),
+        *(o for o in FAST if not o.startswith(("train.seq_len", "model="))),
         "data=preference",
         f"data.paths=[{pairs}]",
         "train.objective=dpo",
@@ -701,34 +776,55 @@ def test_dpo_follows_one_process_under_fsdp_tp_and_with_lora_adapters_off(tmp_pa
         "optim.lr=3e-3",
         "optim.warmup_steps=2",
     ]
-    full = [*common, "preference.beta=0.5"]
-    lora = [*common, "peft=lora", "optim.lr=1e-2", "preference.reference=adapters_off"]
-    one = train_in_one_group([(tmp_path / "one_full", full), (tmp_path / "one_lora", lora)], 1)
-    two = train_in_one_group(
-        [
-            (tmp_path / "fsdp_full", [*full, "parallel.dp_shard=2"]),
-            (
-                tmp_path / "tp_full",
-                [*full, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"],
+    full = ["model=tiny", *common, "preference.beta=0.5"]
+    lora = [
+        "model=tiny",
+        *common,
+        "peft=lora",
+        "optim.lr=1e-2",
+        "preference.reference=adapters_off",
+    ]
+    moe = ["model=tiny_moe", *common, "preference.beta=0.5"]
+    one = dict(
+        zip(
+            ("full", "lora", "moe"),
+            train_in_one_group(
+                [
+                    (tmp_path / f"one_{name}", o)
+                    for name, o in (("full", full), ("lora", lora), ("moe", moe))
+                ],
+                1,
             ),
-            (tmp_path / "fsdp_lora", [*lora, "parallel.dp_shard=2"]),
-            # each rank a share of every row's tokens: a pair's sums completed over cp
-            (tmp_path / "cp_full", [*full, "parallel.cp=2", "parallel.dp_shard=1"]),
-        ],
-        2,
+        )
     )
-    pairs_of = ((one[0], two[0]), (one[0], two[1]), (one[1], two[2]), (one[0], two[3]))
-    for reference, run in pairs_of:
-        assert_follows(reference, run, run.run_dir.name)
+    pp = ["parallel.pp=2", "parallel.dp_shard=1"]
+    layouts = {
+        "fsdp_full": ("full", [*full, "parallel.dp_shard=2"]),
+        "tp_full": (
+            "full",
+            [*full, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp_shard=1"],
+        ),
+        "fsdp_lora": ("lora", [*lora, "parallel.dp_shard=2"]),
+        # each rank a share of every row's tokens: a pair's sums completed over cp
+        "cp_full": ("full", [*full, "parallel.cp=2", "parallel.dp_shard=1"]),
+        # the reference's pipeline forward first, then the policy's step: the copy's stages, or
+        # the policy's own with the adapters off
+        "pp_full": ("full", [*full, *pp]),
+        "pp_lora": ("lora", [*lora, *pp, "parallel.pp_schedule=gpipe"]),
+        "ep_moe": ("moe", [*moe, "parallel.dp_shard=2", "parallel.ep=2"]),
+    }
+    runs = train_in_one_group(
+        [(tmp_path / name, overrides) for name, (_, overrides) in layouts.items()], 2
+    )
+    for run, (name, (of, _)) in zip(runs, layouts.items()):
+        reference = one[of]
+        assert_follows(reference, run, name)
         # cp's attention merges the ring's blocks in another order: each token's log-probability
         # moves by about 1e-6 of itself, and a completion's sum of a hundred of them (-113) by
         # 2e-4, so there the metrics are held to 1e-4 of their size
-        scale = (lambda v: max(1.0, abs(v))) if "cp" in run.run_dir.name else (lambda v: 1.0)
+        scale = (lambda v: max(1.0, abs(v))) if name.startswith("cp") else (lambda v: 1.0)
         for a, b in zip(reference.metrics, run.metrics):
-            assert all(abs(a[k] - b[k]) < 1e-4 * scale(a[k]) for k in METRICS), (
-                run.run_dir.name,
-                a,
-                b,
-            )
-    assert one[0].losses[-1] < one[0].losses[0] - 1e-3, "DPO moved the loss"
-    assert one[1].metrics[-1]["rewards/margins"] != 0, "the adapters moved off their base"
+            assert all(abs(a[k] - b[k]) < 1e-4 * scale(a[k]) for k in METRICS), (name, a, b)
+    assert one["full"].losses[-1] < one["full"].losses[0] - 1e-3, "DPO moved the loss"
+    assert one["lora"].metrics[-1]["rewards/margins"] != 0, "the adapters moved off their base"
+    assert one["moe"].losses[-1] < one["moe"].losses[0] - 1e-3, "DPO moved the MoE's loss"

@@ -9,6 +9,10 @@ DualPipeV). Measured with equal forward, input- and weight-gradient chunks at P=
 (tests/plan_measure.py's timing), torch's schedules leave 1.0–2.6× that (interleaved zero bubble
 1.4–1.9×, ZBV 1.0–1.5×, DualPipeV 2.2–2.6×): for them the bubble predicted is optimistic, and the
 report says so.
+
+The DPO reference's forward-only pass (train.objective=dpo under PP) runs every micro-batch's
+forward before the policy's step: its ramps hold no backward work to fill them, so its share of the
+compute idles the full (P−1)/(v·M) under every schedule.
 """
 
 from __future__ import annotations
@@ -24,10 +28,13 @@ def bubble_ratio(c: Candidate) -> float:
     return ratio / 3 if c.pp_schedule in ZERO_BUBBLE else ratio
 
 
-def bubble_fraction(c: Candidate) -> float:
-    """Idle share of the step's time: bubble / (compute + bubble)."""
-    r = bubble_ratio(c)
-    return r / (1 + r)
+def bubble_seconds(c: Candidate, compute_s: float, forward_only_s: float = 0.0) -> float:
+    """The idle time of a pipeline rank computing ``compute_s`` a step, ``forward_only_s`` of it in
+    a forward-only pass (the DPO reference's)."""
+    if c.pp == 1:
+        return 0.0
+    ramp = (c.pp - 1) / (c.stages_per_rank * c.microbatches)
+    return (compute_s - forward_only_s) * bubble_ratio(c) + forward_only_s * ramp
 
 
 def microbatches_in_flight(c: Candidate, pp_rank: int) -> float:

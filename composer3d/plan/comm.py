@@ -329,18 +329,19 @@ def expert_parallel(
     seq_len: int,
     compute_bytes: int,
     dispatch: str = "all_to_all",
+    reference_forward: bool = False,
 ) -> list[Collective]:
     """Each MoE layer sends every routed copy of its tokens to the rank holding its expert and back
     (two all-to-alls in forward, two in backward, after one of the per-expert counts); full
-    checkpointing reruns forward's. A rank's share depends on the routing: the group's mean is
-    exact."""
+    checkpointing reruns forward's, and so does the DPO reference's forward. A rank's share depends
+    on the routing: the group's mean is exact."""
     if c.ep == 1 or not stages.moe_layers:
         return []
     rows = c.micro_batch_size * seq_len * shape.moe.top_k * c.microbatches  # per step
     layers = stages.moe_layers
     rerun = {"full": layers, "selective": layers / c.ac_every if c.ac_every else 0}.get(
         c.activation_checkpointing, 0
-    )
+    ) + (layers if reference_forward else 0)
     counts = shape.moe.experts * 8 * c.microbatches  # int64
     nbytes = (4 * layers + 2 * rerun) * rows * shape.dim * compute_bytes + (layers + rerun) * counts
     routing = (shape.moe.experts, shape.moe.top_k) if dispatch == "per_node" else None
@@ -348,8 +349,15 @@ def expert_parallel(
 
 
 def pipeline(
-    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    compute_bytes: int,
+    reference_forward: bool = False,
 ) -> list[Collective]:
+    """Each stage's output forward and its input's gradient back, a micro-batch; the DPO
+    reference's forward-only pass sends the outputs once more."""
     if c.pp == 1:
         return []
     act = (
@@ -359,7 +367,9 @@ def pipeline(
         * compute_bytes
         / (c.tp if c.sequence_parallel else 1)
     )
-    sends = c.microbatches * (2 * len(stages.layers) - int(stages.first) - int(stages.last))
+    forward = len(stages.layers) - int(stages.last)
+    backward = len(stages.layers) - int(stages.first)
+    sends = c.microbatches * ((2 if reference_forward else 1) * forward + backward)
     out = [Collective("pp", "send", c.pp, sends * act, False)]
     if shape.tied and stages.first != stages.last:
         # A tied embedding and its twin head (parallel.tied): their fp32 gradient shards summed once
@@ -389,16 +399,16 @@ def collectives(
 ) -> list[Collective]:
     """Every collective of one step on a rank of this pipeline stage set but context parallel's
     (plan/context.py); ``ep_dispatch``: plan.ep_dispatch; ``reference_forward``:
-    train.objective=dpo's reference model runs a forward every micro-batch (its gathers and TP's
-    forward collectives; dpo refuses pp and mixtures of experts, and its reference's cp passes are
-    not counted: the search offers dpo no cp)."""
+    train.objective=dpo's reference model runs a forward every micro-batch (its gathers, TP's
+    forward collectives, its experts' all-to-alls and the pipeline's sends; its cp passes are not
+    counted: the search offers dpo no cp)."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
     units = stages.units(shape, c.tp, c.ep)
     return (
         data_parallel(units, c, compute_bytes, reduce_bytes, reference_forward)
         + tensor_parallel(shape, c, stages, held, compute_bytes, reference_forward)
-        + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch)
-        + pipeline(shape, c, stages, held, compute_bytes)
+        + expert_parallel(shape, c, stages, held, compute_bytes, ep_dispatch, reference_forward)
+        + pipeline(shape, c, stages, held, compute_bytes, reference_forward)
     )
 
 

@@ -13,8 +13,9 @@ traffic as plan/context.py says (the ring's K/V passes hide behind the attention
 the memory options' host step and copies (``host``) as plan/host.py says. A layout fits when the
 busiest rank's device memory and its node's host memory hold it. train.objective=dpo's reference
 model is charged where it runs: a frozen copy's parameters in memory, its forward in compute, its
-gathers and TP's forward collectives in communication, its forward's FLOPs in TFLOP/s (as training
-counts them).
+gathers, TP's forward collectives, its experts' all-to-alls and the pipeline's sends in
+communication, under PP its forward-only pass's own bubble (plan/bubble.py), its forward's FLOPs in
+TFLOP/s (as training counts them).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from composer3d.config.schema import TrainConfig
 from composer3d.dtypes import DTYPES
 from composer3d.peft.planning import Peft
 from composer3d.plan import comm, context
-from composer3d.plan.bubble import bubble_fraction, bubble_ratio
+from composer3d.plan.bubble import bubble_seconds
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.host import host_fits, host_seconds
 from composer3d.plan.kernels import Work, step_compute
@@ -297,7 +298,15 @@ def estimate(
         for s, (adamw, muon_s) in zip(sets, steps)
     ]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
-    bubble = compute[busiest] * bubble_ratio(c)
+    # under PP the DPO reference runs as a forward-only pass of its own: its bubble is unfilled
+    forward_only = 0.0
+    if reference and c.pp > 1:
+        adamw, muon_s = steps[busiest]
+        s = sets[busiest]
+        forward_only = compute[busiest] - (
+            step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, False, muon_s).total
+        )
+    bubble = bubble_seconds(c, compute[busiest], forward_only)
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
     for i, rank_cols in enumerate(cols):
         mine = _exposed_comm(
@@ -341,7 +350,7 @@ def estimate(
         tokens_per_s_per_gpu=tokens_per_step / world / step,
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
-        bubble_fraction=bubble_fraction(c),
+        bubble_fraction=bubble / (compute[busiest] + bubble),
         fits=priced.fits,
         notes=_notes(shape, c, work.muon is not None, reference),
     )

@@ -5,7 +5,7 @@ The knobs: degrees (pp, dp_replicate, dp_shard, cp and its style, tp; ep for mix
 models), ZeRO stage, sequence parallel, pipeline schedule and stages per rank, micro-batch size
 (hence micro-batches per step), activation checkpointing. The global batch and sequence length are
 the run's (training hyperparameters, not layout). Validity follows config/checks/ (layout.py,
-training.py for batches and activation checkpointing, preference.py for the degrees
+training.py for batches and activation checkpointing, preference.py for the schedules
 train.objective=dpo runs under); the chosen layouts are run through ``validate`` itself before they
 are used (``apply_to_config``). The optimizer's own check (config/checks/training.py) is asked of
 each ZeRO stage and tp: a low-bit AdamW refuses ZeRO-1, optim.name=muon ZeRO-1 under TP.
@@ -20,7 +20,7 @@ from typing import Any
 
 from composer3d.config.checks import _check_optimizer, pipeline_microbatches, resolve_degrees
 from composer3d.config.checks.layout import check_context_parallel
-from composer3d.config.checks.preference import check_objective_degrees
+from composer3d.config.checks.preference import runs_reference
 from composer3d.config.schema import TrainConfig
 from composer3d.errors import ConfigError
 from composer3d.memory.activation_checkpointing import blocks_all_gather
@@ -251,7 +251,10 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
         offload_dir=bool(p.offload_dir),
         activation_offload=cfg.memory.activation_offload,
     )
-    compiled, tied = cfg.compile.enabled, m.tie_embeddings
+    compiled = cfg.compile.enabled
+    # refused by checks: a V-shaped schedule runs its embedding and its head twin on one rank (a
+    # tied model), and runs nothing forward only (evaluation, the DPO reference)
+    no_v_shaped = m.tie_embeddings or t.eval_every > 0 or runs_reference(cfg)
     optimizer_runs = cache(lambda zero, tp: _optimizer_runs(cfg, zero, tp))
     found = []
     for tp in _tp_degrees(cfg, world_size, gpus_per_node):
@@ -260,7 +263,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
             for pp in _divisors(world_size // tp)
             for cp in _divisors(world_size // tp // pp)
         ):
-            if pp > n_layers or not _objective_runs(cfg, pp, cp):
+            if pp > n_layers or not _objective_runs(cfg, cp):
                 continue
             dp = world_size // (tp * pp * cp)
             sizes = micro_batch_sizes(global_batch, dp)
@@ -298,7 +301,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                                 cp_style=style,
                                 **carried,
                             )
-                            found += _with_schedules_and_ac(base, n_layers, compiled, tied)
+                            found += _with_schedules_and_ac(base, n_layers, compiled, no_v_shaped)
     return found
 
 
@@ -324,16 +327,10 @@ def _optimizer_runs(cfg: TrainConfig, zero_stage: int, tp: int) -> bool:
     return True
 
 
-def _objective_runs(cfg: TrainConfig, pp: int, cp: int) -> bool:
-    """Whether train.objective runs under these pipeline and context degrees (its own check: dpo
-    not under pp yet), and is priced there: dpo's reference forward under cp (its ring passes) is
-    not, so the search offers DPO no cp."""
-    try:
-        check_objective_degrees(cfg.train, Layout(pp=pp, cp=cp))
-    except ConfigError:
-        return False
-    runs_reference = cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
-    return not (cp > 1 and runs_reference)
+def _objective_runs(cfg: TrainConfig, cp: int) -> bool:
+    """Whether train.objective is priced under this context degree: dpo's reference forward under
+    cp (its ring passes) is not, so the search offers DPO no cp."""
+    return not (cp > 1 and runs_reference(cfg))
 
 
 def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:
@@ -388,12 +385,12 @@ def _zero_stages_and_ep(dp_replicate: int, dp_shard: int, experts: int) -> list[
 
 
 def _with_schedules_and_ac(
-    base: Candidate, n_layers: int, compiled: bool, tied: bool
+    base: Candidate, n_layers: int, compiled: bool, no_v_shaped: bool
 ) -> list[Candidate]:
     out = []
-    # refused by checks for a tied model: a V-shaped schedule runs its embedding and its head twin
-    # on one rank
-    schedules = [s for s in SCHEDULES if not (tied and s in V_SHAPED)] if base.pp > 1 else ("1f1b",)
+    schedules = (
+        [s for s in SCHEDULES if not (no_v_shaped and s in V_SHAPED)] if base.pp > 1 else ("1f1b",)
+    )
     for schedule in schedules:
         v = default_stages_per_rank(schedule) if base.pp > 1 else 1
         if base.pp > 1 and (

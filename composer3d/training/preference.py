@@ -15,12 +15,21 @@ The reference: a frozen copy of the initial policy, built and parallelized as th
 gradients, no optimizer state; a resumed run rebuilds it from the initial weights, never from the
 checkpoint), or under LoRA the policy with its adapters switched off (``peft.lora.adapters_off``).
 SimPO has none.
+
+Under pipeline parallel a micro-batch's loss is computed on the last stage, from what the schedule
+hands it: its logits and its share of the schedule's target. The target is the batch's row numbers,
+so the loss looks up its rows' targets, segments and reference log-probabilities (rows hold whole
+pairs: a pair's chosen and rejected meet there). The reference runs first, forward only, through a
+schedule of its own stages (the copy's; under adapters_off the policy's), its log-probabilities kept
+on the last stage for the policy's step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -33,7 +42,7 @@ from composer3d.data import max_pairs_per_row
 from composer3d.data.preference import CHOSEN, REJECTED
 from composer3d.parallel.mesh import ParallelMesh
 from composer3d.peft.lora import adapters_off
-from composer3d.training.assemble import build_parallel_model
+from composer3d.training.assemble import ParallelModel, build_parallel_model
 from composer3d.training.console import human_bytes
 from composer3d.training.loss import target_log_probs
 from composer3d.training.metrics import local_bytes
@@ -143,21 +152,31 @@ class PreferenceObjective:
         policy: torch.nn.Module,
         compiled: bool,
         context=None,
+        pipeline=None,
+        make_schedule: Callable | None = None,
     ):
         """``context``: the policy's ContextParallel under cp (the frozen copy attends by its
-        placement of the batch too)."""
+        placement of the batch too). Under PP: ``pipeline``, the policy's schedule, and
+        ``make_schedule(stages, loss_fn)``, another over the copy's stages."""
         self.pref, self.compiled = cfg.preference, compiled
         self.cp_group = mesh["cp"].get_group() if mesh.layout.cp > 1 else None
         self.sums = torch.zeros(len(METRICS), device=device)
         # the model giving the reference log-probabilities, and how to run it
         self.reference: torch.nn.Module | None = None
         self.reference_mode = contextlib.nullcontext
+        # Under PP: the schedule that runs the reference, and the step's rows the loss looks up
+        self.reference_schedule = None
+        self._step_rows: _StepRows | None = None
         if self.pref.loss_type == "simpo":  # reference-free
             return
         if self.pref.reference == "adapters_off":
             self.reference, self.reference_mode = policy, partial(adapters_off, policy)
+            self.reference_schedule = pipeline
         else:
-            self.reference = _frozen_copy(cfg, mesh, device, context)
+            copy = _frozen_copy(cfg, mesh, device, context)
+            self.reference = copy.model
+            if copy.stages:
+                self.reference_schedule = make_schedule(copy.stages, loss_fn=self.pipeline_loss)
 
     def loss(
         self,
@@ -187,25 +206,80 @@ class PreferenceObjective:
             logits = self.reference(inputs, position_ids=positions)
         return target_log_probs(logits, targets, compiled=self.compiled)
 
+    def pipeline_target(
+        self, targets: torch.Tensor, segment: torch.Tensor, args: tuple, kwargs: dict
+    ) -> torch.Tensor:
+        """Under PP, before the policy's step: the schedule's target, each row's number, for
+        ``pipeline_loss`` to look its rows up by; the reference run forward only over every
+        micro-batch first (``args``, ``kwargs``: the schedule's inputs), its log-probabilities kept
+        on the last stage."""
+        # here: torch's pipelining imports dynamo, which a run without a pipeline never needs
+        from composer3d.parallel.pipeline.schedule import forward_only
+
+        rows = torch.arange(targets.shape[0], device=targets.device)
+        self._step_rows = _StepRows(
+            targets, segment, targets.new_zeros(targets.shape[0], len(METRICS), dtype=torch.float32)
+        )
+        if self.reference is None:
+            return rows
+        self._step_rows.reference = torch.zeros(targets.shape, device=targets.device)
+        self._step_rows.collecting = True
+        try:
+            with torch.no_grad(), self.reference_mode():
+                forward_only(self.reference_schedule, *args, target=rows, **kwargs)
+        finally:
+            self._step_rows.collecting = False
+        return rows
+
+    def pipeline_loss(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The loss of the micro-batch of ``rows`` from its last stage's ``logits`` (as ``loss``);
+        while the reference runs, its log-probabilities kept instead (and 0 returned)."""
+        step = self._step_rows
+        targets, segment = step.targets[rows], step.segment[rows]
+        if step.collecting:
+            step.reference[rows] = target_log_probs(logits, targets, compiled=self.compiled)
+            return logits.new_zeros((), dtype=torch.float32)
+        policy = target_log_probs(logits, targets, compiled=self.compiled, in_place=True)
+        reference = None if step.reference is None else step.reference[rows]
+        loss, sums = preference_loss(policy, reference, segment, self.pref, self.cp_group)
+        # Written to the micro-batch's slot (its first row), not added: at its first step torch
+        # also runs the last stage's loss on placeholder activations, to learn the gradients' shapes
+        step.sums[rows[:1]] = sums
+        return loss
+
     def step_sums(self) -> torch.Tensor:
         """The metric sums of the step that ends (this rank's pairs), and a fresh start."""
         sums, self.sums = self.sums, torch.zeros_like(self.sums)
+        if self._step_rows is not None:
+            sums, self._step_rows = sums + self._step_rows.sums.sum(0), None
         return sums
+
+
+@dataclass
+class _StepRows:
+    """Under PP, the step's rows as the loss looks them up (cp: this rank's share of each)."""
+
+    targets: torch.Tensor
+    segment: torch.Tensor
+    sums: torch.Tensor  # the metrics' sums, a row per micro-batch (at its first row)
+    # the reference's log-probabilities (last stage; None: simpo), and whether it is running
+    reference: torch.Tensor | None = None
+    collecting: bool = False
 
 
 def _frozen_copy(
     cfg: TrainConfig, mesh: ParallelMesh, device: torch.device, context=None
-) -> torch.nn.Module:
+) -> ParallelModel:
     """The initial policy again, through the same assembly (the same sharding), frozen: from its
     initial weights whether or not the policy resumes from a checkpoint. Under cp it attends by the
     policy's ``context``, whose placement of each batch the trainer sets."""
-    copy = build_parallel_model(cfg, mesh, device).model
+    copy = build_parallel_model(cfg, mesh, device)
     if context is not None:
-        copy.use_context_parallel(context)
-    copy.requires_grad_(False)
-    copy.eval()
+        copy.model.use_context_parallel(context)
+    copy.model.requires_grad_(False)
+    copy.model.eval()
     log.info(
         "preference.reference=copy: a frozen copy of the initial policy, %s on this rank",
-        human_bytes(sum(local_bytes(p) for p in copy.parameters())),
+        human_bytes(sum(local_bytes(p) for p in copy.model.parameters())),
     )
     return copy

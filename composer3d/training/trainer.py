@@ -168,28 +168,37 @@ class Trainer:
                 cfg.precision.loss_scale_init, cfg.precision.loss_scale_growth_interval, device
             )
         self.pipeline = None
+        make_schedule = None
         if stages:
             # here: torch's pipelining imports dynamo, which a run without a pipeline never needs
             from composer3d.parallel.pipeline.schedule import build_schedule
 
-            boundary = (
-                stage_boundary(cfg, mesh, self.accumulation_steps) if static_pipeline else None
+            make_schedule = partial(
+                build_schedule,
+                schedule=p.pp_schedule,
+                microbatches=self.accumulation_steps,
+                pp_group=mesh["pp"].get_group(),
+                device=device,
+                boundary=(
+                    stage_boundary(cfg, mesh, self.accumulation_steps) if static_pipeline else None
+                ),
             )
-            self.pipeline = build_schedule(
-                stages,
-                p.pp_schedule,
-                self.accumulation_steps,
-                mesh["pp"].get_group(),
-                device,
-                self._loss,
-                boundary,
-            )
+            self.pipeline = make_schedule(stages, loss_fn=self._pipeline_loss)
             self.runs_first_stage = any(stage.plan.is_first for stage in stages)
             self.runs_last_stage = any(stage.plan.is_last for stage in stages)
         self.expert_load = _expert_load(cfg.train, self.model, mesh, device)
         # train.objective=dpo: the pairs' loss and its reference model
         self.preference = (
-            PreferenceObjective(cfg, mesh, device, self.model, self._compiled_loss, built.context)
+            PreferenceObjective(
+                cfg,
+                mesh,
+                device,
+                self.model,
+                self._compiled_loss,
+                built.context,
+                self.pipeline,
+                make_schedule,
+            )
             if t.objective == "dpo"
             else None
         )
@@ -217,6 +226,13 @@ class Trainer:
         ``compile.enabled`` compiles its kernels as it does the blocks.
         """
         return self._normalized(self._loss_sum(logits, targets))
+
+    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's loss of a microbatch: ``_loss``, or with train.objective=dpo
+        the pairs' (``target``: the micro-batch's row numbers, ``PreferenceObjective``)."""
+        if self.preference is None or self.evaluating:
+            return self._loss(logits, target)
+        return self._normalized(self.preference.pipeline_loss(logits, target))
 
     def _loss_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # logits not kept
@@ -275,15 +291,12 @@ class Trainer:
         if self.pipeline is not None:
             losses: list[torch.Tensor] = []
             args = (inputs,) if self.runs_first_stage else ()
+            kwargs = {} if positions is None else {"position_ids": positions}
+            if self.preference is not None:  # its reference runs first
+                targets = self.preference.pipeline_target(targets, segment, args, kwargs)
             # return_outputs=False: the last stage would otherwise hold every microbatch's logits
             # until the step ends
-            self.pipeline.step(
-                *args,
-                target=targets,
-                losses=losses,
-                return_outputs=False,
-                **({} if positions is None else {"position_ids": positions}),
-            )
+            self.pipeline.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
             for loss in losses if self.runs_last_stage else []:
                 total += loss.detach()
             return total
@@ -488,9 +501,11 @@ class Trainer:
                 if self.pipeline is None:
                     loss_sum += self._model_loss(inputs, targets).double()
                     continue
+                from composer3d.parallel.pipeline.schedule import forward_only  # see __init__
+
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.runs_first_stage else ()
-                self.pipeline.eval(*args, target=targets, losses=losses)
+                forward_only(self.pipeline, *args, target=targets, losses=losses)
                 for loss in losses if self.runs_last_stage else []:
                     loss_sum += loss.double()
         finally:

@@ -17,6 +17,7 @@ from composer3d.parallel.pipeline.schedules import SCHEDULES as PP_SCHEDULES
 from composer3d.parallel.pipeline.schedules import (
     V_SHAPED,
     default_stages_per_rank,
+    runs_forward_only,
     schedule_problem,
 )
 
@@ -344,6 +345,15 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
         f"the embedding ({tied_by}) would be one parameter in two stages",
         "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …) for a tied "
         "model",
+    )
+    _require(
+        t.eval_every == 0 or runs_forward_only(p.pp_schedule),
+        "train.eval_every",
+        f"evaluation runs the pipeline forward only, which torch's {p.pp_schedule} cannot: its "
+        "plan passes each micro-batch's input gradient between the two stages of a rank, backward "
+        "or not",
+        "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …), or "
+        "train.eval_every=0",
     )
     # ZeRO-1 moves each gradient into its bucket during the backward (parallel.zero_buckets), before
     # the twins' gradients could be summed, and steps slices the twins do not share.

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from composer3d.config.checks.common import _require
-from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.mesh import Layout
+from composer3d.parallel.pipeline.schedules import runs_forward_only
 
 OBJECTIVES = ("sft", "dpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
@@ -17,7 +17,7 @@ REFERENCES = ("copy", "adapters_off")
 
 def _check_objective(cfg: Any, layout: Layout | None) -> None:
     """``layout`` None: what refuses a config under every layout (the planner's search, which
-    leaves out the degrees ``check_objective_degrees`` refuses)."""
+    leaves out the schedules ``_check_reference_pipeline`` refuses)."""
     t, d = cfg.train, cfg.data
     _require(
         t.objective in OBJECTIVES,
@@ -39,13 +39,13 @@ def _check_objective(cfg: Any, layout: Layout | None) -> None:
         "Add train.objective=dpo (or train on the chosen replies as chat data)",
     )
     if dpo:
-        _check_preference(cfg.preference, cfg.peft)
+        _check_preference(cfg.preference, cfg.peft, cfg.model)
         if layout is not None:
-            check_objective_degrees(t, layout)
+            _check_reference_pipeline(cfg, layout)
         _check_dpo_switches(cfg)
 
 
-def _check_preference(pref: Any, peft: Any) -> None:
+def _check_preference(pref: Any, peft: Any, model: Any) -> None:
     _require(
         pref.loss_type in LOSS_TYPES,
         "preference.loss_type",
@@ -101,18 +101,30 @@ def _check_preference(pref: Any, peft: Any) -> None:
         "not the policy training starts from",
         "Use preference.reference=copy (a frozen copy with those adapters)",
     )
-
-
-def check_objective_degrees(train: Any, layout: Layout) -> None:
-    """The parallel degrees train.objective does not run under yet, each with a reason."""
-    if train.objective != "dpo":
-        return
     _require(
-        layout.pp == 1,
-        "parallel.pp",
-        "train.objective=dpo does not run under pipeline parallel yet (a pair's per-token "
-        "metadata would ride in the schedule's target)",
-        "Use parallel.pp=1 (FSDP/HSDP, DDP, TP+SP, cp)",
+        model.moe.experts == 0 or model.moe.bias_update_rate == 0,
+        "preference.reference",
+        "adapters_off would route by the experts' balancing bias as training moves it "
+        f"(model.moe.bias_update_rate={model.moe.bias_update_rate}), not as it started",
+        "Use preference.reference=copy, or model.moe.bias_update_rate=0",
+    )
+
+
+def runs_reference(cfg: Any) -> bool:
+    """Whether the run has a reference model to run forward (dpo but reference-free simpo)."""
+    return cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
+
+
+def _check_reference_pipeline(cfg: Any, layout: Layout) -> None:
+    schedule = cfg.parallel.pp_schedule
+    _require(
+        layout.pp == 1 or not runs_reference(cfg) or runs_forward_only(schedule),
+        "parallel.pp_schedule",
+        f"train.objective=dpo runs its reference model forward only, which torch's {schedule} "
+        "cannot: its plan passes each micro-batch's input gradient between the two stages of a "
+        "rank, backward or not",
+        "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …), or "
+        "preference.loss_type=simpo (no reference)",
     )
 
 
@@ -137,12 +149,4 @@ def _check_dpo_switches(cfg: Any) -> None:
         "train.objective=dpo is not checked compiled yet (the reference's no-grad forwards, and "
         "the adapters' switch, add compiled graphs no test has measured)",
         "Use compile.enabled=false with train.objective=dpo",
-    )
-    experts, _ = MODEL_REGISTRY[cfg.model.name].expert_parallel(cfg.model)
-    _require(
-        experts == 0,
-        "train.objective",
-        "dpo does not train mixture-of-experts models yet (their auxiliary loss and routing "
-        "statistics are scaled for the token loss)",
-        "Use a dense model with train.objective=dpo",
     )

@@ -103,3 +103,15 @@ def build_schedule(
     return schedule_class(
         pipeline_stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False
     )
+
+
+def forward_only(schedule, *args, target=None, losses: list | None = None, **kwargs) -> None:
+    """The schedule's micro-batches through the forward alone, as torch's ``eval`` runs them, but
+    without the last stage keeping every micro-batch's output to merge and return (its logits: a
+    caller reads what it needs in the loss function)."""
+    has_backward = schedule._has_backward  # what torch's eval switches, for the same reason
+    schedule._has_backward = False
+    try:
+        schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+    finally:
+        schedule._has_backward = has_backward

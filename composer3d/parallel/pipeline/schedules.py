@@ -28,6 +28,13 @@ V_SHAPED = (
 
 
 @functools.cache  # the planner asks for each of tens of thousands of candidates
+def runs_forward_only(schedule: str) -> bool:
+    """Whether torch (2.13) can run the schedule's micro-batches through the forward alone
+    (evaluation, a DPO reference's pass): a V-shaped schedule's plan hands each stage's input
+    gradient to the stage before on the same rank, backward or not, and fails without one."""
+    return schedule not in V_SHAPED
+
+
 def is_multi_stage(schedule: str) -> bool:
     # here, not at the top: torch.distributed.pipelining imports dynamo (a second), which the
     # launcher's config checks need only for a pipeline (parallel.pp > 1)
