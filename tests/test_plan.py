@@ -786,11 +786,10 @@ def test_a_dpo_reference_gathers_its_blocks_again_under_zero3_and_reruns_tps_for
 
 
 def test_the_search_leaves_out_the_layouts_dpo_refuses():
-    """For train.objective=dpo the search (composer3d-plan, parallel=auto) weighs pipeline layouts
-    but no V-shaped schedule (torch runs none forward only, as the reference runs: training refuses
-    them; SimPO has no reference and gets them), and no cp (the reference's ring passes are not
-    priced); a mixture of experts plans; what fits tiles no loss (refused with dpo), only the
-    MLP."""
+    """For train.objective=dpo the search (composer3d-plan, parallel=auto) weighs pipeline and
+    context-parallel layouts but no V-shaped schedule (torch runs none forward only, as the
+    reference runs: training refuses them; SimPO has no reference and gets them); a mixture of
+    experts plans; what fits tiles no loss (refused with dpo), only the MLP."""
     from composer3d.parallel.pipeline.schedules import V_SHAPED
     from composer3d.plan.fits import Options, with_options
     from composer3d.plan.layouts import enumerate_candidates
@@ -800,8 +799,7 @@ def test_the_search_leaves_out_the_layouts_dpo_refuses():
         return enumerate_candidates(plan_config(*DPO_LAYOUT, *overrides), 8, 8)
 
     dpo, sft, simpo = found(*DPO), found(), found(*DPO, "preference.loss_type=simpo")
-    assert {c.cp for c in dpo} == {1} and {2, 4, 8} <= {c.pp for c in dpo}
-    assert {(2, 1), (1, 2)} <= {(c.pp, c.cp) for c in sft}
+    assert {(2, 1), (4, 1), (1, 2), (1, 8), (2, 2)} <= {(c.pp, c.cp) for c in dpo}
     schedules = [{c.pp_schedule for c in run if c.pp > 1} for run in (dpo, sft, simpo)]
     assert not schedules[0] & set(V_SHAPED)
     assert set(V_SHAPED) <= schedules[1] and set(V_SHAPED) <= schedules[2]
@@ -907,8 +905,9 @@ def test_a_dpo_rank_measured_here_meets_the_planner_with_its_reference_copy(tmp_
         ["parallel.dp_shard=2"],
         ["parallel.dp_shard=1", "parallel.tp=2", "parallel.sequence_parallel=true"],
         ["parallel.dp_shard=1", "parallel.pp=2"],
+        ["parallel.dp_shard=1", "parallel.cp=2", "parallel.cp_style=ring"],
     ],
-    ids=["fsdp", "tp2_sp", "pp2"],
+    ids=["fsdp", "tp2_sp", "pp2", "cp2_ring"],
 )
 def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
     """A DPO step's all-gathers, reduce-scatters and pipeline sends on rank 0 of 2 (in this
@@ -917,7 +916,8 @@ def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
     micro-batch, its root not again; under TP + SP its forward's gathers and reduce-scatters
     (measured to the byte); under PP the first stage's outputs sent for the reference's pass and the
     policy's (its stages built with their boundary's shapes, as plan.measure builds them: no other
-    stage answers here)."""
+    stage answers here); under cp's ring the keys and values passed for the reference's forward
+    too."""
     import torch.distributed as dist
     from plan_measure import CollectiveBytes
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -950,7 +950,7 @@ def test_a_dpo_ranks_collectives_are_the_planners(tmp_path, layout):
         want[key] = want.get(key, 0.0) + col.bytes
     for key in [k for k in ("all_gather/2", "reduce_scatter/2", "send/2") if k in want]:
         assert _rel(comms.bytes[key], want[key]) < 0.02, (key, comms.bytes, want)
-    assert ("send/2" in want) == ("parallel.pp=2" in layout), want
+    assert ("send/2" in want) == any(o in layout for o in ("parallel.pp=2", "parallel.cp=2")), want
 
 
 def _plan(*overrides: str, cli: bool = False) -> subprocess.CompletedProcess:

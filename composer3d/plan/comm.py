@@ -400,8 +400,8 @@ def collectives(
     """Every collective of one step on a rank of this pipeline stage set but context parallel's
     (plan/context.py); ``ep_dispatch``: plan.ep_dispatch; ``reference_forward``:
     train.objective=dpo's reference model runs a forward every micro-batch (its gathers, TP's
-    forward collectives, its experts' all-to-alls and the pipeline's sends; its cp passes are not
-    counted: the search offers dpo no cp)."""
+    forward collectives, its experts' all-to-alls and the pipeline's sends; its cp passes are
+    plan/context.py's)."""
     held = seq_len // c.cp  # this rank's tokens of each sequence
     units = stages.units(shape, c.tp, c.ep)
     return (

@@ -18,9 +18,10 @@ local tokens (this rank's keys and values):
 - ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in
   forward and in backward; one mask of all queries × all keys per micro-batch.
 Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
-memory.ac_save_gathers=true). None of the styles' traffic is hidden but the ring's K/V passes. The
-memory each style adds (the all-gathered K/V, the ring's buffers, the masks) is
-plan/activations.py's (``cp_attention``, ``cp_mask_bytes``).
+memory.ac_save_gathers=true), and train.objective=dpo's reference runs the forward's once more.
+None of the styles' traffic is hidden but the ring's K/V passes. The memory each style adds (the
+all-gathered K/V, the ring's buffers, the masks) is plan/activations.py's (``cp_attention``,
+``cp_mask_bytes``).
 """
 
 from __future__ import annotations
@@ -55,15 +56,25 @@ def kv_bytes(shape: ModelShape, c: Candidate, seq_len: int, compute_bytes: int) 
     )
 
 
+def _forwards(c: Candidate, layers: int, reference_forward: bool) -> float:
+    """Layers' forwards a micro-batch: each once, what checkpointing reruns, the DPO reference's."""
+    return layers + _reruns(c, layers) + (layers if reference_forward else 0)
+
+
 def collectives(
-    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, compute_bytes: int
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    compute_bytes: int,
+    reference_forward: bool = False,
 ) -> list[Collective]:
     """The cp traffic of one step on a rank of this stage set (counted as plan/comm.py counts the
     others)."""
     if c.cp == 1:
         return []
     layers = stages.dense_layers + stages.moe_layers
-    forwards = (layers + _reruns(c, layers)) * c.microbatches
+    forwards = _forwards(c, layers, reference_forward) * c.microbatches
     backwards = layers * c.microbatches
     kv = kv_bytes(shape, c, seq_len, compute_bytes)
     # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
@@ -105,7 +116,13 @@ def attention_compute_s(
 
 
 def exposed_seconds(
-    shape: ModelShape, c: Candidate, stages: StageSet, seq_len: int, cluster: Cluster, kernel: str
+    shape: ModelShape,
+    c: Candidate,
+    stages: StageSet,
+    seq_len: int,
+    cluster: Cluster,
+    kernel: str,
+    reference_forward: bool = False,
 ) -> float:
     """Seconds a step waits for cp's traffic. The ring: each K/V pass against the attention of the
     block held meanwhile (1/cp of the layer's, twice that in backward), the gradients' passes in
@@ -114,11 +131,15 @@ def exposed_seconds(
         return 0.0
     cb = cluster.compute_bytes
     if c.cp_style != "ring":
-        return sum(seconds(col, c, cluster) for col in collectives(shape, c, stages, seq_len, cb))
+        return sum(
+            seconds(col, c, cluster)
+            for col in collectives(shape, c, stages, seq_len, cb, reference_forward)
+        )
     layers = stages.dense_layers + stages.moe_layers
     kv = Collective("cp", "send", c.cp, kv_bytes(shape, c, seq_len, cb), False)
     pass_s = seconds(kv, c, cluster)
     block_s = attention_compute_s(shape, c, seq_len, cluster, kernel) / c.cp
     forward = (c.cp - 1) * max(0.0, pass_s - block_s)
     backward = (c.cp - 1) * max(0.0, pass_s - 2 * block_s) + c.cp * pass_s / cb * 4
-    return c.microbatches * ((layers + _reruns(c, layers)) * forward + layers * backward)
+    forwards = _forwards(c, layers, reference_forward)
+    return c.microbatches * (forwards * forward + layers * backward)

@@ -13,9 +13,9 @@ traffic as plan/context.py says (the ring's K/V passes hide behind the attention
 the memory options' host step and copies (``host``) as plan/host.py says. A layout fits when the
 busiest rank's device memory and its node's host memory hold it. train.objective=dpo's reference
 model is charged where it runs: a frozen copy's parameters in memory, its forward in compute, its
-gathers, TP's forward collectives, its experts' all-to-alls and the pipeline's sends in
-communication, under PP its forward-only pass's own bubble (plan/bubble.py), its forward's FLOPs in
-TFLOP/s (as training counts them).
+gathers, TP's forward collectives, its experts' all-to-alls, cp's forward passes and the
+pipeline's sends in communication, under PP its forward-only pass's own bubble (plan/bubble.py),
+its forward's FLOPs in TFLOP/s (as training counts them).
 """
 
 from __future__ import annotations
@@ -127,10 +127,6 @@ CP_MASKED_UNMEASURED = (
     "prints it as masked) and is priced as plan.attention_kernel's"
 )
 
-DPO_CP_UNPRICED = (
-    "train.objective=dpo's reference forward under cp: its compute is priced, its ring's passes "
-    "are not (the search offers DPO no cp)"
-)
 MUON_UNMEASURED = (
     "optim.name=muon's step is priced from its parts (Newton-Schulz's GEMMs at the GEMM rate over "
     "an even share of the matrices, its kernels' bytes counted from the code, its two "
@@ -282,7 +278,7 @@ def estimate(
     reference = work.reference is not None
     cols = [
         comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch, reference)
-        + context.collectives(shape, c, s, seq, cb)
+        + context.collectives(shape, c, s, seq, cb, reference)
         + (muon_collectives(work.muon, shape, c, s, work.peft, cluster) if work.muon else [])
         for s in sets
     ]
@@ -320,7 +316,7 @@ def estimate(
         )
         if c.cp > 1:
             mine["cp"] = context.exposed_seconds(
-                shape, c, sets[i], seq, cluster, work.work.attention
+                shape, c, sets[i], seq, cluster, work.work.attention, reference
             )
         host_exposed, host_overlapped = host_seconds(
             shape, c, sets[i], work.optimizer, cluster, mems[i], reference
@@ -352,19 +348,15 @@ def estimate(
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
         bubble_fraction=bubble / (compute[busiest] + bubble),
         fits=priced.fits,
-        notes=_notes(shape, c, work.muon is not None, reference),
+        notes=_notes(shape, c, work.muon is not None),
     )
 
 
-def _notes(
-    shape: ModelShape, c: Candidate, muon_step: bool = False, reference: bool = False
-) -> list[str]:
+def _notes(shape: ModelShape, c: Candidate, muon_step: bool = False) -> list[str]:
     """What no measurement backs yet in this estimate, and what it leaves out."""
     notes = [MOE_UNCALIBRATED] if shape.moe else []
     if c.cp > 1 and c.cp_style != "ring":
         notes.append(CP_MASKED_UNMEASURED.format(style=c.cp_style))
     if muon_step:
         notes.append(MUON_UNMEASURED)
-    if reference and c.cp > 1:
-        notes.append(DPO_CP_UNPRICED)
     return notes

@@ -263,7 +263,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
             for pp in _divisors(world_size // tp)
             for cp in _divisors(world_size // tp // pp)
         ):
-            if pp > n_layers or not _objective_runs(cfg, cp):
+            if pp > n_layers:
                 continue
             dp = world_size // (tp * pp * cp)
             sizes = micro_batch_sizes(global_batch, dp)
@@ -325,12 +325,6 @@ def _optimizer_runs(cfg: TrainConfig, zero_stage: int, tp: int) -> bool:
     except ConfigError:
         return False
     return True
-
-
-def _objective_runs(cfg: TrainConfig, cp: int) -> bool:
-    """Whether train.objective is priced under this context degree: dpo's reference forward under
-    cp (its ring passes) is not, so the search offers DPO no cp."""
-    return not (cp > 1 and runs_reference(cfg))
 
 
 def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:
