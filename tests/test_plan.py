@@ -785,6 +785,22 @@ def test_a_dpo_reference_gathers_its_blocks_again_under_zero3_and_reruns_tps_for
     assert dpo["tp:all_reduce"] - sft["tp:all_reduce"] == 3 * tokens * 4
 
 
+def test_a_precomputed_reference_costs_a_step_nothing():
+    """preference.reference=precomputed: its pass over the data runs before the first step, so a
+    step holds no reference and runs no reference forward: memory, compute and collectives are
+    SFT's to the byte (the copy's are not)."""
+    z3 = [*DPO_LAYOUT, "parallel.zero_stage=3"]
+    (sft, _), (pre, _), (copy, _) = (
+        planned(*z3, *more) for more in ([], [*DPO, "preference.reference=precomputed"], DPO)
+    )
+    assert (pre.memory.total, pre.compute_s, pre.collectives) == (
+        sft.memory.total,
+        sft.compute_s,
+        sft.collectives,
+    )
+    assert copy.memory.total > sft.memory.total and copy.compute_s > sft.compute_s
+
+
 def test_the_search_leaves_out_the_layouts_dpo_refuses():
     """For train.objective=dpo the search (composer3d-plan, parallel=auto) weighs pipeline and
     context-parallel layouts but no V-shaped schedule (torch runs none forward only, as the

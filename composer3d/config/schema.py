@@ -283,7 +283,9 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5  # simpo: the target reward margin γ (the loss uses Δ - γ/β)
     # copy: a frozen copy of the initial policy, parallelized like it (no gradients, no optimizer
     # state) | adapters_off: under peft=lora|qlora the policy itself with its adapters switched off
-    # (the base: no second copy). simpo builds none
+    # (the base: no second copy) | precomputed: the initial policy's log-probabilities of every
+    # pair, taken in one pass over the data before the first step (TRL's precompute_ref_log_probs;
+    # nothing held while training). simpo builds none
     reference: str = "copy"
 
 

@@ -48,7 +48,9 @@ class Batch:
     along each row. ``global_targets``: targets that take a loss in the whole global batch (every
     data-parallel rank's rows), when the loader filled it in (preference data: pairs). ``segment``
     (preference data, ``data.preference``): per target, which side of which pair of its row it
-    belongs to (pair slot × 2 + 0 chosen / 1 rejected), -1 where no loss is taken.
+    belongs to (pair slot × 2 + 0 chosen / 1 rejected), -1 where no loss is taken; ``reference``
+    (preference.reference=precomputed): the reference's summed log-probabilities of each pair slot
+    and side (batch, slots, 2), 0 where a row holds no pair.
     """
 
     inputs: torch.Tensor
@@ -56,21 +58,22 @@ class Batch:
     position_ids: torch.Tensor
     global_targets: int | None = None
     segment: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
 
     def _tensors(self) -> tuple[torch.Tensor | None, ...]:
-        return self.inputs, self.targets, self.position_ids, self.segment
+        return self.inputs, self.targets, self.position_ids, self.segment, self.reference
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        inputs, targets, positions, segment = (
+        inputs, targets, positions, segment, reference = (
             None if t is None else t.to(device, non_blocking=non_blocking) for t in self._tensors()
         )
-        return Batch(inputs, targets, positions, self.global_targets, segment)
+        return Batch(inputs, targets, positions, self.global_targets, segment, reference)
 
     def pin_memory(self) -> Batch:
-        inputs, targets, positions, segment = (
+        inputs, targets, positions, segment, reference = (
             None if t is None else t.pin_memory() for t in self._tensors()
         )
-        return Batch(inputs, targets, positions, self.global_targets, segment)
+        return Batch(inputs, targets, positions, self.global_targets, segment, reference)
 
 
 def document_positions(starts: torch.Tensor) -> torch.Tensor:

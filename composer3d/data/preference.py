@@ -82,7 +82,9 @@ class PreferenceSequences:
 
     ``tokens``, ``starts`` (a document's first token), ``trainable`` (a completion token): (rows,
     seq_len + 1). ``segment`` (rows, seq_len): per target (tokens[1:]), pair slot × 2 + side, or -1.
-    ``pairs``: (rows,) pairs in each row.
+    ``pairs``: (rows,) pairs in each row. ``reference`` (preference.reference=precomputed, set
+    before training): the reference's summed log-probabilities of every pair (all pairs, row by row
+    and slot by slot; chosen, rejected), which each batch then carries.
     """
 
     tokens: torch.Tensor
@@ -90,6 +92,7 @@ class PreferenceSequences:
     trainable: torch.Tensor
     segment: torch.Tensor
     pairs: torch.Tensor
+    reference: torch.Tensor | None = None
 
     @classmethod
     def pack(cls, pairs: list[Pair], seq_len: int, pad_id: int) -> PreferenceSequences:
@@ -150,7 +153,27 @@ class PreferenceSequences:
 
     def batch(self, rows: list[int]) -> Batch:
         """The rows as a Batch: inputs, targets (-100 but on the completions), positions restarting
-        per document, and each target's segment."""
+        per document, each target's segment, and the reference's sums where they are known."""
         batch = rows_batch(self.tokens[rows], self.starts[rows], self.trainable[rows], True)
         batch.segment = self.segment[rows]
+        if self.reference is not None:
+            at, flat = self.pair_index(rows)
+            reference = self.reference.new_zeros(len(rows), self.slots, 2)
+            reference[at] = self.reference[flat]
+            batch.reference = reference
         return batch
+
+    @property
+    def slots(self) -> int:
+        """Pair slots of a row, as the loss sums them (``training.preference.pair_sums``)."""
+        return max_pairs_per_row(self.tokens.shape[1] - 1)
+
+    def pair_index(self, rows: list[int]) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """Where the pairs of ``rows`` are: ((batch row, slot) of each, its index among all
+        pairs)."""
+        counts = self.pairs[rows]
+        batch_rows = torch.repeat_interleave(torch.arange(len(rows)), counts)
+        first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        slot = torch.arange(int(counts.sum())) - first
+        offsets = torch.cumsum(self.pairs, 0) - self.pairs
+        return (batch_rows, slot), offsets[rows][batch_rows] + slot

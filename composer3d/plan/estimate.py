@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from composer3d.config.checks.preference import reference_each_step
 from composer3d.config.schema import TrainConfig
 from composer3d.dtypes import DTYPES
 from composer3d.peft.planning import Peft
@@ -58,7 +59,8 @@ class Workload:
     cast: str = "auto"  # precision.cast: how one device reaches the compute dtype
     objective: str = "sft"  # train.objective
     # train.objective=dpo's reference model, a no-grad forward every micro-batch
-    # (preference.reference): copy | adapters_off; None where none runs (sft, simpo)
+    # (preference.reference): copy | adapters_off; None where none runs each step (sft, simpo,
+    # precomputed: its one pass over the data before the first step is no step's)
     reference: str | None = None
     # optim.name=muon's settings (plan/muon.py); None under AdamW
     muon: MuonWork | None = None
@@ -85,9 +87,7 @@ class Workload:
             Peft.from_config(cfg.peft),
             cfg.precision.cast,
             cfg.train.objective,
-            cfg.preference.reference
-            if cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
-            else None,
+            reference_each_step(cfg),
             MuonWork.from_config(cfg.optim, cfg.model),
         )
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from composer3d.config.checks.preference import reference_each_step
 from composer3d.config.peft_schema import PeftConfig
 from composer3d.config.schema import TrainConfig
 from composer3d.models import MODEL_REGISTRY, build_model, count_params
@@ -68,7 +69,7 @@ def build_parallel_model(
     layers = attention_layers(spec.attention_windows(m), cfg.train.seq_len)
     width = m.n_heads * (m.head_dim or m.dim // m.n_heads)
     flops = flops_per_token(matmul, embedding, layers, width, cfg.train.seq_len, trained)
-    if cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo":
+    if reference_each_step(cfg):
         # the reference's forward on every token: the base's matmuls (a frozen copy, or the policy
         # with LoRA's adapters off) and its attention, counted as they run (TFLOP/s, MFU)
         base_matmul = active_params - embedding

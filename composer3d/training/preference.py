@@ -13,8 +13,10 @@ window (``readback``) and divided by the pairs there.
 
 The reference: a frozen copy of the initial policy, built and parallelized as the policy is (no
 gradients, no optimizer state; a resumed run rebuilds it from the initial weights, never from the
-checkpoint), or under LoRA the policy with its adapters switched off (``peft.lora.adapters_off``).
-SimPO has none.
+checkpoint), or under LoRA the policy with its adapters switched off (``peft.lora.adapters_off``),
+or (``precomputed``, TRL's precompute_ref_log_probs) every pair's sums taken in one pass over the
+data before the first step and carried by the batches (the data's ``reference``): the policy itself
+runs the pass while untrained, a resumed run a frozen copy it then lets go. SimPO has none.
 
 Under pipeline parallel a micro-batch's loss is computed on the last stage, from what the schedule
 hands it: its logits and its share of the schedule's target. The target is the batch's row numbers,
@@ -77,13 +79,16 @@ def preference_loss(
     segment: torch.Tensor,
     pref: PreferenceConfig,
     cp_group: dist.ProcessGroup | None = None,
+    reference_sums: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss summed over the pairs of these rows, and the metrics' sums over them (METRICS's
     order, detached). ``policy``, ``reference``: per-token log-probabilities of the targets (rows,
-    seq), 0 where no loss is taken; ``reference`` None for simpo. Under context parallel
-    (``cp_group``) each rank holds a share of every row's tokens: the pairs' sums are completed over
-    the cp ranks (the policy's through autograd), every rank then has the whole pairs' losses, and
-    each returns 1/cp of the loss and the metrics, which the data-parallel reductions add up."""
+    seq), 0 where no loss is taken; ``reference`` None for simpo, or where ``reference_sums``
+    (rows, slots, 2) holds the reference's sums per pair already (preference.reference=
+    precomputed). Under context parallel (``cp_group``) each rank holds a share of every row's
+    tokens: the pairs' sums are completed over the cp ranks (the policy's through autograd), every
+    rank then has the whole pairs' losses, and each returns 1/cp of the loss and the metrics, which
+    the data-parallel reductions add up."""
     cp = dist.get_world_size(cp_group) if cp_group is not None else 1
 
     def sums(values: torch.Tensor, grad: bool = False) -> torch.Tensor:
@@ -101,7 +106,7 @@ def preference_loss(
     if pref.loss_type == "simpo":  # length-averaged, against no reference (CPOTrainer's)
         scores = logps / counts.clamp(min=1)
     else:  # the log-ratios to the reference
-        scores = logps - sums(reference)
+        scores = logps - (sums(reference) if reference_sums is None else reference_sums)
     chosen, rejected = scores[..., CHOSEN], scores[..., REJECTED]
     loss = torch.where(held, _pair_losses(chosen, rejected, counts, pref), 0.0).sum() / cp
     with torch.no_grad():
@@ -167,9 +172,15 @@ class PreferenceObjective:
         # Under PP: the schedule that runs the reference, and the step's rows the loss looks up
         self.reference_schedule = None
         self._step_rows: _StepRows | None = None
+        # precomputed: the pass over the data still to run before the first step (``precompute``)
+        self.pending_pass: _ReferencePass | None = None
         if self.pref.loss_type == "simpo":  # reference-free
             return
-        if self.pref.reference == "adapters_off":
+        if self.pref.reference == "precomputed":
+            self.pending_pass = _ReferencePass(
+                policy, pipeline, partial(_frozen_copy, cfg, mesh, device, context), make_schedule
+            )
+        elif self.pref.reference == "adapters_off":
             self.reference, self.reference_mode = policy, partial(adapters_off, policy)
             self.reference_schedule = pipeline
         else:
@@ -185,14 +196,17 @@ class PreferenceObjective:
         targets: torch.Tensor,
         positions: torch.Tensor,
         segment: torch.Tensor,
+        reference_sums: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The micro-batch's loss summed over its pairs (not yet normalized); its metric sums are
-        added to the step's."""
+        added to the step's. ``reference_sums``: the batch's precomputed reference sums."""
         reference = self._reference_log_probs(inputs, targets, positions)
         logits = model(inputs, position_ids=positions)
         # the logits' gradient written over them: nothing else holds them
         policy = target_log_probs(logits, targets, compiled=self.compiled, in_place=True)
-        loss, sums = preference_loss(policy, reference, segment, self.pref, self.cp_group)
+        loss, sums = preference_loss(
+            policy, reference, segment, self.pref, self.cp_group, reference_sums
+        )
         self.sums += sums
         return loss
 
@@ -207,18 +221,26 @@ class PreferenceObjective:
         return target_log_probs(logits, targets, compiled=self.compiled)
 
     def pipeline_target(
-        self, targets: torch.Tensor, segment: torch.Tensor, args: tuple, kwargs: dict
+        self,
+        targets: torch.Tensor,
+        segment: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        reference_sums: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Under PP, before the policy's step: the schedule's target, each row's number, for
         ``pipeline_loss`` to look its rows up by; the reference run forward only over every
         micro-batch first (``args``, ``kwargs``: the schedule's inputs), its log-probabilities kept
-        on the last stage."""
+        on the last stage (precomputed: ``reference_sums``, the batch's)."""
         # here: torch's pipelining imports dynamo, which a run without a pipeline never needs
         from composer3d.parallel.pipeline.schedule import forward_only
 
         rows = torch.arange(targets.shape[0], device=targets.device)
         self._step_rows = _StepRows(
-            targets, segment, targets.new_zeros(targets.shape[0], len(METRICS), dtype=torch.float32)
+            targets,
+            segment,
+            targets.new_zeros(targets.shape[0], len(METRICS), dtype=torch.float32),
+            reference_sums=reference_sums,
         )
         if self.reference is None:
             return rows
@@ -241,11 +263,70 @@ class PreferenceObjective:
             return logits.new_zeros((), dtype=torch.float32)
         policy = target_log_probs(logits, targets, compiled=self.compiled, in_place=True)
         reference = None if step.reference is None else step.reference[rows]
-        loss, sums = preference_loss(policy, reference, segment, self.pref, self.cp_group)
+        reference_sums = None if step.reference_sums is None else step.reference_sums[rows]
+        loss, sums = preference_loss(
+            policy, reference, segment, self.pref, self.cp_group, reference_sums
+        )
         # Written to the micro-batch's slot (its first row), not added: at its first step torch
         # also runs the last stage's loss on placeholder activations, to learn the gradients' shapes
         step.sums[rows[:1]] = sums
         return loss
+
+    @contextlib.contextmanager
+    def reference_for_the_pass(self, untrained: bool):
+        """preference.reference=precomputed: the model whose log-probabilities the pass over the
+        data takes, run as the other references run: the policy itself while it is untrained (the
+        initial policy then; in eval mode), else (a resumed run) a frozen copy of the initial
+        policy, built for the pass and let go after it."""
+        run = self.pending_pass
+        if untrained:
+            model, schedule = run.policy, run.policy_schedule
+        else:
+            copy = run.build_copy()
+            model, schedule = copy.model, None
+            if copy.stages:
+                schedule = run.make_schedule(copy.stages, loss_fn=self.pipeline_loss)
+        was_training = model.training
+        model.eval()
+        self.reference, self.reference_schedule = model, schedule
+        try:
+            yield
+        finally:
+            self.reference = self.reference_schedule = None
+            model.train(was_training)
+
+    @torch.no_grad()
+    def pass_sums(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor,
+        segment: torch.Tensor,
+        microbatches: int,
+        pipeline_inputs: tuple[tuple, dict] | None = None,
+    ) -> torch.Tensor:
+        """Inside ``reference_for_the_pass``: the reference's sums of these rows' pairs (rows,
+        slots, 2), whole under cp; run as a step runs its forwards (``microbatches``; under PP the
+        schedule's ``pipeline_inputs``, and only the last stage's sums are not 0)."""
+        if self.reference_schedule is not None:
+            self.pipeline_target(targets, segment, *pipeline_inputs)
+            per_token, self._step_rows = self._step_rows.reference, None
+        else:
+            per_token = torch.cat(
+                [
+                    self._reference_log_probs(*chunk)
+                    for chunk in zip(
+                        inputs.chunk(microbatches),
+                        targets.chunk(microbatches),
+                        positions.chunk(microbatches),
+                    )
+                ]
+            )
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
+        sums = pair_sums(per_token, segment, cp)
+        if self.cp_group is not None:
+            dist.all_reduce(sums, group=self.cp_group)
+        return sums
 
     def step_sums(self) -> torch.Tensor:
         """The metric sums of the step that ends (this rank's pairs), and a fresh start."""
@@ -253,6 +334,18 @@ class PreferenceObjective:
         if self._step_rows is not None:
             sums, self._step_rows = sums + self._step_rows.sums.sum(0), None
         return sums
+
+
+@dataclass
+class _ReferencePass:
+    """What preference.reference=precomputed's pass over the data may run: the policy (and under
+    PP its schedule), or a frozen copy built on demand (``make_schedule``: its schedule under
+    PP)."""
+
+    policy: torch.nn.Module
+    policy_schedule: object | None
+    build_copy: Callable[[], ParallelModel]
+    make_schedule: Callable | None
 
 
 @dataclass
@@ -265,6 +358,7 @@ class _StepRows:
     # the reference's log-probabilities (last stage; None: simpo), and whether it is running
     reference: torch.Tensor | None = None
     collecting: bool = False
+    reference_sums: torch.Tensor | None = None  # precomputed: the batch's, per pair
 
 
 def _frozen_copy(

@@ -12,6 +12,8 @@ pairs' preference loss (``preference``), divided by the pairs of the global batc
 from __future__ import annotations
 
 import logging
+import math
+import time
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -146,6 +148,7 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, t.steps)
         self.total_steps = t.steps
+        self.sequences = sequences
         self.loader = (
             None
             if sequences is None
@@ -271,12 +274,52 @@ class Trainer:
         )
 
     def _forward_backward(self, batch: Batch) -> torch.Tensor:
-        """This rank's share of the step's loss (a sum of already-normalized microbatch losses).
+        """This rank's share of the step's loss (a sum of already-normalized microbatch losses),
+        from the batch as ``_placed`` hands it to the model."""
+        inputs, targets, positions, segment = self._placed(batch)
+        reference = batch.reference  # preference.reference=precomputed: the pairs' sums
+        total = torch.zeros((), device=self.device)
+        if self.pipeline is not None:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if self.runs_first_stage else ()
+            kwargs = {} if positions is None else {"position_ids": positions}
+            if self.preference is not None:  # its reference runs first
+                targets = self.preference.pipeline_target(targets, segment, args, kwargs, reference)
+            # return_outputs=False: the last stage would otherwise hold every microbatch's logits
+            # until the step ends
+            self.pipeline.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
+            for loss in losses if self.runs_last_stage else []:
+                total += loss.detach()
+            return total
+        position_chunks, segment_chunks, reference_chunks = (
+            [None] * self.accumulation_steps if t is None else t.chunk(self.accumulation_steps)
+            for t in (positions, segment, reference)
+        )
+        for i, (inp, tgt, pos, seg, ref) in enumerate(
+            zip(
+                inputs.chunk(self.accumulation_steps),
+                targets.chunk(self.accumulation_steps),
+                position_chunks,
+                segment_chunks,
+                reference_chunks,
+            )
+        ):
+            if i and self.memory_tracker is not None:
+                self.memory_tracker.reset_mod_stats()
+            if self.preference is None:
+                loss = self._model_loss(inp, tgt, pos)
+            else:
+                loss = self._normalized(self.preference.loss(self.model, inp, tgt, pos, seg, ref))
+            loss.backward()
+            total += loss.detach()
+        return total
 
-        With data.document_masking, position_ids go to the model (under PP: to every stage, split
-        into microbatches like the inputs); without, or with synthetic windows (no documents), they
-        run 0..seq-1 in every row and the model's causal default is the same, on its fastest kernel.
-        """
+    def _placed(self, batch: Batch) -> tuple[torch.Tensor | None, ...]:
+        """(inputs, targets, positions, segment) as this rank's model takes them. With
+        data.document_masking, position_ids go to the model (under PP: to every stage, split into
+        microbatches like the inputs); without, or with synthetic windows (no documents), they run
+        0..seq-1 in every row and the model's causal default is the same, on its fastest kernel.
+        Under cp, this rank's share of every row."""
         inputs, targets = batch.inputs, batch.targets
         documents = self.cfg.data.document_masking and self.cfg.data.name != "synthetic"
         positions = batch.position_ids if documents else None
@@ -287,45 +330,59 @@ class Trainer:
             inputs, targets, positions, segment = (
                 self.context.shard(t) for t in (inputs, targets, positions, segment)
             )
-        total = torch.zeros((), device=self.device)
-        if self.pipeline is not None:
-            losses: list[torch.Tensor] = []
-            args = (inputs,) if self.runs_first_stage else ()
-            kwargs = {} if positions is None else {"position_ids": positions}
-            if self.preference is not None:  # its reference runs first
-                targets = self.preference.pipeline_target(targets, segment, args, kwargs)
-            # return_outputs=False: the last stage would otherwise hold every microbatch's logits
-            # until the step ends
-            self.pipeline.step(*args, target=targets, losses=losses, return_outputs=False, **kwargs)
-            for loss in losses if self.runs_last_stage else []:
-                total += loss.detach()
-            return total
-        position_chunks, segment_chunks = (
-            [None] * self.accumulation_steps if t is None else t.chunk(self.accumulation_steps)
-            for t in (positions, segment)
+        return inputs, targets, positions, segment
+
+    def _precompute_reference(self) -> None:
+        """preference.reference=precomputed, before this run's first step: the reference's sums of
+        every pair of the data, each data-parallel rank's share of the rows run as a step runs its
+        forwards (the same shapes, the last forward's padded), then put together on every rank and
+        kept with the data, which hands each batch its rows'."""
+        started = time.perf_counter()
+        sequences, layout = self.sequences, self.mesh.layout
+        per_forward = self.cfg.train.global_batch_size // layout.dp
+        mine = list(range(self.mesh.dp_rank, len(sequences), layout.dp))
+        # every rank runs every forward (their collectives), a rank out of rows its first again
+        rounds = math.ceil(math.ceil(len(sequences) / layout.dp) / per_forward)
+        table = torch.zeros(int(sequences.pairs.sum()), 2, device=self.device)
+        untrained = self.step == 0
+        with self.preference.reference_for_the_pass(untrained):
+            for i in range(rounds):
+                rows = mine[i * per_forward : (i + 1) * per_forward]
+                padded = rows + [rows[0] if rows else 0] * (per_forward - len(rows))
+                inputs, targets, positions, segment = self._placed(
+                    sequences.batch(padded).to(self.device)
+                )
+                pipeline_inputs = None
+                if self.pipeline is not None:
+                    args = (inputs,) if self.runs_first_stage else ()
+                    pipeline_inputs = (args, {"position_ids": positions})
+                sums = self.preference.pass_sums(
+                    inputs, targets, positions, segment, self.accumulation_steps, pipeline_inputs
+                )
+                (row, slot), pair = sequences.pair_index(rows)
+                table[pair.to(self.device)] = sums[row.to(self.device), slot.to(self.device)]
+        # each pair computed on one data-parallel rank (and under PP on the last stage only)
+        if layout.dp > 1:
+            dist.all_reduce(table, group=self.mesh.dp.get_group())
+        if layout.pp > 1:
+            dist.all_reduce(table, group=self.mesh["pp"].get_group())
+        sequences.reference = table.cpu()
+        self.preference.pending_pass = None
+        log.info(
+            "preference.reference=precomputed: the reference's log-probabilities of %d pairs "
+            "(%d rows), taken by %s in %.1f s",
+            table.shape[0],
+            len(sequences),
+            "the untrained policy" if untrained else "a frozen copy of the initial policy",
+            time.perf_counter() - started,
         )
-        for i, (inp, tgt, pos, seg) in enumerate(
-            zip(
-                inputs.chunk(self.accumulation_steps),
-                targets.chunk(self.accumulation_steps),
-                position_chunks,
-                segment_chunks,
-            )
-        ):
-            if i and self.memory_tracker is not None:
-                self.memory_tracker.reset_mod_stats()
-            if self.preference is None:
-                loss = self._model_loss(inp, tgt, pos)
-            else:
-                loss = self._normalized(self.preference.loss(self.model, inp, tgt, pos, seg))
-            loss.backward()
-            total += loss.detach()
-        return total
 
     def train_step(self) -> dict:
         """One optimizer step. The loss and gradient norm stay on the device (this rank's share of
         the loss, not yet reduced): reading them back is a host sync, which ``fit`` does once per
         logging window."""
+        if self.preference is not None and self.preference.pending_pass is not None:
+            self._precompute_reference()  # before the loader builds a batch
         # built ahead on a background thread, already on its way to the device
         batch = self.loader.next_batch()
         # tokens through the model, all ranks

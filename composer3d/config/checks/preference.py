@@ -12,7 +12,7 @@ from composer3d.parallel.pipeline.schedules import runs_forward_only
 
 OBJECTIVES = ("sft", "dpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
-REFERENCES = ("copy", "adapters_off")
+REFERENCES = ("copy", "adapters_off", "precomputed")
 
 
 def _check_objective(cfg: Any, layout: Layout | None) -> None:
@@ -111,8 +111,15 @@ def _check_preference(pref: Any, peft: Any, model: Any) -> None:
 
 
 def runs_reference(cfg: Any) -> bool:
-    """Whether the run has a reference model to run forward (dpo but reference-free simpo)."""
+    """Whether the run has a reference model to run forward (dpo but reference-free simpo), each
+    step or (precomputed) in one pass before them."""
     return cfg.train.objective == "dpo" and cfg.preference.loss_type != "simpo"
+
+
+def reference_each_step(cfg: Any) -> str | None:
+    """The reference (preference.reference) where it runs forward every step, else None."""
+    each_step = runs_reference(cfg) and cfg.preference.reference != "precomputed"
+    return cfg.preference.reference if each_step else None
 
 
 def _check_reference_pipeline(cfg: Any, layout: Layout) -> None:
