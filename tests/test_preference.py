@@ -812,7 +812,8 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
     against its base (adapters off) under FSDP and PP, QLoRA's under FSDP, DPO against precomputed
     reference log-probabilities under FSDP, PP and cp, and mixtures of experts (composer3d's, and a
     Hugging Face Qwen3-MoE) under EP × FSDP and PP, each on the one-process curve (a frozen copy's
-    for the precomputed) over 10 steps; the metrics too."""
+    for the precomputed) over 10 steps; the metrics too. Resumed from step 5: exact under the same
+    layout, on the curve under another (precomputed: the pass taken again by a frozen copy)."""
     pairs = _write_pairs(tmp_path / "pairs.jsonl", 80)
     common = [
         *(o for o in FAST if not o.startswith(("train.seq_len", "model="))),
@@ -849,6 +850,7 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
     )
     pp = ["parallel.pp=2", "parallel.dp_shard=1"]
     precomputed = ["preference.reference=precomputed"]
+    saves = ["checkpoint.enabled=true", "checkpoint.interval=5", "checkpoint.keep_last=0"]
     layouts = {
         "fsdp_full": ("full", [*full, "parallel.dp_shard=2"]),
         "tp_full": (
@@ -862,10 +864,10 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
         "cp_full": ("full", [*full, "parallel.cp=2", "parallel.dp_shard=1"]),
         # the reference's pipeline forward first, then the policy's step: the copy's stages, or
         # the policy's own with the adapters off
-        "pp_full": ("full", [*full, *pp]),
+        "pp_full": ("full", [*full, *pp, *saves]),
         "pp_lora": ("lora", [*lora, *pp, "parallel.pp_schedule=gpipe"]),
         # the reference's sums taken in one pass before the first step, by the untrained policy
-        "fsdp_precomputed": ("full", [*full, *precomputed, "parallel.dp_shard=2"]),
+        "fsdp_precomputed": ("full", [*full, *precomputed, "parallel.dp_shard=2", *saves]),
         "pp_precomputed": ("full", [*full, *precomputed, *pp]),
         "cp_precomputed": ("full", [*full, *precomputed, "parallel.cp=2", "parallel.dp_shard=1"]),
         "ep_moe": ("moe", [*moe, "parallel.dp_shard=2", "parallel.ep=2"]),
@@ -873,10 +875,37 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
         "ep_hf_moe": ("hf_moe", [*hf_moe, "parallel.dp_shard=2", "parallel.ep=2"]),
         "pp_hf_moe": ("hf_moe", [*hf_moe, *pp]),
     }
-    runs = train_in_one_group(
-        [(tmp_path / name, overrides) for name, (_, overrides) in layouts.items()], 2
-    )
-    for run, (name, (of, _)) in zip(runs, layouts.items()):
+    # after the runs they resume (a group's jobs run one after another): the step-5 checkpoint of
+    # (the run, under these overrides)
+    resumed = {
+        "resumed_pp_full": ("pp_full", [*full, *pp]),
+        # the pass again, by a frozen copy, and the checkpoint resharded onto another mesh
+        "resumed_precomputed_as_pp": ("fsdp_precomputed", [*full, *precomputed, *pp]),
+    }
+    jobs = [(tmp_path / name, overrides) for name, (_, overrides) in layouts.items()]
+    jobs += [
+        (
+            tmp_path / name,
+            [
+                *o,
+                "checkpoint.enabled=true",
+                f"checkpoint.resume={tmp_path / saved / 'checkpoints' / 'step-00000005'}",
+            ],
+        )
+        for name, (saved, o) in resumed.items()
+    ]
+    runs = dict(zip([*layouts, *resumed], train_in_one_group(jobs, 2)))
+    for name, (saved, _) in resumed.items():
+        # steps 6-10, exactly those of the run that saved (the same layout), or on its curve
+        ours = {m["step"]: m for m in runs[name].metrics}
+        theirs = {m["step"]: m for m in runs[saved].metrics}
+        assert sorted(ours) == [6, 7, 8, 9, 10], (name, ours)
+        exact = name == "resumed_pp_full"
+        for step, record in ours.items():
+            for key in ("loss", *METRICS):
+                diff = abs(record[key] - theirs[step][key])
+                assert diff == 0 if exact else diff < 1e-4, (name, step, key, record, theirs)
+    for run, (name, (of, _)) in zip(runs.values(), layouts.items()):
         reference = one[of]
         assert_follows(reference, run, name)
 

@@ -298,3 +298,32 @@ def test_known_harmless_library_warnings_are_dropped_and_the_rest_kept():
         finally:
             logger.removeHandler(seen)
         assert (not seen.records) == dropped, (name, message)
+
+
+def test_a_checkpoints_optimizer_groups_are_kept_by_parameter():
+    """Each pipeline stage holds other parameters: saved by parameter, the stages' group settings
+    are all kept (a checkpoint keeps one object per key: two stages' lists would be one key, one
+    stage's list winning), and each stage reads back its own groups with its own settings."""
+    from composer3d.optim.build import groups_by_parameter, groups_of_this_rank
+
+    def stage(names: list[list[str]], lr: float) -> dict:
+        groups = [
+            {"lr": lr, "weight_decay": wd, "params": group} for group, wd in zip(names, (0.1, 0.0))
+        ]
+        return {"state": {n: {"step": 3} for g in names for n in g}, "param_groups": groups}
+
+    first = stage([["embed.weight", "layers.0.w"], ["layers.0.norm"]], 1e-3)
+    last = stage([["layers.1.w", "output.weight"], ["norm.weight"]], 2e-3)
+    saved = {}  # what both stages' keys make together
+    for own in (first, last):
+        by_parameter = groups_by_parameter(own)
+        saved.setdefault("param_groups", {}).update(by_parameter["param_groups"])
+        saved.setdefault("state", {}).update(by_parameter["state"])
+    for own in (first, last):
+        assert groups_of_this_rank(saved, own)["param_groups"] == own["param_groups"]
+    # a stage with no parameter in a group keeps that group's own settings
+    lone = stage([["layers.1.w"], []], 5e-4)
+    assert groups_of_this_rank(saved, lone)["param_groups"] == [
+        {**last["param_groups"][0], "params": ["layers.1.w"]},
+        lone["param_groups"][1],
+    ]

@@ -102,15 +102,19 @@ class Checkpointer:
 
     # -- state
 
-    def _state_dict(self, model_only: bool, saving: bool = False) -> dict:
+    def _state_dict(
+        self, model_only: bool, saving: bool = False, format_version: int = FORMAT_VERSION
+    ) -> dict:
         """``saving``: ZeRO-1's fp32 masters in place of the parameters rounded to a narrower gather
-        dtype; a load writes into the parameters themselves (``_masters_from_params``)."""
+        dtype; a load writes into the parameters themselves (``_masters_from_params``).
+        ``format_version``: the checkpoint's (a load's), 1 with the optimizer's groups as one
+        list."""
         t = self.trainer
         state = {"model": model_state(t.model)}
         if saving and t.sharder is not None:
             state["model"] = t.sharder.with_masters(state["model"])
         if not model_only:
-            state["optim"] = t.optimizer_state_dict()
+            state["optim"] = t.optimizer_state_dict(by_parameter=format_version >= 2)
         return state
 
     def _meta(self, step: int, model_only: bool) -> dict:
@@ -366,7 +370,7 @@ class Checkpointer:
         # First, before the expensive read: a changed corpus, seq_len or seed is a config problem,
         # not a bad file.
         t.loader.load_state_dict(meta["data"])
-        state = self._state_dict(model_only=False)
+        state = self._state_dict(model_only=False, format_version=meta["format"])
         dcp.load(state, storage_reader=SafeFileSystemReader(path))
         set_model_state(t.model, state["model"])
         _masters_from_params(t)

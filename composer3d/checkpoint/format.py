@@ -67,7 +67,10 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0][:200]}" if text else type(error).__name__
 
 
-FORMAT_VERSION = 1
+# 2: the optimizer's parameter groups saved by parameter (``optim.build.groups_by_parameter``); 1:
+# as one list, which under pipeline parallel each stage wrote whole (resumed under PP, read as is)
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 META_FILE = "composer3d.json"
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -117,8 +120,10 @@ class SafeFileSystemReader(FileSystemReader):
 
 def read_meta(path: Path) -> dict:
     meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not {FORMAT_VERSION}")
+    if meta.get("format") not in READABLE_FORMATS:
+        raise ValueError(
+            f"{path}: checkpoint format {meta.get('format')} is not one of {READABLE_FORMATS}"
+        )
     return meta
 
 

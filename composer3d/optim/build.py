@@ -297,3 +297,28 @@ def _plain(value):
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def groups_by_parameter(state: dict) -> dict:
+    """An FQN-keyed optimizer state dict with its parameter groups' settings keyed by parameter
+    ({fqn: settings}) instead of a list of groups: a checkpoint stores a list as one object, which
+    the ranks of a pipeline (each stage with other parameters) would each write whole, one of them
+    winning, and the other stages would then read groups that hold none of their parameters."""
+    groups = {
+        name: {k: v for k, v in group.items() if k != "params"}
+        for group in state["param_groups"]
+        for name in group["params"]
+    }
+    return {**state, "param_groups": groups}
+
+
+def groups_of_this_rank(state: dict, own: dict) -> dict:
+    """``groups_by_parameter``'s inverse on this rank: its own groups (``own``: its optimizer's
+    state dict, in the same names), each with the saved settings of its first parameter (a group
+    with no parameter here keeps its own)."""
+    saved = state["param_groups"]
+    groups = [
+        {**(saved[group["params"][0]] if group["params"] else group), "params": group["params"]}
+        for group in own["param_groups"]
+    ]
+    return {**state, "param_groups": groups}

@@ -43,6 +43,8 @@ from composer3d.memory.tiling import tiled_head_loss
 from composer3d.optim.build import (
     build_optimizer,
     configured_settings,
+    groups_by_parameter,
+    groups_of_this_rank,
     restore_configured_settings,
     with_configured_kernels,
 )
@@ -503,16 +505,20 @@ class Trainer:
         held = self.sharder.gradient_bytes() + self.sharder.master_bytes() if self.sharder else 0
         return model_state_bytes(self.model, self.optimizer, held)
 
-    def optimizer_state_dict(self) -> dict:
+    def optimizer_state_dict(self, by_parameter: bool = True) -> dict:
         """FQN-keyed optimizer state, the same form whatever the layout (what DCP saves and
-        re-shards)."""
+        re-shards); ``by_parameter``: its groups' settings too (``groups_by_parameter``; False:
+        as checkpoints of format 1 hold them)."""
         if self.sharder:
             state = self.sharder.state_dict(self.optimizer, self.param_names)
         else:
             state = get_optimizer_state_dict(self.model, self.optimizer)
-        return optimizer_to_checkpoint_names(self.model, state)
+        state = optimizer_to_checkpoint_names(self.model, state)
+        return groups_by_parameter(state) if by_parameter else state
 
     def load_optimizer_state_dict(self, state: dict) -> None:
+        if isinstance(state["param_groups"], dict):  # by parameter
+            state = groups_of_this_rank(state, self.optimizer_state_dict(by_parameter=False))
         state = with_configured_kernels(
             self.optimizer, optimizer_from_checkpoint_names(self.model, state)
         )
