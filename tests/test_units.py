@@ -321,6 +321,8 @@ def test_a_checkpoints_optimizer_groups_are_kept_by_parameter():
         saved.setdefault("state", {}).update(by_parameter["state"])
     for own in (first, last):
         assert groups_of_this_rank(saved, own)["param_groups"] == own["param_groups"]
+    # each parameter's settings one stored object (a list a checkpoint does not take apart)
+    assert all(isinstance(v, list) for v in saved["param_groups"].values())
     # a stage with no parameter in a group keeps that group's own settings
     lone = stage([["layers.1.w"], []], 5e-4)
     assert groups_of_this_rank(saved, lone)["param_groups"] == [

@@ -301,11 +301,12 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def groups_by_parameter(state: dict) -> dict:
     """An FQN-keyed optimizer state dict with its parameter groups' settings keyed by parameter
-    ({fqn: settings}) instead of a list of groups: a checkpoint stores a list as one object, which
-    the ranks of a pipeline (each stage with other parameters) would each write whole, one of them
-    winning, and the other stages would then read groups that hold none of their parameters."""
+    instead of a list of groups: a checkpoint stores a list as one object, which the ranks of a
+    pipeline (each stage with other parameters) would each write whole, one of them winning, and
+    the other stages would then read groups that hold none of their parameters. Each parameter's
+    settings are one list of (key, value) pairs: one stored object (a dict would be one a key)."""
     groups = {
-        name: {k: v for k, v in group.items() if k != "params"}
+        name: [[k, v] for k, v in sorted(group.items()) if k != "params"]
         for group in state["param_groups"]
         for name in group["params"]
     }
@@ -318,7 +319,10 @@ def groups_of_this_rank(state: dict, own: dict) -> dict:
     with no parameter here keeps its own)."""
     saved = state["param_groups"]
     groups = [
-        {**(saved[group["params"][0]] if group["params"] else group), "params": group["params"]}
+        {
+            **(dict(saved[group["params"][0]]) if group["params"] else group),
+            "params": group["params"],
+        }
         for group in own["param_groups"]
     ]
     return {**state, "param_groups": groups}
