@@ -67,6 +67,27 @@ def _write_pairs(path: Path, count: int) -> Path:
     return path
 
 
+def _write_conversations(path: Path, count: int) -> Path:
+    """TRL's conversational form: a prompt of messages (a system message in some, a second turn in
+    others), each reply one assistant message."""
+    with open(path, "w") as f:
+        for i in range(count):
+            prompt = [{"role": "system", "content": "answer briefly"}] if i % 3 == 0 else []
+            prompt.append({"role": "user", "content": _phrase(i, 2 + i % 3)})
+            if i % 4 == 1:
+                prompt += [
+                    {"role": "assistant", "content": _phrase(i + 1, 2)},
+                    {"role": "user", "content": _phrase(i + 2, 1)},
+                ]
+            row = {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": _phrase(i + 3, 1 + i % 3)}],
+                "rejected": [{"role": "assistant", "content": _phrase(i + 7, 1 + (i * 2) % 4)}],
+            }
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def compose_cfg():
     register_configs()
@@ -383,6 +404,55 @@ def _assert_equals_trls_dpo(compose_cfg, models, pairs_file, loss_type: str) -> 
     )
     _assert_same(ours, theirs, loss_type)
     assert 0 < ours[2]["rewards/accuracies"] < 1, "the pairs disagree: the strict > matters"
+
+
+def test_parquet_rows_read_as_their_jsonl(compose_cfg, models, pairs_file, tmp_path):
+    """The same rows, text or conversations, as .parquet (datasets' writer): the same pairs."""
+    from datasets import Dataset
+
+    cfg = _hf_cfg(compose_cfg, models["policy"], pairs_file)
+    tokenizer = build_tokenizer(cfg.data, cfg.model)
+
+    def ids(path: Path) -> list[list[list[int]]]:
+        pairs = tokenize_pairs(preference_rows([str(path)]), tokenizer, 0)
+        return [[p.prompt.tolist(), p.chosen.tolist(), p.rejected.tolist()] for p in pairs]
+
+    for jsonl in (pairs_file, _write_conversations(tmp_path / "conversations.jsonl", 6)):
+        rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+        parquet = tmp_path / f"{jsonl.stem}.parquet"
+        Dataset.from_list(rows).to_parquet(parquet)
+        assert len(ids(jsonl)) == len(rows) and ids(jsonl) == ids(parquet), jsonl.stem
+
+
+def test_conversations_tokenize_and_train_as_trls(trl, compose_cfg, models, tmp_path):
+    """TRL's conversational form through the chat template: the prompt's, chosen's and rejected's
+    token ids are those TRL's DPOTrainer makes of the same rows (its own dataset preparation), and
+    the loss, gradients and metrics TRL's on them."""
+    from accelerate import Accelerator
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOTrainer
+
+    conversations = _write_conversations(tmp_path / "conversations.jsonl", 12)
+    cfg = _hf_cfg(compose_cfg, models["policy"], conversations)
+    ours = tokenize_pairs(
+        preference_rows([str(conversations)]), build_tokenizer(cfg.data, cfg.model), 0
+    )
+    tokenizer = AutoTokenizer.from_pretrained(models["policy"])
+    Accelerator(cpu=True)  # TRL's preparation asks accelerate's process state
+    theirs = DPOTrainer._prepare_dataset(
+        types.SimpleNamespace(_tokenizer=tokenizer),
+        Dataset.from_list([json.loads(line) for line in conversations.read_text().splitlines()]),
+        tokenizer,
+        types.SimpleNamespace(dataset_num_proc=None, max_length=None, truncation_mode="keep_start"),
+        "train",
+    )
+    assert len(ours) == len(theirs) == 12
+    for pair, row in zip(ours, theirs):
+        assert pair.prompt.tolist() == row["prompt_ids"]
+        assert pair.chosen.tolist() == row["chosen_ids"]
+        assert pair.rejected.tolist() == row["rejected_ids"]
+    _assert_equals_trls_dpo(compose_cfg, models, conversations, "sigmoid")
 
 
 @pytest.mark.parametrize(
@@ -752,22 +822,34 @@ def test_what_dpo_does_not_run_is_refused_naming_the_key(
     assert message.startswith(key + ": ") and fragment in message, message
 
 
+CONVERSATION = {
+    "prompt": [{"role": "user", "content": "hi"}],
+    "chosen": [{"role": "assistant", "content": "a"}],
+    "rejected": [{"role": "assistant", "content": "b"}],
+}
+
+
 @pytest.mark.parametrize(
-    "row, fragment",
+    "rows, key, fragment",
     [
+        # model=tiny's byte-level tokenizer has no chat template to render them
+        ([CONVERSATION], "data.tokenizer", "byte-level tokenizer has none"),
+        ([{"prompt": "hi", "chosen": "a"}], "data.format", "rejected: NoneType"),
+        ([{**CONVERSATION, "chosen": "a"}], "data.format", "chosen: str"),
         (
-            {"prompt": [{"role": "user", "content": "hi"}], "chosen": "a", "rejected": "b"},
-            "conversation",
+            [{"prompt": "hi", "chosen": "a", "rejected": "b"}, CONVERSATION],
+            "data.paths",
+            "mix text and conversational",
         ),
-        ({"prompt": "hi", "chosen": "a"}, "no text 'rejected'"),
+        ([{**CONVERSATION, "tools": [{"name": "f"}]}], "data.format", "['tools']"),
     ],
-    ids=["conversational", "no_rejected"],
+    ids=["conversations_without_template", "no_rejected", "mixed_row", "mixed_rows", "tools"],
 )
 def test_the_command_refuses_rows_it_cannot_read_before_any_worker(
-    monkeypatch, capfd, tmp_path, row, fragment
+    monkeypatch, capfd, tmp_path, rows, key, fragment
 ):
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text(json.dumps(row) + "\n")
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
     overrides = [o for o in DPO if not o.startswith("data.paths")]
     run = train_command(
         monkeypatch,
@@ -781,7 +863,7 @@ def test_the_command_refuses_rows_it_cannot_read_before_any_worker(
     assert run.returncode == 2 and run.output.count(PREFIX) == 1, run.output
     assert "Traceback" not in run.output, run.output
     message = run.output[run.output.index(PREFIX) + len(PREFIX) :]
-    assert message.startswith("data.format: ") and fragment in message, run.output
+    assert message.startswith(key + ": ") and fragment in message, run.output
 
 
 def test_resuming_a_checkpoint_of_another_objective_is_refused(compose_cfg):

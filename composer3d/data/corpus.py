@@ -50,9 +50,10 @@ def check_sources(
     embed; returns the tokenizer."""
     if data_cfg.name == "synthetic":
         return None
+    templated = getattr(data_cfg, "format", "text") == "chat"  # rendered by the chat template
     if data_cfg.name == "text_files":
         if getattr(data_cfg, "format", "text") == "preference":
-            check_preference_files(list(data_cfg.paths))
+            templated = check_preference_files(list(data_cfg.paths))
         elif getattr(data_cfg, "format", "text") == "chat":
             check_files(
                 list(data_cfg.paths),
@@ -62,7 +63,7 @@ def check_sources(
         else:
             check_files(list(data_cfg.paths), data_cfg.text_field, "data.text_field")
     tokenizer = build_tokenizer(data_cfg, model_cfg)
-    if getattr(data_cfg, "format", "text") == "chat" and not tokenizer.has_chat_template:
+    if templated and not tokenizer.has_chat_template:
         source = tokenizer_source(data_cfg, model_cfg)
         where = (
             f"the tokenizer in {source[1]}={source[0]!r} has none"
@@ -70,9 +71,9 @@ def check_sources(
             else "the byte-level tokenizer has none"
         )
         raise ConfigError(
-            "data.tokenizer: data.format=chat renders conversations with the tokenizer's chat "
-            f"template, and {where}. Set data.tokenizer to a Hugging Face tokenizer directory "
-            "whose tokenizer_config.json has a chat_template"
+            f"data.tokenizer: data.format={data_cfg.format} renders conversations with the "
+            f"tokenizer's chat template, and {where}. Set data.tokenizer to a Hugging Face "
+            "tokenizer directory whose tokenizer_config.json has a chat_template"
         )
     if tokenizer.vocab_size > model_vocab_size:
         raise ConfigError(

@@ -1,10 +1,10 @@
 """Preference pairs (``data.format=preference``, ``train.objective=dpo``): tokenized and packed
 whole into training rows.
 
-The rows (``sources.preference_rows``) are TRL's standard (non-conversational) preference format:
-.jsonl or .parquet rows with ``prompt``, ``chosen`` and ``rejected`` text. Each piece is tokenized
-on its own (no special tokens added), and each completion gets the end-of-sequence token, as TRL
-appends to text completions; the completions' tokens are the targets, the prompt's are not.
+The rows (``sources.preference_rows``) are TRL's preference formats: .jsonl or .parquet rows with
+``prompt``, ``chosen`` and ``rejected`` text (standard: ``text_pair``), or lists of messages
+(conversational: ``conversation_pair``, through the tokenizer's chat template). The completions'
+tokens are the targets, the prompt's are not.
 
 A pair is two documents, prompt + chosen and prompt + rejected, and both go into the same row of
 train.seq_len + 1 tokens (inputs and shifted targets), several pairs to a row where they fit
@@ -52,28 +52,62 @@ def max_pairs_per_row(seq_len: int) -> int:
     return max(1, (seq_len + 1) // PAIR_MIN_TOKENS)
 
 
-def tokenize_pairs(rows: Iterator[tuple[str, str, str]], tokenizer, max_tokens: int) -> list[Pair]:
-    """Each row's pieces tokenized apart, the completions ending in the end-of-sequence token, until
-    the pairs take ``max_tokens`` in rows (0: all). A prompt of no tokens is refused: its
-    completion's first token would have nothing to be predicted from."""
+def tokenize_pairs(rows: Iterator[tuple], tokenizer, max_tokens: int) -> list[Pair]:
+    """Each row's pair (``text_pair`` or ``conversation_pair``), until the pairs take
+    ``max_tokens`` in rows (0: all). A prompt of no tokens is refused: its completion's first token
+    would have nothing to be predicted from; so is a completion of none."""
     eos = torch.tensor([tokenizer.eos_id], dtype=torch.int64)
     pairs, total = [], 0
     for number, (prompt, chosen, rejected) in enumerate(rows):
         if max_tokens and total >= max_tokens:
             break
-        pair = Pair(
-            tokenizer.encode(prompt),
-            torch.cat([tokenizer.encode(chosen), eos]),
-            torch.cat([tokenizer.encode(rejected), eos]),
-        )
+        if isinstance(prompt, str):
+            pair = text_pair(tokenizer, eos, prompt, chosen, rejected)
+        else:
+            pair = conversation_pair(tokenizer, prompt, chosen, rejected)
         if pair.prompt.numel() == 0:
             raise ConfigError(
                 f"data.paths: the prompt of preference row {number} is empty. Give every row a "
                 "prompt (its completions are predicted from it)"
             )
+        if min(pair.chosen.numel(), pair.rejected.numel()) == 0:
+            raise ConfigError(
+                f"data.paths: a completion of preference row {number} is no token past its "
+                "prompt. Give every row a chosen and a rejected reply"
+            )
         pairs.append(pair)
         total += pair.tokens
     return pairs
+
+
+def text_pair(tokenizer, eos: torch.Tensor, prompt: str, chosen: str, rejected: str) -> Pair:
+    """TRL's standard form: each piece tokenized on its own (no special tokens added), each
+    completion ending in the end-of-sequence token, as TRL appends it to text completions."""
+    return Pair(
+        tokenizer.encode(prompt),
+        torch.cat([tokenizer.encode(chosen), eos]),
+        torch.cat([tokenizer.encode(rejected), eos]),
+    )
+
+
+def conversation_pair(tokenizer, prompt: list, chosen: list, rejected: list) -> Pair:
+    """TRL's conversational form, as its DPOTrainer tokenizes it: the chat template of the prompt
+    with the generation prompt, and of the prompt with each reply; each completion starts where
+    the prompt's tokens and its conversation's part (usually right after the prompt: a template
+    that renders a prompt alone otherwise, or tokens merging across the boundary, start it
+    earlier), and ends as the template ends the reply (no token added)."""
+    asked = tokenizer.encode(tokenizer.render_chat(prompt, add_generation_prompt=True))
+    sides = [
+        tokenizer.encode(tokenizer.render_chat(prompt + reply)) for reply in (chosen, rejected)
+    ]
+    shared = min(_common_prefix(asked, side) for side in sides)
+    return Pair(asked[:shared], sides[0][shared:], sides[1][shared:])
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
 
 
 @dataclass

@@ -290,15 +290,16 @@ def chat_conversations(paths: list[str], messages_field: str) -> Iterator[list[d
 
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
-_CONVERSATIONAL = (
-    "this version reads TRL's standard text form only (the conversational form, lists of "
-    "messages, is not supported yet). Render the conversations to text first"
+_FORMATS = (
+    "rows in TRL's preference format: text in each of prompt, chosen and rejected, or "
+    "conversations (lists of {role, content} messages: the prompt's, and each reply's)"
 )
 
 
-def check_preference_files(paths: list[str]) -> None:
-    """Refuse, before any worker starts, files that are not .jsonl/.parquet or whose first rows lack
-    a text ``prompt``, ``chosen`` or ``rejected`` (conversations: refused, ``_CONVERSATIONAL``)."""
+def check_preference_files(paths: list[str]) -> bool:
+    """Refuse, before any worker starts, files that are not .jsonl/.parquet or whose first rows do
+    not hold TRL's standard or conversational preference format; returns whether they hold
+    conversations (rendered by the tokenizer's chat template)."""
     files = expand(paths)
     kind = file_kind(files)
     if kind == "text":
@@ -307,65 +308,94 @@ def check_preference_files(paths: list[str]) -> None:
             f".parquet row, and data.paths gives .txt files ({files[0]}). Give .jsonl/.parquet "
             "files"
         )
+    forms = set()
     for file in files:
         if kind == "json":
             for number, row in _json_lines(file, SNIFF_ROWS):
-                _check_preference_row(row, f"{file} line {number}")
+                forms.add(_preference_form(row, f"{file} line {number}"))
         else:
-            _check_preference_columns(file)
+            forms.add(_preference_columns_form(file))
+    if len(forms) > 1:
+        raise ConfigError(
+            f"data.paths: {paths} mix text and conversational preference rows. Give files of one "
+            "form"
+        )
+    return forms == {"conversational"}
 
 
-def _check_preference_row(row: dict, where: str) -> None:
-    for column in PREFERENCE_COLUMNS:
-        value = row.get(column)
-        if isinstance(value, list):
-            raise ConfigError(
-                f"data.format: {where} holds a conversation in {column!r}: {_CONVERSATIONAL}"
-            )
-        if not isinstance(value, str):
-            raise ConfigError(
-                f"data.format: {where} has no text {column!r} (fields: {sorted(row)}): preference "
-                f"rows hold text in {PREFERENCE_COLUMNS}. Give rows in TRL's preference format"
-            )
+# TRL's columns that change how a row renders, which composer3d does not read yet
+_UNREAD_COLUMNS = ("tools", "chat_template_kwargs", "images")
 
 
-def _check_preference_columns(file: str) -> None:
+def _refuse_unread(columns, where: str) -> None:
+    unread = [c for c in _UNREAD_COLUMNS if c in columns]
+    if unread:
+        raise ConfigError(
+            f"data.format: {where} has {unread}, which would change how TRL renders its rows and "
+            "which composer3d does not read yet. Drop those columns (or render the rows to text "
+            "first)"
+        )
+
+
+def _preference_form(row: dict, where: str) -> str:
+    """``row``'s form, text or conversational (ConfigError if neither, or mixed)."""
+    _refuse_unread([k for k, v in row.items() if v is not None], where)
+    values = [row.get(column) for column in PREFERENCE_COLUMNS]
+    if all(isinstance(v, str) for v in values):
+        return "text"
+    if all(isinstance(v, list) for v in values):
+        for column, messages in zip(PREFERENCE_COLUMNS, values):
+            conversation(messages, f"{where} ({column!r})", "data.format")
+        return "conversational"
+    raise ConfigError(
+        f"data.format: {where} does not hold {_FORMATS} (fields: {sorted(row)}, "
+        f"{', '.join(f'{c}: {type(v).__name__}' for c, v in zip(PREFERENCE_COLUMNS, values))})"
+    )
+
+
+def _preference_columns_form(file: str) -> str:
     import pyarrow as pa
 
     schema = _parquet_schema(file)
-    for column in PREFERENCE_COLUMNS:
-        kind = schema.field(column).type if column in schema.names else None
-        if kind is not None and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
-            raise ConfigError(
-                f"data.format: the column {column!r} of {file} holds conversations: "
-                f"{_CONVERSATIONAL}"
-            )
-        if kind is None or not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-            raise ConfigError(
-                f"data.format: {file} has no text column {column!r} (columns: {schema.names}): "
-                f"preference rows hold text in {PREFERENCE_COLUMNS}. Give rows in TRL's preference "
-                "format"
-            )
+    _refuse_unread(schema.names, file)
+    kinds = [schema.field(c).type if c in schema.names else None for c in PREFERENCE_COLUMNS]
+    if all(k is not None and (pa.types.is_string(k) or pa.types.is_large_string(k)) for k in kinds):
+        return "text"
+    if all(k is not None and (pa.types.is_list(k) or pa.types.is_large_list(k)) for k in kinds):
+        return "conversational"
+    raise ConfigError(f"data.format: {file} does not hold {_FORMATS} (columns: {schema.names})")
 
 
-def preference_rows(paths: list[str]) -> Iterator[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) of every row of ``paths``, in file order (each value checked)."""
+def preference_rows(paths: list[str]) -> Iterator[tuple]:
+    """(prompt, chosen, rejected) of every row of ``paths``, in file order (each value checked):
+    texts, or conversations."""
     files = expand(paths)
     columns = [_load_rows(files, column, "data.format") for column in PREFERENCE_COLUMNS]
     for number, row in enumerate(zip(*columns)):
-        _check_preference_row(dict(zip(PREFERENCE_COLUMNS, row)), f"row {number} of {paths}")
-        yield row
+        where = f"row {number} of {paths}"
+        if _preference_form(dict(zip(PREFERENCE_COLUMNS, row)), where) == "text":
+            yield row
+        else:
+            yield tuple(
+                conversation(m, f"{where} ({c!r})", "data.format")
+                for c, m in zip(PREFERENCE_COLUMNS, row)
+            )
 
 
-def conversation(messages, where: str) -> list[dict]:
+def conversation(messages, where: str, key: str = "data.messages_field") -> list[dict]:
     """A row's messages, checked to be a list of {role, content}, without the keys it does not
-    fill."""
+    fill; ConfigError naming ``key``."""
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages
     ):
+        fix = (
+            "Point data.messages_field at such a list"
+            if key == "data.messages_field"
+            else "Give lists of such messages"
+        )
         raise ConfigError(
-            f"data.messages_field: {where} holds {str(messages)[:200]!r}, not a list of {{role, "
-            "content} messages. Point data.messages_field at such a list"
+            f"{key}: {where} holds {str(messages)[:200]!r}, not a list of {{role, content}} "
+            f"messages. {fix}"
         )
     # Rows of one file share a schema: drop the keys another message filled and this one lacks
     # (None), so the template's `is defined` tests see each message as it was written.
