@@ -890,12 +890,13 @@ def test_resuming_a_checkpoint_of_another_objective_is_refused(compose_cfg):
 
 
 def test_dpo_follows_one_process_under_every_layout(tmp_path):
-    """Full DPO (a frozen copy as the reference) under FSDP, DDP, TP + SP, cp and PP, LoRA DPO
-    against its base (adapters off) under FSDP and PP, QLoRA's under FSDP, DPO against precomputed
-    reference log-probabilities under FSDP, PP and cp, and mixtures of experts (composer3d's, and a
-    Hugging Face Qwen3-MoE) under EP × FSDP and PP, each on the one-process curve (a frozen copy's
-    for the precomputed) over 10 steps; the metrics too. Resumed from step 5: exact under the same
-    layout, on the curve under another (precomputed: the pass taken again by a frozen copy)."""
+    """Full DPO (a frozen copy as the reference) under FSDP, DDP, HSDP, TP + SP, cp and PP, LoRA
+    DPO against its base (adapters off) under FSDP, PP and PP × FSDP, QLoRA's under FSDP, DPO
+    against precomputed reference log-probabilities under FSDP, PP and cp, and mixtures of experts
+    (composer3d's, and a Hugging Face Qwen3-MoE) under EP × FSDP and PP, each on the one-process
+    curve (a frozen copy's for the precomputed) over 10 steps; the metrics too. Resumed from step
+    5: exact under the same layout, on the curve under another (precomputed: the pass taken again
+    by a frozen copy)."""
     pairs = _write_pairs(tmp_path / "pairs.jsonl", 80)
     common = [
         *(o for o in FAST if not o.startswith(("train.seq_len", "model="))),
@@ -977,6 +978,18 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
         for name, (saved, o) in resumed.items()
     ]
     runs = dict(zip([*layouts, *resumed], train_in_one_group(jobs, 2)))
+    # on 4 ranks: the replicas' and the shards' mesh together, and a pipeline of sharded stages
+    on_four = {
+        "hsdp_full": ("full", [*full, "parallel.dp_replicate=2", "parallel.dp_shard=2"]),
+        "pp_fsdp_lora": ("lora", [*lora, "parallel.pp=2", "parallel.dp_shard=2"]),
+    }
+    runs |= dict(
+        zip(
+            on_four,
+            train_in_one_group([(tmp_path / n, o) for n, (_, o) in on_four.items()], 4),
+        )
+    )
+    layouts |= on_four
     for name, (saved, _) in resumed.items():
         # steps 6-10, exactly those of the run that saved (the same layout), or on its curve
         ours = {m["step"]: m for m in runs[name].metrics}
@@ -987,7 +1000,8 @@ def test_dpo_follows_one_process_under_every_layout(tmp_path):
             for key in ("loss", *METRICS):
                 diff = abs(record[key] - theirs[step][key])
                 assert diff == 0 if exact else diff < 1e-4, (name, step, key, record, theirs)
-    for run, (name, (of, _)) in zip(runs.values(), layouts.items()):
+    for name, (of, _) in layouts.items():
+        run = runs[name]
         reference = one[of]
         assert_follows(reference, run, name)
 
