@@ -900,15 +900,22 @@ def _dpo_rank(tmp_path: Path, *layout: str):
     return cfg, estimate(Workload.from_config(cfg), candidate_from_config(cfg, 2), cluster), cluster
 
 
-def test_a_dpo_rank_measured_here_meets_the_planner_with_its_reference_copy(tmp_path):
+@pytest.mark.parametrize("reference", ["copy", "precomputed"])
+def test_a_dpo_rank_measured_here_meets_the_planner_with_its_reference(tmp_path, reference):
     """plan.measure of a DPO rank, in this process (rank 0 of FSDP 2 under ZeRO-2, torch's fake
     backend): the frozen copy's shards count in its model state, and in its peak what the copy's
     forward leaves gathered (every parameter, in the compute dtype: FSDP reshards them in backward
     only); both meet the planner's at the bars above (model state within 2%, the peak within 15%:
-    measured 1.05× the prediction, 1.30× without the copy's terms)."""
+    measured 1.05× the prediction, 1.30× without the copy's terms). With precomputed reference
+    log-probabilities a step holds no copy, and the measure takes no pass over the data."""
     from composer3d.plan.measure import comparison, measure_rank
 
-    cfg, e, cluster = _dpo_rank(tmp_path, "parallel.dp_shard=2", "parallel.zero_stage=2")
+    cfg, e, cluster = _dpo_rank(
+        tmp_path,
+        "parallel.dp_shard=2",
+        "parallel.zero_stage=2",
+        f"preference.reference={reference}",
+    )
     result = comparison(measure_rank(cfg, 2, 0, 1), e, cluster)
     measured, predicted = result["measured"], result["predicted"]
     assert _rel(measured["model_state_bytes"], predicted["model_state_bytes"]) < 0.02, result

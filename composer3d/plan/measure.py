@@ -126,6 +126,11 @@ def measure_rank(cfg: TrainConfig, world_size: int, rank: int, steps: int) -> Ra
         )
         mesh = ParallelMesh(layout, device.type)
         trainer = Trainer(cfg, mesh, device, sequences, static_pipeline=True)
+        if trainer.preference is not None and trainer.preference.pending_pass is not None:
+            # preference.reference=precomputed: its pass over the data runs before the first step
+            # and is no step's, so it is not run here (the sums it would give: zeros)
+            sequences.reference = torch.zeros(int(sequences.pairs.sum()), 2)
+            trainer.preference.pending_pass = None
         tracker = PeakTracker()
         # DPO's frozen copy, tracked now (its shards, before its forward leaves part of it gathered
         # in their place) and after the warm-up (what it left gathered)

@@ -172,7 +172,8 @@ class PreferenceObjective:
         # Under PP: the schedule that runs the reference, and the step's rows the loss looks up
         self.reference_schedule = None
         self._step_rows: _StepRows | None = None
-        # precomputed: the pass over the data still to run before the first step (``precompute``)
+        # precomputed: the pass over the data still to run before the first step (the trainer's
+        # ``_precompute_reference``)
         self.pending_pass: _ReferencePass | None = None
         if self.pref.loss_type == "simpo":  # reference-free
             return
@@ -373,7 +374,8 @@ def _frozen_copy(
     copy.model.requires_grad_(False)
     copy.model.eval()
     log.info(
-        "preference.reference=copy: a frozen copy of the initial policy, %s on this rank",
+        "preference.reference=%s: a frozen copy of the initial policy, %s on this rank",
+        cfg.preference.reference,
         human_bytes(sum(local_bytes(p) for p in copy.model.parameters())),
     )
     return copy
