@@ -118,6 +118,22 @@ def test_eval_file_too_short_is_a_config_error(tmp_path):
     )
 
 
+def test_a_v_shaped_pipeline_schedule_is_refused_before_any_worker(tmp_path):
+    """torch's V-shaped schedules run nothing forward only, which evaluation under PP is."""
+    (tmp_path / "held_out.txt").write_text("def f(x):\n    return x + 1\n" * 60)
+    proc = command_output(
+        "composer3d.commands.evaluate",
+        *EVAL,
+        "parallel.pp=2",
+        "parallel.pp_schedule=zbv",
+        "model.n_layers=4",
+        f"eval.path={tmp_path / 'held_out.txt'}",
+        "launch.nproc_per_node=2",
+    )
+    assert proc.returncode == 2 and proc.stderr.count("invalid configuration") == 1
+    assert "parallel.pp_schedule: composer3d-eval runs the pipeline forward only" in proc.stderr
+
+
 def test_eval_every_during_training_and_eval_of_its_checkpoint(tmp_path):
     valid = tmp_path / "valid.txt"
     valid.write_text("def f(x):\n    return x + 1\n" * 60)

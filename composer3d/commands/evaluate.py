@@ -46,6 +46,7 @@ from composer3d.launch import distributed
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.mesh import Layout, ParallelMesh
+from composer3d.parallel.pipeline.schedules import runs_forward_only
 from composer3d.peft.base import build_with_adapters, checkpoint_base
 from composer3d.training import console
 from composer3d.training.trainer import Trainer
@@ -172,6 +173,14 @@ def _settle(cfg: DictConfig) -> None:
 
 def _check(cfg: DictConfig) -> None:
     layout = validate(cfg, cfg.launch.nproc_per_node)
+    schedule = cfg.parallel.pp_schedule
+    if layout.pp > 1 and not runs_forward_only(schedule):
+        raise ConfigError(
+            f"parallel.pp_schedule: composer3d-eval runs the pipeline forward only, which torch's "
+            f"{schedule} cannot (its plan passes each micro-batch's input gradient between the two "
+            "stages of a rank, backward or not). Use another schedule (1f1b, interleaved_1f1b, …): "
+            "a checkpoint loads under any layout"
+        )
     check_weights_source(cfg)
     check_checkpoint_model(cfg)
     MODEL_REGISTRY[cfg.model.name].check_forward(cfg.model, layout.tp)
