@@ -46,7 +46,7 @@ from composer3d.launch import distributed
 from composer3d.launch.rank import prepare_rank
 from composer3d.models import MODEL_REGISTRY
 from composer3d.parallel.mesh import Layout, ParallelMesh
-from composer3d.parallel.pipeline.schedules import runs_forward_only
+from composer3d.parallel.pipeline.schedules import forward_only_problem
 from composer3d.peft.base import build_with_adapters, checkpoint_base
 from composer3d.training import console
 from composer3d.training.trainer import Trainer
@@ -173,12 +173,10 @@ def _settle(cfg: DictConfig) -> None:
 
 def _check(cfg: DictConfig) -> None:
     layout = validate(cfg, cfg.launch.nproc_per_node)
-    schedule = cfg.parallel.pp_schedule
-    if layout.pp > 1 and not runs_forward_only(schedule):
+    problem = forward_only_problem(cfg.parallel.pp_schedule, "composer3d-eval")
+    if layout.pp > 1 and problem is not None:
         raise ConfigError(
-            f"parallel.pp_schedule: composer3d-eval runs the pipeline forward only, which torch's "
-            f"{schedule} cannot (its plan passes each micro-batch's input gradient between the two "
-            "stages of a rank, backward or not). Use another schedule (1f1b, interleaved_1f1b, …): "
+            f"parallel.pp_schedule: {problem}. Use another schedule (1f1b, interleaved_1f1b, …): "
             "a checkpoint loads under any layout"
         )
     check_weights_source(cfg)

@@ -19,6 +19,7 @@ the global normalizer of the preference loss.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -209,5 +210,9 @@ class PreferenceSequences:
         batch_rows = torch.repeat_interleave(torch.arange(len(rows)), counts)
         first = torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
         slot = torch.arange(int(counts.sum())) - first
-        offsets = torch.cumsum(self.pairs, 0) - self.pairs
-        return (batch_rows, slot), offsets[rows][batch_rows] + slot
+        return (batch_rows, slot), self._first_pair[rows][batch_rows] + slot
+
+    @functools.cached_property
+    def _first_pair(self) -> torch.Tensor:
+        """Each row's first pair's index among all pairs (once, not for every batch)."""
+        return torch.cumsum(self.pairs, 0) - self.pairs

@@ -549,6 +549,8 @@ class Trainer:
             self.accumulation_steps if self.pipeline is not None else 1
         )
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        if self.pipeline is not None:
+            from composer3d.parallel.pipeline.schedule import forward_only  # see __init__
         count = torch.zeros((), device=self.device, dtype=torch.float64)
         self.model.eval()
         self.evaluating = True
@@ -564,8 +566,6 @@ class Trainer:
                 if self.pipeline is None:
                     loss_sum += self._model_loss(inputs, targets).double()
                     continue
-                from composer3d.parallel.pipeline.schedule import forward_only  # see __init__
-
                 losses: list[torch.Tensor] = []
                 args = (inputs,) if self.runs_first_stage else ()
                 forward_only(self.pipeline, *args, target=targets, losses=losses)

@@ -17,7 +17,7 @@ from composer3d.parallel.pipeline.schedules import SCHEDULES as PP_SCHEDULES
 from composer3d.parallel.pipeline.schedules import (
     V_SHAPED,
     default_stages_per_rank,
-    runs_forward_only,
+    forward_only_problem,
     schedule_problem,
 )
 
@@ -346,12 +346,11 @@ def _check_pipeline(cfg: Any, pp: int, dp: int) -> None:
         "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …) for a tied "
         "model",
     )
+    problem = forward_only_problem(p.pp_schedule, "evaluation (train.eval_every)")
     _require(
-        t.eval_every == 0 or runs_forward_only(p.pp_schedule),
+        t.eval_every == 0 or problem is None,
         "train.eval_every",
-        f"evaluation runs the pipeline forward only, which torch's {p.pp_schedule} cannot: its "
-        "plan passes each micro-batch's input gradient between the two stages of a rank, backward "
-        "or not",
+        problem,
         "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …), or "
         "train.eval_every=0",
     )

@@ -8,7 +8,7 @@ from typing import Any
 
 from composer3d.config.checks.common import _require
 from composer3d.parallel.mesh import Layout
-from composer3d.parallel.pipeline.schedules import runs_forward_only
+from composer3d.parallel.pipeline.schedules import forward_only_problem
 
 OBJECTIVES = ("sft", "dpo")
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo")
@@ -123,13 +123,11 @@ def reference_each_step(cfg: Any) -> str | None:
 
 
 def _check_reference_pipeline(cfg: Any, layout: Layout) -> None:
-    schedule = cfg.parallel.pp_schedule
+    problem = forward_only_problem(cfg.parallel.pp_schedule, "train.objective=dpo's reference")
     _require(
-        layout.pp == 1 or not runs_reference(cfg) or runs_forward_only(schedule),
+        layout.pp == 1 or not runs_reference(cfg) or problem is None,
         "parallel.pp_schedule",
-        f"train.objective=dpo runs its reference model forward only, which torch's {schedule} "
-        "cannot: its plan passes each micro-batch's input gradient between the two stages of a "
-        "rank, backward or not",
+        problem,
         "Use another schedule (1f1b, interleaved_1f1b, interleaved_zero_bubble, …), or "
         "preference.loss_type=simpo (no reference)",
     )

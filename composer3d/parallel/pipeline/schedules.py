@@ -28,11 +28,17 @@ V_SHAPED = (
 
 
 @functools.cache  # the planner asks for each of tens of thousands of candidates
-def runs_forward_only(schedule: str) -> bool:
-    """Whether torch (2.13) can run the schedule's micro-batches through the forward alone
-    (evaluation, a DPO reference's pass): a V-shaped schedule's plan hands each stage's input
-    gradient to the stage before on the same rank, backward or not, and fails without one."""
-    return schedule not in V_SHAPED
+def forward_only_problem(schedule: str, runner: str) -> str | None:
+    """Why ``runner`` (what runs the schedule's micro-batches through the forward alone: evaluation,
+    a DPO reference's pass) cannot under ``schedule``, or None where torch (2.13) can: a V-shaped
+    schedule's plan hands each stage's input gradient to the stage before on the same rank,
+    backward or not, and fails without one."""
+    if schedule not in V_SHAPED:
+        return None
+    return (
+        f"{runner} runs the pipeline forward only, which torch's {schedule} cannot: its plan "
+        "passes each micro-batch's input gradient between the two stages of a rank, backward or not"
+    )
 
 
 def is_multi_stage(schedule: str) -> bool:
