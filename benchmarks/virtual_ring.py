@@ -12,6 +12,7 @@ on one device.
 
     python benchmarks/virtual_ring.py                              # the accelerator if there is one
     python benchmarks/virtual_ring.py --device cpu --seq 256 --json
+    python benchmarks/virtual_ring.py --windows 0 1024    # and under a sliding window
 """
 
 from __future__ import annotations
@@ -52,30 +53,35 @@ def _documents(batch: int, seq: int, device: torch.device) -> torch.Tensor:
     return starts.cumsum(1).to(device)
 
 
-def _mask(seq: int, documents: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+def _mask(
+    seq: int, documents: torch.Tensor | None, device: torch.device, window: int = 0
+) -> torch.Tensor:
     index = torch.arange(seq, device=device)
-    mask = (index[None, :] <= index[:, None])[None, None]
+    behind = index[:, None] - index[None, :]
+    mask = ((behind >= 0) & (behind < (window or seq)))[None, None]
     if documents is not None:
         mask = mask & (documents[:, None, :, None] == documents[:, None, None, :])
     return mask
 
 
-def reference(q, k, v, grad_out, documents):
+def reference(q, k, v, grad_out, documents, window: int = 0):
     """Full attention in fp64 with autograd: output and q/k/v gradients (kv heads repeated, then
-    folded back)."""
+    folded back); ``window``: each query's keys, itself included (0: all earlier)."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     group = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~_mask(q.shape[2], documents, q.device), -torch.inf)
+    scores = scores.masked_fill(~_mask(q.shape[2], documents, q.device, window), -torch.inf)
     out = scores.softmax(-1) @ v.repeat_interleave(group, 1)
     out.backward(grad_out.double())
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def full_sdpa(q, k, v, grad_out, documents):
-    """The device's own full attention in the inputs' dtype (a bool mask only with documents)."""
+def full_sdpa(q, k, v, grad_out, documents, window: int = 0):
+    """The device's own full attention in the inputs' dtype (a bool mask only with documents or a
+    window)."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    mask = None if documents is None else _mask(q.shape[2], documents, q.device)
+    masked = documents is not None or window
+    mask = _mask(q.shape[2], documents, q.device, window) if masked else None
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -83,10 +89,11 @@ def full_sdpa(q, k, v, grad_out, documents):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def virtual_ring(q, k, v, grad_out, documents, cp: int, kernel: str | None = None):
+def virtual_ring(q, k, v, grad_out, documents, cp: int, kernel: str | None = None, window: int = 0):
     """Every cp rank's ring forward and backward in this process, by the same block plan, kernels
-    and merge the ring runs (``kernel``: one kernel for every block instead of the device's choice);
-    returns (output, dq, dk, dv) in global token order and the kernels the blocks used."""
+    and merge the ring runs (``kernel``: one kernel for every block instead of the device's choice;
+    ``window``: a sliding window); returns (output, dq, dk, dv) in global token order and the
+    kernels the blocks used."""
     seq, scale = q.shape[2], q.shape[-1] ** -0.5
     placement = head_tail(cp, seq)
     held = [placement.token_index(rank, q.device) for rank in range(cp)]
@@ -97,7 +104,7 @@ def virtual_ring(q, k, v, grad_out, documents, cp: int, kernel: str | None = Non
     )
     kernels = set()
     for rank in range(cp):
-        plan = ring_blocks(rank, placement, documents)
+        plan = ring_blocks(rank, placement, documents, window)
         q_r, grad_r = local(q, rank), local(grad_out, rank)
         out_r = torch.zeros(q_r.shape, dtype=torch.float32, device=q.device)
         lse_r = torch.full(q_r.shape[:-1], -torch.inf, dtype=torch.float32, device=q.device)
@@ -140,7 +147,7 @@ def _time(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times[1:])
 
 
-def measure(device, dtype_name, cp, documents_on, kernel, args) -> dict:
+def measure(device, dtype_name, cp, documents_on, kernel, window, args) -> dict:
     dtype = DTYPES[dtype_name]
     gen = torch.Generator().manual_seed(0)
     shape = (args.batch, args.heads, args.seq, args.head_dim)
@@ -148,13 +155,14 @@ def measure(device, dtype_name, cp, documents_on, kernel, args) -> dict:
     q, grad_out = (torch.randn(shape, generator=gen).to(device, dtype) for _ in range(2))
     k, v = (torch.randn(kv_shape, generator=gen).to(device, dtype) for _ in range(2))
     documents = _documents(args.batch, args.seq, device) if documents_on else None
-    want = reference(q, k, v, grad_out, documents)
-    ring, kernels = virtual_ring(q, k, v, grad_out, documents, cp, kernel)
-    full = full_sdpa(q, k, v, grad_out, documents)
+    want = reference(q, k, v, grad_out, documents, window)
+    ring, kernels = virtual_ring(q, k, v, grad_out, documents, cp, kernel, window)
+    full = full_sdpa(q, k, v, grad_out, documents, window)
     row = {
         "dtype": dtype_name,
         "cp": cp,
         "mask": "documents" if documents_on else "causal",
+        "window": window,
         "kernels": kernels,
         "ring_error": dict(zip(("out", "dq", "dk", "dv"), _max_error(ring, want))),
         "sdpa_error": dict(zip(("out", "dq", "dk", "dv"), _max_error(full, want))),
@@ -162,11 +170,15 @@ def measure(device, dtype_name, cp, documents_on, kernel, args) -> dict:
     if args.repeats:
         row["ring_rank_s"] = (
             _time(
-                lambda: virtual_ring(q, k, v, grad_out, documents, cp, kernel), device, args.repeats
+                lambda: virtual_ring(q, k, v, grad_out, documents, cp, kernel, window),
+                device,
+                args.repeats,
             )
             / cp
         )
-        row["full_s"] = _time(lambda: full_sdpa(q, k, v, grad_out, documents), device, args.repeats)
+        row["full_s"] = _time(
+            lambda: full_sdpa(q, k, v, grad_out, documents, window), device, args.repeats
+        )
     return row
 
 
@@ -196,18 +208,26 @@ def main() -> None:
         "block (a forced kernel runs only where it applies: cuda_flash in half precision without "
         "documents)",
     )
+    parser.add_argument(
+        "--windows",
+        nargs="+",
+        type=int,
+        default=[0],
+        help="sliding windows to check, in keys a query sees (0: causal over every earlier key)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats (0: check only)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     device = resolve_device(args.device)
     dtypes = args.dtypes or (["fp32"] if device.type == "cpu" else ["fp32", "bf16"])
     rows = [
-        measure(device, dtype, cp, documents, None if kernel == "auto" else kernel, args)
+        measure(device, dtype, cp, documents, None if kernel == "auto" else kernel, window, args)
         for kernel in args.kernels
         for dtype in dtypes
         for cp in args.cp
         for documents in (False, True)
-        if kernel != "cuda_flash" or (dtype != "fp32" and not documents)
+        for window in args.windows
+        if kernel != "cuda_flash" or (dtype != "fp32" and not documents and not window)
     ]
     if args.json:
         print(json.dumps({"device": str(device), "seq": args.seq, "rows": rows}))
@@ -217,14 +237,15 @@ def main() -> None:
         f"{args.head_dim}"
     )
     print(
-        f"{'dtype':5} {'cp':>2} {'mask':9} {'kernels':28} {'ring err out/dq/dk/dv':34} "
-        f"{'sdpa err':34} "
+        f"{'dtype':5} {'cp':>2} {'mask':9} {'window':>6} {'kernels':28} "
+        f"{'ring err out/dq/dk/dv':34} {'sdpa err':34} "
         f"{'ring/rank s':>11} {'full s':>8}"
     )
     for r in rows:
         errors = lambda e: "/".join(f"{x:.1e}" for x in e.values())  # noqa: E731
         print(
-            f"{r['dtype']:5} {r['cp']:>2} {r['mask']:9} {','.join(r['kernels']):28} "
+            f"{r['dtype']:5} {r['cp']:>2} {r['mask']:9} {r['window']:>6} "
+            f"{','.join(r['kernels']):28} "
             f"{errors(r['ring_error']):34} "
             f"{errors(r['sdpa_error']):34} {r.get('ring_rank_s', float('nan')):11.4f} "
             f"{r.get('full_s', float('nan')):8.4f}"

@@ -380,13 +380,18 @@ def _virtual_ring(*args: str, env: dict | None = None) -> list[dict]:
 
 def test_virtual_ring_matches_full_attention_on_cpu():
     """Every cp rank's ring blocks, merged, equal fp64 full attention per token and gradient (cp 2
-    and 4, causal and packed documents, grouped-query heads), with the CPU's fused kernel and with
-    materialized scores."""
-    rows = _virtual_ring("--device", "cpu", "--seq", "128", "--kernels", "auto", "materialized")
-    assert {(r["cp"], r["mask"], tuple(r["kernels"])) for r in rows} == {
-        (cp, mask, (kernel,))
+    and 4, causal and packed documents, grouped-query heads, with and without sliding windows
+    narrower than a chunk and wider than one), with the CPU's fused kernel and with materialized
+    scores."""
+    rows = _virtual_ring(
+        "--device", "cpu", "--seq", "128", "--kernels", "auto", "materialized",
+        "--windows", "0", "10", "40",
+    )  # fmt: skip
+    assert {(r["cp"], r["mask"], r["window"], tuple(r["kernels"])) for r in rows} == {
+        (cp, mask, window, (kernel,))
         for cp in (2, 4)
         for mask in ("causal", "documents")
+        for window in (0, 10, 40)
         for kernel in ("cpu_flash", "materialized")
     }
     for row in rows:

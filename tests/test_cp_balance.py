@@ -104,6 +104,45 @@ def test_counted_work_is_what_the_ring_computes():
     assert chunk_work(documents, 8).shape == (32,)
 
 
+@pytest.mark.parametrize("window", [5, 8, 20, 64])
+def test_windowed_work_is_what_the_ring_computes_and_skips_what_the_window_leaves(window):
+    """Under a sliding window, with and without documents, head-tail and balanced: each rank's
+    counted work (two layers windowed, one full) equals its blocks' scores, and the ring plans no
+    block wholly outside every query's window — fewer blocks than causal attention once the window
+    is narrower than the chunks' distance."""
+    from composer3d.parallel.context.ring_attention import ring_blocks
+
+    generator = torch.Generator().manual_seed(1)
+    for rows in (None, document_ids(_packed_positions(2, 256, 40, generator))):
+        for balance in ("head_tail", "documents"):
+            windows = (window, 0, window)
+            placement = plan_placement(4, 256, balance, rows, windows)
+            size = placement.chunk
+            counted = rank_work(placement, rows, windows)
+            for rank in range(4):
+                plans = {w: ring_blocks(rank, placement, rows, w) for w in (0, window)}
+                scores = {
+                    w: sum(
+                        size * (size + 1) // 2 if block.causal else size * size
+                        for source in plan
+                        for block in source
+                    )
+                    for w, plan in plans.items()
+                }
+                assert 2 * scores[window] + scores[0] == counted[rank]
+                for source, blocks in enumerate(plans[window]):
+                    for block in blocks:
+                        q_chunk = placement.held[rank][block.queries.start // size]
+                        k_chunk = placement.held[source][block.keys.start // size]
+                        # the nearest query/key pair of the block is inside the window
+                        assert q_chunk * size - (k_chunk + 1) * size + 1 < window
+                        # a block the window cuts carries its mask
+                        if (q_chunk - k_chunk + 1) * size - 1 >= window:
+                            assert block.mask is not None
+                if window < 2 * size:
+                    assert sum(map(len, plans[window])) < sum(map(len, plans[0]))
+
+
 # --------------------------------------------------------------------------- against full attention
 
 
@@ -127,40 +166,47 @@ def _styles_against_full_attention(rank: int, world: int, port: int, errors) -> 
         mask = (documents[:, :, None] == documents[:, None, :]) & torch.ones(
             seq, seq, dtype=torch.bool
         ).tril()
-        full = [t.clone().requires_grad_() for t in (q, k, v)]
-        expected = F.scaled_dot_product_attention(
-            *full, attn_mask=mask.unsqueeze(1), enable_gqa=True
-        )
-        expected.backward(grad)
-        for style in ("ring", "allgather", "ulysses"):
-            context = ContextParallel(mesh, style, "documents")
-            context.place(positions, seq)
-            # the balanced cut, not head-tail
-            assert context.placed.chunk == seq // (2 * world * 4), context.placed
-            local = [context.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
-            # the gather back, by placement
-            assert torch.equal(context.whole(context.shard(documents)), documents)
-            out = context.attend(
-                *local, context.attention_plan(seq, documents, torch.device("cpu"))
+        behind = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+        for window in (0, WINDOW):
+            full = [t.clone().requires_grad_() for t in (q, k, v)]
+            windowed = mask & (behind < WINDOW) if window else mask
+            expected = F.scaled_dot_product_attention(
+                *full, attn_mask=windowed.unsqueeze(1), enable_gqa=True
             )
-            out.backward(context.shard(grad, dim=2))
-            errors[(rank, style, "out")] = (out - context.shard(expected, dim=2)).abs().max().item()
-            for name, got, want in zip("qkv", local, full):
-                errors[(rank, style, name)] = (
-                    (got.grad - context.shard(want.grad, dim=2)).abs().max().item()
-                )
+            expected.backward(grad)
+            for style in ("ring", "allgather", "ulysses"):
+                context = ContextParallel(mesh, style, "documents", (window,))
+                context.place(positions, seq)
+                # the balanced cut, not head-tail
+                assert context.placed.chunk == seq // (2 * world * 4), context.placed
+                local = [context.shard(t, dim=2).detach().requires_grad_() for t in (q, k, v)]
+                # the gather back, by placement
+                assert torch.equal(context.whole(context.shard(documents)), documents)
+                plan = context.attention_plan(seq, documents, torch.device("cpu"), window)
+                out = context.attend(*local, plan)
+                out.backward(context.shard(grad, dim=2))
+                error = (out - context.shard(expected, dim=2)).abs().max().item()
+                errors[(rank, window, style, "out")] = error
+                for name, got, want in zip("qkv", local, full):
+                    errors[(rank, window, style, name)] = (
+                        (got.grad - context.shard(want.grad, dim=2)).abs().max().item()
+                    )
     finally:
         dist.destroy_process_group()
+
+
+# narrower than two of the balanced placement's 4-token chunks apart, wider than a document
+WINDOW = 7
 
 
 def test_every_style_equals_full_attention_under_the_documents_placement():
     """4 cp ranks, two rows of documents of mean 12 tokens: each rank's output and its q/k/v
     gradients equal full attention's with the document mask at the tokens the balanced placement
-    gives it, in every style (1e-5)."""
+    gives it, in every style (1e-5), causal and under a sliding window."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = mp.Manager().dict()
     processes(_styles_against_full_attention, 4, 4, store.port, errors)
-    assert len(errors) == 4 * 3 * 4
+    assert len(errors) == 4 * 2 * 3 * 4
     worst = max(errors.items(), key=lambda item: item[1])
     assert worst[1] < 1e-5, worst
 

@@ -32,6 +32,10 @@ STYLES = ("ring", "allgather", "ulysses")
 CASES = {
     "llama": STYLES,
     "qwen3": STYLES,
+    # sliding windows (24 keys, over 3 of head-tail's 8-token chunks): every layer's (Mistral), and
+    # Gemma 3's mix of windowed and full layers with their own rotary bases
+    "mistral": STYLES,
+    "gemma3_text": ("ring",),
     **{
         arch: ("ring",)
         for arch in (
@@ -66,7 +70,11 @@ def models(tmp_path_factory):
     # the tokenizer only where a run reads text with it
     return {
         arch: make_model(
-            root / arch, arch, seed=i, tokenizer=arch == "llama", **OVERRIDES.get(arch, {})
+            root / arch,
+            arch,
+            seed=i,
+            tokenizer=arch in ("llama", "mistral"),
+            **OVERRIDES.get(arch, {}),
         )
         for i, arch in enumerate(CASES)
     }
@@ -136,6 +144,87 @@ def test_forward_under_cp_matches_transformers(models, references, tmp_path):
     spawn(_check_forward_under_cp, 2, tmp_path, models, references)
 
 
+# Four ranks: model=hf's cp composed with tensor (+ sequence) parallel, and sliding windows under
+# cp × FSDP: (architecture, cp style) per layout
+FOUR_RANKS = {
+    "cp2_tp2_sp": (
+        {"dp_shard": 1, "cp": 2, "tp": 2, "sequence_parallel": True},
+        [("llama", "ring"), ("qwen3", "ring"), ("qwen3", "allgather"), ("mistral", "ring")],
+    ),
+    "cp2_fsdp2": (
+        {"dp_shard": 2, "cp": 2},
+        [("mistral", "ring"), ("mistral", "allgather"), ("gemma3_text", "ring")],
+    ),
+}
+
+
+def _next_token_loss(logits: torch.Tensor, tokens: torch.Tensor, index: torch.Tensor):
+    """The summed next-token cross-entropy at the global positions ``index`` of ``logits``' tokens
+    (the last position has no target), and the count of targets."""
+    has_target = index < tokens.shape[1] - 1
+    targets = tokens[:, (index + 1).clamp(max=tokens.shape[1] - 1)]
+    losses = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 1), targets.flatten(), reduction="none"
+    ).view(targets.shape)
+    return (losses * has_target).sum(), has_target.sum() * tokens.shape[0]
+
+
+def _check_four_ranks(rank, world_size, models, references):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from composer3d.config.checks import validate
+    from composer3d.parallel.mesh import ParallelMesh
+    from composer3d.training.assemble import build_parallel_model
+
+    tokens, errors = _tokens(), {}
+    for layout, (parallel, cases) in FOUR_RANKS.items():
+        for arch, style in cases:
+            cfg = train_config(models[arch], cp_style=style, **parallel)
+            mesh = ParallelMesh(validate(cfg, world_size), "cpu")
+            model = build_parallel_model(cfg, mesh, torch.device("cpu")).model.eval()
+            # the attention's projections split by head over tp (and sharded by FSDP over cp)
+            query = model.model.layers["0"].self_attn.q_proj.weight
+            assert isinstance(query, DTensor) and ("tp" in query.device_mesh.mesh_dim_names) == (
+                "tp" in parallel
+            ), query.device_mesh
+            context = model.context_parallel
+            for kind, positions in (("causal", None), ("documents", _positions())):
+                context.place(positions, SEQ)
+                with torch.no_grad():
+                    got = model(context.shard(tokens), position_ids=context.shard(positions))
+                if isinstance(got, DTensor):  # the head's vocab shards under tp
+                    got = got.full_tensor()
+                assert got.shape == (2, SEQ // 2, 512), got.shape
+                errors[(layout, arch, style, kind, "logits")] = (
+                    (got - context.shard(references[arch][kind])).abs().max().item()
+                )
+                # the loss over the whole sequence, each cp rank's targets summed over the group
+                total, count = _next_token_loss(got, tokens, context.token_index(SEQ, got.device))
+                summed = torch.stack([total, count.float()])
+                dist.all_reduce(summed, group=context.group)
+                whole, whole_count = _next_token_loss(
+                    references[arch][kind], tokens, torch.arange(SEQ)
+                )
+                assert summed[1] == whole_count
+                errors[(layout, arch, style, kind, "loss")] = abs(
+                    (summed[0] / summed[1] - whole / whole_count).item()
+                )
+    bad = {key: error for key, error in errors.items() if not error < 1e-5}
+    assert not bad, f"rank {rank}: against transformers {bad}"
+    assert len(errors) == 2 * 2 * sum(len(cases) for _, cases in FOUR_RANKS.values())
+
+
+def test_cp_composes_with_tp_and_windows_with_fsdp_matching_transformers(
+    models, references, tmp_path
+):
+    """4 ranks: Llama, Qwen3 (ring and all-gather) and Mistral under cp 2 × TP 2 + SP, and the
+    sliding-window models (Mistral in ring and all-gather, Gemma 3's windowed and full layers) under
+    cp 2 × FSDP 2 give transformers' logits at every rank's tokens and its loss over the sequence
+    (1e-5), causal and with packed documents."""
+    spawn(_check_four_ranks, 4, tmp_path, models, references)
+
+
 # -------------------------------------------------------------------------------------- loss parity
 
 HF_CP = [o for o in FAST if not o.startswith("model=")] + [
@@ -159,17 +248,21 @@ def base(models, corpus):  # noqa: F811 — the imported fixture
 
 
 @pytest.fixture(scope="module")
-def single_process(base, tmp_path_factory):
+def single_process(base, models, tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_hf_single")
-    run, causal = train_in_one_group(
-        [(root / "documents", base), (root / "causal", [*base, "data.document_masking=false"])],
+    run, causal, windowed = train_in_one_group(
+        [
+            (root / "documents", base),
+            (root / "causal", [*base, "data.document_masking=false"]),
+            (root / "mistral", [*base, f"model.path={models['mistral']}"]),
+        ],
         nproc=1,
     )
     assert len(run.losses) == 10 and run.losses[-1] < run.losses[0], run.losses
     assert max(abs(a - b) for a, b in zip(run.losses, causal.losses)) > 1e-3, (
         "the masks change this corpus's curve"
     )
-    return run.losses
+    return {"llama": run.losses, "mistral": windowed.losses}
 
 
 def _assert_parity(name, run, reference):
@@ -182,14 +275,29 @@ def _assert_parity(name, run, reference):
 
 def test_cp2_training_follows_the_single_process_curve(base, single_process, tmp_path):
     _assert_parity(
-        "cp2", train_in_one_group([(tmp_path / "cp2", [*base, *CP2])], nproc=2)[0], single_process
+        "cp2",
+        train_in_one_group([(tmp_path / "cp2", [*base, *CP2])], nproc=2)[0],
+        single_process["llama"],
     )
+
+
+def test_cp2_tp2_sp_and_windowed_cp2_fsdp2_follow_the_single_process_curve(
+    base, models, single_process, tmp_path
+):
+    """4 ranks: Llama under cp 2 × TP 2 + SP, and Mistral (a 24-key window over 32 tokens) under
+    cp 2 × FSDP 2, each on its one-process curve (1e-4), document masking on."""
+    tp = [*base, *CP2, "parallel.tp=2", "parallel.sequence_parallel=true"]
+    windowed = [*base, *CP2_FSDP2, f"model.path={models['mistral']}"]
+    runs = train_in_one_group([(tmp_path / "tp", tp), (tmp_path / "windowed", windowed)], nproc=4)
+    _assert_parity("cp2_tp2_sp", runs[0], single_process["llama"])
+    assert runs[0].run_info["layout"]["tp"] == 2
+    _assert_parity("mistral cp2_fsdp2", runs[1], single_process["mistral"])
 
 
 @pytest.mark.slow
 def test_cp2_fsdp2_training_follows_the_single_process_curve(base, single_process, tmp_path):
     run = train_in_one_group([(tmp_path / "cp2_fsdp2", [*base, *CP2_FSDP2])], nproc=4)[0]
-    _assert_parity("cp2_fsdp2", run, single_process)
+    _assert_parity("cp2_fsdp2", run, single_process["llama"])
     assert (
         abs(run.run_info["model_state_bytes_per_rank"] / (16 * run.run_info["num_params"] / 4) - 1)
         < 0.05

@@ -70,9 +70,11 @@ def parallelize(
     memory: MemoryConfig,
     compile: CompileConfig,
     peft: PeftConfig,
+    windows: tuple[int, ...],
 ) -> Parallelized:
     """Parallelize ``model`` in place per the run's sections; returns what the trainer needs of it.
-    ``precision.param_dtype`` must be resolved (not "auto")."""
+    ``precision.param_dtype`` must be resolved (not "auto"); ``windows``: each layer's sliding
+    attention window (``ModelSpec.attention_windows``), which context parallel balances."""
     stages: list[StageModule] = []
     context = None
     if mesh.layout.pp > 1:
@@ -114,7 +116,7 @@ def parallelize(
         # worker's start that a run without cp or compile has no use for
         from composer3d.parallel.context.context_parallel import ContextParallel
 
-        context = ContextParallel(mesh["cp"], parallel.cp_style, parallel.cp_balance)
+        context = ContextParallel(mesh["cp"], parallel.cp_style, parallel.cp_balance, windows)
         model.use_context_parallel(context)
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks
     # run per tile

@@ -66,7 +66,8 @@ def build_parallel_model(
     active_params = num_params - model.inactive_params()
     m = cfg.model
     matmul, embedding, trained = _matmul_params(model, active_params, cfg.peft)
-    layers = attention_layers(spec.attention_windows(m), cfg.train.seq_len)
+    windows = spec.attention_windows(m)
+    layers = attention_layers(windows, cfg.train.seq_len)
     width = m.n_heads * (m.head_dim or m.dim // m.n_heads)
     flops = flops_per_token(matmul, embedding, layers, width, cfg.train.seq_len, trained)
     if reference_each_step(cfg):
@@ -85,6 +86,7 @@ def build_parallel_model(
         memory=cfg.memory,
         compile=cfg.compile,
         peft=cfg.peft,
+        windows=tuple(windows),
     )
     stages = parallelized.stages
     offload = cfg.parallel.offload == "cpu"

@@ -150,22 +150,22 @@ def check_context_parallel(
         "rank holds only its chunks of the sequence",
         "Use model.moe.capacity_factor=0 with parallel.cp>1, or parallel.cp=1",
     )
-    # the native model composes cp with each of these and their combinations (tests/test_cp_*.py)
+    # the native model composes cp with each of these and their combinations (tests/test_cp_*.py);
+    # model=hf with FSDP, HSDP and tensor (+ sequence) parallel (tests/test_cp_hf.py)
     others = {
-        "parallel.tp": layout.tp > 1,
         "parallel.zero_stage": zero_stage == 1,
         "compile.enabled": compiled,
         "parallel.pp": layout.pp > 1,
         "parallel.ep": layout.ep > 1,
     }
-    if model.name != "llama":  # model=hf under cp is tested with FSDP/HSDP only
+    if model.name != "llama":
         for key, given in others.items():
             _require(
                 not given,
                 key,
                 f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} yet",
-                f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP and "
-                "HSDP)",
+                f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP, "
+                "HSDP and TP)",
             )
 
 

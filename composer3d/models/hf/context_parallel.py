@@ -5,16 +5,19 @@ then hand them to the function ``config._attn_implementation`` names in its ``At
 Under context parallel composer3d registers its own there (``ATTENTION``): the module's queries,
 keys and values — this rank's tokens, rotated at their global positions — go to
 ``ContextParallel.attend`` (ring, all-gather or Ulysses), which attends over the keys of the whole
-sequence. What every layer's attention needs is planned once per forward (``attention_plan``) and
-reaches the function where transformers' masks go, as the ``attention_mask`` each layer passes on.
-Packed documents follow transformers' own rule (``find_packed_sequence_indices``: a document starts
-where the position does not go on +1), over the whole sequence's positions.
+sequence. What every layer's attention needs is planned once per forward and layer type
+(``attention_plan``) and reaches the function where transformers' masks go, as the
+``attention_mask`` each layer passes on. Packed documents follow transformers' own rule
+(``find_packed_sequence_indices``: a document starts where the position does not go on +1), over the
+whole sequence's positions; a sliding window (transformers' ``sliding_window``: the keys a query
+sees, itself included) is a mask over global token indices, so the ring skips the blocks wholly
+before it.
 
-Refused before launch (``context_parallel_problem``): what this function does not compute — sliding
-windows, score soft-capping, attention dropout, an architecture whose attention does not call the
-interface with the queries, keys and values it attends with (checked on a tiny replica) — and
-transformers' router loss, a statistic of the whole micro-batch's routing, which each cp rank sees
-only its share of.
+Refused before launch (``context_parallel_problem``): what this function does not compute — score
+soft-capping, attention sinks, attention dropout, an architecture whose attention does not call the
+interface with the queries, keys and values it attends with (checked on a tiny replica, windows
+included) — and transformers' router loss, a statistic of the whole micro-batch's routing, which
+each cp rank sees only its share of.
 """
 
 from __future__ import annotations
@@ -25,7 +28,13 @@ from typing import Any
 
 import torch
 
-from composer3d.models.hf.config import load_hf_config, tiny_replica
+from composer3d.models.hf.config import (
+    REPLICA_WINDOW,
+    attention_windows,
+    layer_types,
+    load_hf_config,
+    tiny_replica,
+)
 from composer3d.models.hf.router_loss import wants_router_loss
 
 ATTENTION = "composer3d_context_parallel"
@@ -33,7 +42,6 @@ ATTENTION = "composer3d_context_parallel"
 # Keyword arguments an attention module may pass that change what it computes beyond
 # softmax(q·kᵀ·scaling)·v.
 _UNSUPPORTED_KWARGS = {
-    "sliding_window": "a sliding window",
     "softcap": "soft-capped scores",
     "s_aux": "attention sinks",
     "sinks": "attention sinks",
@@ -43,7 +51,7 @@ _UNSUPPORTED_KWARGS = {
 @dataclass(frozen=True)
 class Plan:
     """What each layer's attention of one forward takes under context parallel: the cp group and its
-    plan."""
+    plan (for the layer type's window)."""
 
     context: Any  # parallel.context.ContextParallel
     blocks: Any  # its attention_plan for this forward
@@ -71,6 +79,14 @@ def attention(
     factor = 1.0 if scaling is None else scaling * query.shape[-1] ** 0.5
     if abs(factor - 1.0) > 2**-24:
         query = query * factor
+    # the layer's own window must be the one its type was planned with (the replica's check holds
+    # every architecture cp accepts to this)
+    window = kwargs.get("sliding_window") or 0
+    if window != attention_mask.blocks.window:
+        raise ValueError(
+            f"attention of {type(module).__name__} asks for a sliding window of {window} keys, "
+            f"planned with {attention_mask.blocks.window}"
+        )
     out = attention_mask.context.attend(query, key, value, attention_mask.blocks)
     return out.transpose(1, 2).contiguous(), None
 
@@ -82,10 +98,15 @@ def register_attention() -> None:
 
 
 def attention_plan(
-    context, tokens_held: int, position_ids: torch.Tensor | None, device: torch.device
+    context,
+    tokens_held: int,
+    position_ids: torch.Tensor | None,
+    device: torch.device,
+    windows: dict[str, int],
 ):
-    """The global positions of this rank's tokens (for RoPE) and the ``Plan`` of its attention over
-    the whole sequence: causal by global index and, where ``position_ids`` restart, within
+    """The global positions of this rank's tokens (for RoPE) and, per layer type, the ``Plan`` of
+    its attention over the whole sequence: causal by global index, within the type's sliding window
+    (``windows``: type → keys a query sees, 0 for all) and, where ``position_ids`` restart, within
     documents."""
     from transformers.masking_utils import find_packed_sequence_indices
 
@@ -95,19 +116,22 @@ def attention_plan(
     else:
         # None: no restart in any row
         documents = find_packed_sequence_indices(context.whole(position_ids))
-    return position_ids, Plan(context, context.attention_plan(seq_len, documents, device))
+    plans = {
+        window: Plan(context, context.attention_plan(seq_len, documents, device, window))
+        for window in set(windows.values())
+    }
+    return position_ids, {kind: plans[window] for kind, window in windows.items()}
+
+
+def windows_by_type(config) -> dict[str, int]:
+    """Each layer type's sliding window (0: full attention): transformers' mask for the type."""
+    return dict(zip(layer_types(config), attention_windows(config)))
 
 
 def context_parallel_problem(m) -> str | None:
     """Why context parallel cannot run this model (``model.*`` config), else None; before launch."""
     config = load_hf_config(m.path, m.attn_implementation)
     name = config.model_type
-    types = getattr(config, "layer_types", None) or []
-    if "sliding_attention" in types or (not types and getattr(config, "sliding_window", None)):
-        return (
-            f"{name} has sliding-window attention layers, which composer3d's context-parallel "
-            "attention does not compute (it attends over the whole sequence)"
-        )
     if getattr(config, "attn_logit_softcapping", None):
         return f"{name} soft-caps its attention scores, which the context-parallel kernels do not"
     if getattr(config, "attention_dropout", 0.0):
@@ -126,24 +150,29 @@ def context_parallel_problem(m) -> str | None:
 @functools.cache
 def _interface_problem(path: str, attn_implementation: str | None) -> str | None:
     """Whether every layer's attention of a tiny replica of the model reaches transformers'
-    attention interface with queries, keys and values that give its logits (plain causal attention
-    over them, by the given scale); the keyword arguments it passes must ask for nothing more."""
+    attention interface with queries, keys and values that give its logits (causal attention over
+    them, by the given scale, within the sliding window the layer names — its type's); the keyword
+    arguments it passes must ask for nothing more."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
     config = load_hf_config(path, attn_implementation)
     replica = tiny_replica(config)
-    calls, extras = [], set()
+    calls, extras, windows = [], set(), []
 
     def probe(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         calls.append(module)
         extras.update(
             what for arg, what in _UNSUPPORTED_KWARGS.items() if kwargs.get(arg) is not None
         )
+        window = kwargs.get("sliding_window") or 0
+        windows.append(window)
+        behind = torch.arange(query.shape[2])[:, None] - torch.arange(key.shape[2])[None, :]
+        allowed = (behind >= 0) & (behind < window) if window else behind >= 0
         out = torch.nn.functional.scaled_dot_product_attention(
             query,
             key,
             value,
-            is_causal=True,
+            attn_mask=allowed,
             scale=scaling,
             enable_gqa=query.shape[1] != key.shape[1],
         )
@@ -154,7 +183,8 @@ def _interface_problem(path: str, attn_implementation: str | None) -> str | None
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(replica, dtype=torch.float32).eval()
-        tokens = torch.randint(0, replica.vocab_size, (1, 16))
+        # longer than the replica's window (REPLICA_WINDOW), so that the window cuts
+        tokens = torch.randint(0, replica.vocab_size, (1, 2 * REPLICA_WINDOW))
         expected = model(tokens).logits
         model.config._attn_implementation = probe_name
         try:
@@ -169,13 +199,17 @@ def _interface_problem(path: str, attn_implementation: str | None) -> str | None
             f"{config.model_type}'s attention asks for {', '.join(sorted(extras))}, which context "
             "parallel does not compute"
         )
-    if (
-        len(calls) != replica.num_hidden_layers
-        or (got - expected).abs().max() > 1e-4 * expected.abs().max()
-    ):
+    reached = (
+        f"{config.model_type}'s attention is not all reached through transformers' attention "
+        f"interface ({len(calls)} calls for {replica.num_hidden_layers} layers)"
+    )
+    if len(calls) != replica.num_hidden_layers:
+        return reached
+    if windows != attention_windows(replica):
         return (
-            f"{config.model_type}'s attention is not all reached through transformers' attention "
-            f"interface ({len(calls)} calls for {replica.num_hidden_layers} layers), or does more "
-            "than attend there"
+            f"{config.model_type}'s layers ask for sliding windows {windows}, where their types "
+            f"give {attention_windows(replica)}"
         )
+    if (got - expected).abs().max() > 1e-4 * expected.abs().max():
+        return f"{reached}, or does more than attend there"
     return None

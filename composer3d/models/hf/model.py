@@ -33,7 +33,12 @@ from torch.distributed.tensor import DTensor
 from composer3d.config.schema import ModelConfig
 from composer3d.errors import ConfigError
 from composer3d.models.hf.config import expert_count, layer_types, load_hf_config, resolve_model_dir
-from composer3d.models.hf.context_parallel import ATTENTION, attention_plan, register_attention
+from composer3d.models.hf.context_parallel import (
+    ATTENTION,
+    attention_plan,
+    register_attention,
+    windows_by_type,
+)
 from composer3d.models.hf.conversion import model_conversions
 from composer3d.models.hf.experts import (
     count_routing,
@@ -133,6 +138,7 @@ class HFCausalLM(nn.Module):
             "layer_type" in inspect.signature(self.model.rotary_emb.forward).parameters
         )
         self._layer_types = layer_types(self.config)
+        self._windows = windows_by_type(self.config)
         embedding_key, logits_key, self._divide_logits = _TOP_LEVEL_SCALING.get(
             self.config.model_type, (None, None, False)
         )
@@ -347,10 +353,13 @@ class HFCausalLM(nn.Module):
             kinds = {self._layer_type(i) for i in layer_ids}
             # the global positions of this rank's tokens, one plan for all
             if self.context_parallel is not None:
-                position_ids, plan = attention_plan(
-                    self.context_parallel, seq, position_ids, h.device
+                position_ids, masks = attention_plan(
+                    self.context_parallel,
+                    seq,
+                    position_ids,
+                    h.device,
+                    {kind: self._windows[kind] for kind in kinds},
                 )
-                masks = {kind: plan for kind in kinds}
             else:
                 masks = self._masks(reference, position_ids, kinds)
             rotary = self._rotary(reference, position_ids, kinds)

@@ -14,6 +14,11 @@ that the ranks' attention work is even.
   loaded rank that still has room (2·m chunks a rank: equal tokens, static shapes). Head-tail is
   kept where it is no worse (always for plain causal attention).
 
+Sliding windows (each layer's, ``windows``) weigh in both: a key chunk wholly outside every query's
+window of a chunk is a block the ring skips, and a diagonal block the window cuts is masked (a whole
+chunk²); the work is summed over the model's layers, so a model mixing full and windowed layers is
+balanced for the mix.
+
 A placement is a pure function of the batch's document ids, which every cp rank has, so all of them
 compute the same one; everything that depends on which global positions a rank holds (the
 input/target/position shards, the gather back, the ring's blocks and masks, the other styles' masks)
@@ -23,6 +28,8 @@ and resumes under any balance.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,23 +73,29 @@ def head_tail(size: int, seq_len: int) -> Placement:
 
 
 def plan_placement(
-    size: int, seq_len: int, balance: str, documents: torch.Tensor | None
+    size: int,
+    seq_len: int,
+    balance: str,
+    documents: torch.Tensor | None,
+    windows: Sequence[int] = (),
 ) -> Placement:
     """The placement under ``balance`` of a batch whose rows have ``documents`` (batch, seq_len)
-    document ids, rising along each row (``document_ids``; None: one causal sequence a row)."""
+    document ids, rising along each row (``document_ids``; None: one causal sequence a row), for a
+    model whose layers have sliding ``windows`` (0 or none: causal over the whole prefix)."""
     coarse = head_tail(size, seq_len)
     if balance == "head_tail" or documents is None:
         return coarse
     rounds = max(m for m in range(1, FINEST_ROUNDS + 1) if seq_len % (2 * size * m) == 0)
     chunks, per_rank = 2 * size * rounds, 2 * rounds
-    work = chunk_work(documents, seq_len // chunks).tolist()
+    work = chunk_work(documents, seq_len // chunks, windows).tolist()
     loads, held = [0] * size, [[] for _ in range(size)]
     for chunk in sorted(range(chunks), key=lambda c: (-work[c], c)):
         rank = min((r for r in range(size) if len(held[r]) < per_rank), key=lambda r: (loads[r], r))
         held[rank].append(chunk)
         loads[rank] += work[chunk]
     balanced = Placement(seq_len // chunks, tuple(tuple(sorted(chunks_of)) for chunks_of in held))
-    return balanced if busiest(balanced, documents) < busiest(coarse, documents) else coarse
+    better = busiest(balanced, documents, windows) < busiest(coarse, documents, windows)
+    return balanced if better else coarse
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -93,11 +106,26 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(starts.cumsum(-1), (1, 0))
 
 
-def chunk_work(documents: torch.Tensor, chunk: int) -> torch.Tensor:
+def window_reaches(window: int, chunk: int, apart: int) -> bool:
+    """Whether some query of a chunk sees some key of the chunk ``apart`` chunks before it under a
+    sliding ``window`` (keys a query sees, itself included; 0: every earlier key): the nearest pair
+    is (apart − 1)·chunk + 1 tokens apart (``apart`` an int, or a tensor of them)."""
+    return (apart - 1) * chunk + 1 < window if window else True
+
+
+def window_cuts(window: int, chunk: int, apart: int) -> bool:
+    """Whether the window leaves out some pair of a block ``apart`` chunks apart that causality
+    keeps (the farthest pair is (apart + 1)·chunk − 1 tokens apart)."""
+    return bool(window) and (apart + 1) * chunk - 1 >= window
+
+
+def chunk_work(documents: torch.Tensor, chunk: int, windows: Sequence[int] = ()) -> torch.Tensor:
     """The scores the ring computes for each query chunk of ``chunk`` tokens (over every row of
-    ``documents``, (batch, seq_len) rising ids): a chunk² for each earlier key chunk some row's
-    query chunk shares a document with (its blocks run for the whole batch), plus its own diagonal
-    block — causal, chunk·(chunk+1)/2, unless a document starts inside it (then masked, chunk²)."""
+    ``documents``, (batch, seq_len) rising ids), summed over the layers' ``windows`` (none: one
+    causal layer): a chunk² for each earlier key chunk some row's query chunk shares a document with
+    and the layer's window reaches (its blocks run for the whole batch), plus its own diagonal
+    block — causal, chunk·(chunk+1)/2, unless a document starts inside it or the window cuts it
+    (then masked, chunk²)."""
     batch, seq_len = documents.shape
     blocks = documents.view(batch, seq_len // chunk, chunk)
     first, last = blocks[..., 0], blocks[..., -1]  # (batch, chunks)
@@ -105,18 +133,29 @@ def chunk_work(documents: torch.Tensor, chunk: int) -> torch.Tensor:
     # (ids rise)
     shared = (first[:, :, None] == last[:, None, :]).any(0).tril(-1)
     cut = (first != last).any(0)
-    diagonal = torch.where(cut, chunk * chunk, chunk * (chunk + 1) // 2)
-    return shared.sum(1) * chunk * chunk + diagonal
+    chunks = seq_len // chunk
+    apart = torch.arange(chunks)[:, None] - torch.arange(chunks)[None, :]  # query − key chunk
+    work = torch.zeros(chunks, dtype=torch.long)
+    for window, layers in Counter(windows or [0]).items():
+        reached = shared & window_reaches(window, chunk, apart)
+        masked = cut | window_cuts(window, chunk, 0)
+        diagonal = torch.where(masked, chunk * chunk, chunk * (chunk + 1) // 2)
+        work += layers * (reached.sum(1) * chunk * chunk + diagonal)
+    return work
 
 
-def rank_work(placement: Placement, documents: torch.Tensor | None) -> list[int]:
+def rank_work(
+    placement: Placement, documents: torch.Tensor | None, windows: Sequence[int] = ()
+) -> list[int]:
     """Each rank's attention work under ``placement`` (``chunk_work``; one causal sequence a row
     without documents)."""
     if documents is None:
         documents = torch.zeros(1, placement.seq_len, dtype=torch.long)
-    work = chunk_work(documents, placement.chunk).tolist()
+    work = chunk_work(documents, placement.chunk, windows).tolist()
     return [sum(work[c] for c in chunks) for chunks in placement.held]
 
 
-def busiest(placement: Placement, documents: torch.Tensor | None) -> int:
-    return max(rank_work(placement, documents))
+def busiest(
+    placement: Placement, documents: torch.Tensor | None, windows: Sequence[int] = ()
+) -> int:
+    return max(rank_work(placement, documents, windows))

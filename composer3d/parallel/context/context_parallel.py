@@ -11,7 +11,7 @@ ids:
 
 - ``ring`` (the default): keys and values passed round the cp ranks a block at a time, merged by
   log-sum-exp (``ring_attention``); attention memory per rank falls as 1/cp, and blocks a mask
-  leaves empty are skipped;
+  (documents, a sliding window) leaves empty are skipped;
 - ``allgather``: keys and values of the whole sequence all-gathered with autograd (the backward
   reduce-scatters their gradients), one SDPA call: cheapest for short sequences and few KV heads;
 - ``ulysses``: an all-to-all trades the sequence split for a head split (each rank attends over the
@@ -51,13 +51,22 @@ class ContextParallel:
     """The cp group of this rank: which tokens it holds, and the collectives attention needs across
     the group."""
 
-    def __init__(self, cp_mesh: DeviceMesh, style: str = "ring", balance: str = "head_tail"):
+    def __init__(
+        self,
+        cp_mesh: DeviceMesh,
+        style: str = "ring",
+        balance: str = "head_tail",
+        windows: tuple[int, ...] = (),
+    ):
         if style not in STYLES:
             raise ValueError(f"context parallel style {style!r}: one of {STYLES}")
         if balance not in BALANCES:
             raise ValueError(f"context parallel balance {balance!r}: one of {BALANCES}")
         self.group, self.style, self.balance = cp_mesh.get_group(), style, balance
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        # every layer's sliding window of the whole model (0: causal; none: all causal), which the
+        # balance weighs: one placement for all pipeline stages, whose activations pass between them
+        self.windows = windows
         # the current batch's (``place``); head-tail until one is placed
         self.placed: Placement | None = None
 
@@ -66,7 +75,7 @@ class ContextParallel:
         (None: causal rows). Every cp rank has the same batch and computes the same placement; the
         shards and the model's forwards of this batch (each microbatch of it) all read it."""
         documents = None if position_ids is None else document_ids(position_ids)
-        self.placed = plan_placement(self.size, seq_len, self.balance, documents)
+        self.placed = plan_placement(self.size, seq_len, self.balance, documents, self.windows)
 
     def placement(self, seq_len: int) -> Placement:
         """The placement of the current batch; head-tail for a sequence of another length (none
@@ -107,18 +116,23 @@ class ContextParallel:
         return stacked.index_select(dim, order)
 
     def attention_plan(
-        self, seq_len: int, documents: torch.Tensor | None, device: torch.device
+        self, seq_len: int, documents: torch.Tensor | None, device: torch.device, window: int = 0
     ) -> "AttentionPlan":
-        """What every layer's attention of one forward needs (computed once): ``documents`` (batch,
-        seq_len) are the document ids in global order, or None for causal attention."""
+        """What every layer's attention of one forward needs (computed once per window):
+        ``documents`` (batch, seq_len) are the document ids in global order, or None for causal
+        attention; ``window`` the keys a query sees under a sliding window (itself included; 0: all
+        earlier keys)."""
         if self.style == "ring":
-            return AttentionPlan(ring_blocks(self.rank, self.placement(seq_len), documents))
+            return AttentionPlan(
+                ring_blocks(self.rank, self.placement(seq_len), documents, window), window
+            )
         queries = (
             self.token_index(seq_len, device)
             if self.style == "allgather"
             else self.gathered_index(seq_len, device)
         )
-        return AttentionPlan(_mask(queries, self.gathered_index(seq_len, device), documents))
+        keys = self.gathered_index(seq_len, device)
+        return AttentionPlan(_mask(queries, keys, documents, window), window)
 
     # Under compile.enabled the block is compiled around this call, which runs eagerly between its
     # two graphs: the ring's send/receive is a P2P op dynamo refuses to trace, and its plan is
@@ -180,19 +194,21 @@ class AttentionPlan:
     of blocks or a mask would be guarded on its length or shape, which the documents of each batch
     change (a recompile per batch)."""
 
-    __slots__ = ("content",)
+    __slots__ = ("content", "window")
 
-    def __init__(self, content):
-        self.content = content
+    def __init__(self, content, window: int = 0):
+        self.content, self.window = content, window
 
 
 def _mask(
-    queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None
+    queries: torch.Tensor, keys: torch.Tensor, documents: torch.Tensor | None, window: int = 0
 ) -> torch.Tensor:
     """Which keys each query attends to, (batch or 1, 1, queries, keys), both given by global token
-    index: keys at or before the query and, with ``documents`` (batch, seq_len) in global order, in
-    its document."""
-    mask = (keys[None, :] <= queries[:, None]).unsqueeze(0)
+    index: keys at or before the query (and within its ``window``, where one is given) and, with
+    ``documents`` (batch, seq_len) in global order, in its document."""
+    behind = queries[:, None] - keys[None, :]
+    mask = (behind >= 0) & (behind < window) if window else behind >= 0
+    mask = mask.unsqueeze(0)
     if documents is not None:
         mask = mask & (documents[:, queries, None] == documents[:, None, keys])
     return mask.unsqueeze(1)

@@ -8,7 +8,8 @@ before the current block's compute. The work is cut at chunk granularity (the
 ``cp_balance.Placement``: which chunks each rank holds): a pair of chunks is either wholly before
 the query chunk (attended without a mask), the same chunk (causal), or after it (skipped). With
 packed documents a pair whose queries and keys share no document is skipped too, and the rest carry
-their mask.
+their mask; under a sliding window a pair wholly before every query's window is skipped, and one the
+window cuts carries its band.
 
 The backward is exact: it passes the keys and values round the ring again, each block's gradients
 computed against the merged output and log-sum-exp of the forward (flash attention's identity), and
@@ -24,39 +25,47 @@ import torch
 import torch.distributed as dist
 
 from composer3d.parallel.context.attention_blocks import Block, block_backward, block_forward
-from composer3d.parallel.context.balance import Placement
+from composer3d.parallel.context.balance import Placement, window_cuts, window_reaches
 
 
 def ring_blocks(
-    rank: int, placement: Placement, documents: torch.Tensor | None
+    rank: int, placement: Placement, documents: torch.Tensor | None, window: int = 0
 ) -> list[list[Block]]:
     """For each source rank, the blocks of this rank's queries that attend to the source's keys, the
     chunks each holds given by ``placement`` (``documents``: (batch, seq_len) document ids in global
-    order, or None for causal attention)."""
+    order, or None for causal attention; ``window``: the keys a query sees, itself included, under
+    a sliding window, 0 for all earlier ones)."""
     chunk, held = placement.chunk, placement.held
-    lower = (
-        None
-        if documents is None
-        else torch.ones(chunk, chunk, dtype=torch.bool, device=documents.device).tril()
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    if documents is not None:
+        lower = lower.to(documents.device)
+    # query index − key index within a block, before the chunks' distance
+    offset = torch.arange(chunk, device=lower.device)[:, None] - torch.arange(
+        chunk, device=lower.device
     )
     plan = []
     for source in range(len(held)):
         blocks = []
         for qi, q_chunk in enumerate(held[rank]):
             for ki, k_chunk in enumerate(held[source]):
-                if k_chunk > q_chunk:
-                    continue  # keys after every query of the chunk
-                causal, mask = k_chunk == q_chunk, None
-                if documents is not None:
-                    allowed = (
-                        documents[:, q_chunk * chunk : (q_chunk + 1) * chunk, None]
-                        == documents[:, None, k_chunk * chunk : (k_chunk + 1) * chunk]
-                    )
+                apart = q_chunk - k_chunk
+                if apart < 0 or not window_reaches(window, chunk, apart):
+                    continue  # keys after every query of the chunk, or before every one's window
+                causal, mask = apart == 0, None
+                windowed = window_cuts(window, chunk, apart)
+                if documents is not None or windowed:
                     unmasked = lower if causal else torch.ones_like(lower)
-                    allowed = allowed & unmasked
+                    allowed = unmasked.unsqueeze(0)
+                    if windowed:
+                        allowed = allowed & (offset + apart * chunk < window)
+                    if documents is not None:
+                        allowed = allowed & (
+                            documents[:, q_chunk * chunk : (q_chunk + 1) * chunk, None]
+                            == documents[:, None, k_chunk * chunk : (k_chunk + 1) * chunk]
+                        )
                     if not allowed.any():
                         continue  # no query of this chunk shares a document with these keys
-                    # a document starts inside the pair
+                    # a document starts inside the pair, or the window cuts it
                     if not torch.equal(allowed, unmasked.expand_as(allowed)):
                         causal, mask = False, allowed.unsqueeze(1)
                 blocks.append(
