@@ -20,14 +20,13 @@ shapes in fp32, where only the flash kernel exists.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from composer3d.launch.distributed import is_accelerator, resolve_device
+from composer3d.plan.calibrate import attention_seconds, timed
 
 KERNELS = {
     "flash": [SDPBackend.FLASH_ATTENTION],
@@ -41,18 +40,6 @@ KERNELS = {
 KERNELS["masked"] = KERNELS["default"]
 
 
-def _timed(fn, steps: int, accelerator: bool) -> float:
-    """The median of ``steps`` timed calls after two warm-ups."""
-    times = []
-    for i in range(steps + 2):
-        start = time.perf_counter()
-        fn()
-        if accelerator:
-            torch.accelerator.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
-
-
 def attention(
     s: int,
     heads: int,
@@ -63,35 +50,23 @@ def attention(
     dtype,
     device,
     steps: int,
-    accelerator: bool,
 ) -> tuple[float, float]:
-    """(forward s, backward s) of causal SDPA over one sequence; ``gqa``: expand (K/V repeated) or
-    native."""
-    q = torch.randn(1, heads, s, d, device=device, dtype=dtype, requires_grad=True)
-    k, v = (
-        torch.randn(1, kv_heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in "kv"
-    )
-    grad = torch.randn(1, heads, s, d, device=device, dtype=dtype)
+    """(forward s, forward + backward s) of causal SDPA over one sequence; ``gqa``: expand (K/V
+    repeated) or native (composer3d-plan plan.calibrate's timing: plan/calibrate.py)."""
     mask = torch.ones(s, s, dtype=torch.bool, device=device).tril() if kernel == "masked" else None
-
-    def forward():
-        if gqa == "expand":
-            return F.scaled_dot_product_attention(
-                q,
-                k.repeat_interleave(heads // kv_heads, 1),
-                v.repeat_interleave(heads // kv_heads, 1),
-                attn_mask=mask,
-                is_causal=mask is None,
-            )
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
-        )
-
-    with sdpa_kernel(KERNELS[kernel]):
-        with torch.no_grad():
-            fwd = _timed(forward, steps, accelerator)
-        both = _timed(lambda: forward().backward(grad), steps, accelerator)
-    return fwd, both - fwd
+    return attention_seconds(
+        1,
+        s,
+        heads,
+        kv_heads,
+        d,
+        dtype,
+        device,
+        steps,
+        KERNELS[kernel],
+        expand=gqa == "expand",
+        mask=mask,
+    )
 
 
 class Block(torch.nn.Module):
@@ -159,9 +134,10 @@ def main() -> None:
         for heads, kv_heads, d, gqa in shapes:
             for s in lengths:
                 try:
-                    fwd, bwd = attention(
-                        s, heads, kv_heads, d, gqa, kernel, dtype, device, args.steps, accelerator
+                    fwd, both = attention(
+                        s, heads, kv_heads, d, gqa, kernel, dtype, device, args.steps
                     )
+                    bwd = both - fwd
                 except RuntimeError:  # a kernel this device or build lacks (cuDNN's on the CPU)
                     print(f"{kernel:<8}{heads:>6}{d:>5}{gqa:>8}{s:>7}  not available here")
                     break
@@ -178,7 +154,7 @@ def main() -> None:
     )
     for s in lengths:
         x = torch.randn(1, s, block_shape[0], device=device, dtype=dtype, requires_grad=True)
-        t = _timed(lambda: block(x).sum().backward(), args.steps, accelerator)
+        t = timed(lambda: block(x).sum().backward(), args.steps, device)
         print(f"  seq {s:<37}{t * 1e3:>9.3f}{t / s * 1e6:>10.3f}")
 
 

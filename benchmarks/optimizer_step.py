@@ -22,8 +22,6 @@ On the CPU a small model (a smoke run: its times say little).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import torch
@@ -31,8 +29,7 @@ import torch
 from composer3d.launch.distributed import is_accelerator, resolve_device
 from composer3d.optim.build import numbered_blocks
 from composer3d.optim.compiled_adamw import CompiledAdamW
-from composer3d.parallel.mesh import Layout
-from composer3d.training.grad import clip_grad_norm_
+from composer3d.plan.calibrate import optimizer_step_seconds
 
 
 def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -55,32 +52,6 @@ def llama_shapes(layers: int, dim: int, vocab: int) -> list[tuple[str, tuple[int
         ("output.weight", (vocab, dim)),
         ("norm.weight", (dim,)),
     ] + [(f"layers.{i}.{name}.weight", shape) for i in range(layers) for name, shape in block]
-
-
-def timed_steps(
-    params: list[torch.nn.Parameter],
-    grads: list[torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    handed: bool,
-    steps: int,
-    accelerator: bool,
-) -> tuple[float, float]:
-    """The median seconds of the norm, the clip and the step, after three warm-ups, the same
-    gradients each time, and the first step's seconds (the compiled way's compile)."""
-    times = []
-    for _ in range(steps + 3):
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        if accelerator:
-            torch.accelerator.synchronize()
-        start = time.perf_counter()
-        clip_grad_norm_(params, 1.0, Layout(), optimizer=optimizer if handed else None)
-        optimizer.step()
-        if accelerator:
-            torch.accelerator.synchronize()
-        times.append(time.perf_counter() - start)
-        optimizer.grad_scale = None
-    return statistics.median(times[3:]), times[0]
 
 
 def main() -> None:
@@ -130,7 +101,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, (_, handed, moved) in ways.items():
             params, optimizer = made[name]
-            seconds, first = timed_steps(params, grads, optimizer, handed, args.steps, accelerator)
+            seconds, first = optimizer_step_seconds(
+                params, grads, optimizer, 1.0, handed, args.steps, device
+            )
             print(
                 f"  {round_ + 1:>5} {name:<24} {seconds * 1e3:>9.2f} {moved:>12} "
                 f"{moved * numel / seconds / 1e9:>8.1f}"

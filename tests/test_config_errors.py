@@ -597,6 +597,47 @@ def test_validate_resolves_degrees(compose_cfg, world, overrides, expected):
             "parallel.cp_style",
             "model.n_kv_heads=4 over tp=2 leaves 2 a rank, which is not divisible by cp=4",
         ),
+        # hierarchical cp: Ulysses over cp_ulysses ranks × the ring across those groups
+        (
+            4,
+            ["parallel.cp=4", "parallel.cp_style=hierarchical"],
+            "parallel.cp_ulysses",
+            "Use parallel.cp_ulysses in [2] (the cp ranks of a node)",
+        ),
+        (
+            2,
+            ["parallel.cp=2", "parallel.cp_style=hierarchical", "parallel.cp_ulysses=2"],
+            "parallel.cp_ulysses",
+            "cp=2 has no divisor between 1 and cp",
+        ),
+        (
+            4,
+            ["parallel.cp=4", "parallel.cp_ulysses=2"],
+            "parallel.cp_ulysses",
+            "got 2 with cp_style=ring",
+        ),
+        (
+            8,
+            [
+                "parallel.pp=2",
+                "parallel.cp=4",
+                "parallel.cp_style=hierarchical",
+                "parallel.cp_ulysses=2",
+            ],
+            "parallel.pp",
+            "cp_style=hierarchical does not compose with parallel.pp yet",
+        ),
+        (
+            16,
+            [
+                "parallel.cp=8",
+                "parallel.tp=2",
+                "parallel.cp_style=hierarchical",
+                "parallel.cp_ulysses=4",
+            ],
+            "parallel.cp_ulysses",
+            "model.n_kv_heads=4 over tp=2 leaves 2 a rank, which is not divisible by cp_ulysses=4",
+        ),
         # sequence parallel splits the tokens a cp rank holds: 36 of seq_len=72 over cp=2 do not
         # divide by tp=8
         (

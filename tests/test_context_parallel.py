@@ -40,11 +40,50 @@ LAYOUTS.update(
     }
 )
 
+# hierarchical: Ulysses over cp_ulysses consecutive cp ranks × the ring across those groups, at cp 4
+# (2 × 2) and cp 8 (a ring of 2 groups of 4), and composed with FSDP and with TP + SP (8 ranks)
+HIERARCHICAL = ["parallel.cp_style=hierarchical"]
+LAYOUTS.update(
+    {
+        "cp4_hierarchical": (
+            4,
+            4,
+            ["parallel.dp_shard=1", "parallel.cp=4", *HIERARCHICAL, "parallel.cp_ulysses=2"],
+        ),
+        "cp8_hierarchical": (
+            8,
+            8,
+            ["parallel.dp_shard=1", "parallel.cp=8", *HIERARCHICAL, "parallel.cp_ulysses=4"],
+        ),
+        "cp4_hierarchical_fsdp2": (
+            8,
+            4,
+            ["parallel.dp_shard=2", "parallel.cp=4", *HIERARCHICAL, "parallel.cp_ulysses=2"],
+        ),
+        "cp4_hierarchical_tp2_sp": (
+            8,
+            4,
+            [
+                "parallel.dp_shard=1",
+                "parallel.cp=4",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                *HIERARCHICAL,
+                "parallel.cp_ulysses=2",
+            ],
+        ),
+    }
+)
+
 # Without document masking (plain causal attention) the default run trains each style at cp 2 and
 # the ring at cp 4; the compositions train with document masking there (the harder mask: a
 # document's start cut inside a rank's chunk), and without it in the slow run.
 DEFAULT_CAUSAL = {"cp2", "cp4", "cp2_allgather", "cp2_ulysses"}
-SLOW = [(name, "causal") for name in LAYOUTS if name not in DEFAULT_CAUSAL]
+# hierarchical cp composed with FSDP and with TP + SP: 8 ranks on the CPU, 3 minutes together
+SLOW_COMPOSED = ("cp4_hierarchical_fsdp2", "cp4_hierarchical_tp2_sp")
+SLOW = [(name, "causal") for name in LAYOUTS if name not in DEFAULT_CAUSAL] + [
+    (name, "documents") for name in SLOW_COMPOSED
+]
 
 
 # --------------------------------------------------------------------------- against full attention
@@ -76,8 +115,11 @@ def _cp_against_full_attention(
         full, parted = build_model(cfg), build_model(cfg)
         for model in (full, parted):  # the same weights: each generated from (seed, name)
             materialize(model, torch.device("cpu"), seed=0)
+        # hierarchical: Ulysses over half the ranks (2 × 2 at cp 4, 2 groups of 4 at cp 8)
         context = ContextParallel(
-            init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"], style
+            init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))["cp"],
+            style,
+            ulysses=world // 2 if style == "hierarchical" else 0,
         )
         parted.use_context_parallel(context)
         seq = 32
@@ -111,14 +153,22 @@ def _cp_against_full_attention(
 
 
 @pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("style", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize(
+    "style, world",
+    [
+        *((style, world) for style in ("ring", "allgather", "ulysses") for world in (2, 4)),
+        ("hierarchical", 4),
+        ("hierarchical", 8),
+    ],
+)
 def test_cp_logits_and_gradients_equal_full_attention(style, world, documents):
     """Each rank's logits are full attention's at the tokens it holds; gradients summed over cp are
-    full's."""
+    full's. Hierarchical: Ulysses over pairs × a ring of 2 pairs (cp 4), over fours × a ring of 2
+    (cp 8)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     errors = mp.Manager().dict()
     processes(_cp_against_full_attention, world, world, store.port, documents, style, errors)
+    assert len(errors) == world
     for rank, (logits_error, grad_error) in errors.items():
         assert logits_error < 1e-5 and grad_error < 1e-5, (
             f"rank {rank}: logits {logits_error}, grads {grad_error}"

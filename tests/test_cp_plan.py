@@ -5,7 +5,7 @@ tests/test_plan.py's measured layouts)."""
 import pytest
 from planned import plan_config, planned
 
-from composer3d.plan import Workload
+from composer3d.plan import Workload, candidate_from_config
 from composer3d.plan.activations import cp_mask_bytes
 from composer3d.plan.comm import seconds
 from composer3d.plan.context import exposed_seconds
@@ -128,3 +128,69 @@ def test_the_search_chooses_context_parallel_at_131k_tokens():
     assert without and chosen.step_time_s < min(e.step_time_s for e in without)
     trial = checked(cfg, chosen.candidate, cluster.world_size)
     assert trial.parallel.cp == chosen.candidate.cp
+
+
+# Llama 3 8B at 131,072 tokens on 4 nodes of 8 H100s, TP 2 + SP × cp 16: a cp group spans the 4
+# nodes, 4 of its ranks on each
+ACROSS_NODES = [
+    *LONG,
+    "cluster.nodes=4",
+    "train.global_batch_size=4",
+    "parallel.tp=2",
+    "parallel.sequence_parallel=true",
+    "parallel.cp=16",
+    "parallel.dp_shard=1",
+]
+
+
+def test_hierarchical_cp_runs_ulysses_in_the_node_and_the_ring_across_nodes():
+    """cp_ulysses=4: each Ulysses group is 4 cp ranks × tp 2 = one node, its all-to-alls over
+    NVLink; the ring runs over the 4 groups, one rank a node, each pass through one GPU's NIC,
+    carrying what the plain ring's does (4× the tokens, 1/4 of the heads) 3 times a layer instead of
+    15; the gradients' 4 passes instead of 16. Counted by hand, and the step waits for what the
+    ring's attention does not hide plus the all-to-alls."""
+    e, cluster = planned(*ACROSS_NODES, "parallel.cp_style=hierarchical", "parallel.cp_ulysses=4")
+    c = e.candidate
+    assert c.cp_ulysses == 4 and "parallel.cp_ulysses=4" in c.overrides()
+    kv = 2 * 8 * 128 * 131072 // 16 // 2 * 2  # this rank's K/V: its tokens, its tp share of heads
+    # 4 micro-batches of one sequence (dp 1), 32 layers: forward, full checkpointing's rerun and
+    # backward
+    cols = {(col.dim, col.kind, col.overlapped): col for col in e.collectives if col.dim != "tp"}
+    ring = cols[("cp_ring", "send", True)]
+    assert (ring.group_size, ring.bytes) == (4, 4 * 32 * 3 * 3 * kv)
+    assert cols[("cp_ring", "send", False)].bytes == 4 * 32 * 4 * 2 * kv  # fp32 gradients
+    a2a = cols[("cp_a2a", "all_to_all", False)]
+    q = kv // 2 * 32 // 8  # 32 query heads for 8 KV heads
+    assert (a2a.group_size, a2a.bytes) == (4, 4 * 32 * 3 * (2 * q + kv))
+    # the ring's sends through a NIC, the all-to-alls within a node
+    assert seconds(ring, c, cluster) == pytest.approx(ring.bytes / cluster.inter_node_bw)
+    assert seconds(a2a, c, cluster) == pytest.approx(a2a.bytes * 3 / 4 / cluster.intra_node_bw)
+    grads = 4 * 32 * 4 * 2 * kv / cluster.inter_node_bw
+    assert e.exposed_comm_s["cp"] >= grads + seconds(a2a, c, cluster)
+    assert set(e.exposed_comm_s) >= {"cp"} and not {"cp_ring", "cp_a2a"} & set(e.exposed_comm_s)
+    # the ring's own memory, no mask
+    assert cp_mask_bytes(c, 131072) == 0
+
+
+def test_hierarchical_cp_beats_the_ring_across_nodes_and_the_search_offers_it():
+    """Across 4 nodes the plain ring waits for 16 gradient passes a layer through a NIC, Ulysses
+    groups wider than a node all-to-all across nodes: node-sized groups (cp_ulysses · tp = 8) are
+    the fastest of the styles; the search enumerates every Ulysses degree training accepts."""
+    from composer3d.plan.layouts import _cp_styles
+
+    steps = {}
+    for style, ulysses in [
+        ("ring", 0),
+        ("hierarchical", 2),
+        ("hierarchical", 4),
+        ("hierarchical", 8),
+    ]:
+        extra = [f"parallel.cp_ulysses={ulysses}"] if ulysses else []
+        e, _ = planned(*ACROSS_NODES, f"parallel.cp_style={style}", *extra)
+        steps[(style, ulysses)] = e.step_time_s
+    assert min(steps, key=steps.get) == ("hierarchical", 4), steps
+    cfg = plan_config(*ACROSS_NODES)
+    styles = _cp_styles(cfg, candidate_from_config(cfg, 32).layout, 3)
+    # Ulysses over all 16 would split 4 KV heads a tp rank holds 16 ways: refused, as training does
+    assert ("hierarchical", 4) in styles and ("hierarchical", 2) in styles
+    assert ("ulysses", 0) not in styles and ("ring", 0) in styles

@@ -70,6 +70,8 @@ PLAN = Command(
         "composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true",
         "composer3d-plan model=llama3_8b parallel.tp=2 parallel.dp_shard=-1 plan.measure=true   "
         "(rank 0, run here)",
+        "composer3d-plan model=llama3_8b parallel.dp_shard=8 plan.calibrate=h200.json   (its "
+        "kernels timed here; then plan with plan.calibration=h200.json cluster.device=h200)",
     ),
     sections=(*_MODEL_AND_LAYOUT, "train", "optim", "launch", "cluster", "plan"),
 )

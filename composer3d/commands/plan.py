@@ -8,16 +8,21 @@
     composer3d-plan ... plan.format=json
     # the longest sequence, the largest model, what they take
     composer3d-plan model=llama3_8b cluster.gpus_per_node=1 plan.what_fits=true
+    # time the layout's kernels on this machine's device, then plan with their rates
+    composer3d-plan model=llama3_8b parallel.dp_shard=8 plan.calibrate=h200.json
+    composer3d-plan model=llama3_8b cluster.device=h200 plan.calibration=h200.json
 
 With any ``parallel.*`` key on the command line it reports that layout; without one (or with
 ``parallel=auto``) it ranks every valid layout that fits. Nothing is started: it is arithmetic
 (composer3d/plan/*) — except with ``plan.measure=true``, which runs one rank of the given layout
-here with a fake process group (plan/measure.py).
+here with a fake process group (plan/measure.py), and ``plan.calibrate``, which times the layout's
+kernels here (plan/calibrate.py).
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -31,6 +36,7 @@ from composer3d.plan.fits import micro_batch_size, what_fits
 from composer3d.plan.hardware import cluster_from_config
 from composer3d.plan.layouts import candidate_from_config
 from composer3d.plan.search import ranked
+from composer3d.plan.shapes import ModelShape
 from composer3d.plan.validation import validate_plan
 
 
@@ -48,7 +54,10 @@ def task(cfg: DictConfig) -> None:
     with launcher.exits_as_a_command("composer3d-plan", None):
         resolve_model_config(cfg.model)
         validate_plan(cfg)
-        cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+        if cfg.plan.calibrate:
+            _calibrate(cfg)
+            return
+        cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype, cfg.plan.calibration)
         if cfg.plan.what_fits:  # for the config's layout: the longest sequence, the largest model
             dp = resolve_degrees(cfg.parallel, cluster.world_size).dp
             # the micro-batch is the layout's, as in the search: the defaults' 4 on 8 ranks of a
@@ -102,6 +111,26 @@ def task(cfg: DictConfig) -> None:
             else report.table(fitting, tried, cfg.plan.top, cluster),
             flush=True,
         )
+
+
+def _calibrate(cfg: DictConfig) -> None:
+    from composer3d.launch.distributed import resolve_device
+    from composer3d.plan.calibrate import calibrate  # torch's kernels: only when calibrating
+
+    world = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    validate(cfg, world)
+    rates = calibrate(
+        ModelShape.from_config(cfg.model),
+        candidate_from_config(cfg, world),
+        cfg.train.seq_len,
+        resolve_device(cfg.launch.device),
+        cfg.precision.param_dtype,
+        cfg.optim,
+        cfg.train.grad_clip,
+        cfg.plan.calibrate_repeats,
+    )
+    Path(cfg.plan.calibrate).write_text(json.dumps(rates.as_json(), indent=2) + "\n")
+    print(report.calibrated(rates, cfg.plan.calibrate), flush=True)
 
 
 def _measure(cfg: DictConfig, e, cluster) -> None:

@@ -58,6 +58,15 @@ class PlanConfig:
     measure_rank: int = 0
     # plan.measure: timed steps (after one warm-up step and one tracked for memory)
     measure_steps: int = 3
+    # composer3d-plan: time the kernels the config's layout runs at its shapes on this machine's
+    # device (launch.device): its GEMMs, attention per kernel and length, the optimizer step, a
+    # copy; write their rates to this JSON file for plan.calibration, and exit
+    calibrate: str | None = None
+    # plan.calibrate: timed runs of each kernel (their median, after two warm-ups)
+    calibrate_repeats: int = 5
+    # a file plan.calibrate wrote on cluster.device: the rates it measured replace the planner's
+    # constants (plan/rates.py); None: the constants
+    calibration: str | None = None
     # price overlaps other stacks publish and composer3d-train does not run (to compare with their
     # results): TP/SP collectives inside the GEMMs (async TP), pipeline sends behind compute,
     # ZeRO-1's gather during the forward

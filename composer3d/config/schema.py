@@ -127,8 +127,12 @@ class ParallelConfig:
     cp: int = 1
     # how attention spans the cp ranks' shares: ring (keys/values passed round, memory 1/cp) |
     # allgather (keys/values all-gathered: short sequences, few KV heads) | ulysses (all-to-all to a
-    # head split; heads divisible by cp)
+    # head split; heads divisible by cp) | hierarchical (Ulysses over cp_ulysses consecutive cp
+    # ranks, inside a node, × ring over the cp / cp_ulysses groups, across nodes)
     cp_style: str = "ring"
+    # cp_style=hierarchical: the ranks of each Ulysses group (divides cp, 1 < cp_ulysses < cp; the
+    # heads a rank holds divisible by it); 0 under the other styles
+    cp_ulysses: int = 0
     # which tokens of a sequence each cp rank holds: documents (each batch's packed documents
     # balanced: up to 2·cp·4 chunks dealt by their attention work; head-tail where that is no
     # worse) | head_tail (chunks r and 2·cp−1−r of 2·cp: balances one causal sequence)

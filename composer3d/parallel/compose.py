@@ -116,7 +116,9 @@ def parallelize(
         # worker's start that a run without cp or compile has no use for
         from composer3d.parallel.context.context_parallel import ContextParallel
 
-        context = ContextParallel(mesh["cp"], parallel.cp_style, parallel.cp_balance, windows)
+        context = ContextParallel(
+            mesh["cp"], parallel.cp_style, parallel.cp_balance, windows, parallel.cp_ulysses
+        )
         model.use_context_parallel(context)
     # before checkpointing, which then recomputes a block around its tiles; after TP, whose hooks
     # run per tile

@@ -30,7 +30,7 @@ def choose_layout(
         if device_type == "cpu":
             cfg.cluster.device = "cpu"
     validate_plan(cfg)
-    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype, cfg.plan.calibration)
     chosen, ranked, tried = best(cfg, cluster)
     apply_to_config(cfg, chosen.candidate)
     runner_up = next((e for e in ranked if e is not chosen), None)

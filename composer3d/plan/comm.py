@@ -420,8 +420,10 @@ def _stride(c: Candidate, dim: str) -> int:
     layout = c.layout
     if dim in ("tp", "muon"):  # muon: a stage's dp × cp × tp ranks, consecutive
         return 1
-    if dim in ("cp", "dp_shard"):
+    if dim in ("cp", "dp_shard", "cp_a2a"):  # cp_a2a: hierarchical cp's Ulysses groups
         return layout.tp
+    if dim == "cp_ring":  # hierarchical cp's ring: one rank of each Ulysses group
+        return layout.tp * c.cp_ulysses
     if dim in ("ep", "dp"):
         return layout.tp * layout.cp
     if dim == "expert_dp":
@@ -449,6 +451,16 @@ def link_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) ->
     if members == group_size:
         return cluster.intra_node_bw
     return min(cluster.intra_node_bw, members * cluster.inter_node_bw)
+
+
+def send_bandwidth(c: Candidate, dim: str, group_size: int, cluster: Cluster) -> float:
+    """A send to the next member of a ``dim`` group (pipeline stages, the cp ring), every member
+    sending at once: over NVLink where the group is within a node, else the members at a node's
+    boundary send through their own NIC — one GPU's share of the network, which the step waits for
+    (a point-to-point send takes one path, not a collective's ring per NIC)."""
+    if members_on_node(c, dim, group_size, cluster) == group_size:
+        return cluster.intra_node_bw
+    return min(cluster.intra_node_bw, cluster.inter_node_bw)
 
 
 def node_crossings(experts: int, top_k: int, nodes: int) -> float:
@@ -479,13 +491,13 @@ def _all_to_all_seconds(col: Collective, c: Candidate, cluster: Cluster) -> floa
 
 def seconds(col: Collective, c: Candidate, cluster: Cluster) -> float:
     """Ring algorithms: an all-gather or reduce-scatter moves (n−1)/n of the full tensor through
-    each GPU's link, an all-reduce twice that; a send its tensor once; an all-to-all as
-    ``_all_to_all_seconds`` says."""
+    each GPU's link, an all-reduce twice that; a send its tensor once (``send_bandwidth``); an
+    all-to-all as ``_all_to_all_seconds`` says."""
     if col.kind == "all_to_all":
         return _all_to_all_seconds(col, c, cluster)
-    bw = link_bandwidth(c, col.dim, col.group_size, cluster)
     n = col.group_size
     if col.kind == "send":
-        return col.bytes / bw
+        return col.bytes / send_bandwidth(c, col.dim, n, cluster)
+    bw = link_bandwidth(c, col.dim, n, cluster)
     factor = 2 if col.kind == "all_reduce" else 1
     return factor * col.bytes * (n - 1) / n / bw

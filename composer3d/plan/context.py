@@ -17,6 +17,11 @@ local tokens (this rank's keys and values):
   micro-batch.
 - ulysses: q, k, v all-to-all'ed to a head split over the whole sequence and the output back, in
   forward and in backward; one mask of all queries × all keys per micro-batch.
+- hierarchical: Ulysses's all-to-alls over each group of u = cp_ulysses consecutive cp ranks
+  (``cp_a2a``: a node's links where u·tp fit one), then the ring over the cp/u groups (``cp_ring``,
+  stride u·tp: across nodes) with the same bytes a pass as the ring's (u× the tokens, 1/u the
+  heads), cp/u − 1 passes and cp/u gradient passes, hidden as the ring's behind 1/(cp/u) of the
+  attention each; no mask.
 Full checkpointing reruns the forward's traffic, op-level selective the all-gather's (unless
 memory.ac_save_gathers=true), and train.objective=dpo's reference runs the forward's once more.
 None of the styles' traffic is hidden but the ring's K/V passes. The memory each style adds (the
@@ -28,9 +33,12 @@ from __future__ import annotations
 
 from composer3d.plan.comm import Collective, regathers, seconds
 from composer3d.plan.hardware import Cluster
-from composer3d.plan.kernels import ATTENTION_FRACTION
+from composer3d.plan.kernels import attention_rate
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape, StageSet
+
+# the mesh dimensions cp's traffic is counted under (hierarchical's Ulysses groups and ring apart)
+DIMS = ("cp", "cp_a2a", "cp_ring")
 
 
 def _reruns(c: Candidate, layers: int) -> float:
@@ -77,22 +85,35 @@ def collectives(
     forwards = _forwards(c, layers, reference_forward) * c.microbatches
     backwards = layers * c.microbatches
     kv = kv_bytes(shape, c, seq_len, compute_bytes)
-    # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
-    if c.cp_style == "ring":
-        return [
-            Collective("cp", "send", c.cp, (forwards + backwards) * (c.cp - 1) * kv, True),
-            Collective("cp", "send", c.cp, backwards * c.cp * kv / compute_bytes * 4, False),
-        ]
-    # counted by the whole sequence's K/V: gathered, then their gradients scattered
-    if c.cp_style == "allgather":
-        gathers = forwards + (backwards if regathers(c) else 0)
-        return [
-            Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
-            Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False),
-        ]
     # this rank's queries (and the attention output)
     q = kv / (2 * shape.n_kv_heads) * shape.n_heads
-    return [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]
+    a2a = [Collective("cp", "all_to_all", c.cp, (forwards + backwards) * (2 * q + kv), False)]
+    if c.cp_style == "ulysses":
+        return a2a
+    # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
+    if c.cp_style in ("ring", "hierarchical"):
+        dim, size = _ring(c)
+        passes = [
+            Collective(dim, "send", size, (forwards + backwards) * (size - 1) * kv, True),
+            Collective(dim, "send", size, backwards * size * kv / compute_bytes * 4, False),
+        ]
+        if c.cp_style == "ring":
+            return passes
+        return [*passes, Collective("cp_a2a", "all_to_all", c.cp_ulysses, a2a[0].bytes, False)]
+    # counted by the whole sequence's K/V: gathered, then their gradients scattered
+    gathers = forwards + (backwards if regathers(c) else 0)
+    return [
+        Collective("cp", "all_gather", c.cp, gathers * c.cp * kv, False),
+        Collective("cp", "reduce_scatter", c.cp, backwards * c.cp * kv, False),
+    ]
+
+
+def _ring(c: Candidate) -> tuple[str, int]:
+    """The ring's dimension and size: every cp rank, or (hierarchical) one of each Ulysses
+    group."""
+    if c.cp_style == "hierarchical":
+        return "cp_ring", c.cp // c.cp_ulysses
+    return "cp", c.cp
 
 
 def attention_compute_s(
@@ -112,7 +133,7 @@ def attention_compute_s(
         * c.micro_batch_size
         / c.cp
     )
-    return flops / (cluster.peak_flops * ATTENTION_FRACTION[kernel])
+    return flops / attention_rate(cluster, kernel, seq_len // c.cp)
 
 
 def exposed_seconds(
@@ -130,16 +151,18 @@ def exposed_seconds(
     if c.cp == 1:
         return 0.0
     cb = cluster.compute_bytes
-    if c.cp_style != "ring":
-        return sum(
-            seconds(col, c, cluster)
-            for col in collectives(shape, c, stages, seq_len, cb, reference_forward)
-        )
+    traffic = collectives(shape, c, stages, seq_len, cb, reference_forward)
+    if c.cp_style not in ("ring", "hierarchical"):
+        return sum(seconds(col, c, cluster) for col in traffic)
     layers = stages.dense_layers + stages.moe_layers
-    kv = Collective("cp", "send", c.cp, kv_bytes(shape, c, seq_len, cb), False)
+    dim, size = _ring(c)
+    kv = Collective(dim, "send", size, kv_bytes(shape, c, seq_len, cb), False)
     pass_s = seconds(kv, c, cluster)
-    block_s = attention_compute_s(shape, c, seq_len, cluster, kernel) / c.cp
-    forward = (c.cp - 1) * max(0.0, pass_s - block_s)
-    backward = (c.cp - 1) * max(0.0, pass_s - 2 * block_s) + c.cp * pass_s / cb * 4
+    # a rank's attention, 1/size of it a ring step
+    block_s = attention_compute_s(shape, c, seq_len, cluster, kernel) / size
+    forward = (size - 1) * max(0.0, pass_s - block_s)
+    backward = (size - 1) * max(0.0, pass_s - 2 * block_s) + size * pass_s / cb * 4
     forwards = _forwards(c, layers, reference_forward)
-    return c.microbatches * (forwards * forward + layers * backward)
+    # hierarchical's all-to-alls, on the critical path
+    a2a = sum(seconds(col, c, cluster) for col in traffic if col.kind == "all_to_all")
+    return c.microbatches * (forwards * forward + layers * backward) + a2a

@@ -4,18 +4,19 @@ together.
 Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is
 the rank's kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or
 compiled, recomputation, the optimizer step), from physical constants shared by every layout and
-model, nothing per row. Exposed communication: TP/SP, pipeline sends, ZeRO-1's gather and
-optim.name=muon's all-to-alls (plan/muon.py) are on the critical path; FSDP/HSDP/DDP traffic hides
-behind compute except what exceeds it, plus the first block's gather, which nothing precedes;
-gradients reduced once a step (ZeRO-1, FSDP under PP) hide behind the last micro-batch's backward
-only; ``plan.published_overlap`` prices the overlaps other stacks publish; context parallel's
-traffic as plan/context.py says (the ring's K/V passes hide behind the attention of the block held);
-the memory options' host step and copies (``host``) as plan/host.py says. A layout fits when the
-busiest rank's device memory and its node's host memory hold it. train.objective=dpo's reference
-model is charged where it runs: a frozen copy's parameters in memory, its forward in compute, its
-gathers, TP's forward collectives, its experts' all-to-alls, cp's forward passes and the
-pipeline's sends in communication, under PP its forward-only pass's own bubble (plan/bubble.py),
-its forward's FLOPs in TFLOP/s (as training counts them).
+model, nothing per row, or from the rates a calibration file measured on the device
+(plan.calibration: plan/rates.py), which every estimate then notes. Exposed communication: TP/SP,
+pipeline sends, ZeRO-1's gather and optim.name=muon's all-to-alls (plan/muon.py) are on the critical
+path; FSDP/HSDP/DDP traffic hides behind compute except what exceeds it, plus the first block's
+gather, which nothing precedes; gradients reduced once a step (ZeRO-1, FSDP under PP) hide behind
+the last micro-batch's backward only; ``plan.published_overlap`` prices the overlaps other stacks
+publish; context parallel's traffic as plan/context.py says (the ring's K/V passes hide behind the
+attention of the block held); the memory options' host step and copies (``host``) as plan/host.py
+says. A layout fits when the busiest rank's device memory and its node's host memory hold it.
+train.objective=dpo's reference model is charged where it runs: a frozen copy's parameters in
+memory, its forward in compute, its gathers, TP's forward collectives, its experts' all-to-alls,
+cp's forward passes and the pipeline's sends in communication, under PP its forward-only pass's own
+bubble (plan/bubble.py), its forward's FLOPs in TFLOP/s (as training counts them).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ def _exposed_comm(
     out: dict[str, float] = {}
     pool: dict[str, float] = {}
     for col in cols:
-        if col.dim == "cp":
+        if col.dim in context.DIMS:
             continue
         t, window, overlapped = comm.seconds(col, c, cluster), col.window, col.overlapped
         if col.dim == "ep":
@@ -348,14 +349,15 @@ def estimate(
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
         bubble_fraction=bubble / (compute[busiest] + bubble),
         fits=priced.fits,
-        notes=_notes(shape, c, work.muon is not None),
+        notes=_notes(shape, c, work.muon is not None)
+        + ([cluster.rates.note] if cluster.rates else []),
     )
 
 
 def _notes(shape: ModelShape, c: Candidate, muon_step: bool = False) -> list[str]:
     """What no measurement backs yet in this estimate, and what it leaves out."""
     notes = [MOE_UNCALIBRATED] if shape.moe else []
-    if c.cp > 1 and c.cp_style != "ring":
+    if c.cp > 1 and c.cp_style in ("allgather", "ulysses"):
         notes.append(CP_MASKED_UNMEASURED.format(style=c.cp_style))
     if muon_step:
         notes.append(MUON_UNMEASURED)

@@ -4,7 +4,8 @@ bandwidths collectives get.
 Bandwidths are per GPU, one direction, as NCCL's bus bandwidth reports them for large messages
 (roughly 80% of the link's rate): intra-node over NVLink / Infinity Fabric, inter-node over the
 GPU's share of the network (one 400 Gb/s NIC per GPU on H100/H200/B200/MI300X systems, 200 Gb/s on
-A100 ones). Every value can be overridden (``cluster.*``) for a machine that differs.
+A100 ones). Every value can be overridden (``cluster.*``) for a machine that differs; a calibration
+file (``plan.calibration``, plan/rates.py) gives the kernels' rates measured on the device.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from composer3d.plan.rates import Rates, read_rates
 from composer3d.training.flops import PEAK_FLOPS
 
 GB = 1e9
@@ -102,6 +104,8 @@ class Cluster:
     host_memory_bytes: float = 0.0
     disk_bw: float = DISK_BW  # bytes/s per GPU to and from parallel.offload_dir's files
     hbm_bw: float = 3000 * GB  # bytes/s between the device's memory and its cores
+    # the kernels' rates measured on the device (plan.calibration), where they replace the constants
+    rates: Rates | None = None
 
     @property
     def world_size(self) -> int:
@@ -120,12 +124,26 @@ def host_memory_bytes() -> float:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
-    """``c``: the ``cluster`` config section (device names are checked by plan/validation.py)."""
-    device = DEVICES[c.device]
-    dtype = (
-        ("float32" if c.device == "cpu" else "bfloat16") if param_dtype == "auto" else param_dtype
+def compute_dtype(device: str, param_dtype: str) -> str:
+    """The dtype a run on ``device`` (a row of the table) computes in: bf16 on accelerators, fp32 on
+    the CPU, unless ``param_dtype`` (precision.param_dtype) names one."""
+    return ("float32" if device == "cpu" else "bfloat16") if param_dtype == "auto" else param_dtype
+
+
+def device_row(name: str) -> str | None:
+    """The table's row for an accelerator torch calls ``name`` ("NVIDIA H200": h200), if any."""
+    return next(
+        (key for key, d in DEVICES.items() if d.flops_key and d.flops_key in name.upper()), None
     )
+
+
+def cluster_from_config(c, param_dtype: str = "auto", calibration: str | None = None) -> Cluster:
+    """``c``: the ``cluster`` config section (device names are checked by plan/validation.py);
+    ``calibration`` (plan.calibration): a calibration file measured on ``c.device``, whose rates
+    replace the constants it measured."""
+    device = DEVICES[c.device]
+    dtype = compute_dtype(c.device, param_dtype)
+    rates = read_rates(calibration, c.device, dtype) if calibration else None
     if c.peak_tflops:
         peak = c.peak_tflops * 1e12
     elif c.device == "cpu":
@@ -158,5 +176,12 @@ def cluster_from_config(c, param_dtype: str = "auto") -> Cluster:
             c.host_memory_gib * GIB if c.host_memory_gib else device.host_memory_bytes
         ),
         disk_bw=(c.disk_gbps or DISK_BW / GB) * GB,
-        hbm_bw=(c.hbm_gbps or device.hbm_bw / GB) * GB,
+        hbm_bw=(
+            c.hbm_gbps * GB
+            if c.hbm_gbps
+            else rates.copy.bytes_per_s
+            if rates and rates.copy
+            else device.hbm_bw
+        ),
+        rates=rates,
     )

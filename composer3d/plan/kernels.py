@@ -42,6 +42,11 @@ The free constants (four, each measured, each the same for every layout and mode
   own published H100 benchmark, set on no training run. ``cluster.achievable_fraction`` (the
   large-GEMM fraction) is the fourth, and the devices' HBM bandwidths are their data sheets'
   (plan/hardware.py).
+
+A calibration file (``plan.calibration``: plan/rates.py, written by plan/calibrate.py on the device
+planned for) replaces what it measured: the GEMMs' rates by shape (both roofline terms: its times
+hold the bytes), attention's per kernel by length, the optimizer step's seconds per parameter, and
+the memory bandwidth the elementwise kernels run at.
 """
 
 from __future__ import annotations
@@ -154,6 +159,9 @@ class Work:
 
 def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> float:
     """One GEMM [m, k] × [k, n] (forward, or either backward one: the same shapes permuted)."""
+    measured = cluster.rates.gemm_rate(m, n, k) if cluster.rates and not float8 else None
+    if measured:
+        return 2 * m * n * k / measured
     cb = cluster.compute_bytes
     if float8:
         flops_s = 2 * m * n * k / (2 * cluster.peak_flops * cluster.achievable_fraction)
@@ -165,8 +173,16 @@ def _gemm_s(m: float, n: float, k: float, cluster: Cluster, float8: bool) -> flo
     return flops_s + bytes_ / cluster.hbm_bw
 
 
-def _linears(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
-    """(out, in) of one dense block's linears on a TP rank."""
+def attention_rate(cluster: Cluster, kernel: str, seq_len: int) -> float:
+    """FLOP/s of causal attention's forward + backward under ``kernel`` (plan.attention_kernel) at
+    ``seq_len`` tokens a sequence: the calibration's where it measured the kernel, else the
+    kernel's fraction of the peak."""
+    measured = cluster.rates.attention_rate(kernel, seq_len) if cluster.rates else None
+    return measured or cluster.peak_flops * ATTENTION_FRACTION[kernel]
+
+
+def block_linears(shape: ModelShape, tp: int) -> list[tuple[int, int]]:
+    """(out, in) of one dense block's linears on a TP rank: wq, wk, wv, wo, w1, w3, w2."""
     h, q, kv, f = (
         shape.dim,
         shape.n_heads * shape.head_dim,
@@ -192,7 +208,7 @@ def _moe_linears(
     per token, balanced, so a rank's experts take as many copies as its tokens make, one GEMM per
     local expert, each reading its own weights and writing their gradient)."""
     h, m = shape.dim, shape.moe
-    every = [(o, i, 1.0, 1) for o, i in _linears(shape, tp)[:4]] + [(m.experts, h, 1.0, 1)]
+    every = [(o, i, 1.0, 1) for o, i in block_linears(shape, tp)[:4]] + [(m.experts, h, 1.0, 1)]
     s = m.shared * m.hidden
     if s:
         every += [(s // tp, h, 1.0, 1), (s // tp, h, 1.0, 1), (h, s // tp, 1.0, 1)]
@@ -289,7 +305,7 @@ def step_compute(
     def block_gemms(linears, float8: bool) -> float:
         return sum(g * _gemm_s(rows * r / g, o, i, cluster, float8) for o, i, r, g in linears)
 
-    linears = [(o, i, 1.0, 1) for o, i in _linears(shape, c.tp)]
+    linears = [(o, i, 1.0, 1) for o, i in block_linears(shape, c.tp)]
     dense = block_gemms(linears, work.float8)
     # alternate_matmuls reruns the 2nd, 4th, … matmul it counts in a block (plan/activations.py's
     # block_matmul_outputs): wk, wo, w3, about a third of a dense block's GEMM FLOPs (charging half
@@ -319,7 +335,7 @@ def step_compute(
         layers
         * attention_fwd
         * (3.5 + rerun_fwd + reference)
-        / (cluster.peak_flops * ATTENTION_FRACTION[work.attention])
+        / attention_rate(cluster, work.attention, seq_len)
     )
 
     passes = ELEMENTWISE_PASSES[work.compiled]
@@ -343,5 +359,10 @@ def step_compute(
 
     host = layers * EAGER_SAC_S if op_level and not work.compiled else 0.0
     m = c.microbatches
-    optimizer = local_params * OPTIMIZER_BYTES / cluster.hbm_bw + muon_s
+    per_param = (
+        cluster.rates.optimizer.seconds_per_param
+        if cluster.rates and cluster.rates.optimizer
+        else OPTIMIZER_BYTES / cluster.hbm_bw
+    )
+    optimizer = local_params * per_param + muon_s
     return StepCompute(m * gemm, m * attention, m * elementwise, optimizer, m * host)

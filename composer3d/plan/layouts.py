@@ -58,6 +58,7 @@ class Candidate:
     activation_offload: bool = False
     reshard_after_forward: str = "default"
     cp_style: str = "ring"  # parallel.cp_style, under cp > 1
+    cp_ulysses: int = 0  # parallel.cp_ulysses: hierarchical's Ulysses degree
     # memory.tile_mlp / memory.tile_loss: the config's, carried into every candidate
     tile_mlp: int = 0
     tile_loss: int = 0
@@ -127,6 +128,8 @@ class Candidate:
             out.append("memory.ac_save_gathers=true")
         if self.cp > 1:
             out.append(f"parallel.cp_style={self.cp_style}")
+        if self.cp_ulysses:
+            out.append(f"parallel.cp_ulysses={self.cp_ulysses}")
         out += [
             f"memory.{key}={tiles}"
             for key, tiles in (("tile_mlp", self.tile_mlp), ("tile_loss", self.tile_loss))
@@ -152,7 +155,8 @@ class Candidate:
             else f"dp{self.dp}"
         )
         if self.cp > 1:
-            parts.append(f"cp{self.cp}:{self.cp_style}")
+            inner = f"/{self.cp_ulysses}" if self.cp_ulysses else ""
+            parts.append(f"cp{self.cp}:{self.cp_style}{inner}")
         parts.append(f"tp{self.tp}{'+sp' if self.sequence_parallel else ''}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
@@ -190,6 +194,7 @@ def candidate_from_config(cfg: TrainConfig, world_size: int) -> Candidate:
     return Candidate(
         layout=layout,
         cp_style=p.cp_style,
+        cp_ulysses=p.cp_ulysses,
         zero_stage=p.zero_stage,
         sequence_parallel=p.sequence_parallel,
         pp_schedule=p.pp_schedule,
@@ -283,7 +288,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                         pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
                     )
                     styles = _cp_styles(cfg, layout, zero)
-                    for sp, style in product(
+                    for sp, (style, ulysses) in product(
                         (False, True) if tp > 1 and seq_len % tp == 0 else (False,), styles
                     ):
                         if not _tiles_fit(cfg, seq_len // cp // (tp if sp else 1), pp):
@@ -299,6 +304,7 @@ def enumerate_candidates(cfg: TrainConfig, world_size: int, gpus_per_node: int) 
                                 local_batch // mbs,
                                 "none",
                                 cp_style=style,
+                                cp_ulysses=ulysses,
                                 **carried,
                             )
                             found += _with_schedules_and_ac(base, n_layers, compiled, no_v_shaped)
@@ -327,13 +333,22 @@ def _optimizer_runs(cfg: TrainConfig, zero_stage: int, tp: int) -> bool:
     return True
 
 
-def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, ...]:
-    """The context-parallel styles training would accept for this layout (none where it refuses cp):
-    the config's own check, asked of each style with the candidate's ZeRO stage."""
+def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> list[tuple[str, int]]:
+    """The context-parallel styles training would accept for this layout (none where it refuses cp),
+    with hierarchical's Ulysses degree (each divisor of cp between 1 and cp; 0 for the others): the
+    config's own check, asked of each with the candidate's ZeRO stage."""
     if layout.cp == 1:
-        return ("ring",)
+        return [("ring", 0)]
+    cp = layout.cp
+    options = [
+        (style, ulysses)
+        for style in CP_STYLES
+        for ulysses in (
+            [d for d in range(2, cp) if cp % d == 0] if style == "hierarchical" else [0]
+        )
+    ]
     styles = []
-    for style in CP_STYLES:
+    for style, ulysses in options:
         try:
             check_context_parallel(
                 cfg.model,
@@ -343,11 +358,12 @@ def _cp_styles(cfg: TrainConfig, layout: Layout, zero_stage: int) -> tuple[str, 
                 cfg.parallel.cp_balance,
                 zero_stage,
                 cfg.compile.enabled,
+                ulysses,
             )
         except ConfigError:
             continue
-        styles.append(style)
-    return tuple(styles)
+        styles.append((style, ulysses))
+    return styles
 
 
 def _tiles_fit(cfg: TrainConfig, held: int, pp: int) -> bool:
@@ -415,6 +431,7 @@ def apply_to_config(cfg: TrainConfig, candidate: Candidate) -> None:
         candidate.tp,
     )
     p.ep, p.cp, p.cp_style = candidate.ep, candidate.cp, candidate.cp_style
+    p.cp_ulysses = candidate.cp_ulysses
     p.zero_stage, p.sequence_parallel = candidate.zero_stage, candidate.sequence_parallel
     p.pp_schedule, p.pp_stages_per_rank = candidate.pp_schedule, candidate.stages_per_rank
     p.pp_microbatches = candidate.microbatches if candidate.pp > 1 else None

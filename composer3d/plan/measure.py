@@ -182,6 +182,7 @@ def comparison(measured: RankMeasurement, estimate, cluster) -> dict:
             "model_state_bytes": round(predicted.model_state),
             "compute_s": estimate.compute_s,
             "device": cluster.device,
+            "calibration": cluster.rates.note if cluster.rates else None,
         },
         "ratio": {
             "peak_bytes": measured.peak_bytes / predicted.total,

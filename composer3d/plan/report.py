@@ -10,6 +10,7 @@ from composer3d.plan.estimate import Estimate
 from composer3d.plan.fits import Fit
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.layouts import ZERO_BUBBLE
+from composer3d.plan.rates import Rates
 from composer3d.plan.search import why_slower
 
 
@@ -181,5 +182,33 @@ def measured(result: dict) -> str:
             f"  {'step compute':<18}{m['median_step_s'] * 1e3:>11.1f} "
             f"ms{p['compute_s'] * 1e3:>11.1f} ms{r['compute_s']:>8.2f}   (predicted for "
             f"{p['device']}; comparable where that is this device)",
+            *([f"note: {p['calibration']}"] if p["calibration"] else []),
         ]
     )
+
+
+def calibrated(rates: Rates, path: str) -> str:
+    """plan.calibrate's measurements, as written to ``path``."""
+    lines = [
+        f"{rates.layout} timed on {rates.device_name} (cluster.device={rates.device}, "
+        f"{rates.dtype}, torch {rates.torch}); written to {path} for plan.calibration",
+        f"  {'GEMM':<24}{'m × n × k':>28}{'ms (fwd+bwd)':>14}{'TFLOP/s':>10}",
+    ]
+    lines += [
+        f"  {', '.join(g.names):<24}{f'{g.m} × {g.n} × {g.k}':>28}{g.seconds * 1e3:>14.3f}"
+        f"{g.flops_per_s / 1e12:>10.4g}"
+        for g in rates.gemms
+    ]
+    lines.append(f"  {'attention':<24}{'tokens':>28}{'ms (fwd+bwd)':>14}{'TFLOP/s':>10}")
+    lines += [
+        f"  {a.kernel:<24}{a.seq_len:>28,}{a.seconds * 1e3:>14.3f}{a.flops_per_s / 1e12:>10.4g}"
+        for a in rates.attention
+    ]
+    o, c = rates.optimizer, rates.copy
+    lines += [
+        f"  optimizer step ({o.implementation} AdamW, the norm and clip): {o.params:,} parameters "
+        f"in {o.seconds * 1e3:.3f} ms, {o.seconds_per_param * 1e9:.3g} ns a parameter",
+        f"  memory: a copy moving {_gib(c.bytes)} in {c.seconds * 1e3:.3f} ms, "
+        f"{c.bytes_per_s / 1e9:.4g} GB/s",
+    ]
+    return "\n".join(lines)

@@ -124,6 +124,12 @@ def validate_plan(cfg: Any) -> None:
         "Use e.g. 3",
     )
     _require(
+        p.calibrate_repeats >= 1,
+        "plan.calibrate_repeats",
+        f"must be >= 1, got {p.calibrate_repeats}",
+        "Use e.g. 5",
+    )
+    _require(
         0 < p.memory_headroom <= 1,
         "plan.memory_headroom",
         f"must be in (0, 1], got {p.memory_headroom}",

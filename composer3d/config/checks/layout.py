@@ -79,6 +79,7 @@ def check_context_parallel(
     cp_balance: str,
     zero_stage: int,
     compiled: bool,
+    cp_ulysses: int = 0,
 ) -> None:
     """Context parallel cuts every sequence into 2·cp chunks (head-tail balancing). The native model
     runs it with FSDP/HSDP (ZeRO-1/2/3), TP/SP and compile, and with pipeline and expert parallel,
@@ -110,30 +111,32 @@ def check_context_parallel(
         style in CP_STYLES,
         "parallel.cp_style",
         f"got {style!r}",
-        "Use ring (the default: keys and values passed round the cp ranks), allgather or ulysses",
+        "Use ring (the default: keys and values passed round the cp ranks), allgather, ulysses or "
+        "hierarchical (with parallel.cp_ulysses)",
     )
-    if style == "ulysses":  # the heads a rank holds: under tensor parallel, 1/tp of them
-        tp = layout.tp
-        heads = {
-            "model.n_heads": model.n_heads,
-            "model.n_kv_heads": model.n_kv_heads or model.n_heads,
-        }
-        for key, count in heads.items():
-            # tp not dividing is its own error (_check_layout)
-            local = count // tp if count % tp == 0 else count
-            held = (
-                f"{key}={count} over tp={tp} leaves {local} a rank, which"
-                if tp > 1
-                else f"{key}={count}"
-            )
-            _require(
-                local % cp == 0,
-                "parallel.cp_style",
-                f"ulysses splits the heads a rank holds over the cp ranks, and {held} is not "
-                f"divisible by cp={cp}",
-                "Use parallel.cp_style=ring (or allgather), or a cp dividing "
-                f"{local}" + (", or a smaller parallel.tp" if tp > 1 else ""),
-            )
+    if style == "hierarchical":
+        inner = [d for d in range(2, cp) if cp % d == 0]
+        _require(
+            cp_ulysses in inner,
+            "parallel.cp_ulysses",
+            f"cp_style=hierarchical runs Ulysses over cp_ulysses consecutive cp ranks and the ring "
+            f"across those groups; cp_ulysses={cp_ulysses} is not a divisor of cp={cp} between 1 "
+            "and cp",
+            f"Use parallel.cp_ulysses in {inner} (the cp ranks of a node), or "
+            "parallel.cp_style=ring"
+            if inner
+            else f"Use parallel.cp_style=ring or ulysses: cp={cp} has no divisor between 1 and cp",
+        )
+    else:
+        _require(
+            cp_ulysses == 0,
+            "parallel.cp_ulysses",
+            f"is the Ulysses degree of cp_style=hierarchical, got {cp_ulysses} with "
+            f"cp_style={style}",
+            "Use parallel.cp_style=hierarchical, or leave parallel.cp_ulysses at 0",
+        )
+    if style in ("ulysses", "hierarchical"):
+        _check_ulysses_heads(model, layout.tp, cp if style == "ulysses" else cp_ulysses, style)
     problem = MODEL_REGISTRY[model.name].context_parallel_problem(model)
     _require(
         problem is None,
@@ -158,6 +161,14 @@ def check_context_parallel(
         "parallel.pp": layout.pp > 1,
         "parallel.ep": layout.ep > 1,
     }
+    if style == "hierarchical":  # tested with FSDP and TP + SP (tests/test_context_parallel.py)
+        for key, given in others.items():
+            _require(
+                not given,
+                key,
+                f"cp_style=hierarchical does not compose with {key} yet",
+                f"Use parallel.cp_style=ring (which does), or leave {key} at its default",
+            )
     if model.name != "llama":
         for key, given in others.items():
             _require(
@@ -169,13 +180,48 @@ def check_context_parallel(
             )
 
 
+def _check_ulysses_heads(model: ModelConfig, tp: int, degree: int, style: str) -> None:
+    """Ulysses splits the heads a rank holds (under tensor parallel, 1/tp of them) over ``degree``
+    ranks."""
+    heads = {"model.n_heads": model.n_heads, "model.n_kv_heads": model.n_kv_heads or model.n_heads}
+    over = "cp" if style == "ulysses" else "cp_ulysses"
+    ranks = "the cp ranks" if style == "ulysses" else "the ranks of each Ulysses group"
+    for key, count in heads.items():
+        # tp not dividing is its own error (_check_layout)
+        local = count // tp if count % tp == 0 else count
+        held = (
+            f"{key}={count} over tp={tp} leaves {local} a rank, which"
+            if tp > 1
+            else f"{key}={count}"
+        )
+        _require(
+            local % degree == 0,
+            f"parallel.{'cp_style' if style == 'ulysses' else 'cp_ulysses'}",
+            f"{style} splits the heads a rank holds over {ranks}, and {held} is not divisible by "
+            f"{over}={degree}",
+            (
+                f"Use parallel.cp_style=ring (or allgather), or a cp dividing {local}"
+                if style == "ulysses"
+                else f"Use a parallel.cp_ulysses dividing {local}, or parallel.cp_style=ring"
+            )
+            + (", or a smaller parallel.tp" if tp > 1 else ""),
+        )
+
+
 def _check_layout(cfg: Any, layout: Layout) -> None:
     """Dimensions and sharding stages that exist, and tensor/sequence parallel that this model can
     split."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
     tp = layout.tp
     check_context_parallel(
-        m, layout, t.seq_len, p.cp_style, p.cp_balance, p.zero_stage, cfg.compile.enabled
+        m,
+        layout,
+        t.seq_len,
+        p.cp_style,
+        p.cp_balance,
+        p.zero_stage,
+        cfg.compile.enabled,
+        p.cp_ulysses,
     )
     _check_expert_parallel(cfg, layout)
     _require(

@@ -4,4 +4,4 @@ balancing."""
 # The styles of attention across the cp ranks (parallel.cp_style; ``context_parallel``): here, so
 # the config checks and the planner read them without importing the attention, whose eager boundary
 # (torch.compiler.disable) imports dynamo.
-STYLES = ("ring", "allgather", "ulysses")
+STYLES = ("ring", "allgather", "ulysses", "hierarchical")

@@ -61,6 +61,17 @@ class Placement:
             ]
         )
 
+    def grouped(self, size: int) -> "Placement":
+        """The placement of groups of ``size`` consecutive ranks, each holding its members' chunks
+        in rank order (what an all-to-all over the group gathers: hierarchical cp's ring)."""
+        return Placement(
+            self.chunk,
+            tuple(
+                tuple(c for rank in range(start, start + size) for c in self.held[rank])
+                for start in range(0, len(self.held), size)
+            ),
+        )
+
     def gathered_index(self, device: torch.device | None = None) -> torch.Tensor:
         """Global indices of every rank's tokens, in rank order (what an all-gather over the cp
         group returns)."""

@@ -17,6 +17,11 @@ ids:
 - ``ulysses``: an all-to-all trades the sequence split for a head split (each rank attends over the
   whole sequence with heads/cp of the heads), and back: needs the heads and KV heads divisible by
   cp.
+- ``hierarchical``: Ulysses inside groups of ``ulysses`` consecutive cp ranks (a node's fast links:
+  the all-to-all gives each rank heads/ulysses of the heads over its group's tokens) and the ring
+  across the groups (cp/ulysses of them, over the slower links), each group's members' chunks one
+  ring share (``Placement.grouped``); then the all-to-all back. The ring passes 1/ulysses as many
+  rounds, each with ulysses× the tokens and 1/ulysses the heads (Megatron's a2a+p2p, USP).
 
 The token loss of each rank's targets is summed over dp × cp (the ``loss`` mesh) and FSDP reduces
 gradients over ``dp_shard_cp``, so the curve is the single-process one.
@@ -57,6 +62,7 @@ class ContextParallel:
         style: str = "ring",
         balance: str = "head_tail",
         windows: tuple[int, ...] = (),
+        ulysses: int = 0,
     ):
         if style not in STYLES:
             raise ValueError(f"context parallel style {style!r}: one of {STYLES}")
@@ -64,6 +70,14 @@ class ContextParallel:
             raise ValueError(f"context parallel balance {balance!r}: one of {BALANCES}")
         self.group, self.style, self.balance = cp_mesh.get_group(), style, balance
         self.size, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        if style == "hierarchical":
+            if not 1 < ulysses < self.size or self.size % ulysses:
+                raise ValueError(f"hierarchical cp of {self.size} ranks: ulysses={ulysses}")
+            # cp rank = ring rank · ulysses + Ulysses rank: every rank makes every group
+            split = cp_mesh._unflatten(0, (self.size // ulysses, ulysses), ("cp_ring", "cp_a2a"))
+            self.ring = (split["cp_ring"].get_group(), split["cp_ring"].get_local_rank())
+            self.ulysses = (split["cp_a2a"].get_group(), ulysses)
+            assert self.ring[1] * ulysses + split["cp_a2a"].get_local_rank() == self.rank
         # every layer's sliding window of the whole model (0: causal; none: all causal), which the
         # balance weighs: one placement for all pipeline stages, whose activations pass between them
         self.windows = windows
@@ -126,6 +140,9 @@ class ContextParallel:
             return AttentionPlan(
                 ring_blocks(self.rank, self.placement(seq_len), documents, window), window
             )
+        if self.style == "hierarchical":  # the ring's shares: each Ulysses group's tokens
+            grouped = self.placement(seq_len).grouped(self.ulysses[1])
+            return AttentionPlan(ring_blocks(self.ring[1], grouped, documents, window), window)
         queries = (
             self.token_index(seq_len, device)
             if self.style == "allgather"
@@ -157,35 +174,35 @@ class ContextParallel:
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1]
             )
-        q, k, v = (self._heads_to_sequence(t) for t in (q, k, v))
+        if self.style == "hierarchical":
+            group, size = self.ulysses
+            q, k, v = (_heads_to_sequence(t, group, size) for t in (q, k, v))
+            ring_group, ring_rank = self.ring
+            out = ring_attention(q, k, v, plan, ring_group, ring_rank, self.size // size)
+            return _sequence_to_heads(out, group, size)
+        q, k, v = (_heads_to_sequence(t, self.group, self.size) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1]
         )
-        return self._sequence_to_heads(out)
+        return _sequence_to_heads(out, self.group, self.size)
 
-    def _heads_to_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, heads, local tokens, d) → (batch, heads/cp, all tokens in ``gathered_index``
-        order, d): rank j keeps the j-th group of heads, of every rank's tokens."""
-        batch, heads, tokens, dim = x.shape
-        x = (
-            x.reshape(batch, self.size, heads // self.size, tokens, dim)
-            .transpose(0, 1)
-            .contiguous()
-        )
-        # dim 0: to rank j / from rank j
-        x = funcol.all_to_all_single_autograd(x, None, None, self.group)
-        return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // self.size, self.size * tokens, dim)
 
-    def _sequence_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """The inverse of ``_heads_to_sequence``: this rank's tokens, all heads."""
-        batch, heads, tokens, dim = x.shape
-        x = (
-            x.reshape(batch, heads, self.size, tokens // self.size, dim)
-            .permute(2, 0, 1, 3, 4)
-            .contiguous()
-        )
-        x = funcol.all_to_all_single_autograd(x, None, None, self.group)
-        return x.transpose(0, 1).reshape(batch, self.size * heads, tokens // self.size, dim)
+def _heads_to_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """(batch, heads, local tokens, d) → (batch, heads/size, the group's tokens in rank order, d):
+    member j of ``group`` keeps the j-th share of the heads, of every member's tokens."""
+    batch, heads, tokens, dim = x.shape
+    x = x.reshape(batch, size, heads // size, tokens, dim).transpose(0, 1).contiguous()
+    # dim 0: to member j / from member j
+    x = funcol.all_to_all_single_autograd(x, None, None, group)
+    return x.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * tokens, dim)
+
+
+def _sequence_to_heads(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The inverse of ``_heads_to_sequence``: this rank's tokens, all heads."""
+    batch, heads, tokens, dim = x.shape
+    x = x.reshape(batch, heads, size, tokens // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+    x = funcol.all_to_all_single_autograd(x, None, None, group)
+    return x.transpose(0, 1).reshape(batch, size * heads, tokens // size, dim)
 
 
 class AttentionPlan:
