@@ -134,7 +134,19 @@ PLANNED = {
             "cluster.nodes=1",
             "cluster.device=h100",
         ],
-    )
+    ),
+    # its search ranks 41,368 layouts (a minute here): the test prices the choice beside the
+    # alternatives its comments name
+    "llama3_70b_131k": (
+        64,
+        [
+            "model=llama3_70b",
+            "train.seq_len=131072",
+            "train.global_batch_size=16",
+            "cluster.nodes=8",
+            "cluster.device=h100",
+        ],
+    ),
 }
 # LoRA / QLoRA recipes on one GPU: recipe -> (model, the GPU memory it is sized for)
 PEFT_RECIPES = {
@@ -498,3 +510,67 @@ def test_long_context_recipe_is_the_planners_choice_and_its_readme_row_the_predi
     row = next(line for line in readme.splitlines() if line.startswith("| `llama3_8b_131k` |"))
     assert f"{e.memory.total / 2**30:.1f} GiB" in row and f"{e.step_time_s:.1f} s" in row, row
     assert f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in row and f"MFU {e.mfu:.1%}" in row, row
+
+
+def test_70b_long_context_recipe_prices_as_its_comments_and_readme_say():
+    """llama3_70b_131k: hierarchical cp 64 (Ulysses over a node's 8 GPUs × a ring of 8 nodes),
+    FSDP over cp, validated at 64 ranks (refused at 8); the planner's memory and step time in its
+    README row, and faster than the alternatives its comments name: TP 2 + SP × hierarchical cp 32,
+    the plain ring over cp 64 (its passes through the NICs), TP 8 + SP × cp 8 (selective
+    checkpointing does not fit, full does, slower)."""
+    from composer3d.plan import Workload, candidate_from_config, estimate
+    from composer3d.plan.hardware import cluster_from_config
+
+    world, plan = PLANNED["llama3_70b_131k"]
+    cfg = compose_recipe("llama3_70b_131k", "data.paths=[/data/long/*.jsonl]")
+    assert cfg.model.n_layers == 80 and cfg.train.seq_len == 131072 and cfg.data.document_masking
+    degrees = validate(cfg, world).as_dict()
+    assert (degrees["dp_shard"], degrees["cp"], degrees["tp"], degrees["pp"]) == (1, 64, 1, 1)
+    assert (cfg.parallel.cp_style, cfg.parallel.cp_ulysses) == ("hierarchical", 8)
+    with pytest.raises(ConfigError, match=r"^parallel\."):
+        validate(cfg, 8)
+    register_configs()
+
+    def priced(*overrides):
+        with initialize_config_module("composer3d.conf", version_base=None):
+            planned = compose("train", overrides=[*plan, *overrides])
+        cluster = cluster_from_config(planned.cluster, planned.precision.param_dtype)
+        return estimate(
+            Workload.from_config(planned), candidate_from_config(planned, world), cluster
+        )
+
+    layout = [f"parallel.{k}={v}" for k, v in (("dp_shard", 1), ("cp", 64), ("tp", 1))]
+    chosen = priced(
+        *layout,
+        "parallel.cp_style=hierarchical",
+        "parallel.cp_ulysses=8",
+        "train.micro_batch_size=1",
+        "memory.activation_checkpointing=selective",
+    )
+    assert chosen.fits
+    readme = (Path(__file__).parents[1] / "recipes" / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| `llama3_70b_131k` |"))
+    assert f"{chosen.memory.total / 2**30:.1f} GiB" in row and f"{chosen.step_time_s:.1f} s" in row
+    assert f"{chosen.tokens_per_s_per_gpu:,.0f} tok/s/GPU" in row and f"MFU {chosen.mfu:.1%}" in row
+    mb1 = ["train.micro_batch_size=1", "memory.activation_checkpointing=selective"]
+    tp2 = priced(
+        "parallel.dp_shard=1", "parallel.cp=32", "parallel.tp=2",
+        "parallel.sequence_parallel=true", "parallel.cp_style=hierarchical",
+        "parallel.cp_ulysses=4", *mb1,
+    )  # fmt: skip
+    ring = priced(*layout, "parallel.cp_style=ring", *mb1)
+    tp8 = [
+        "parallel.dp_shard=1",
+        "parallel.cp=8",
+        "parallel.tp=8",
+        "parallel.sequence_parallel=true",
+    ]
+    tp8_selective = priced(*tp8, *mb1)
+    tp8_full = priced(*tp8, "train.micro_batch_size=1", "memory.activation_checkpointing=full")
+    assert not tp8_selective.fits and tp8_full.fits
+    for other in (tp2, ring, tp8_full):
+        assert other.fits and other.step_time_s > chosen.step_time_s
+    assert ring.memory.total == pytest.approx(chosen.memory.total)
+    comments = (RECIPE_DIR / "llama3_70b_131k.yaml").read_text()
+    for e, what in ((tp2, "82.8 s"), (ring, "113.7 s"), (tp8_full, "116.0 s")):
+        assert f"{e.step_time_s:.1f} s" == what and what in comments
