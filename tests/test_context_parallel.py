@@ -79,9 +79,9 @@ LAYOUTS.update(
 # the ring at cp 4; the compositions train with document masking there (the harder mask: a
 # document's start cut inside a rank's chunk), and without it in the slow run.
 DEFAULT_CAUSAL = {"cp2", "cp4", "cp2_allgather", "cp2_ulysses"}
-# hierarchical cp at 8 ranks (cp 8, and cp 4 composed with FSDP and with TP + SP): 3 minutes together on
-# 2 cores; the default run trains cp 4 = 2 × 2 and checks cp 8's logits and gradients against full
-# attention (test_cp_logits_and_gradients_equal_full_attention)
+# hierarchical cp at 8 ranks (cp 8, and cp 4 composed with FSDP and with TP + SP): 3 minutes
+# together on 2 cores; the default run trains cp 4 = 2 × 2 and checks cp 8's logits and gradients
+# against full attention (test_cp_logits_and_gradients_equal_full_attention)
 SLOW_COMPOSED = ("cp8_hierarchical", "cp4_hierarchical_fsdp2", "cp4_hierarchical_tp2_sp")
 SLOW = [(name, "causal") for name in LAYOUTS if name not in DEFAULT_CAUSAL] + [
     (name, "documents") for name in SLOW_COMPOSED
