@@ -63,6 +63,7 @@ def _forward_matches_reference(rank, world_size, layout, sequence_parallel, zero
         memory=cfg.memory,
         compile=cfg.compile,
         peft=cfg.peft,
+        windows=(),
     )
     materialize(model, torch.device("cpu"), seed=7)
     logits = model(tokens)
@@ -241,6 +242,7 @@ def _params_gathered_after_forward(rank, world_size, zero_stage, expect_gathered
         memory=cfg.memory,
         compile=cfg.compile,
         peft=cfg.peft,
+        windows=(),
     )
     materialize(model, torch.device("cpu"), seed=0)
     loss = model(torch.zeros(1, 8, dtype=torch.long)).sum()

@@ -183,6 +183,8 @@ class Rates:
 def _interpolated(points: list[tuple[float, float]], x: float) -> float:
     """y at x, linear in log x between the (x, y) points (sorted by x), flat beyond the ends."""
     i = bisect.bisect_left(points, (x,))
+    if i < len(points) and points[i][0] == x:  # measured there: its own rate, unrounded
+        return points[i][1]
     if i == 0:
         return points[0][1]
     if i == len(points):
