@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from composer3d.parallel.context import RING_STYLES
 from composer3d.plan.layouts import Candidate
 from composer3d.plan.shapes import ModelShape
 
@@ -201,7 +202,7 @@ def cp_attention(shape: ModelShape, c: Candidate, compute_bytes: int) -> tuple[f
     kv, q = 2 * shape.n_kv_heads * shape.head_dim / c.tp, shape.n_heads * shape.head_dim / c.tp
     if c.cp_style == "allgather":
         return kv * (c.cp - 1), 0.0
-    if c.cp_style in ("ring", "hierarchical"):  # hierarchical's ring: u× the tokens, 1/u the heads
+    if c.cp_style in RING_STYLES:  # hierarchical's ring: u× the tokens, 1/u the heads
         return 0.0, 2 * kv + (2 * kv + q) * 4 / compute_bytes
     return 0.0, 0.0
 
@@ -210,6 +211,6 @@ def cp_mask_bytes(c: Candidate, seq_len: int) -> float:
     """The boolean mask the all-gather and Ulysses styles build once per micro-batch (every layer's
     attention keeps it): local (all-gather) or all (Ulysses) queries × all keys, per sequence. The
     ring's block masks exist only for chunk pairs a document boundary cuts: left out."""
-    if c.cp == 1 or c.cp_style in ("ring", "hierarchical"):
+    if c.cp == 1 or c.cp_style in RING_STYLES:
         return 0.0
     return c.micro_batch_size * (seq_len / c.cp if c.cp_style == "allgather" else seq_len) * seq_len

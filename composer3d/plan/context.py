@@ -31,6 +31,7 @@ all-gathered K/V, the ring's buffers, the masks) is plan/activations.py's (``cp_
 
 from __future__ import annotations
 
+from composer3d.parallel.context import RING_STYLES
 from composer3d.plan.comm import Collective, regathers, seconds
 from composer3d.plan.hardware import Cluster
 from composer3d.plan.kernels import attention_rate
@@ -91,7 +92,7 @@ def collectives(
     if c.cp_style == "ulysses":
         return a2a
     # the K/V passes hide behind attention (``exposed_seconds``), the gradients' do not
-    if c.cp_style in ("ring", "hierarchical"):
+    if c.cp_style in RING_STYLES:
         dim, size = _ring(c)
         passes = [
             Collective(dim, "send", size, (forwards + backwards) * (size - 1) * kv, True),
@@ -152,7 +153,7 @@ def exposed_seconds(
         return 0.0
     cb = cluster.compute_bytes
     traffic = collectives(shape, c, stages, seq_len, cb, reference_forward)
-    if c.cp_style not in ("ring", "hierarchical"):
+    if c.cp_style not in RING_STYLES:
         return sum(seconds(col, c, cluster) for col in traffic)
     layers = stages.dense_layers + stages.moe_layers
     dim, size = _ring(c)

@@ -161,22 +161,22 @@ def check_context_parallel(
         "parallel.pp": layout.pp > 1,
         "parallel.ep": layout.ep > 1,
     }
-    if style == "hierarchical":  # tested with FSDP and TP + SP (tests/test_context_parallel.py)
+    # tested with FSDP, HSDP and TP + SP only: (whether it applies, what, what would work instead)
+    limited = [
+        (style == "hierarchical", "cp_style=hierarchical", "parallel.cp_style=ring (which does)"),
+        (
+            model.name != "llama",
+            f"context parallel (parallel.cp={cp}) of model=hf",
+            "parallel.cp=1",
+        ),
+    ]
+    for applies, whose, instead in limited:
         for key, given in others.items():
             _require(
-                not given,
+                not (applies and given),
                 key,
-                f"cp_style=hierarchical does not compose with {key} yet",
-                f"Use parallel.cp_style=ring (which does), or leave {key} at its default",
-            )
-    if model.name != "llama":
-        for key, given in others.items():
-            _require(
-                not given,
-                key,
-                f"context parallel (parallel.cp={cp}) of model=hf does not compose with {key} yet",
-                f"Use parallel.cp=1, or leave {key} at its default (model=hf runs cp with FSDP, "
-                "HSDP and TP)",
+                f"{whose} does not compose with {key} yet",
+                f"Use {instead}, or leave {key} at its default (it runs with FSDP, HSDP and TP)",
             )
 
 

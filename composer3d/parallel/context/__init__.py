@@ -5,3 +5,6 @@ balancing."""
 # the config checks and the planner read them without importing the attention, whose eager boundary
 # (torch.compiler.disable) imports dynamo.
 STYLES = ("ring", "allgather", "ulysses", "hierarchical")
+# the styles whose attention is the ring's blocks (hierarchical: over its Ulysses groups): no mask,
+# blocks a mask leaves empty skipped
+RING_STYLES = ("ring", "hierarchical")

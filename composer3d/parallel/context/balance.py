@@ -117,6 +117,13 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(starts.cumsum(-1), (1, 0))
 
 
+def sees(behind: torch.Tensor, window: int) -> torch.Tensor:
+    """Whether a query sees a key ``behind`` tokens before it (negative: after it): causally and,
+    under a sliding ``window`` (keys a query sees, itself included; 0: every earlier key), within
+    it — transformers' ``sliding_window_overlay``."""
+    return (behind >= 0) & (behind < window) if window else behind >= 0
+
+
 def window_reaches(window: int, chunk: int, apart: int) -> bool:
     """Whether some query of a chunk sees some key of the chunk ``apart`` chunks before it under a
     sliding ``window`` (keys a query sees, itself included; 0: every earlier key): the nearest pair

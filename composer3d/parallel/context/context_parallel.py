@@ -42,6 +42,7 @@ from composer3d.parallel.context.balance import (
     document_ids,
     head_tail,
     plan_placement,
+    sees,
 )
 from composer3d.parallel.context.ring_attention import ring_attention, ring_blocks
 
@@ -75,9 +76,12 @@ class ContextParallel:
                 raise ValueError(f"hierarchical cp of {self.size} ranks: ulysses={ulysses}")
             # cp rank = ring rank · ulysses + Ulysses rank: every rank makes every group
             split = cp_mesh._unflatten(0, (self.size // ulysses, ulysses), ("cp_ring", "cp_a2a"))
-            self.ring = (split["cp_ring"].get_group(), split["cp_ring"].get_local_rank())
-            self.ulysses = (split["cp_a2a"].get_group(), ulysses)
-            assert self.ring[1] * ulysses + split["cp_a2a"].get_local_rank() == self.rank
+            self.a2a_group, self.a2a_size = split["cp_a2a"].get_group(), ulysses
+            self.ring_group, self.ring_rank = (
+                split["cp_ring"].get_group(),
+                split["cp_ring"].get_local_rank(),
+            )
+            assert self.ring_rank * ulysses + split["cp_a2a"].get_local_rank() == self.rank
         # every layer's sliding window of the whole model (0: causal; none: all causal), which the
         # balance weighs: one placement for all pipeline stages, whose activations pass between them
         self.windows = windows
@@ -141,8 +145,8 @@ class ContextParallel:
                 ring_blocks(self.rank, self.placement(seq_len), documents, window), window
             )
         if self.style == "hierarchical":  # the ring's shares: each Ulysses group's tokens
-            grouped = self.placement(seq_len).grouped(self.ulysses[1])
-            return AttentionPlan(ring_blocks(self.ring[1], grouped, documents, window), window)
+            grouped = self.placement(seq_len).grouped(self.a2a_size)
+            return AttentionPlan(ring_blocks(self.ring_rank, grouped, documents, window), window)
         queries = (
             self.token_index(seq_len, device)
             if self.style == "allgather"
@@ -175,10 +179,9 @@ class ContextParallel:
                 q, k, v, attn_mask=plan, enable_gqa=q.shape[1] != k.shape[1]
             )
         if self.style == "hierarchical":
-            group, size = self.ulysses
+            group, size = self.a2a_group, self.a2a_size
             q, k, v = (_heads_to_sequence(t, group, size) for t in (q, k, v))
-            ring_group, ring_rank = self.ring
-            out = ring_attention(q, k, v, plan, ring_group, ring_rank, self.size // size)
+            out = ring_attention(q, k, v, plan, self.ring_group, self.ring_rank, self.size // size)
             return _sequence_to_heads(out, group, size)
         q, k, v = (_heads_to_sequence(t, self.group, self.size) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
@@ -223,9 +226,7 @@ def _mask(
     """Which keys each query attends to, (batch or 1, 1, queries, keys), both given by global token
     index: keys at or before the query (and within its ``window``, where one is given) and, with
     ``documents`` (batch, seq_len) in global order, in its document."""
-    behind = queries[:, None] - keys[None, :]
-    mask = (behind >= 0) & (behind < window) if window else behind >= 0
-    mask = mask.unsqueeze(0)
+    mask = sees(queries[:, None] - keys[None, :], window).unsqueeze(0)
     if documents is not None:
         mask = mask & (documents[:, queries, None] == documents[:, None, keys])
     return mask.unsqueeze(1)

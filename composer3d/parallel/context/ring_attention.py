@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from composer3d.parallel.context.attention_blocks import Block, block_backward, block_forward
-from composer3d.parallel.context.balance import Placement, window_cuts, window_reaches
+from composer3d.parallel.context.balance import Placement, sees, window_cuts, window_reaches
 
 
 def ring_blocks(
@@ -36,13 +36,10 @@ def ring_blocks(
     order, or None for causal attention; ``window``: the keys a query sees, itself included, under
     a sliding window, 0 for all earlier ones)."""
     chunk, held = placement.chunk, placement.held
-    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
-    if documents is not None:
-        lower = lower.to(documents.device)
+    device = None if documents is None else documents.device
     # query index − key index within a block, before the chunks' distance
-    offset = torch.arange(chunk, device=lower.device)[:, None] - torch.arange(
-        chunk, device=lower.device
-    )
+    index = torch.arange(chunk, device=device)
+    offset = index[:, None] - index[None, :]
     plan = []
     for source in range(len(held)):
         blocks = []
@@ -54,10 +51,9 @@ def ring_blocks(
                 causal, mask = apart == 0, None
                 windowed = window_cuts(window, chunk, apart)
                 if documents is not None or windowed:
-                    unmasked = lower if causal else torch.ones_like(lower)
-                    allowed = unmasked.unsqueeze(0)
-                    if windowed:
-                        allowed = allowed & (offset + apart * chunk < window)
+                    behind = offset + apart * chunk
+                    unmasked = sees(behind, 0)  # the kernels' own rule: causal, or none
+                    allowed = sees(behind, window).unsqueeze(0)
                     if documents is not None:
                         allowed = allowed & (
                             documents[:, q_chunk * chunk : (q_chunk + 1) * chunk, None]
