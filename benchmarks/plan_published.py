@@ -14,9 +14,13 @@ FLOPs per token (6N + 6·L·H·Q·T, composer3d's convention: causal attention).
 count the full attention matrix (6N + 12·L·H·Q·T): they are recounted in composer3d's convention
 (the same tokens/s). Megatron-LM's GPT models are Llama-shaped configs of the same parameters and
 FLOPs: multi-head attention, an MLP of 8h/3 (rounded to 64) with three matrices instead of 4h with
-two, vocabulary 131072, untied head.
+two, vocabulary 131072, untied head. The Llama 3 paper's TFLOP/s (its 405B's pre-training, rows
+29-31) do not say their count: they are taken as PaLM's MFU count, the full matrix, which
+torchtitan, Meta's own trainer, counts too, and recounted the same way.
 
-Under the table, held-out rows, printed in tokens/s and setting nothing: every other row of the
+Under the table, where each row's predicted step goes (its seconds, and the share of them compute
+takes by kernel kind, the pipeline's bubble, each dimension's exposed communication); then held-out
+rows, printed in tokens/s and setting nothing: every other row of the
 torchtitan file its rows 1-2 and 22 come from, and Megatron-Bridge's H100 mixture of experts
 (Qwen3-30B-A3B, its config.json's sizes in benchmarks/published_models/).
 """
@@ -27,6 +31,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 # Megatron-LM's table and Megatron-Bridge's recipes overlap TP (--tp-comm-overlap), pipeline sends
 # and the distributed optimizer's parameter gather (--overlap-param-gather) with compute, which
@@ -98,7 +104,39 @@ FP8 = [
 TITAN_SAC = ["memory.activation_checkpointing=selective", "memory.ac_policy=alternate_matmuls"]
 
 
-# (row, source, overrides, published tokens/s per GPU or None, published TFLOP/s per GPU or None)
+def _llama3_405b(nodes: int, dp: int, cp: int, seq: int, batch_per_dp: int) -> list[str]:
+    """Llama 3 405B's pre-training (the Llama 3 paper, arXiv 2407.21783, Table 4 and section 3.3):
+    TP 8 inside a node, CP (K/V all-gathered, two chunks of 2·CP a rank), PP 16 interleaved, FSDP
+    outermost, not resharded after the forward (composer3d's default under PP), gradients
+    reduce-scattered in fp32, micro-batch 1 (the DP rank's batch is its micro-batches), no
+    activation checkpointing ("we could pretrain Llama 3 on sequences of 8K tokens without
+    activation checkpointing"), bf16. Its pipeline puts one layer in each model chunk, the
+    embedding alone in the first and the head alone in the last (126 layers + 2 chunks = 16 × 8):
+    composer3d's stages hold at least one layer each, so the rows run 4 chunks a rank (two layers
+    each, one in the first and the last, which is the same layers a rank), whose ramps are twice
+    v=8's; SP, which the paper does not name, as every published TP 8 row; its attention
+    FlashAttention-2's (the 2024 kernel; FlashAttention-3 came out with the paper); eager, the
+    paper naming no compiler; its asynchronous pipeline sends are not priced as hidden (1-2% of
+    these steps)."""
+    return [
+        "model=llama3_405b",
+        f"train.seq_len={seq}",
+        f"train.global_batch_size={dp * batch_per_dp}",
+        "train.micro_batch_size=1",
+        f"cluster.nodes={nodes}",
+        f"parallel.dp_shard={dp}",
+        "parallel.tp=8",
+        "parallel.pp=16",
+        f"parallel.cp={cp}",
+        "parallel.sequence_parallel=true",
+        "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.pp_stages_per_rank=4",
+        "plan.attention_kernel=flash2",
+    ] + (["parallel.cp_style=allgather", "parallel.cp_balance=head_tail"] if cp > 1 else [])
+
+
+# (row, source, overrides, published tokens/s per GPU or None, published TFLOP/s per GPU or None:
+# Megatron-LM's and Llama 3's count the full attention matrix, recounted)
 ROWS = [
     (
         1,
@@ -332,6 +370,27 @@ ROWS = [
         19882,
         None,
     ),
+    (
+        29,
+        "Llama 3 405B pre-training, 8,192 GPUs, TP 8 x PP 16 x DP 64",
+        _llama3_405b(1024, 64, 1, 8192, 32),
+        None,
+        430,
+    ),
+    (
+        30,
+        "Llama 3 405B pre-training, 16,384 GPUs, TP 8 x PP 16 x DP 128",
+        _llama3_405b(2048, 128, 1, 8192, 16),
+        None,
+        400,
+    ),
+    (
+        31,
+        "Llama 3 405B pre-training, 16,384 GPUs, TP 8 x CP 16 x PP 16 x DP 8, 131,072 tokens",
+        _llama3_405b(2048, 8, 16, 131072, 16),
+        None,
+        380,
+    ),
 ]
 
 
@@ -419,6 +478,7 @@ def _titan_4d(dp: int, cp: int) -> list[str]:
 # Hugging Face models the rows name, as their config.json (sizes only: composer3d-plan reads nothing
 # else)
 PUBLISHED_MODELS = Path(__file__).parent / "published_models"
+CONF_MODELS = Path(__file__).parent.parent / "conf" / "model"
 MB_MOE = ["train.seq_len=4096", "train.micro_batch_size=1", "parallel.zero_stage=1", *OVERLAP]
 
 HELD_OUT = [
@@ -516,9 +576,26 @@ def on_device(overrides: list[str]) -> list[str]:
 
 def _causal_half(overrides: list[str]) -> float:
     """6·L·H·Q·T: what counting the full attention matrix adds per token to composer3d's causal
-    count (Megatron's GPT rows: multi-head attention, H·Q = the hidden size)."""
+    count (H·Q: the query heads' width, the hidden size in every such row), from the row's
+    overrides over its model's preset (conf/model/)."""
     value = {k: v for k, v in (o.split("=", 1) for o in overrides)}
-    return 6 * int(value["model.n_layers"]) * int(value["model.dim"]) * int(value["train.seq_len"])
+    preset = OmegaConf.load(CONF_MODELS / f"{value['model']}.yaml")
+    model = {
+        **preset,
+        **{k.split(".", 1)[1]: v for k, v in value.items() if k.startswith("model.")},
+    }
+    return 6 * int(model["n_layers"]) * int(model["dim"]) * int(value["train.seq_len"])
+
+
+def published_tflops(
+    overrides: list[str], tokens: float | None, tflops: float | None, tflop_per_token: float
+) -> float:
+    """A row's published TFLOP/s per GPU in composer3d's count (``tflop_per_token``: the planner's
+    for the row): its tokens/s times that count, or, where the source gives TFLOP/s in the full
+    matrix's count, the tokens/s that count gives, times ours."""
+    if tokens is None:
+        tokens = tflops / (tflop_per_token + _causal_half(overrides) / 1e12)
+    return tokens * tflop_per_token
 
 
 def _predict(overrides: list[str], extra: list[str]) -> dict | str:
@@ -539,26 +616,57 @@ def _predict(overrides: list[str], extra: list[str]) -> dict | str:
     return proc.stderr.strip() if proc.returncode else json.loads(proc.stdout.splitlines()[-1])
 
 
+# the terms of a predicted step (composer3d/plan/estimate.py) as the breakdown prints them: compute
+# by kernel kind (plan/kernels.py), the pipeline's bubble, each mesh dimension's exposed
+# communication (grouped), anything else
+COMPUTE = ("gemm", "attention", "elementwise", "optimizer")
+EXPOSED = {
+    "tp": ("tp",),
+    "dp": ("dp", "dp_shard", "dp_replicate"),
+    "pp": ("pp",),
+    "cp": ("cp", "cp_a2a", "cp_ring"),
+    "ep": ("ep",),
+}
+TERMS = (*COMPUTE, "bubble", *EXPOSED, "other")
+
+
+def step_shares(e: dict) -> list[float]:
+    """Where a predicted step goes (``e``: composer3d-plan's JSON estimate): its seconds, then the
+    share of it each of ``TERMS`` takes; other: eager selective checkpointing's host dispatch and
+    anything else exposed (Muon's all-to-alls, the host's optimizer step)."""
+    step, kinds, exposed = e["step_time_s"], dict(e["compute_by_kind_s"]), dict(e["exposed_comm_s"])
+    parts = [kinds.pop(k) for k in COMPUTE] + [e["bubble_s"]]
+    parts += [sum(exposed.pop(d, 0.0) for d in dims) for dims in EXPOSED.values()]
+    parts.append(sum(kinds.values()) + sum(exposed.values()))
+    return [step] + [p / step for p in parts]
+
+
 def main() -> None:
     extra = sys.argv[1:]
     print(
         f"{'#':>4}  {'source':<58}{'published':>10}{'predicted':>10}{'error':>8}   TFLOP/s per GPU"
     )
+    steps = []
     for row, source, overrides, tokens, tflops in ROWS:
         e = _predict(overrides, extra)
         if isinstance(e, str):
             print(f"{row:>4}  {source:<58}{e}")
             continue
-        # composer3d's count
-        flops_per_token = e["tflops_per_gpu"] * 1e12 / e["tokens_per_s_per_gpu"]
-        # Megatron's TFLOP/s: its tokens/s, from its count with the full attention matrix
-        if tokens is None:
-            tokens = tflops * 1e12 / (flops_per_token + _causal_half(overrides))
-        published = tokens * flops_per_token / 1e12
+        steps.append((row, source, e))
+        published = published_tflops(
+            overrides, tokens, tflops, e["tflops_per_gpu"] / e["tokens_per_s_per_gpu"]
+        )
         print(
             f"{row:>4}  {source:<58}{published:>10.1f}{e['tflops_per_gpu']:>10.1f}"
             f"{e['tflops_per_gpu'] / published - 1:>+8.0%}"
         )
+    print(
+        f"\n{'where each predicted step goes, as shares of it':<64}{'step s':>8}"
+        + "".join(f"{t[:7]:>8}" for t in TERMS)
+    )
+    for row, source, e in steps:
+        step, *shares = step_shares(e)
+        print(f"{row:>4}  {source:<58}{step:>8.2f}" + "".join(f"{x:>8.0%}" for x in shares))
     print(
         f"\nheld out (set nothing){'':<36}{'published':>10}{'predicted':>10}{'error':>8}   "
         "tokens/s per GPU"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -472,29 +473,28 @@ def test_pipeline_idle_fraction_within_20_percent(tmp_path):
     )
 
 
-def _published_rows() -> list[tuple[int, str, float | None, object]]:
+@functools.cache
+def _published_rows() -> list[tuple[int, str, float | None, object, float]]:
     """benchmarks/plan_published.py's rows as (row, source, published tokens/s, the planner's
-    Estimate): the CLI's arithmetic, in process."""
+    Estimate, published TFLOP/s per GPU in composer3d's count): the CLI's arithmetic, in
+    process."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plan_published import ROWS, on_device
+    from plan_published import ROWS, on_device, published_tflops
 
     register_configs()
     out = []
     with initialize_config_module(config_module="composer3d.conf", version_base=None):
-        for row, source, overrides, tokens, _ in ROWS:
+        for row, source, overrides, tokens, tflops in ROWS:
             cfg = compose("train", overrides=on_device(overrides))
             cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+            e = estimate(
+                Workload.from_config(cfg),
+                candidate_from_config(cfg, cluster.world_size),
+                cluster,
+            )
+            per_token = e.tflops_per_gpu / e.tokens_per_s_per_gpu
             out.append(
-                (
-                    row,
-                    source,
-                    tokens,
-                    estimate(
-                        Workload.from_config(cfg),
-                        candidate_from_config(cfg, cluster.world_size),
-                        cluster,
-                    ),
-                )
+                (row, source, tokens, e, published_tflops(overrides, tokens, tflops, per_token))
             )
     return out
 
@@ -507,14 +507,39 @@ def test_readme_table_is_what_the_planner_predicts():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) > 4 and cells[1].isdigit() and cells[-3].replace(".", "").isdigit():
             table[int(cells[1])] = float(cells[-3])
-    assert table == {row: round(e.tflops_per_gpu, 1) for row, _, _, e in _published_rows()}
+    assert table == {row: round(e.tflops_per_gpu, 1) for row, _, _, e, _ in _published_rows()}
+    # and under it, where each row's predicted step goes, as the script prints it
+    from plan_published import step_shares
+
+    section = (ROOT / "recipes" / "README.md").read_text().split("### Where each predicted step")[1]
+    shown = [
+        [c.strip() for c in line.split("|")[1:-1]]
+        for line in section.split("\n\n")[2].splitlines()[2:]
+    ]
+    predicted = []
+    for row, _, _, e, _ in _published_rows():
+        step, *shares = step_shares(e.as_json())
+        predicted.append([str(row), f"{step:.2f}", *(f"{x:.0%}" for x in shares)])
+    assert shown == predicted
+
+
+def test_every_published_row_is_predicted_within_25_percent():
+    """Every row of the planner's published table (recipes/README.md), from one GPU to Llama 3's
+    16,384: its predicted TFLOP/s within 25% of the published, each row's layout as published and
+    nothing set per row."""
+    errors = {
+        row: round(e.tflops_per_gpu / published - 1, 3)
+        for row, _, _, e, published in _published_rows()
+    }
+    assert len(errors) == 31 and all(abs(err) <= 0.25 for err in errors.values()), errors
 
 
 @pytest.mark.cli  # the script runs composer3d-plan for each row
 def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
     """benchmarks/plan_published.py end to end on three of its rows (a smoke run: the whole script
     plans 40 layouts, minutes): a table row and two held-out ones, the mixture of experts among
-    them, each with the error of the planner's prediction against its published figure."""
+    them, each with the error of the planner's prediction against its published figure, and where
+    the table row's predicted step goes."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import plan_published
 
@@ -526,7 +551,15 @@ def test_plan_published_prints_its_table_and_held_out_rows(monkeypatch, capsys):
     )
     monkeypatch.setattr(sys, "argv", ["plan_published.py"])
     plan_published.main()
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    lines: dict[str, str] = {}  # each row's first line: its prediction (its breakdown follows)
+    shares = []  # row 16's breakdown: step seconds, then each term's share of the step
+    for line in capsys.readouterr().out.splitlines():
+        if line.strip() and line.split()[0] in lines and line.split()[0] == "16":
+            shares = [float(x.rstrip("%")) for x in line.split()[-12:]]
+        elif line.strip():
+            lines.setdefault(line.split()[0], line)
+    # one GPU: its whole step is compute, no bubble, nothing exposed
+    assert sum(shares[1:5]) >= 99 and shares[5:] == [0.0] * 7, shares
     assert lines["16"].split()[-1] == "-3%", lines
     assert lines["T5.1"].split()[-3:] == ["100", "109", "+9%"], lines
     assert lines["MB.Q3"].split()[-3:] == ["8,960", "11,467", "+28%"], lines
@@ -541,7 +574,7 @@ def test_planner_predicts_composer3d_steps_at_the_current_code():
     FLOPs) predicted rows 24 and 28 4% and 7% slow."""
     errors = {
         row: round(e.tokens_per_s_per_gpu / tokens - 1, 3)
-        for row, source, tokens, e in _published_rows()
+        for row, source, tokens, e, _ in _published_rows()
         if "H200" in source
     }
     assert len(errors) == 8 and all(abs(err) < 0.06 for err in errors.values()), errors
@@ -860,6 +893,37 @@ def test_a_dpo_reference_under_pp_sends_its_forward_and_idles_its_own_ramps(sche
     expected = sft.compute_s * policy_share + reference * ramp
     assert dpo.bubble_s == pytest.approx(expected, rel=1e-9)
     assert dpo.bubble_fraction == pytest.approx(expected / (dpo.compute_s + expected), rel=1e-9)
+
+
+def test_a_pipelines_ramps_idle_for_the_collectives_a_stage_waits_for():
+    """The bubble is (P−1)/(v·M) of all a stage spends on its micro-batches: under PP × TP + SP
+    (and cp) its TP and cp collectives on the critical path as well as its kernels; with TP's
+    hidden (plan.published_overlap) its kernels and cp's. FSDP's traffic, once a step, adds
+    nothing."""
+    layout = [
+        *DPO_LAYOUT[:-1],
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.dp_shard=2",
+        "parallel.sequence_parallel=true",
+    ]
+    for extra in ([], ["parallel.cp=2", "parallel.dp_shard=1"]):
+        waits, _ = planned(*layout, *extra)
+        c = waits.candidate
+        ramp = (c.pp - 1) / (c.stages_per_rank * c.microbatches)
+        exposed = waits.exposed_comm_s
+        in_stage = exposed["tp"] + exposed.get("cp", 0.0)
+        assert exposed["tp"] > 0.05 * waits.compute_s
+        assert waits.bubble_s == pytest.approx(ramp * (waits.compute_s + in_stage), rel=1e-12)
+        assert waits.bubble_fraction == pytest.approx(
+            waits.bubble_s / (waits.compute_s + in_stage + waits.bubble_s), rel=1e-12
+        )
+        hidden, _ = planned(*layout, *extra, "plan.published_overlap=true")
+        assert hidden.exposed_comm_s["tp"] == 0.0
+        assert hidden.bubble_s == pytest.approx(
+            ramp * (hidden.compute_s + hidden.exposed_comm_s.get("cp", 0.0)), rel=1e-12
+        )
+    assert exposed["cp"] > 0  # the second layout's: the ring's gradient passes are waited on
 
 
 def _dpo_rank(tmp_path: Path, *layout: str):

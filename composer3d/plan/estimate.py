@@ -1,7 +1,10 @@
 """A layout's predicted step: memory, communication, bubble, compute, step time and throughput, put
 together.
 
-Step time = compute of the busiest pipeline rank × (1 + bubble) + exposed communication. Compute is
+Step time = compute of the busiest pipeline rank + its bubble + exposed communication. The bubble
+is plan/bubble.py's share of all a stage spends on its micro-batches: its kernels and the
+collectives it waits for inside each (TP's, EP's, cp's: ``IN_STAGE``), for the ramps wait for
+both. Compute is
 the rank's kernels' time (plan/kernels.py: GEMMs by shape, attention, elementwise work eager or
 compiled, recomputation, the optimizer step), from physical constants shared by every layout and
 model, nothing per row, or from the rates a calibration file measured on the device
@@ -21,6 +24,7 @@ bubble (plan/bubble.py), its forward's FLOPs in TFLOP/s (as training counts them
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from composer3d.config.checks.preference import reference_each_step
@@ -135,6 +139,13 @@ MUON_UNMEASURED = (
 )
 
 
+# the dimensions whose collectives a stage waits for inside each micro-batch's forward and backward
+# (TP's, expert parallel's, context parallel's): what the pipeline's ramps idle for beside compute.
+# FSDP's, ZeRO-1's, Muon's and the host's are once a step, outside the ramps; a pipeline send is
+# counted on its own, each on the critical path.
+IN_STAGE = ("tp", "ep", *context.DIMS)
+
+
 @dataclass
 class Estimate:
     candidate: Candidate
@@ -143,6 +154,7 @@ class Estimate:
     collectives: list[comm.Collective]  # the busiest pipeline rank's
     collectives_per_pp_rank: list[list[comm.Collective]]
     compute_s: float
+    compute_by_kind_s: dict[str, float]  # compute_s by kernel kind (plan/kernels.py's StepCompute)
     bubble_s: float
     exposed_comm_s: dict[str, float]  # per mesh dimension
     step_time_s: float
@@ -171,6 +183,7 @@ class Estimate:
             "comm_bytes_per_step": {f"{x.dim}:{x.kind}": round(x.bytes) for x in self.collectives},
             "exposed_comm_s": self.exposed_comm_s,
             "compute_s": self.compute_s,
+            "compute_by_kind_s": self.compute_by_kind_s,
             "bubble_s": self.bubble_s,
             "step_time_s": self.step_time_s,
             "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu,
@@ -290,10 +303,11 @@ def estimate(
         steps = [(m.optimizer / state_bytes, 0.0) for m in mems]
     else:  # AdamW's 8 bytes and Muon's 4 a parameter: counted apart
         steps = [muon_optimizer_step(work.muon, shape, c, s, work.peft, cluster) for s in sets]
-    compute = [
-        step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, reference, muon_s).total
+    kernels = [
+        step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, reference, muon_s)
         for s, (adamw, muon_s) in zip(sets, steps)
     ]
+    compute = [k.total for k in kernels]
     busiest = max(range(len(sets)), key=lambda i: compute[i])
     # under PP the DPO reference runs as a forward-only pass of its own: its bubble is unfilled
     forward_only = 0.0
@@ -303,8 +317,8 @@ def estimate(
         forward_only = compute[busiest] - (
             step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, False, muon_s).total
         )
-    bubble = bubble_seconds(c, compute[busiest], forward_only)
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
+    waits: list[float] = []  # per pipeline rank, what its stages wait for inside a micro-batch
     for i, rank_cols in enumerate(cols):
         mine = _exposed_comm(
             rank_cols,
@@ -325,8 +339,12 @@ def estimate(
         # the copies over the host link hide behind compute, not the host step
         if host_exposed or host_overlapped:
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])
+        waits.append(sum(t for dim, t in mine.items() if dim in IN_STAGE))
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)
+    # a pipeline's ramps idle for a stage's whole time a micro-batch: its compute and the
+    # collectives it waits for inside the micro-batch's forward and backward
+    bubble = bubble_seconds(c, compute[busiest] + waits[busiest], forward_only)
     step = compute[busiest] + bubble + sum(exposed.values())
     # as training counts them (training/assemble.py): the reference's forward too
     flops_per_token = shape.flops_per_token(seq) + (
@@ -341,13 +359,14 @@ def estimate(
         collectives=cols[busiest],
         collectives_per_pp_rank=cols,
         compute_s=compute[busiest],
+        compute_by_kind_s=dataclasses.asdict(kernels[busiest]),
         bubble_s=bubble,
         exposed_comm_s=exposed,
         step_time_s=step,
         tokens_per_s_per_gpu=tokens_per_step / world / step,
         tflops_per_gpu=tflops,
         mfu=tflops * 1e12 / cluster.peak_flops if cluster.has_mfu else None,
-        bubble_fraction=bubble / (compute[busiest] + bubble),
+        bubble_fraction=bubble / (compute[busiest] + waits[busiest] + bubble),
         fits=priced.fits,
         notes=_notes(shape, c, work.muon is not None)
         + ([cluster.rates.note] if cluster.rates else []),
