@@ -926,6 +926,76 @@ def test_a_pipelines_ramps_idle_for_the_collectives_a_stage_waits_for():
     assert exposed["cp"] > 0  # the second layout's: the ring's gradient passes are waited on
 
 
+def test_the_search_interleaves_four_and_eight_chunks_a_rank_where_the_layers_allow():
+    """The search offers interleaved 1F1B and interleaved zero bubble at 2, 4 and 8 chunks a rank
+    (as many stages as layers at most), looped BFS at 2 only; each doubling halves the ramps."""
+    from composer3d.plan.layouts import enumerate_candidates
+
+    cfg = plan_config(
+        "model=llama3_8b",
+        "train.seq_len=4096",
+        "train.global_batch_size=64",
+        "cluster.device=h100",
+        "cluster.nodes=2",
+    )
+    chunks: dict[tuple[str, int], set[int]] = {}
+    for c in enumerate_candidates(cfg, 16, 8):
+        if c.pp > 1:
+            chunks.setdefault((c.pp_schedule, c.pp), set()).add(c.stages_per_rank)
+    # 32 layers: 8 chunks a rank at pp 2 and 4, 4 at pp 8, 2 at pp 16
+    for schedule in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        assert [chunks[(schedule, pp)] for pp in (2, 4, 8, 16)] == [
+            {2, 4, 8},
+            {2, 4, 8},
+            {2, 4},
+            {2},
+        ], schedule
+    assert chunks[("looped_bfs", 4)] == {2} and chunks[("1f1b", 4)] == {1}
+    layout = [
+        "model=llama3_8b",
+        "train.seq_len=4096",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=1",
+        "cluster.device=h100",
+        "parallel.pp=4",
+        "parallel.dp_shard=2",
+        "parallel.pp_schedule=interleaved_1f1b",
+    ]
+    bubbles = {}
+    for v in (2, 4, 8):
+        e, _ = planned(*layout, f"parallel.pp_stages_per_rank={v}")
+        bubbles[v] = e.bubble_s / e.compute_s
+    assert bubbles[2] == pytest.approx(3 / (2 * 8)) and bubbles[8] == pytest.approx(bubbles[2] / 4)
+
+
+def test_the_ranks_that_decide_whether_a_layout_fits_are_the_lowest_of_each_kind():
+    """Whether a layout fits, and its worst rank's memory, priced from the lowest pipeline rank of
+    each kind of stage set (the search's shortcut) equal pricing every rank, over every schedule,
+    checkpointing mode and pipeline degree of a search, fitting or not; where it fits, every rank
+    is priced."""
+    from composer3d.plan.estimate import rank_memories
+    from composer3d.plan.layouts import enumerate_candidates
+
+    cfg = plan_config(
+        "model=llama3_8b",
+        "train.seq_len=8192",
+        "train.global_batch_size=64",
+        "cluster.device=h100",
+        "cluster.nodes=2",
+    )
+    cluster = cluster_from_config(cfg.cluster, cfg.precision.param_dtype)
+    work = Workload.from_config(cfg)
+    candidates = [c for c in enumerate_candidates(cfg, 16, 8) if c.pp > 1]
+    kinds, fitting = set(), 0
+    for c in candidates[:: max(1, len(candidates) // 600)]:
+        short, full = rank_memories(work, c, cluster), rank_memories(work, c, cluster, True)
+        assert short.fits == full.fits and short.worst == full.worst, c
+        assert (short.complete or not short.fits) and full.complete
+        kinds.add((c.pp_schedule, c.activation_checkpointing, c.pp))
+        fitting += short.fits
+    assert fitting > 20 and len(kinds) > 40, (fitting, len(kinds))
+
+
 def _dpo_rank(tmp_path: Path, *layout: str):
     """(config, the planner's estimate) of a DPO run of the 4-layer model on 2 ranks of the CPU, on
     pairs of short phrases (prompt, chosen, rejected) that fit a row of 128 tokens."""

@@ -135,7 +135,7 @@ PLANNED = {
             "cluster.device=h100",
         ],
     ),
-    # its search ranks 41,368 layouts (a minute here): the test prices the choice beside the
+    # its search ranks 62,912 layouts (a minute here): the test prices the choice beside the
     # alternatives its comments name
     "llama3_70b_131k": (
         64,

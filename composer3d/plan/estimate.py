@@ -243,7 +243,9 @@ def _exposed_comm(
 @dataclass(frozen=True)
 class RankMemories:
     """Each pipeline rank's stages and memory for one candidate: what decides whether it fits,
-    priced before the rest of its step (a search prices the step of only those that fit)."""
+    priced before the rest of its step (a search prices the step of only those that fit). ``mems``:
+    every rank's where it fits; where it does not, only the ranks that decide it
+    (``rank_memories``)."""
 
     sets: list[StageSet]
     mems: list[Memory]
@@ -253,11 +255,26 @@ class RankMemories:
     def worst(self) -> Memory:
         return max(self.mems, key=lambda m: m.total)
 
+    @property
+    def complete(self) -> bool:
+        return len(self.mems) == len(self.sets)
 
-def rank_memories(work: Workload, c: Candidate, cluster: Cluster) -> RankMemories:
+
+def rank_memories(
+    work: Workload, c: Candidate, cluster: Cluster, every_rank: bool = False
+) -> RankMemories:
+    """Whether ``c`` fits, and where it does (or ``every_rank``) each pipeline rank's memory. Ranks
+    holding the same
+    stages (layer counts, the first or last stage) differ only in the micro-batches in flight,
+    which fall with the rank (plan/bubble.py), and their memory with them: the lowest rank of each
+    kind holds the most, so those decide (at 8,192 GPUs of a 405B the search prices 700,000
+    layouts, a tenth of which fit)."""
     sets = stage_sets(work.shape, c.pp, c.stages_per_rank, c.pp_schedule)
-    mems = [
-        memory(
+    casts_once = work.casts_once(c, cluster)
+    router = work.muon is not None and work.muon.router
+
+    def price(s: StageSet) -> Memory:
+        return memory(
             work.shape,
             c,
             s,
@@ -265,17 +282,23 @@ def rank_memories(work: Workload, c: Candidate, cluster: Cluster) -> RankMemorie
             cluster,
             work.optimizer,
             work.peft,
-            work.casts_once(c, cluster),
+            casts_once,
             work.work.compiled,
             work.reference,
-            work.muon is not None and work.muon.router,
+            router,
         )
-        for s in sets
-    ]
-    worst = max(m.total for m in mems)
+
+    lowest: dict[tuple, StageSet] = {}
+    for s in sets:
+        lowest.setdefault((s.layers, s.first, s.last, s.moe_layers), s)
+    deciding = {s.rank: price(s) for s in lowest.values()}
+    worst = max(m.total for m in deciding.values())
+    mems = list(deciding.values())
     fits = worst <= cluster.memory_bytes * work.memory_headroom and host_fits(
         mems, cluster, work.memory_headroom
     )
+    if fits or every_rank:
+        mems = [deciding[s.rank] if s.rank in deciding else price(s) for s in sets]
     return RankMemories(sets, mems, fits)
 
 
@@ -287,28 +310,46 @@ def estimate(
     shape, seq = work.shape, work.seq_len
     cb = cluster.compute_bytes
     reduce_bytes = 4 if cb == 4 else DTYPES[work.reduce_dtype].itemsize
-    priced = priced or rank_memories(work, c, cluster)
+    if priced is None or not priced.complete:
+        priced = rank_memories(work, c, cluster, every_rank=True)
     sets, mems = priced.sets, priced.mems
     reference = work.reference is not None
-    cols = [
-        comm.collectives(shape, c, s, seq, cb, reduce_bytes, work.ep_dispatch, reference)
-        + context.collectives(shape, c, s, seq, cb, reference)
-        + (muon_collectives(work.muon, shape, c, s, work.peft, cluster) if work.muon else [])
-        for s in sets
+    # ranks that hold the same stages and move the same bytes to the host price alike: each kind
+    # once (a 405B's pipeline of 16 ranks has three kinds: the first, the last, the rest)
+    kinds = [
+        (s.layers, s.first, s.last, s.moe_layers, m.optimizer, m.host_activations, m.disk)
+        for s, m in zip(sets, mems)
     ]
+    first_of = {}
+    for i, kind in enumerate(kinds):
+        first_of.setdefault(kind, i)
+    rep = [first_of[kind] for kind in kinds]  # each rank's first of its kind
+    priced_ranks = sorted(first_of.values())
+    cols_of = {
+        i: comm.collectives(shape, c, sets[i], seq, cb, reduce_bytes, work.ep_dispatch, reference)
+        + context.collectives(shape, c, sets[i], seq, cb, reference)
+        + (muon_collectives(work.muon, shape, c, sets[i], work.peft, cluster) if work.muon else [])
+        for i in priced_ranks
+    }
+    cols = [cols_of[r] for r in rep]
     tokens_per_step = work.global_batch_size * seq
     # (what AdamW steps on the device, the seconds Muon's part of the step adds)
     if work.muon is None:
         state_bytes = OPTIMIZER_STATE_BYTES[work.optimizer]
-        steps = [(m.optimizer / state_bytes, 0.0) for m in mems]
+        steps = {i: (mems[i].optimizer / state_bytes, 0.0) for i in priced_ranks}
     else:  # AdamW's 8 bytes and Muon's 4 a parameter: counted apart
-        steps = [muon_optimizer_step(work.muon, shape, c, s, work.peft, cluster) for s in sets]
-    kernels = [
-        step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, reference, muon_s)
-        for s, (adamw, muon_s) in zip(sets, steps)
-    ]
-    compute = [k.total for k in kernels]
-    busiest = max(range(len(sets)), key=lambda i: compute[i])
+        steps = {
+            i: muon_optimizer_step(work.muon, shape, c, sets[i], work.peft, cluster)
+            for i in priced_ranks
+        }
+    kernels_of = {
+        i: step_compute(
+            shape, c, sets[i], seq // c.cp, steps[i][0], cluster, work.work, reference, steps[i][1]
+        )
+        for i in priced_ranks
+    }
+    compute = [kernels_of[r].total for r in rep]
+    busiest = rep[max(range(len(sets)), key=lambda i: compute[i])]
     # under PP the DPO reference runs as a forward-only pass of its own: its bubble is unfilled
     forward_only = 0.0
     if reference and c.pp > 1:
@@ -318,10 +359,10 @@ def estimate(
             step_compute(shape, c, s, seq // c.cp, adamw, cluster, work.work, False, muon_s).total
         )
     exposed: dict[str, float] = {}  # per dimension, the most any pipeline rank waits for it
-    waits: list[float] = []  # per pipeline rank, what its stages wait for inside a micro-batch
-    for i, rank_cols in enumerate(cols):
+    waits: dict[int, float] = {}  # per kind of rank, what its stages wait for inside a micro-batch
+    for i in priced_ranks:
         mine = _exposed_comm(
-            rank_cols,
+            cols_of[i],
             c,
             cluster,
             compute[i],
@@ -339,7 +380,7 @@ def estimate(
         # the copies over the host link hide behind compute, not the host step
         if host_exposed or host_overlapped:
             mine["host"] = host_exposed + max(0.0, host_overlapped - compute[i])
-        waits.append(sum(t for dim, t in mine.items() if dim in IN_STAGE))
+        waits[i] = sum(t for dim, t in mine.items() if dim in IN_STAGE)
         for dim, t in mine.items():
             exposed[dim] = max(exposed.get(dim, 0.0), t)
     # a pipeline's ramps idle for a stage's whole time a micro-batch: its compute and the
@@ -359,7 +400,7 @@ def estimate(
         collectives=cols[busiest],
         collectives_per_pp_rank=cols,
         compute_s=compute[busiest],
-        compute_by_kind_s=dataclasses.asdict(kernels[busiest]),
+        compute_by_kind_s=dataclasses.asdict(kernels_of[busiest]),
         bubble_s=bubble,
         exposed_comm_s=exposed,
         step_time_s=step,

@@ -35,6 +35,11 @@ from composer3d.parallel.pipeline.schedules import (
 )
 
 ZERO_BUBBLE = ("interleaved_zero_bubble", "zbv", "dualpipev")
+# the interleaved schedules' chunks a rank beyond their default two: each doubling halves the ramps
+# and what the first rank holds in flight beyond P micro-batches, for v× the sends; the largest
+# published runs interleave so (Megatron-Bridge's 405B at 8 chunks a rank, Llama 3's at 8). Looped
+# BFS stays at two: it holds every micro-batch in flight, so it ranks under interleaved 1F1B anyway.
+MORE_CHUNKS = {"interleaved_1f1b": (4, 8), "interleaved_zero_bubble": (4, 8)}
 
 
 @dataclass(frozen=True)
@@ -401,8 +406,15 @@ def _with_schedules_and_ac(
     schedules = (
         [s for s in SCHEDULES if not (no_v_shaped and s in V_SHAPED)] if base.pp > 1 else ("1f1b",)
     )
-    for schedule in schedules:
-        v = default_stages_per_rank(schedule) if base.pp > 1 else 1
+    for schedule, v in (
+        (schedule, v)
+        for schedule in schedules
+        for v in (
+            (default_stages_per_rank(schedule), *MORE_CHUNKS.get(schedule, ()))
+            if base.pp > 1
+            else (1,)
+        )
+    ):
         if base.pp > 1 and (
             base.pp * v > n_layers or schedule_problem(schedule, base.pp, v, base.microbatches)
         ):
