@@ -263,12 +263,12 @@ class RankMemories:
 def rank_memories(
     work: Workload, c: Candidate, cluster: Cluster, every_rank: bool = False
 ) -> RankMemories:
-    """Whether ``c`` fits, and where it does (or ``every_rank``) each pipeline rank's memory. Ranks
-    holding the same
-    stages (layer counts, the first or last stage) differ only in the micro-batches in flight,
-    which fall with the rank (plan/bubble.py), and their memory with them: the lowest rank of each
-    kind holds the most, so those decide (at 8,192 GPUs of a 405B the search prices 700,000
-    layouts, a tenth of which fit)."""
+    """Whether ``c`` fits, and where it does (or ``every_rank``) each pipeline rank's memory.
+
+    Ranks holding the same stages (layer counts, the first or last stage) differ only in the
+    micro-batches in flight, which fall with the rank (plan/bubble.py), and their memory with them:
+    the lowest rank of each kind holds the most, so those decide. At 8,192 GPUs of a 405B the search
+    prices a million layouts, a tenth of which fit."""
     sets = stage_sets(work.shape, c.pp, c.stages_per_rank, c.pp_schedule)
     casts_once = work.casts_once(c, cluster)
     router = work.muon is not None and work.muon.router
