@@ -105,19 +105,23 @@ TITAN_SAC = ["memory.activation_checkpointing=selective", "memory.ac_policy=alte
 
 
 def _llama3_405b(nodes: int, dp: int, cp: int, seq: int, batch_per_dp: int) -> list[str]:
-    """Llama 3 405B's pre-training (the Llama 3 paper, arXiv 2407.21783, Table 4 and section 3.3):
-    TP 8 inside a node, CP (K/V all-gathered, two chunks of 2·CP a rank), PP 16 interleaved, FSDP
-    outermost, not resharded after the forward (composer3d's default under PP), gradients
-    reduce-scattered in fp32, micro-batch 1 (the DP rank's batch is its micro-batches), no
-    activation checkpointing ("we could pretrain Llama 3 on sequences of 8K tokens without
-    activation checkpointing"), bf16. Its pipeline puts one layer in each model chunk, the
-    embedding alone in the first and the head alone in the last (126 layers + 2 chunks = 16 × 8):
-    composer3d's stages hold at least one layer each, so the rows run 4 chunks a rank (two layers
-    each, one in the first and the last, which is the same layers a rank), whose ramps are twice
-    v=8's; SP, which the paper does not name, as every published TP 8 row; its attention
-    FlashAttention-2's (the 2024 kernel; FlashAttention-3 came out with the paper); eager, the
-    paper naming no compiler; its asynchronous pipeline sends are not priced as hidden (1-2% of
-    these steps)."""
+    """Llama 3 405B's pre-training (the Llama 3 paper, arXiv 2407.21783, Table 4 and section 3.3).
+
+    As the paper gives it: TP 8 inside a node; CP with K/V all-gathered, two of 2·CP chunks a rank;
+    PP 16, interleaved; FSDP outermost, not resharded after the forward (composer3d's default under
+    PP); gradients reduce-scattered in fp32; micro-batch 1, the DP rank's batch its micro-batches;
+    no activation checkpointing ("we could pretrain Llama 3 on sequences of 8K tokens without
+    activation checkpointing"); bf16.
+
+    Its pipeline puts one layer in each model chunk, the embedding alone in the first and the head
+    alone in the last (126 layers + 2 = 16 × 8 chunks). A composer3d stage holds a layer at least,
+    so these rows run 4 chunks a rank of two layers each (one in the first and the last): each rank
+    holds the paper's layers, but the ramps are twice as long.
+
+    What the paper leaves open, set as the other rows set it: SP, as every published TP 8 row;
+    FlashAttention-2, the 2024 kernel (FlashAttention-3 came out with the paper); eager, the paper
+    naming no compiler; its asynchronous pipeline sends not priced as hidden (1-2% of these steps).
+    """
     return [
         "model=llama3_405b",
         f"train.seq_len={seq}",
