@@ -140,10 +140,11 @@ MUON_UNMEASURED = (
 
 
 # the dimensions whose collectives a stage waits for inside each micro-batch's forward and backward
-# (TP's, expert parallel's, context parallel's): what the pipeline's ramps idle for beside compute.
+# (TP's, expert parallel's, context parallel's: every cp style's under "cp", as the estimate keys
+# context.exposed_seconds): what the pipeline's ramps idle for beside compute.
 # FSDP's, ZeRO-1's, Muon's and the host's are once a step, outside the ramps; a pipeline send is
 # counted on its own, each on the critical path.
-IN_STAGE = ("tp", "ep", *context.DIMS)
+IN_STAGE = ("tp", "ep", "cp")
 
 
 @dataclass
@@ -290,7 +291,7 @@ def rank_memories(
 
     lowest: dict[tuple, StageSet] = {}
     for s in sets:
-        lowest.setdefault((s.layers, s.first, s.last, s.moe_layers), s)
+        lowest.setdefault(s.kind, s)
     deciding = {s.rank: price(s) for s in lowest.values()}
     worst = max(m.total for m in deciding.values())
     mems = list(deciding.values())
@@ -316,14 +317,10 @@ def estimate(
     reference = work.reference is not None
     # ranks that hold the same stages and move the same bytes to the host price alike: each kind
     # once (a 405B's pipeline of 16 ranks has three kinds: the first, the last, the rest)
-    kinds = [
-        (s.layers, s.first, s.last, s.moe_layers, m.optimizer, m.host_activations, m.disk)
-        for s, m in zip(sets, mems)
-    ]
-    first_of = {}
+    kinds = [(s.kind, m.optimizer, m.host_activations, m.disk) for s, m in zip(sets, mems)]
+    first_of: dict[tuple, int] = {}
     for i, kind in enumerate(kinds):
         first_of.setdefault(kind, i)
-    rep = [first_of[kind] for kind in kinds]  # each rank's first of its kind
     priced_ranks = sorted(first_of.values())
     cols_of = {
         i: comm.collectives(shape, c, sets[i], seq, cb, reduce_bytes, work.ep_dispatch, reference)
@@ -331,7 +328,7 @@ def estimate(
         + (muon_collectives(work.muon, shape, c, sets[i], work.peft, cluster) if work.muon else [])
         for i in priced_ranks
     }
-    cols = [cols_of[r] for r in rep]
+    cols = [cols_of[first_of[kind]] for kind in kinds]
     tokens_per_step = work.global_batch_size * seq
     # (what AdamW steps on the device, the seconds Muon's part of the step adds)
     if work.muon is None:
@@ -348,8 +345,8 @@ def estimate(
         )
         for i in priced_ranks
     }
-    compute = [kernels_of[r].total for r in rep]
-    busiest = rep[max(range(len(sets)), key=lambda i: compute[i])]
+    compute = {i: k.total for i, k in kernels_of.items()}
+    busiest = max(priced_ranks, key=lambda i: compute[i])
     # under PP the DPO reference runs as a forward-only pass of its own: its bubble is unfilled
     forward_only = 0.0
     if reference and c.pp > 1:

@@ -266,6 +266,12 @@ class StageSet:
     moe_layers: int = 0
 
     @property
+    def kind(self) -> tuple:
+        """What the rank holds, whatever its place: ranks of one kind differ only in the
+        micro-batches they hold in flight (plan/bubble.py)."""
+        return (self.layers, self.first, self.last, self.moe_layers)
+
+    @property
     def n_layers(self) -> int:
         return sum(self.layers)
 
